@@ -1,0 +1,88 @@
+"""The GTP collectives: weight all-gather and wgrad reduce-scatter (seed §1.1, §2.5).
+
+One code path for gloo (CPU) and NCCL (CUDA): ``torch.distributed`` ops issued with
+``async_op=True`` run on the backend's own thread (gloo) or stream (NCCL) and overlap the
+caller's compute until :meth:`CommHandle.wait`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases (the GPU machine's
+# 2.11) only have the old names. Same semantics either way.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+
+class CommHandle:
+    """An issued collective; :meth:`wait` completes it and runs its epilogue once.
+
+    Example::
+
+        handle = all_gather_shard(buffer, shard, group, async_op=True)
+        ...            # overlapped compute
+        handle.wait()  # buffer now holds every rank's shard
+    """
+
+    __slots__ = ("_work", "_epilogue", "done")
+
+    def __init__(
+        self, work: dist.Work | None, epilogue: Callable[[], None] | None = None
+    ) -> None:
+        self._work = work
+        self._epilogue = epilogue
+        self.done = False
+
+    def wait(self) -> None:
+        """Block until the collective completed (on CUDA: make the current stream wait)."""
+        if self.done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._epilogue is not None:
+            self._epilogue()
+        self.done = True
+
+
+def all_gather_shard(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
+) -> CommHandle:
+    """Gather every rank's dim-0 ``shard`` into ``output`` (rank order along dim 0)."""
+    work = _all_gather_single(output, shard.contiguous(), group=group, async_op=async_op)
+    return CommHandle(work if async_op else None)
+
+
+def reduce_scatter_wgrad(
+    output: torch.Tensor,
+    scratch: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool,
+    fp32_recv: torch.Tensor | None = None,
+) -> CommHandle:
+    """Sum ``scratch`` over ``group`` and leave this rank's dim-0 slice in ``output``.
+
+    With ``fp32_recv`` (a buffer shaped like ``scratch``) the sum is the seed's FP32-accumulation
+    variant (§2.5): an all-to-all moves every peer's slice here, then one local FP32 sum and a
+    single downcast replace the ring's per-hop roundings. Same bytes on the wire.
+    """
+    if fp32_recv is None:
+        work = _reduce_scatter_single(output, scratch, group=group, async_op=async_op)
+        return CommHandle(work if async_op else None)
+    size = dist.get_world_size(group)
+    work = dist.all_to_all_single(fp32_recv, scratch, group=group, async_op=async_op)
+
+    def accumulate() -> None:
+        peers = fp32_recv.view(size, *output.shape)
+        output.copy_(peers.sum(dim=0, dtype=torch.float32))
+
+    handle = CommHandle(work if async_op else None, accumulate)
+    if not async_op:
+        handle.wait()
+    return handle

@@ -1,0 +1,49 @@
+"""GTP tuning knobs (seed §2.4), as one immutable dataclass owned by each runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GTPConfig:
+    """The seed's ``GTPRematConfig`` knobs (§2.4), per model rather than process-global.
+
+    Example::
+
+        GTPConfig(pad_for_alignment=16, reduce_scatter_with_fp32_accumulation=True)
+
+    Attributes:
+        pad_for_alignment: each rank's dim-0 shard is a multiple of this many rows (§1.3
+            "Padding"): the TP-local dim 0 is padded at the tail to a multiple of
+            ``pad_for_alignment * gtp_size``. 16 suits BF16/NVFP4, 32 MXFP8, 1 disables padding
+            beyond divisibility by the GTP size.
+        weight_prefetch: issue the one-step-ahead all-gather of the neighbouring weight (§1.1).
+            Off gathers every weight synchronously at its GEMM (debugging the cold-start path).
+        async_reduction: reduce-scatter weight gradients asynchronously with the one-step-deferred
+            finalize (§1.1). Off reduces synchronously inside each backward.
+        calculate_per_token_loss: SUM over the GTP axis instead of MEAN (§3.2 table); must mirror
+            the model config's ``calculate_per_token_loss``.
+        reduce_scatter_with_fp32_accumulation: replace the wgrad reduce-scatter by an all-to-all
+            plus one local FP32 sum (§2.5); bypassed automatically when the GTP axis is <= 2.
+        graph_wgrad_ring_size: persistent wgrad slots per CUDA-graph scheduling domain (§3.5).
+        check_param_states: assert state-machine invariants on every transition (debugging).
+    """
+
+    pad_for_alignment: int = 16
+    weight_prefetch: bool = True
+    async_reduction: bool = True
+    calculate_per_token_loss: bool = False
+    reduce_scatter_with_fp32_accumulation: bool = False
+    graph_wgrad_ring_size: int = 2
+    check_param_states: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pad_for_alignment < 1:
+            raise ValueError(
+                f"GTPConfig.pad_for_alignment must be >= 1, got {self.pad_for_alignment}"
+            )
+        if self.graph_wgrad_ring_size < 1:
+            raise ValueError(
+                f"GTPConfig.graph_wgrad_ring_size must be >= 1, got {self.graph_wgrad_ring_size}"
+            )
