@@ -1,0 +1,1 @@
+"""Integrations of the GTP engine with megatron-core and TransformerEngine (layer 2)."""

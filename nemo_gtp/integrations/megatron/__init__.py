@@ -1,0 +1,26 @@
+"""megatron-core integration: process groups, model transform, DDP routing, finalize grads.
+
+The four touch points of the seed (§3.1, §3.2), on megatron-core 0.15 which has no GTP:
+
+- :func:`initialize_gtp_parallel` / :func:`gtp_process_groups`: megatron's ``parallel_state``
+  plus our GTP groups, and the ``ProcessGroupCollection`` DDP and the optimizer must use
+  (data-parallel = the GTP-excluded replicate group; model-parallel includes GTP).
+- :func:`shard_model`: shards eligible linears in place and returns the model's runtime.
+- :class:`GTPDistributedDataParallel`: grad-ready hooks of GTP params fired by the runtime.
+- :func:`make_finalize_model_grads`: drains GTP reduce-scatters, runs megatron's finalize, then
+  completes the GTP axis for replicated params.
+"""
+
+from nemo_gtp.integrations.megatron.ddp import GTPDDPMixin, GTPDistributedDataParallel
+from nemo_gtp.integrations.megatron.finalize import (
+    allreduce_replicated_grads,
+    make_finalize_model_grads,
+)
+from nemo_gtp.integrations.megatron.parallel import gtp_process_groups, initialize_gtp_parallel
+from nemo_gtp.integrations.megatron.transform import default_should_shard, shard_model
+
+__all__ = [
+    "GTPDDPMixin", "GTPDistributedDataParallel", "allreduce_replicated_grads",
+    "default_should_shard", "gtp_process_groups", "initialize_gtp_parallel",
+    "make_finalize_model_grads", "shard_model",
+]

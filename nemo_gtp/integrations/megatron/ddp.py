@@ -1,0 +1,72 @@
+"""megatron DDP with grad-ready hooks routed through the GTP runtime (seed §3.2, point 3).
+
+A GTP weight's gradient reaches ``main_grad`` through the runtime's deferred reduce-scatter, not
+through autograd's AccumulateGrad (its autograd wgrad is ``None``). DDP's hook for such a param
+must therefore fire only after ``{reduce-scatter -> main_grad add}``, so a bucket's collective
+never reads a stale ``main_grad`` (the seed's ordering invariant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.transformer.cuda_graphs import is_graph_capturing
+
+from nemo_gtp.engine.param import is_gtp_param
+
+
+def _noop(*unused: object) -> None:
+    return None
+
+
+def validate_ddp_config_for_gtp(ddp_config: object) -> None:
+    """Reject DDP settings that are wrong under GTP (raised before any collective)."""
+    if getattr(ddp_config, "average_in_collective", False):
+        raise ValueError(
+            "DistributedDataParallelConfig.average_in_collective=True is incompatible with GTP "
+            "(seed §3.2: GTP scaling is a pre-scale before a SUM collective): set "
+            "average_in_collective=False"
+        )
+    if getattr(ddp_config, "num_distributed_optimizer_instances", 1) != 1:
+        raise ValueError(
+            "DistributedDataParallelConfig.num_distributed_optimizer_instances must be 1 with GTP"
+        )
+
+
+class GTPDDPMixin:
+    """Mix into megatron's ``DistributedDataParallel`` (or a subclass such as NeMo's ``DDP``).
+
+    Example::
+
+        class MyDDP(GTPDDPMixin, nemo.lightning.megatron_parallel.DDP): ...
+    """
+
+    def __init__(self, config, ddp_config, module, *args, **kwargs) -> None:  # noqa: ANN001
+        if any(is_gtp_param(p) for p in module.parameters()):
+            validate_ddp_config_for_gtp(ddp_config)
+        super().__init__(config, ddp_config, module, *args, **kwargs)
+
+    def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[..., None]:
+        if not is_gtp_param(param):
+            return super()._make_backward_post_hook(param)
+
+        def grad_ready() -> None:
+            if is_graph_capturing():
+                return
+            if self.ddp_config.overlap_grad_reduce and param in self.param_to_bucket_group:
+                self.param_to_bucket_group[param].register_grad_ready(param)
+
+        param.register_grad_accum_hook(grad_ready)
+        return _noop
+
+
+class GTPDistributedDataParallel(GTPDDPMixin, DistributedDataParallel):
+    """megatron-core DDP aware of GTP weights (seed §3.2).
+
+    Example::
+
+        ddp = GTPDistributedDataParallel(config, ddp_config, model,
+                                         pg_collection=gtp_process_groups(groups))
+    """

@@ -1,0 +1,107 @@
+"""``finalize_model_grads`` with the GTP axis completed (seed §3.2 touch points 1 and the fence).
+
+Order: (1) drain every runtime — the fence after which no GTP reduce-scatter is in flight and
+every GTP ``main_grad`` is final; (2) megatron's own finalize (DDP reduce over the replicate
+group, TP/PP all-reduces, per-token scaling over the DP x GTP data group); (3) all-reduce the
+replicated params' grads over the GTP group — AVG (1/GTP pre-scale then SUM) by default, SUM
+under ``calculate_per_token_loss`` (the seed's §3.2 table). All three are linear, so running (3)
+after megatron's reduction gives the same sum, and it stays correct when DDP overlapped its
+bucket reductions with the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads as megatron_finalize_model_grads
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from nemo_gtp.engine.grid import GTPGroups
+from nemo_gtp.engine.param import is_gtp_param
+from nemo_gtp.engine.runtime import GTPRuntime
+
+
+def _replicated_grads(model_chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """main_grads of params replicated across the GTP group (expert params excluded)."""
+    grads = []
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if (
+                param.requires_grad
+                and not is_gtp_param(param)
+                and getattr(param, "allreduce", True)  # megatron marks expert params False
+                and getattr(param, "main_grad", None) is not None
+            ):
+                grads.append(param.main_grad)
+    return grads
+
+
+def allreduce_replicated_grads(
+    model_chunks: Sequence[torch.nn.Module], group: dist.ProcessGroup, *, per_token: bool
+) -> None:
+    """Complete the GTP axis for replicated params: one coalesced all-reduce per dtype.
+
+    Example::
+
+        allreduce_replicated_grads([ddp_model], groups.gtp, per_token=False)
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in _replicated_grads(model_chunks):
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)
+        if not per_token:
+            flat.mul_(1.0 / size)
+        dist.all_reduce(flat, group=group)
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+
+def _runtimes_of(model_chunks: Sequence[torch.nn.Module]) -> list[GTPRuntime]:
+    runtimes: dict[int, GTPRuntime] = {}
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if is_gtp_param(param):
+                runtimes.setdefault(id(param.runtime), param.runtime)
+    return list(runtimes.values())
+
+
+def make_finalize_model_grads(
+    groups: GTPGroups,
+    base: Callable[..., None] = megatron_finalize_model_grads,
+) -> Callable[..., None]:
+    """A ``config.finalize_model_grads_func`` that is GTP-aware (a plain ``base`` when GTP is off).
+
+    Example::
+
+        model.config.finalize_model_grads_func = make_finalize_model_grads(groups)
+    """
+    if groups.gtp_size == 1:
+        return base
+    runtimes: list[GTPRuntime] | None = None
+    per_token = False
+
+    def finalize_model_grads(model: Sequence[torch.nn.Module], *args, **kwargs) -> None:
+        nonlocal runtimes, per_token
+        if runtimes is None:  # found once: no per-step walk over the parameters
+            runtimes = _runtimes_of(model)
+            per_token = bool(getattr(getattr(model[0], "config", None),
+                                     "calculate_per_token_loss", False))
+            mismatched = [rt.name for rt in runtimes
+                          if rt.config.calculate_per_token_loss != per_token]
+            if mismatched:
+                raise ValueError(
+                    f"GTPConfig.calculate_per_token_loss of {mismatched} differs from the model "
+                    f"config's calculate_per_token_loss={per_token}: they must match (seed §3.2)"
+                )
+        for runtime in runtimes:
+            runtime.drain()
+        base(model, *args, **kwargs)
+        allreduce_replicated_grads(model, groups.gtp, per_token=per_token)
+
+    return finalize_model_grads

@@ -1,0 +1,76 @@
+"""megatron ``parallel_state`` alongside the GTP rank grid (seed §3.1 "Process groups").
+
+megatron-core 0.15 knows no GTP axis. With the GTP axis placed right after TP, megatron's default
+``tp-cp-ep-dp-pp`` order sees GTP x DP as its data-parallel axis, so its TP/PP/embedding groups
+are exactly right and its data-parallel group is our ``data`` group (where the sampler shards).
+What megatron must *not* use for gradients is that data-parallel group: DDP and the optimizer get
+a ``ProcessGroupCollection`` whose data-parallel groups are the GTP-excluded replicate group.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from nemo_gtp.engine.grid import GTPGroups, GTPParallelDims
+
+
+def initialize_gtp_parallel(dims: GTPParallelDims) -> GTPGroups:
+    """Initialize megatron's ``parallel_state`` (if not yet) and build the GTP groups.
+
+    Collective over the world; every rank calls it once.
+
+    Example::
+
+        dims = GTPParallelDims(world_size=4, tensor_model_parallel_size=2, num_weight_shards=4)
+        groups = initialize_gtp_parallel(dims)
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=dims.tensor_model_parallel_size,
+            pipeline_model_parallel_size=dims.pipeline_model_parallel_size,
+            context_parallel_size=dims.context_parallel_size,
+            expert_model_parallel_size=dims.expert_model_parallel_size,
+            expert_tensor_parallel_size=dims.expert_tensor_parallel_size,
+            order="tp-cp-ep-dp-pp",
+        )
+    checks = {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size (DP x GTP)": parallel_state.get_data_parallel_world_size(),
+    }
+    expected = {
+        "tensor_model_parallel_size": dims.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": dims.pipeline_model_parallel_size,
+        "data_parallel_size (DP x GTP)": dims.data_parallel_size,
+    }
+    if checks != expected:
+        raise ValueError(
+            f"megatron parallel_state was initialized with {checks}, the GTP grid needs "
+            f"{expected}: initialize both from the same sizes"
+        )
+    groups = dims.build()
+    data_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    if sorted(data_ranks) != sorted(
+        r for ranks in dims.group_ranks()["data"] if groups.rank in ranks for r in ranks
+    ):
+        raise ValueError(
+            "megatron's data-parallel group does not match the GTP data group: megatron must use "
+            "the default order 'tp-cp-ep-dp-pp' (use_tp_pp_dp_mapping=False)"
+        )
+    return groups
+
+
+def gtp_process_groups(groups: GTPGroups) -> ProcessGroupCollection:
+    """The ``ProcessGroupCollection`` megatron DDP and ``get_megatron_optimizer`` must use.
+
+    Data-parallel fields are the replicate group (seed §3.2: DDP and the distributed optimizer
+    reduce over it); ``mp`` is TP x GTP x PP, so the non-distributed optimizer's grad norm sums
+    every GTP shard, and ``DistributedOptimizer`` keys state by a rank unique per GTP peer
+    (seed §3.3 "Optimizer state").
+    """
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = groups.replicate
+    pgs.mp = groups.model_parallel
+    return pgs

@@ -1,0 +1,115 @@
+"""The model transform: shard a built megatron-core model's linears in place (seed §1.5, §3.1).
+
+Megatron-local linears (``ColumnParallelLinear``/``RowParallelLinear``, the local layer spec) are
+built full and sliced here, as the seed's ``wrap_module_params_gtp`` does, so a GTP model starts
+bit-identical to its non-GTP twin. ``torch.nn.Linear`` shards the same way. The embedding, the
+output layer, norms and biases stay replicated (their gathers would not amortize, §1.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from nemo_gtp.engine.config import GTPConfig
+from nemo_gtp.engine.grid import GTPGroups
+from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
+from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
+from nemo_gtp.engine.runtime import GTPRuntime
+
+_MEGATRON_LINEARS = (ColumnParallelLinear, RowParallelLinear)
+
+
+def default_should_shard(name: str, module: torch.nn.Module) -> bool:
+    """Shard megatron-local and torch linears, except the output layer and tied weights."""
+    if not isinstance(module, (*_MEGATRON_LINEARS, torch.nn.Linear)):
+        return False
+    weight = getattr(module, "weight", None)
+    if weight is None or not weight.requires_grad or is_gtp_param(weight):
+        return False
+    if name.split(".")[-1] == "output_layer" or getattr(weight, "shared_embedding", False):
+        return False
+    return True
+
+
+def _gtp_forward_impl(self: torch.nn.Module, input: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None, *, allreduce_dgrad: bool = False,
+                      sequence_parallel: bool = False, grad_output_buffer: object = None,
+                      tp_group: object = None, **unused: object) -> torch.Tensor:
+    """Stands in for megatron's ``linear_with_grad_accumulation_and_async_allreduce``."""
+    if not isinstance(weight, GTPShardedParam):  # a weight passed explicitly at call time
+        return type(self)._forward_impl(
+            self, input, weight, bias, allreduce_dgrad=allreduce_dgrad,
+            sequence_parallel=sequence_parallel, grad_output_buffer=grad_output_buffer,
+            tp_group=tp_group, **unused,
+        )
+    if grad_output_buffer is not None:
+        raise NotImplementedError("defer_embedding_wgrad_compute is not supported for GTP weights")
+    group = tp_group if tp_group is not None else self.tp_group
+    return gtp_linear(input, weight, bias, TPComm(group, allreduce_dgrad, sequence_parallel))
+
+
+def shard_model(
+    model: torch.nn.Module,
+    groups: GTPGroups,
+    config: GTPConfig | None = None,
+    *,
+    should_shard: Callable[[str, torch.nn.Module], bool] = default_should_shard,
+) -> GTPRuntime | None:
+    """Shard ``model``'s eligible linears over ``groups.gtp`` in place; return its runtime.
+
+    Call after the model is built and before DDP wraps it. With GTP size 1 nothing is touched
+    and ``None`` is returned (off is a byte-for-byte no-op, §1.5). Params replicated across the
+    GTP group are marked ``shared`` on GTP ranks other than 0: megatron's grad-norm filter then
+    counts them once (seed §3.2 point 2); megatron propagates the mark to every optimizer's
+    main params.
+
+    Example::
+
+        groups = initialize_gtp_parallel(dims)
+        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size, max_seq)
+        runtime = shard_model(model, groups)
+        ddp = GTPDistributedDataParallel(config, ddp_config, model,
+                                         pg_collection=gtp_process_groups(groups))
+    """
+    if hasattr(model, "param_to_bucket_group") or isinstance(
+        model, torch.nn.parallel.DistributedDataParallel
+    ):
+        raise ValueError("shard_model must run before DDP wrapping (pass the unwrapped model)")
+    if groups.gtp_size == 1:
+        return None
+    model_config = getattr(model, "config", None)
+    per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
+    if config is None:
+        config = GTPConfig(calculate_per_token_loss=per_token)
+    elif model_config is not None and config.calculate_per_token_loss != per_token:
+        raise ValueError(
+            f"GTPConfig.calculate_per_token_loss={config.calculate_per_token_loss} but the model "
+            f"config has calculate_per_token_loss={per_token}: set them equal (seed §3.2)"
+        )
+    if getattr(model_config, "num_moe_experts", None):
+        raise ValueError(
+            "GTP on MoE models is not supported yet (num_moe_experts is set): use "
+            "num_weight_shards=tensor_model_parallel_size"
+        )
+    runtime = GTPRuntime(groups.gtp, config, name=type(model).__name__)
+    for name, module in list(model.named_modules()):
+        if not should_shard(name, module):
+            continue
+        if isinstance(module, _MEGATRON_LINEARS):
+            runtime.shard_parameter(module, "weight", f"{name}.weight")
+            module._forward_impl = types.MethodType(_gtp_forward_impl, module)
+        else:
+            shard_linear(module, runtime, f"{name}.weight")
+    if groups.gtp_rank != 0:
+        for param in model.parameters():
+            if not is_gtp_param(param):
+                param.shared = True
+    model.gtp_runtime = runtime
+    return runtime
+
+
