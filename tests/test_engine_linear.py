@@ -70,7 +70,7 @@ def _parity_worker(rank: int, world: int, per_token: bool) -> None:
             rel = (grad - ref_grad).norm() / ref_grad.norm()
             assert rel < 1e-6, (step, name, float(rel))
         with torch.no_grad():
-            for ref_p, p in zip(reference.parameters(), model.parameters()):
+            for p in model.parameters():
                 if p.grad is not None and not hasattr(p, "gtp_spec"):
                     dist.all_reduce(p.grad)
                     p.grad *= op_scale

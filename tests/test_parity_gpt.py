@@ -21,7 +21,11 @@ def _worker(rank: int, world: int, cases: list[Run]) -> None:
         runtime = result["runtime"]
         assert runtime is not None and len(runtime.params) == 8  # qkv, proj, fc1, fc2 x 2
         assert runtime.stats.fallback_allocations == 0
-        assert_parity(result, reference)
+        try:
+            worst = assert_parity(result, reference)
+        except AssertionError as err:
+            raise AssertionError(f"{case}: {err}") from None
+        print(f"[parity] rank {rank} {case}: max rel err {worst:.2e}", flush=True)
 
 
 CASES_2 = {

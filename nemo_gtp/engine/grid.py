@@ -159,7 +159,7 @@ class GTPParallelDims:
                                        self.edp, self.pipeline_model_parallel_size)))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Dense coordinates of ``rank``, e.g. ``{'tp': 1, 'gtp': 0, 'cp': 0, 'dp': 1, 'pp': 0}``."""
+        """Dense coordinates of ``rank``: ``{'tp': 1, 'gtp': 0, 'cp': 0, 'dp': 1, 'pp': 0}``."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world_size={self.world_size}")
         out = {}

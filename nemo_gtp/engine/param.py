@@ -39,7 +39,7 @@ class Direction(enum.Enum):
 
 
 class GatherState(enum.Enum):
-    """All-gather state of one direction of one weight (seed §1.1: NONE → ASYNC_WAIT → DATA_READY)."""
+    """All-gather state of one direction of one weight (§1.1: NONE → ASYNC_WAIT → DATA_READY)."""
 
     NONE = "none"
     """No gathered copy exists; the direction holds no buffer."""
@@ -225,6 +225,31 @@ class GTPShardedParam(torch.nn.Parameter):
     def register_grad_accum_hook(self, hook: Callable[[], None]) -> None:
         """Store DDP's grad-ready hook; fired after each finalize into main_grad (seed §3.2)."""
         self.gtp_state.grad_ready_hook = hook
+
+    # [Note: TransformerEngine DistributedWeight protocol] (seed §3.1 "The bridge")
+    # TE >= 2.19 gates on ``is_distributed_weight`` and calls these on the leader of a weight
+    # group (``weights[0]``; a te.Linear has a group of one). TE never tells us when its GEMM is
+    # done, so a protocol-materialized buffer is released at the next protocol materialize of
+    # the same chain and direction (stream order makes that safe) or at the next drain.
+    def materialize_group_for_forward(self) -> list[torch.Tensor]:
+        """Full weights for TE's forward GEMM (prefetches ``next_w``)."""
+        return [self.runtime.materialize_for_protocol(self, Direction.FWD)]
+
+    def materialize_group_for_backward(self) -> list[torch.Tensor]:
+        """Full weights for TE's dgrad GEMM (prefetches ``prev_w``)."""
+        return [self.runtime.materialize_for_protocol(self, Direction.BWD)]
+
+    def grad_buffer(self) -> torch.Tensor:
+        """Full-size (unpadded view) wgrad scratch TE's fused wgrad GEMM writes into."""
+        return self.runtime.protocol_grad_buffer(self)
+
+    def finalize_group_grads(self, wgrads: torch.Tensor | list[torch.Tensor]) -> None:
+        """Reduce-scatter TE's full wgrad(s) into ``main_grad``; None tells TE it is async."""
+        grads = list(wgrads) if isinstance(wgrads, (list, tuple)) else [wgrads]
+        if len(grads) != 1:
+            raise ValueError(f"{self!r} leads a group of 1 weight, got {len(grads)} wgrads")
+        self.runtime.reduce_scatter_foreign_wgrad(self, grads[0])
+        return None
 
 
 def is_gtp_param(tensor: object) -> bool:

@@ -162,6 +162,9 @@ class GTPRuntime:
         self.live_buffers: Counter[ChainId] = Counter()
         self.max_live_buffers: Counter[ChainId] = Counter()
         self._pending_rs: deque[GTPShardedParam] = deque()
+        # TE protocol: the last weight materialized per (chain, direction), released at the next.
+        self._protocol_last: dict[tuple[ChainId, Direction], GTPShardedParam] = {}
+        self._protocol_scratch: dict[int, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- construction
     def shard_parameter(
@@ -252,7 +255,9 @@ class GTPRuntime:
             else:
                 self.stats.prefetch_skipped += 1
 
-    def _issue_gather(self, param: GTPShardedParam, direction: Direction, *, async_op: bool) -> bool:
+    def _issue_gather(
+        self, param: GTPShardedParam, direction: Direction, *, async_op: bool
+    ) -> bool:
         slot = param.gtp_state.gather[direction]
         key = self._buffer_key(param, direction)
         buffer = self.weight_cache.acquire(key, slot)
@@ -284,6 +289,18 @@ class GTPRuntime:
             direction.value, state.parity,
         )
 
+    def materialize_for_protocol(
+        self, param: GTPShardedParam, direction: Direction
+    ) -> torch.Tensor:
+        """:meth:`materialize` for TE's DistributedWeight protocol (see the param's Note)."""
+        key = (param.gtp_state.chain_id, direction)
+        previous = self._protocol_last.pop(key, None)
+        if previous is not None and previous is not param:
+            self.release(previous, direction)
+        full = self.materialize(param, direction, will_backward=torch.is_grad_enabled())
+        self._protocol_last[key] = param
+        return full
+
     # ----------------------------------------------------------------- reduce-scatter side
     def wgrad_scratch(self, param: GTPShardedParam) -> torch.Tensor:
         """A pooled full-size wgrad buffer (dtype of ``main_grad``); pad rows already zero."""
@@ -292,6 +309,33 @@ class GTPRuntime:
         if param.gtp_spec.pad_length:
             scratch[param.gtp_spec.logical_shape[0] :].zero_()
         return scratch
+
+    def protocol_grad_buffer(self, param: GTPShardedParam) -> torch.Tensor:
+        """Logical (unpadded) view of a pooled scratch for TE's fused wgrad GEMM."""
+        scratch = self._protocol_scratch.get(id(param))
+        if scratch is None:
+            scratch = self._protocol_scratch[id(param)] = self.wgrad_scratch(param)
+        return param.gtp_spec.unpad(scratch)
+
+    def reduce_scatter_foreign_wgrad(self, param: GTPShardedParam, wgrad: torch.Tensor) -> None:
+        """Reduce-scatter a full logical-shape wgrad produced outside this runtime (e.g. TE).
+
+        ``wgrad`` is either the view :meth:`protocol_grad_buffer` handed out (no copy) or any
+        tensor of the logical shape (copied into pooled scratch, pad rows zero).
+        """
+        spec = param.gtp_spec
+        if tuple(wgrad.shape) != spec.logical_shape:
+            raise ValueError(
+                f"{param.gtp_state.name}: wgrad shape {tuple(wgrad.shape)} != logical weight "
+                f"shape {spec.logical_shape}"
+            )
+        scratch = self._protocol_scratch.pop(id(param), None)
+        if scratch is None or scratch.data_ptr() != wgrad.data_ptr():
+            if scratch is not None:
+                self.wgrad_pool.put(scratch)
+            scratch = self.wgrad_scratch(param)
+            spec.unpad(scratch).copy_(wgrad)
+        self.reduce_scatter_wgrad(param, scratch)
 
     def reduce_scatter_wgrad(self, param: GTPShardedParam, scratch: torch.Tensor) -> None:
         """Reduce-scatter ``scratch`` (from :meth:`wgrad_scratch`) into ``param``'s main_grad.
@@ -359,6 +403,7 @@ class GTPRuntime:
 
     def drain_gathers(self) -> None:
         """Complete and release every outstanding gather (e.g. an unconsumed prefetch)."""
+        self._protocol_last.clear()
         for param in self.params:
             for direction in Direction:
                 self.release(param, direction)

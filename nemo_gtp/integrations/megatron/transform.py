@@ -8,7 +8,6 @@ output layer, norms and biases stay replicated (their gathers would not amortize
 
 from __future__ import annotations
 
-import dataclasses
 import types
 from collections.abc import Callable
 

@@ -1,0 +1,62 @@
+"""The parity oracle on GPUs with NCCL (issue: engine "Done when").
+
+Runs the CPU test suite's GPT parity cases (tests/gpt_harness.py) on CUDA devices with NCCL,
+fp32, TF32 off, and writes one JSON line per case with the largest relative error.
+
+    torchrun --nproc-per-node 2 bench/parity_nccl.py --out parity_nccl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from gpt_harness import Run, assert_parity, train  # noqa: E402
+
+CASES = {
+    2: [Run(gtp=2), Run(gtp=2, per_token=True), Run(gtp=2, ffn=72, hidden=48),
+        Run(gtp=2, distopt=True)],
+    4: [Run(gtp=2), Run(tp=2, gtp=2), Run(gtp=4), Run(gtp=4, fp32_accum=True),
+        Run(tp=2, gtp=2, per_token=True, distopt=True)],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="parity_nccl.json")
+    args = parser.parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    records = []
+    for case in CASES.get(world, CASES[2]):
+        start = time.perf_counter()
+        reference = train(dataclasses.replace(case, gtp=1))
+        result = train(case)
+        worst = assert_parity(result, reference)
+        records.append(dict(case=dataclasses.asdict(case), world=world, max_rel_err=worst,
+                            passed=True, seconds=round(time.perf_counter() - start, 1),
+                            device=torch.cuda.get_device_name(), backend="nccl",
+                            torch=torch.__version__))
+        if dist.get_rank() == 0:
+            print(f"[parity-nccl] {case}: max rel err {worst:.2e}", flush=True)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
