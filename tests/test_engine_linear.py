@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections import Counter
 
 import pytest
@@ -137,6 +139,11 @@ def _behaviour_worker(rank: int, world: int) -> None:
     model_a(torch.randn(4, 16)).sum().backward()
     runtime_a.drain()
     assert (runtime_a.weight_cache.allocations, runtime_a.wgrad_pool.allocations) == allocations
+    # dropping a model drops its runtime, links and buffers (no process-global state)
+    dead = weakref.ref(runtime_a)
+    del model_a, runtime_a, chain_a
+    gc.collect()
+    assert dead() is None
 
 
 def test_prefetch_order_buffers_and_isolation() -> None:

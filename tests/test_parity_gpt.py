@@ -21,6 +21,8 @@ def _worker(rank: int, world: int, cases: list[Run]) -> None:
         runtime = result["runtime"]
         assert runtime is not None and len(runtime.params) == 8  # qkv, proj, fc1, fc2 x 2
         assert runtime.stats.fallback_allocations == 0
+        assert runtime.stats.prefetches > 0
+        assert max(runtime.max_live_buffers.values()) <= 2  # live gathered buffers per chain
         try:
             worst = assert_parity(result, reference)
         except AssertionError as err:
