@@ -40,6 +40,7 @@ from nemo_gtp.engine.param import (
     ReduceScatterState,
     ShardSpec,
 )
+from nemo_gtp.engine.timing import ExposedWaitTimer
 
 
 class ChainId(enum.Enum):
@@ -158,6 +159,7 @@ class GTPRuntime:
         self.weight_cache = GTPWeightCache()
         self.wgrad_pool = WgradPool()
         self.stats = CommStats()
+        self.wait_timer = ExposedWaitTimer()
         self.trace: list[tuple[str, str, str]] | None = None
         self.live_buffers: Counter[ChainId] = Counter()
         self.max_live_buffers: Counter[ChainId] = Counter()
@@ -220,7 +222,7 @@ class GTPRuntime:
         if slot.state is GatherState.NONE:
             self._issue_gather(param, direction, async_op=False)
         if slot.state is GatherState.ASYNC_WAIT:
-            slot.handle.wait()
+            self.wait_timer.timed_wait(slot.handle.wait, "gather", param.device)
             slot.state = GatherState.DATA_READY
         if self.config.weight_prefetch and chain.phase is ChainPhase.LINKED:
             self.prefetch_neighbour(param, direction, will_backward=will_backward)
@@ -268,8 +270,8 @@ class GTPRuntime:
             buffer = torch.empty(key.shape, dtype=key.dtype, device=key.device)
             self.stats.fallback_allocations += 1
         slot.buffer, slot.key = buffer, key
-        slot.handle = all_gather_shard(buffer, param.data, self.group, async_op=async_op)
-        slot.state = GatherState.ASYNC_WAIT if async_op else GatherState.DATA_READY
+        slot.handle = all_gather_shard(buffer, param.data, self.group, async_op=True)
+        slot.state = GatherState.ASYNC_WAIT
         chain_id = param.gtp_state.chain_id
         self.live_buffers[chain_id] += 1
         self.max_live_buffers[chain_id] = max(
@@ -356,9 +358,7 @@ class GTPRuntime:
             recv = self.wgrad_pool.get(spec.gathered_shape, scratch.dtype, scratch.device)
         chain = self.chains[param.gtp_state.chain_id]
         sync = not self.config.async_reduction or chain.is_head(param)
-        rs.handle = reduce_scatter_wgrad(
-            output, scratch, self.group, async_op=not sync, fp32_recv=recv
-        )
+        rs.handle = reduce_scatter_wgrad(output, scratch, self.group, async_op=True, fp32_recv=recv)
         rs.state, rs.scratch, rs.output, rs.recv = (
             ReduceScatterState.ASYNC_WAIT, scratch, output, recv
         )
@@ -377,7 +377,7 @@ class GTPRuntime:
     def _finalize(self, param: GTPShardedParam) -> None:
         state = param.gtp_state
         rs = state.reduce_scatter
-        rs.handle.wait()
+        self.wait_timer.timed_wait(rs.handle.wait, "reduce_scatter", param.device)
         rs.state = ReduceScatterState.DATA_READY
         if hasattr(param, "main_grad"):
             param.main_grad.add_(rs.output)

@@ -1,0 +1,264 @@
+"""One-invocation benchmark: replicated DDP vs torch FSDP2 vs GTP on the same GPT (issue 5).
+
+Builds megatron-core's GPTModel (local layer spec, bf16) and, in one process group, trains it
+three ways for every shape of a tokens-per-GPU sweep:
+
+- ``ddp``:   megatron DDP over all ranks, distributed optimizer, fp32 grad reduce, overlap.
+- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` per transformer layer + root, bf16 compute,
+             fp32 reduce and fp32 sharded master params, ``torch.optim.AdamW(fused=True)``.
+- ``gtp``:   TP1·GTP=world (nemo_gtp), megatron DDP over the replicate group, distributed
+             optimizer, fp32 grad reduce.
+
+Reports step time (median of ``--steps`` after ``--warmup``), tokens/s, peak memory, GTP's
+exposed communication (stall of the compute stream on gathers / reduce-scatters, CUDA events)
+and weight+grad+optimizer bytes per rank, as a markdown table (ratios to DDP) plus JSON, and a
+PNG of the step-time ratio against tokens per GPU.
+
+    torchrun --nproc-per-node 2 bench/bench_gpt.py --out bench_out
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+
+from nemo_gtp.engine import GTPConfig, GTPParallelDims
+from nemo_gtp.integrations.megatron import (
+    GTPDistributedDataParallel,
+    gtp_process_groups,
+    initialize_gtp_parallel,
+    make_finalize_model_grads,
+    shard_model,
+)
+
+
+def model_config(args: argparse.Namespace) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
+        num_attention_heads=args.heads, bf16=True, params_dtype=torch.bfloat16,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        masked_softmax_fusion=False, bias_activation_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
+        cross_entropy_loss_fusion=False, pipeline_dtype=torch.bfloat16,
+    )
+
+
+def build(args: argparse.Namespace, mode: str, world: int):
+    """Model, optimizer and a train-step closure for ``mode``."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    gtp = world if mode == "gtp" else 1
+    groups = initialize_gtp_parallel(GTPParallelDims(world_size=world, num_weight_shards=gtp))
+    model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+    config = model_config(args)
+    model = GPTModel(config, get_gpt_layer_local_spec(), args.vocab, args.max_seq).cuda()
+    runtime = None
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model.float()  # FSDP2 keeps fp32 sharded master params, computes in bf16
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.decoder.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+
+        def step(batch: dict) -> float:
+            loss = forward_loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return float(loss.detach())
+
+        return model, optimizer, step, None
+    if mode == "gtp":
+        runtime = shard_model(model, groups, GTPConfig())
+    pgs = gtp_process_groups(groups)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True,
+    )
+    ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, bf16=True,
+                        use_distributed_optimizer=True, clip_grad=1.0),
+        [ddp], use_gloo_process_groups=False, pg_collection=pgs,
+    )
+    finalize = make_finalize_model_grads(groups)
+
+    def step(batch: dict) -> float:
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = forward_loss(ddp, batch)
+        loss.backward()
+        finalize([ddp])
+        optimizer.step()
+        return float(loss.detach())
+
+    return ddp, optimizer, step, runtime
+
+
+def forward_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return out.float().mean()
+
+
+def make_batch(args: argparse.Namespace, mbs: int, seq: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(dist.get_rank())
+    tokens = torch.randint(0, args.vocab, (mbs, seq + 1), device="cuda", generator=gen)
+    return dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                position_ids=torch.arange(seq, device="cuda").expand(mbs, seq))
+
+
+def state_bytes(model: torch.nn.Module, optimizer: object) -> int:
+    """Weight + grad + optimizer-state bytes held by this rank."""
+    seen, total = set(), 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is None or not torch.is_tensor(t):
+            return
+        t = getattr(t, "_local_tensor", t)
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if key in seen:
+            return
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+
+    for p in model.parameters():
+        add(p.data)
+        add(getattr(p, "main_grad", None))
+        add(p.grad)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in getattr(inner, "state", {}).values():
+        for value in state.values():
+            add(value)
+    for group in getattr(optimizer, "shard_fp32_from_float16_groups", []) or []:
+        for p in group:
+            add(p)
+    return total
+
+
+def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple[int, int]]):
+    model, optimizer, step, runtime = build(args, mode, world)
+    records = []
+    for mbs, seq in shapes:
+        batch = make_batch(args, mbs, seq)
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            for _ in range(args.warmup):
+                step(batch)
+        except torch.cuda.OutOfMemoryError:
+            records.append(dict(mode=mode, mbs=mbs, seq=seq, tokens_per_gpu=mbs * seq, oom=True))
+            torch.cuda.empty_cache()
+            continue
+        if runtime is not None:
+            runtime.wait_timer.collect()
+            runtime.stats.reset()
+        times = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step(batch)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        exposed = runtime.wait_timer.collect() if runtime is not None else {}
+        median = statistics.median(times)
+        records.append(dict(
+            mode=mode, mbs=mbs, seq=seq, tokens_per_gpu=mbs * seq, step_ms=1000 * median,
+            tokens_per_s=world * mbs * seq / median,
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+            exposed_gather_ms=1000 * exposed.get("gather", 0.0) / args.steps if runtime else None,
+            exposed_rs_ms=1000 * exposed.get("reduce_scatter", 0.0) / args.steps
+            if runtime else None,
+            state_gib=state_bytes(model, optimizer) / 2**30,
+        ))
+        if dist.get_rank() == 0:
+            print(json.dumps(records[-1]), flush=True)
+    del model, optimizer, step, runtime
+    gc.collect()
+    torch.cuda.empty_cache()
+    return records
+
+
+def write_report(args: argparse.Namespace, records: list[dict], world: int) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_gpt.json"), "w") as f:
+        json.dump(dict(args=vars(args), world=world, device=torch.cuda.get_device_name(),
+                       torch=torch.__version__, records=records), f, indent=1)
+    by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if not r.get("oom")}
+    tokens = sorted({r["tokens_per_gpu"] for r in records})
+    lines = [
+        f"GPT {args.layers}L h{args.hidden} ffn{4 * args.hidden} heads{args.heads} vocab "
+        f"{args.vocab}, bf16, {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        "",
+        "| tokens/GPU | mode | step ms | ratio vs DDP | tokens/s | peak GiB | state GiB "
+        "(ratio) | exposed AG ms | exposed RS ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in tokens:
+        base = by.get(("ddp", t))
+        for mode in ("ddp", "fsdp2", "gtp"):
+            r = by.get((mode, t))
+            if r is None:
+                continue
+            ratio = r["step_ms"] / base["step_ms"] if base else float("nan")
+            sratio = r["state_gib"] / base["state_gib"] if base else float("nan")
+            ag = "—" if r["exposed_gather_ms"] is None else f"{r['exposed_gather_ms']:.2f}"
+            rs = "—" if r["exposed_rs_ms"] is None else f"{r['exposed_rs_ms']:.2f}"
+            lines.append(
+                f"| {t} | {mode} | {r['step_ms']:.1f} | {ratio:.3f} | {r['tokens_per_s']:.0f} | "
+                f"{r['peak_gib']:.1f} | {r['state_gib']:.2f} ({sratio:.2f}) | {ag} | {rs} |"
+            )
+    with open(os.path.join(args.out, "bench_gpt.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        from plot_ratio import plot_ratio
+
+        plot_ratio(os.path.join(args.out, "bench_gpt.json"),
+                   os.path.join(args.out, "bench_gpt_ratio.png"))
+    except ImportError:  # matplotlib absent on the GPU machine: plot later from the JSON
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2560)
+    parser.add_argument("--heads", type=int, default=20)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--max-seq", type=int, default=2048)
+    parser.add_argument("--shapes", default="1x1024,1x2048,2x2048,4x2048,8x2048")
+    parser.add_argument("--modes", default="ddp,fsdp2,gtp")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    records = []
+    for mode in args.modes.split(","):
+        records += run_mode(args, mode, world, shapes)
+    if dist.get_rank() == 0:
+        write_report(args, records, world)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
