@@ -35,6 +35,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims
 from nemo_gtp.integrations.megatron import (
@@ -86,6 +87,7 @@ def build(args: argparse.Namespace, mode: str, world: int):
             return float(loss.detach())
 
         return model, optimizer, step, None
+    model = Float16Module(config, model)  # bf16 everywhere, as NeMo's precision plugin does
     if mode == "gtp":
         runtime = shard_model(model, groups, GTPConfig())
     pgs = gtp_process_groups(groups)

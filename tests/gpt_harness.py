@@ -16,6 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
 from nemo_gtp.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
@@ -47,15 +48,16 @@ class Run:
     overlap_grad_reduce: bool = True
 
 
-def _batch(step: int, microbatch: int, data_rank: int) -> dict[str, torch.Tensor]:
+def _batch(step: int, microbatch: int, data_rank: int, device: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(10_000 * step + 100 * microbatch + data_rank)
     tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
     loss_mask = (torch.rand(MBS, SEQ, generator=gen) > 0.2).float()
-    return dict(
+    batch = dict(
         tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=loss_mask,
         position_ids=torch.arange(SEQ).expand(MBS, SEQ),
         attention_mask=torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1),
     )
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def _forward_step(data_iterator, model):  # noqa: ANN001
@@ -77,21 +79,30 @@ def full_tensor(param: torch.Tensor, tensor: torch.Tensor, groups) -> torch.Tens
     if not is_gtp_param(param):
         return tensor.detach().clone()
     spec = param.gtp_spec
-    out = torch.empty(spec.gathered_shape, dtype=tensor.dtype)
+    out = torch.empty(spec.gathered_shape, dtype=tensor.dtype, device=tensor.device)
     dist.all_gather_into_tensor(out, tensor.detach().contiguous(), group=groups.gtp)
     return spec.unpad(out).clone()
 
 
 def train(run: Run) -> dict:
-    """Train ``run`` on the current world; returns per-rank losses, grad norms, grads, weights."""
-    enable_cpu_compat()
+    """Train ``run`` on the current world; returns per-rank losses, grad norms, grads, weights.
+
+    gloo runs on CPU through the CPU compatibility layer; NCCL runs on the current CUDA device.
+    """
+    on_gpu = dist.get_backend() == "nccl"
+    device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
+    if not on_gpu:
+        enable_cpu_compat()
     world = dist.get_world_size()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     dims = GTPParallelDims(world_size=world, tensor_model_parallel_size=run.tp,
                            num_weight_shards=run.tp * run.gtp)
     groups = initialize_gtp_parallel(dims)
-    model_parallel_cpu_manual_seed(1234)
+    if on_gpu:
+        model_parallel_cuda_manual_seed(1234)
+    else:
+        model_parallel_cpu_manual_seed(1234)
     torch.manual_seed(1234)
     config = TransformerConfig(
         num_layers=2, hidden_size=run.hidden, ffn_hidden_size=run.ffn, num_attention_heads=4,
@@ -107,7 +118,7 @@ def train(run: Run) -> dict:
         # biased nn.Linear engine tests.
         add_bias_linear=False,
     )
-    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ)
+    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ).to(device)
     if run.gtp > 1:
         shard_model(model, groups, GTPConfig(
             calculate_per_token_loss=run.per_token, pad_for_alignment=run.pad,
@@ -133,7 +144,7 @@ def train(run: Run) -> dict:
     for step in range(run.steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        data = iter([_batch(step, m, data_rank) for m in range(MICROBATCHES)])
+        data = iter([_batch(step, m, data_rank, device) for m in range(MICROBATCHES)])
         reduced = forward_backward(
             forward_step_func=_forward_step, data_iterator=data, model=[ddp],
             num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=MBS,
