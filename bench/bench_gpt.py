@@ -155,6 +155,46 @@ def state_bytes(model: torch.nn.Module, optimizer: object) -> int:
     return total
 
 
+def replicated_bytes(model: torch.nn.Module, shards: int) -> int:
+    """Weight+grad+optimizer bytes of plain replicated training (bf16 W, fp32 grad, fp32 master
+    and Adam moments: 18 B/param) for the *logical* model this rank's shards belong to."""
+    numel = 0
+    for p in model.parameters():
+        spec = getattr(p, "gtp_spec", None)
+        if spec is not None:
+            count = 1
+            for d in spec.logical_shape:
+                count *= d
+            numel += count
+        else:
+            numel += p.numel() * shards
+    return 18 * numel
+
+
+def profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None:  # noqa: ANN001
+    """Kernel-time table of a few steps (explains where a step's time goes)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step(batch)
+        torch.cuda.synchronize()
+    if dist.get_rank() != 0:
+        return
+    events = prof.key_averages()
+    total = sum(e.device_time_total for e in events)
+    nccl = sum(e.device_time_total for e in events if "nccl" in e.key.lower())
+    gemm = sum(e.device_time_total for e in events
+               if any(k in e.key.lower() for k in ("gemm", "nvjet", "sm90", "cutlass")))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"profile_{mode}_{args.profile_shape}.txt"), "w") as f:
+        f.write(f"mode={mode} shape={args.profile_shape} steps=3\n")
+        f.write(f"kernel time ms per step: total {total / 3e3:.1f}, gemm {gemm / 3e3:.1f}, "
+                f"nccl {nccl / 3e3:.1f}, other {(total - gemm - nccl) / 3e3:.1f}\n\n")
+        f.write(events.table(sort_by="device_time_total", row_limit=30))
+
+
 def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple[int, int]]):
     model, optimizer, step, runtime = build(args, mode, world)
     records = []
@@ -180,6 +220,8 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
             times.append(time.perf_counter() - start)
         exposed = runtime.wait_timer.collect() if runtime is not None else {}
         median = statistics.median(times)
+        if args.profile and f"{mbs}x{seq}" == args.profile_shape:
+            profile(args, mode, step, batch)
         records.append(dict(
             mode=mode, mbs=mbs, seq=seq, tokens_per_gpu=mbs * seq, step_ms=1000 * median,
             tokens_per_s=world * mbs * seq / median,
@@ -188,6 +230,7 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
             exposed_rs_ms=1000 * exposed.get("reduce_scatter", 0.0) / args.steps
             if runtime else None,
             state_gib=state_bytes(model, optimizer) / 2**30,
+            replicated_state_gib=replicated_bytes(model, world if mode == "fsdp2" else 1) / 2**30,
         ))
         if dist.get_rank() == 0:
             print(json.dumps(records[-1]), flush=True)
@@ -208,9 +251,12 @@ def write_report(args: argparse.Namespace, records: list[dict], world: int) -> N
         f"GPT {args.layers}L h{args.hidden} ffn{4 * args.hidden} heads{args.heads} vocab "
         f"{args.vocab}, bf16, {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}",
         "",
+        "state = weight+grad+optimizer bytes per rank; 'vs repl.' divides by plain replicated "
+        "training of the same model (18 B/param).",
+        "",
         "| tokens/GPU | mode | step ms | ratio vs DDP | tokens/s | peak GiB | state GiB "
-        "(ratio) | exposed AG ms | exposed RS ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(vs DDP) | state vs repl. | exposed AG ms | exposed RS ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in tokens:
         base = by.get(("ddp", t))
@@ -224,7 +270,8 @@ def write_report(args: argparse.Namespace, records: list[dict], world: int) -> N
             rs = "—" if r["exposed_rs_ms"] is None else f"{r['exposed_rs_ms']:.2f}"
             lines.append(
                 f"| {t} | {mode} | {r['step_ms']:.1f} | {ratio:.3f} | {r['tokens_per_s']:.0f} | "
-                f"{r['peak_gib']:.1f} | {r['state_gib']:.2f} ({sratio:.2f}) | {ag} | {rs} |"
+                f"{r['peak_gib']:.1f} | {r['state_gib']:.2f} ({sratio:.2f}) | "
+                f"{r['state_gib'] / r['replicated_state_gib']:.3f} | {ag} | {rs} |"
             )
     with open(os.path.join(args.out, "bench_gpt.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -249,6 +296,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-shape", default="4x2048")
     args = parser.parse_args()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")

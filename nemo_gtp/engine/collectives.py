@@ -65,15 +65,18 @@ def reduce_scatter_wgrad(
     *,
     async_op: bool,
     fp32_recv: torch.Tensor | None = None,
+    average: bool = False,
 ) -> CommHandle:
     """Sum ``scratch`` over ``group`` and leave this rank's dim-0 slice in ``output``.
 
     With ``fp32_recv`` (a buffer shaped like ``scratch``) the sum is the seed's FP32-accumulation
     variant (§2.5): an all-to-all moves every peer's slice here, then one local FP32 sum and a
     single downcast replace the ring's per-hop roundings. Same bytes on the wire.
+    ``average`` divides by the group size inside the collective (NCCL's AVG).
     """
     if fp32_recv is None:
-        work = _reduce_scatter_single(output, scratch, group=group, async_op=async_op)
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        work = _reduce_scatter_single(output, scratch, op=op, group=group, async_op=async_op)
         return CommHandle(work if async_op else None)
     size = dist.get_world_size(group)
     work = dist.all_to_all_single(fp32_recv, scratch, group=group, async_op=async_op)

@@ -46,6 +46,29 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch
     return out
 
 
+_MM_OUT_DTYPE_OK: dict[str, bool] = {}
+
+
+def _wgrad_gemm(grad_2d: torch.Tensor, x_2d: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = grad^T @ x``; ``out`` may be wider (fp32 main_grad) than the activations (bf16).
+
+    The mixed case uses one GEMM with an fp32 epilogue (``mm(..., out_dtype=)``, CUDA) where
+    available, as TE's fused wgrad accumulation does, instead of a bf16 GEMM plus a copy.
+    """
+    if out.dtype == grad_2d.dtype:
+        torch.mm(grad_2d.t(), x_2d, out=out)
+        return
+    device = out.device.type
+    if _MM_OUT_DTYPE_OK.get(device, True):
+        try:
+            torch.mm(grad_2d.t(), x_2d, out_dtype=out.dtype, out=out)
+            _MM_OUT_DTYPE_OK[device] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE_OK[device] = False
+    out.copy_(torch.mm(grad_2d.t(), x_2d))
+
+
 class _GTPLinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` with W a :class:`GTPShardedParam` (gathered around each GEMM)."""
 
@@ -91,10 +114,7 @@ class _GTPLinearFunction(torch.autograd.Function):
         x_2d = total_x.reshape(-1, total_x.shape[-1])
         scratch = runtime.wgrad_scratch(weight)
         logical = weight.gtp_spec.unpad(scratch)
-        if scratch.dtype == grad_2d.dtype:
-            torch.mm(grad_2d.t(), x_2d, out=logical)
-        else:  # e.g. bf16 activations, fp32 main_grad: reduce in main_grad's precision
-            logical.copy_(torch.mm(grad_2d.t(), x_2d))
+        _wgrad_gemm(grad_2d, x_2d, logical)
         runtime.reduce_scatter_wgrad(weight, scratch)
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if grad_in is not None and tp.sequence_parallel:

@@ -154,6 +154,7 @@ class GTPRuntime:
         self.name = name
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self._nccl = dist.get_backend(group) == "nccl"
         self.params: list[GTPShardedParam] = []
         self.chains = {cid: Chain(cid) for cid in ChainId}
         self.weight_cache = GTPWeightCache()
@@ -349,16 +350,20 @@ class GTPRuntime:
         rs = param.gtp_state.reduce_scatter
         if rs.state is not ReduceScatterState.NONE:  # same weight twice in one backward
             self._finalize(param)
-        if not self.config.calculate_per_token_loss:
-            scratch.mul_(1.0 / self.size)
         spec = param.gtp_spec
         output = self.wgrad_pool.get(spec.shard_shape, scratch.dtype, scratch.device)
         recv = None
         if self.config.reduce_scatter_with_fp32_accumulation and self.size > 2:
             recv = self.wgrad_pool.get(spec.gathered_shape, scratch.dtype, scratch.device)
+        # MEAN: NCCL averages inside the reduce-scatter kernel; elsewhere a 1/GTP pre-scale.
+        average = not self.config.calculate_per_token_loss and recv is None and self._nccl
+        if not self.config.calculate_per_token_loss and not average:
+            scratch.mul_(1.0 / self.size)
         chain = self.chains[param.gtp_state.chain_id]
         sync = not self.config.async_reduction or chain.is_head(param)
-        rs.handle = reduce_scatter_wgrad(output, scratch, self.group, async_op=True, fp32_recv=recv)
+        rs.handle = reduce_scatter_wgrad(
+            output, scratch, self.group, async_op=True, fp32_recv=recv, average=average
+        )
         rs.state, rs.scratch, rs.output, rs.recv = (
             ReduceScatterState.ASYNC_WAIT, scratch, output, recv
         )
