@@ -230,7 +230,7 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
             exposed_rs_ms=1000 * exposed.get("reduce_scatter", 0.0) / args.steps
             if runtime else None,
             state_gib=state_bytes(model, optimizer) / 2**30,
-            replicated_state_gib=replicated_bytes(model, world if mode == "fsdp2" else 1) / 2**30,
+            replicated_state_gib=replicated_bytes(model, 1) / 2**30,
         ))
         if dist.get_rank() == 0:
             print(json.dumps(records[-1]), flush=True)
