@@ -62,7 +62,7 @@ def build(args: argparse.Namespace, mode: str, world: int):
     """Model, optimizer and a train-step closure for ``mode``."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    gtp = world if mode == "gtp" else 1
+    gtp = world if mode.startswith("gtp") else 1
     groups = initialize_gtp_parallel(GTPParallelDims(world_size=world, num_weight_shards=gtp))
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
@@ -88,8 +88,9 @@ def build(args: argparse.Namespace, mode: str, world: int):
 
         return model, optimizer, step, None
     model = Float16Module(config, model)  # bf16 everywhere, as NeMo's precision plugin does
-    if mode == "gtp":
-        runtime = shard_model(model, groups, GTPConfig())
+    if mode.startswith("gtp"):
+        backend = "copy_engine" if mode == "gtp_ce" else "nccl"
+        runtime = shard_model(model, groups, GTPConfig(gather_backend=backend))
     pgs = gtp_process_groups(groups)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True,
@@ -260,7 +261,7 @@ def write_report(args: argparse.Namespace, records: list[dict], world: int) -> N
     ]
     for t in tokens:
         base = by.get(("ddp", t))
-        for mode in ("ddp", "fsdp2", "gtp"):
+        for mode in ("ddp", "fsdp2", "gtp", "gtp_ce"):
             r = by.get((mode, t))
             if r is None:
                 continue
@@ -292,7 +293,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--max-seq", type=int, default=2048)
     parser.add_argument("--shapes", default="1x1024,1x2048,2x2048,4x2048,8x2048")
-    parser.add_argument("--modes", default="ddp,fsdp2,gtp")
+    parser.add_argument("--modes", default="ddp,fsdp2,gtp,gtp_ce")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="bench_out")

@@ -23,7 +23,8 @@ from gpt_harness import Run, assert_parity, train  # noqa: E402
 
 CASES = {
     2: [Run(gtp=2), Run(gtp=2, per_token=True), Run(gtp=2, ffn=72, hidden=48),
-        Run(gtp=2, distopt=True)],
+        Run(gtp=2, distopt=True), Run(gtp=2, gather_backend="copy_engine"),
+        Run(gtp=2, distopt=True, gather_backend="copy_engine")],
     4: [Run(gtp=2), Run(tp=2, gtp=2), Run(gtp=4), Run(gtp=4, fp32_accum=True),
         Run(tp=2, gtp=2, per_token=True, distopt=True)],
 }
@@ -45,6 +46,13 @@ def main() -> None:
         reference = train(dataclasses.replace(case, gtp=1))
         result = train(case)
         worst = assert_parity(result, reference)
+        if case.gather_backend != "nccl":  # same bytes gathered: bit-identical to NCCL's run
+            nccl = train(dataclasses.replace(case, gather_backend="nccl"))
+            assert nccl["losses"] == result["losses"], "copy-engine losses differ from NCCL's"
+            for name, weight in nccl["weights"].items():
+                assert torch.equal(weight, result["weights"][name]), name
+            if dist.get_rank() == 0:
+                print(f"[parity-nccl] {case}: bit-identical to the NCCL gather run", flush=True)
         records.append(dict(case=dataclasses.asdict(case), world=world, max_rel_err=worst,
                             passed=True, seconds=round(time.perf_counter() - start, 1),
                             device=torch.cuda.get_device_name(), backend="nccl",

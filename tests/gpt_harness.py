@@ -46,6 +46,7 @@ class Run:
     ffn: int = 128
     pad: int = 16
     overlap_grad_reduce: bool = True
+    gather_backend: str = "nccl"
 
 
 def _batch(step: int, microbatch: int, data_rank: int, device: str) -> dict[str, torch.Tensor]:
@@ -123,6 +124,7 @@ def train(run: Run) -> dict:
         shard_model(model, groups, GTPConfig(
             calculate_per_token_loss=run.per_token, pad_for_alignment=run.pad,
             reduce_scatter_with_fp32_accumulation=run.fp32_accum,
+            gather_backend=run.gather_backend,
         ))
     pgs = gtp_process_groups(groups)
     ddp_config = DistributedDataParallelConfig(

@@ -28,6 +28,9 @@ class GTPConfig:
             plus one local FP32 sum (§2.5); bypassed automatically when the GTP axis is <= 2.
         graph_wgrad_ring_size: persistent wgrad slots per CUDA-graph scheduling domain (§3.5).
         check_param_states: assert state-machine invariants on every transition (debugging).
+        gather_backend: ``"nccl"`` (NCCL/gloo all-gather kernels), ``"copy_engine"`` (SM-free
+            pulls of peers' shards from symmetric memory, CUDA only; costs one extra shard-sized
+            copy of the weights) or ``"auto"`` (copy engine where available, else NCCL).
     """
 
     pad_for_alignment: int = 16
@@ -37,8 +40,14 @@ class GTPConfig:
     reduce_scatter_with_fp32_accumulation: bool = False
     graph_wgrad_ring_size: int = 2
     check_param_states: bool = False
+    gather_backend: str = "nccl"
 
     def __post_init__(self) -> None:
+        if self.gather_backend not in ("nccl", "copy_engine", "auto"):
+            raise ValueError(
+                f"GTPConfig.gather_backend must be 'nccl', 'copy_engine' or 'auto', got "
+                f"{self.gather_backend!r}"
+            )
         if self.pad_for_alignment < 1:
             raise ValueError(
                 f"GTPConfig.pad_for_alignment must be >= 1, got {self.pad_for_alignment}"

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from nemo_gtp.engine.buffers import BufferKey, GTPWeightCache, WgradPool
 from nemo_gtp.engine.collectives import all_gather_shard, reduce_scatter_wgrad
 from nemo_gtp.engine.config import GTPConfig
+from nemo_gtp.engine.copy_engine import SymmetricShardMirror, copy_engine_available
 from nemo_gtp.engine.param import (
     Direction,
     GatherState,
@@ -155,6 +156,8 @@ class GTPRuntime:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._nccl = dist.get_backend(group) == "nccl"
+        self._mirror: SymmetricShardMirror | None = None
+        self._copy_engine_unavailable = False
         self.params: list[GTPShardedParam] = []
         self.chains = {cid: Chain(cid) for cid in ChainId}
         self.weight_cache = GTPWeightCache()
@@ -271,7 +274,10 @@ class GTPRuntime:
             buffer = torch.empty(key.shape, dtype=key.dtype, device=key.device)
             self.stats.fallback_allocations += 1
         slot.buffer, slot.key = buffer, key
-        slot.handle = all_gather_shard(buffer, param.data, self.group, async_op=True)
+        if self._use_copy_engine(param):
+            slot.handle = self._mirror.gather(buffer, param)
+        else:
+            slot.handle = all_gather_shard(buffer, param.data, self.group, async_op=True)
         slot.state = GatherState.ASYNC_WAIT
         chain_id = param.gtp_state.chain_id
         self.live_buffers[chain_id] += 1
@@ -283,6 +289,24 @@ class GTPRuntime:
             self.size
         )
         self.record("ag_issue_async" if async_op else "ag_issue_sync", param, direction)
+        return True
+
+    def _use_copy_engine(self, param: GTPShardedParam) -> bool:
+        backend = self.config.gather_backend
+        if backend == "nccl" or self._copy_engine_unavailable:
+            return False
+        if self._mirror is None:
+            if not copy_engine_available(self.group, param.device):
+                self._copy_engine_unavailable = True
+                if backend == "copy_engine":
+                    raise RuntimeError(
+                        "GTPConfig.gather_backend='copy_engine' needs CUDA, NCCL and "
+                        "torch.distributed._symmetric_memory: use gather_backend='nccl'"
+                    )
+                return False
+            # Collective (symmetric-memory rendezvous): every GTP peer reaches its first gather
+            # at the same point of the same program.
+            self._mirror = SymmetricShardMirror(self.params, self.group)
         return True
 
     def _buffer_key(self, param: GTPShardedParam, direction: Direction) -> BufferKey:

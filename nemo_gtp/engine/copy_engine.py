@@ -1,0 +1,123 @@
+"""SM-free all-gather: copy-engine pulls of peers' shards from symmetric memory (issue 5).
+
+NCCL's all-gather kernels run on SMs and compete with the GEMMs they are meant to hide behind.
+Weights change only at the optimizer step, so every GTP shard of a runtime is mirrored once per
+step into one ``torch.distributed._symmetric_memory`` buffer; a gather is then ``g - 1``
+device-to-device copies of the peers' mirrors (CUDA copy engines over NVLink, no SMs) on a side
+stream, plus the local shard.
+
+[Note: mirror refresh protocol]
+A param's autograd version counter moves when the optimizer (or DDP's param sync) writes its
+storage. The first gather that sees a moved version refreshes the whole mirror, on the current
+stream: (1) join the side stream (my pulls of the old mirrors are done), (2) device barrier
+"everyone finished reading", (3) copy every shard into the mirror, (4) device barrier "every
+mirror is current". Every GTP peer updates its shards in the same optimizer step, so all peers
+take the refresh at the same gather. Cost: one extra shard-sized copy of the weights per rank
+(1/GTP of the model) and two device barriers per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from nemo_gtp.engine.collectives import CommHandle
+
+_ALIGN = 256
+
+
+def copy_engine_available(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """True where symmetric memory works for ``group`` (CUDA, NCCL, peers on one host)."""
+    if device.type != "cuda" or dist.get_backend(group) != "nccl":
+        return False
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _EventWork:
+    """A dist.Work stand-in: waiting makes the current stream wait on a recorded event."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+class SymmetricShardMirror:
+    """Mirrors of every shard of one runtime in one symmetric-memory buffer; pulls on a side stream.
+
+    Example::
+
+        mirror = SymmetricShardMirror(runtime.params, runtime.group)
+        handle = mirror.gather(buffer, param)   # async; handle.wait() orders the consumer
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if not params:
+            raise ValueError("SymmetricShardMirror needs at least one param")
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        device = params[0].device
+        offsets, total = {}, 0
+        for param in params:
+            offsets[id(param)] = total
+            nbytes = param.numel() * param.element_size()
+            total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self._buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        self._handle = symm_mem.rendezvous(self._buffer, group)
+        self._params = list(params)
+        self._local: dict[int, torch.Tensor] = {}
+        self._peers: dict[int, list[torch.Tensor]] = {}
+        for param in params:
+            offset = offsets[id(param)]
+            assert offset % param.element_size() == 0
+            views = [
+                self._handle.get_buffer(
+                    peer, tuple(param.shape), param.dtype,
+                    storage_offset=offset // param.element_size(),
+                )
+                for peer in range(self.size)
+            ]
+            self._peers[id(param)] = views
+            self._local[id(param)] = views[self.rank]
+        self._versions: dict[int, int] = {id(p): -1 for p in params}
+        self.stream = torch.cuda.Stream(device=device)
+        self.refreshes = 0
+
+    def _refresh_if_stale(self, param: torch.Tensor) -> None:
+        if param._version == self._versions[id(param)]:
+            return
+        current = torch.cuda.current_stream()
+        current.wait_stream(self.stream)
+        self._handle.barrier(channel=0)
+        for p in self._params:
+            self._local[id(p)].copy_(p.detach())
+            self._versions[id(p)] = p._version
+        self._handle.barrier(channel=1)
+        self.refreshes += 1
+
+    def gather(self, output: torch.Tensor, param: torch.Tensor) -> CommHandle:
+        """Pull every peer's mirror of ``param`` into ``output`` (rank order along dim 0)."""
+        self._refresh_if_stale(param)
+        ready = torch.cuda.Event()
+        ready.record()  # the output buffer's previous readers and the refresh are enqueued
+        rows = param.shape[0]
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for peer, source in enumerate(self._peers[id(param)]):
+                target = output[peer * rows : (peer + 1) * rows]
+                target.copy_(param.detach() if peer == self.rank else source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return CommHandle(_EventWork(done))
