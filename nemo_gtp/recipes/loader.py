@@ -1,0 +1,150 @@
+"""Turn a recipe YAML (plus Hydra/OmegaConf-style ``key=value`` overrides) into a NeMo fit.
+
+A recipe has the sections NeMo users know from ``nemo llm pretrain`` recipes: ``trainer``
+(``nl.Trainer`` arguments), ``strategy`` (``GTPMegatronStrategy`` arguments: the
+``MegatronStrategy`` ones plus ``num_weight_shards``), ``ddp`` (megatron
+``DistributedDataParallelConfig``), ``gtp`` (``GTPConfig``), ``model`` (``llm.GPTConfig``),
+``data``, ``optim`` (megatron ``OptimizerConfig``), ``precision`` and ``cpu_compat``.
+
+Example::
+
+    cfg = load_recipe("configs/tiny_cpu.yaml", ["trainer.max_steps=50"])
+    fit = build_fit(cfg)
+    fit.trainer.fit(fit.model, datamodule=fit.data)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The recipe at ``path`` with ``key=value`` overrides applied (``+key=value`` adds a key).
+
+    Unknown keys without ``+`` are an error, so a typo does not silently do nothing.
+    """
+    cfg = OmegaConf.load(path)
+    OmegaConf.set_struct(cfg, True)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not key=value")
+        key, value = item.split("=", 1)
+        add = key.startswith("+")
+        key = key.lstrip("+")
+        if not add and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+            raise ValueError(f"override {key!r}: no such key in {path} (use +{key}=... to add)")
+        with _open_dict(cfg):
+            OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"x={value}"]).x, merge=True)
+    return cfg
+
+
+class _open_dict:
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+
+    def __enter__(self) -> None:
+        OmegaConf.set_struct(self.cfg, False)
+
+    def __exit__(self, *exc: object) -> None:
+        OmegaConf.set_struct(self.cfg, True)
+
+
+@dataclass
+class Fit:
+    """What ``trainer.fit(model, datamodule=data)`` needs."""
+
+    trainer: Any
+    model: Any
+    data: Any
+
+
+def _plain(section: Any) -> dict[str, Any]:
+    return dict(OmegaConf.to_container(section, resolve=True)) if section is not None else {}
+
+
+def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
+    """Build trainer, GPT model and data module from a loaded recipe."""
+    if cfg.get("cpu_compat", False):
+        from nemo_gtp.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat(nemo=True)
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from nemo import lightning as nl
+    from nemo.collections import llm
+    from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
+    from nemo.collections.llm.gpt.model.base import local_layer_spec
+
+    from nemo_gtp.engine import GTPConfig
+    from nemo_gtp.recipes.data import ArithmeticGPTDataModule
+    from nemo_gtp.strategy import GTPDrainCallback, GTPMegatronStrategy, SyntheticGPTDataModule
+
+    data_cfg = _plain(cfg.data)
+    vocab = data_cfg.pop("vocab_size")
+    kind = data_cfg.pop("dataset", "arithmetic")
+    model_cfg = _plain(cfg.model)
+    for key in ("params_dtype", "pipeline_dtype"):
+        if key in model_cfg:
+            model_cfg[key] = _DTYPES[model_cfg[key]]
+    if cfg.get("cpu_compat", False):
+        from nemo_gtp.cpu_compat import cpu_gpt_data_step
+
+        model_cfg.setdefault("use_cpu_initialization", True)
+        model_cfg["data_step_fn"] = cpu_gpt_data_step
+    gpt_config = llm.GPTConfig(
+        transformer_layer_spec=local_layer_spec, vocab_size=vocab,
+        seq_length=data_cfg["seq_length"], **model_cfg,
+    )
+    tokenizer = NullTokenizer(vocab - 1)  # NullTokenizer(n) has vocab_size n + 1
+    optim = nl.MegatronOptimizerModule(config=OptimizerConfig(**_plain(cfg.optim)))
+    model = llm.GPTModel(gpt_config, tokenizer=tokenizer, optim=optim)
+    data_class = ArithmeticGPTDataModule if kind == "arithmetic" else SyntheticGPTDataModule
+    data = data_class(tokenizer=tokenizer, num_workers=0, pin_memory=False,
+                      create_attention_mask=True, **data_cfg)
+    strategy = GTPMegatronStrategy(
+        ddp=DistributedDataParallelConfig(**_plain(cfg.ddp)),
+        gtp_config=GTPConfig(**_plain(cfg.get("gtp"))),
+        **_plain(cfg.strategy),
+    )
+    plugins = []
+    if cfg.get("precision", "32") == "bf16-mixed":
+        plugins.append(nl.MegatronMixedPrecision(precision="bf16-mixed"))
+    trainer = nl.Trainer(
+        strategy=strategy, plugins=plugins,
+        callbacks=[GTPDrainCallback(), *(callbacks or [])], **_plain(cfg.trainer),
+    )
+    return Fit(trainer, model, data)
+
+
+class LossLog(pl.Callback):
+    """Rank 0 appends ``{"step", "loss", "ms"}`` JSON lines (the DP-reduced train loss) to a file.
+
+    Example::
+
+        fit = build_fit(cfg, callbacks=[LossLog("losses.jsonl")])
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank != 0:
+            return
+        loss = trainer.callback_metrics.get("reduced_train_loss")
+        record = {"step": trainer.global_step, "loss": float(loss),
+                  "ms": round(1000 * (time.perf_counter() - self._start), 1)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
