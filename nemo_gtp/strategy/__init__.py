@@ -1,0 +1,22 @@
+"""The NeMo / Lightning layer of GTP (seed §2.1, §2.3): strategy, callbacks, NeMo fixes.
+
+Importing this package imports NeMo and Lightning; ``nemo_gtp.engine`` never does.
+"""
+
+from nemo_gtp.strategy.accounting import MemoryFootprint, memory_footprint
+from nemo_gtp.strategy.callbacks import (
+    GTPDrainCallback,
+    GTPMetricsCallback,
+    GTPProgressBar,
+    gtp_runtimes,
+)
+from nemo_gtp.strategy.cuda_graphs import cuda_graphs_enabled, enforce_cuda_graph_warmup
+from nemo_gtp.strategy.megatron_strategy import GTPMegatronStrategy, gtp_banner
+from nemo_gtp.strategy.nemo_compat import SyntheticGPTDataModule
+
+__all__ = [
+    "GTPDrainCallback", "GTPMegatronStrategy", "GTPMetricsCallback", "GTPProgressBar",
+    "MemoryFootprint",
+    "SyntheticGPTDataModule", "cuda_graphs_enabled", "enforce_cuda_graph_warmup", "gtp_banner",
+    "gtp_runtimes", "memory_footprint",
+]

@@ -1,0 +1,145 @@
+"""Lightning callbacks for GTP runs: drain GTP communication at boundaries, log GTP metrics.
+
+Both find the model's :class:`GTPRuntime` objects through :func:`gtp_runtimes` (the strategy's
+list when it is a ``GTPMegatronStrategy``, else a walk over the module's parameters).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+from nemo_gtp.engine import GTPRuntime, is_gtp_param
+from nemo_gtp.strategy.accounting import MemoryFootprint, memory_footprint
+
+_log = logging.getLogger(__name__)
+
+
+def gtp_runtimes(trainer: pl.Trainer) -> list[GTPRuntime]:
+    """Every GTP runtime of the model ``trainer`` trains (empty when GTP is off)."""
+    runtimes = getattr(trainer.strategy, "gtp_runtimes", None)
+    if runtimes is not None:
+        return list(runtimes)
+    found: dict[int, GTPRuntime] = {}
+    model = trainer.strategy.model
+    if model is not None:
+        for param in model.parameters():
+            if is_gtp_param(param):
+                found.setdefault(id(param.runtime), param.runtime)
+    return list(found.values())
+
+
+def drain_all(trainer: pl.Trainer) -> None:
+    """Complete every in-flight GTP gather / reduce-scatter (the §3.1 fence)."""
+    for runtime in gtp_runtimes(trainer):
+        runtime.drain()
+
+
+class GTPDrainCallback(pl.Callback):
+    """Drain every GTP runtime before checkpoint save, validation, fit end and on exception.
+
+    After a drain no GTP collective is in flight and every GTP ``main_grad`` is final, so a
+    checkpoint never captures a half-reduced gradient, an evaluation loop never consumes a
+    prefetch issued for training, and a failing rank does not leave collectives behind.
+    ``GTPMegatronStrategy`` adds it automatically.
+
+    Example::
+
+        trainer = nl.Trainer(..., strategy=GTPMegatronStrategy(...), callbacks=[GTPDrainCallback()])
+    """
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        drain_all(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        drain_all(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        drain_all(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        try:  # best effort: never mask the exception that is already propagating
+            drain_all(trainer)
+        except Exception as err:
+            _log.warning("GTP drain after %r failed: %r", exception, err)
+
+
+class GTPMetricsCallback(pl.Callback):
+    """Log GTP communication and memory to the trainer's loggers every training step.
+
+    Per step (counters reset at each step start): ``gtp/gather_bytes``,
+    ``gtp/reduce_scatter_bytes``, ``gtp/gathers``, ``gtp/prefetches``, ``gtp/prefetch_skipped``,
+    ``gtp/exposed_gather_s`` / ``gtp/exposed_reduce_scatter_s`` / ``gtp/exposed_comm_s`` (how
+    long the compute stream stalled on GTP collectives: CUDA events on GPU, host time on CPU),
+    ``gtp/step_s`` and ``gtp/exposed_comm_fraction``. Constant per run: ``gtp/weight_bytes``,
+    ``gtp/grad_bytes``, ``gtp/optimizer_bytes`` and their ``unsharded_*`` twins (see
+    :mod:`nemo_gtp.strategy.accounting`). The last values stay in :attr:`last_metrics`.
+
+    Example::
+
+        trainer = nl.Trainer(..., callbacks=[GTPMetricsCallback()])
+    """
+
+    def __init__(self) -> None:
+        self.last_metrics: dict[str, float] = {}
+        self._footprint: MemoryFootprint | None = None
+        self._step_start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        for runtime in gtp_runtimes(trainer):
+            runtime.stats.reset()
+            runtime.wait_timer.collect()  # drop what accumulated outside this step
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        runtimes = gtp_runtimes(trainer)
+        if not runtimes:
+            return
+        if self._footprint is None:  # after the first optimizer step: optimizer state exists
+            self._footprint = memory_footprint(trainer.strategy.model, trainer.strategy.optimizers)
+        metrics: dict[str, float] = {}
+        for name in ("gather_bytes", "reduce_scatter_bytes", "gathers", "prefetches",
+                     "prefetch_skipped"):
+            metrics[f"gtp/{name}"] = float(sum(getattr(r.stats, name) for r in runtimes))
+        exposed: dict[str, float] = {}
+        for runtime in runtimes:
+            for kind, seconds in runtime.wait_timer.collect().items():
+                exposed[kind] = exposed.get(kind, 0.0) + seconds
+        step_s = time.perf_counter() - self._step_start  # after collect(): CUDA work is done
+        metrics["gtp/exposed_gather_s"] = exposed.get("gather", 0.0)
+        metrics["gtp/exposed_reduce_scatter_s"] = exposed.get("reduce_scatter", 0.0)
+        metrics["gtp/exposed_comm_s"] = sum(exposed.values())
+        metrics["gtp/step_s"] = step_s
+        metrics["gtp/exposed_comm_fraction"] = min(1.0, metrics["gtp/exposed_comm_s"] / step_s)
+        metrics.update(self._footprint.as_metrics())
+        self.last_metrics = metrics
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class GTPProgressBar(TQDMProgressBar):
+    """Lightning's progress bar plus the exposed-communication fraction of the last step.
+
+    Reads :class:`GTPMetricsCallback` (add both); the loss comes from NeMo's logged
+    ``reduced_train_loss`` as usual.
+
+    Example::
+
+        trainer = nl.Trainer(..., callbacks=[GTPMetricsCallback(), GTPProgressBar()])
+    """
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        for callback in trainer.callbacks:
+            if isinstance(callback, GTPMetricsCallback) and callback.last_metrics:
+                fraction = callback.last_metrics.get("gtp/exposed_comm_fraction", 0.0)
+                metrics["exposed_comm"] = f"{100 * fraction:.1f}%"
+        return metrics

@@ -1,0 +1,271 @@
+"""``GTPMegatronStrategy``: NeMo's ``MegatronStrategy`` with Generalized Tensor Parallelism.
+
+GTP is switched on by ``num_weight_shards`` (seed §2.1 ``--tensor-parallel-num-weight-shards``,
+= TP x GTP). With ``num_weight_shards == tensor_model_parallel_size`` (the default) every hook
+below returns to plain ``MegatronStrategy`` behaviour (seed §1.5: off is a no-op).
+
+Hooks, in the order NeMo / Lightning run them:
+
+===========================  =====================================================================
+``__init__``                 validate every GTP-relevant argument (no collectives yet)
+``connect``                  CUDA-graph warmup >= 2 on the model config (seed §2.4)
+``setup_distributed``        NeMo's process groups, then the GTP groups (seed §3.1)
+``setup``                    NeMo's setup (fit only); adds :class:`GTPDrainCallback`
+``init_model_parallel``      precision conversion -> ``shard_model`` -> GTP-aware megatron DDP
+``setup_optimizers``         megatron optimizer over the GTP process groups (seed §3.2)
+``on_train_start``           GTP-aware ``finalize_model_grads``; the one-line config log (§2.3)
+===========================  =====================================================================
+
+Batch arithmetic (seed §3.1): every GTP peer eats its own microbatch, so
+``global_batch = micro x DP x GTP x num_microbatches``. megatron's data-parallel group is
+DP x GTP with our rank order, so NeMo's sampler, microbatch calculator, consumed-samples and
+logged batch size need no change.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads as megatron_finalize_model_grads
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
+from nemo.lightning.pytorch.strategies import MegatronStrategy
+from nemo.lightning.pytorch.strategies.utils import init_model_parallel as nemo_init_model_parallel
+from nemo.utils import AppState
+from nemo.utils import logging as nemo_logging
+
+from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, GTPRuntime
+from nemo_gtp.integrations.megatron import (
+    gtp_process_groups,
+    initialize_gtp_parallel,
+    make_finalize_model_grads,
+)
+from nemo_gtp.strategy.callbacks import GTPDrainCallback
+from nemo_gtp.strategy.cuda_graphs import enforce_cuda_graph_warmup
+from nemo_gtp.strategy.ddp import gtp_ddp_class, nemo_ddp_class
+from nemo_gtp.strategy.model_transform import convert_then_shard, shard_model_chunk
+from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
+from nemo_gtp.strategy.validation import (
+    expert_gtp_size_from,
+    gtp_size_from,
+    validate_ddp_config,
+    validate_strategy_args,
+)
+
+_MEGATRON_SIGNATURE = inspect.signature(MegatronStrategy.__init__)
+_GTP_ARGS = ("num_weight_shards", "expert_num_weight_shards", "gtp_config")
+
+
+def gtp_banner(config: GTPConfig, dims: GTPParallelDims) -> str:
+    """The iteration-0 line (seed §2.3 style), e.g.
+    ``GTP enabled. GTPConfig(pad_for_alignment=16, ...) tp=2 gtp=2 dp=1 (...)``."""
+    return (
+        f"GTP enabled. {config!r} tp={dims.tensor_model_parallel_size} gtp={dims.gtp} "
+        f"dp={dims.dp} (num_weight_shards={dims.num_weight_shards}, data-parallel ranks "
+        f"DP x GTP={dims.data_parallel_size})"
+    )
+
+
+class GTPMegatronStrategy(MegatronStrategy):
+    """``MegatronStrategy`` that shards linear weights over a GTP axis (seed §2.1, §2.3).
+
+    Args:
+        num_weight_shards: shards per dense linear weight, = TP x GTP; ``None`` means TP (GTP
+            off). Must be a positive multiple of ``tensor_model_parallel_size``.
+        expert_num_weight_shards: the expert twin (= ETP x EGTP). Only ETP (expert GTP off) is
+            supported yet.
+        gtp_config: GTP knobs (seed §2.4); ``None`` uses the defaults.
+            ``calculate_per_token_loss`` is mirrored from the model config.
+        *args, **kwargs: every ``MegatronStrategy`` argument, unchanged.
+
+    Example::
+
+        strategy = GTPMegatronStrategy(
+            tensor_model_parallel_size=2, num_weight_shards=4,            # TP2 x GTP2
+            ddp=DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                              overlap_grad_reduce=True),
+        )
+        trainer = nl.Trainer(devices=8, strategy=strategy, plugins=nl.MegatronMixedPrecision(
+            precision="bf16-mixed"))
+    """
+
+    # NeMo's IOMixin wraps __init__ once per class to record its arguments (see
+    # io_transform_args); the flag is inherited, so without this ours would never be recorded.
+    __wrapped_init__ = False
+
+    def __init__(
+        self,
+        *args: Any,
+        num_weight_shards: int | None = None,
+        expert_num_weight_shards: int | None = None,
+        gtp_config: GTPConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        bound = _MEGATRON_SIGNATURE.bind(None, *args, **kwargs)
+        bound.apply_defaults()
+        margs = dict(bound.arguments)
+        tp = margs["tensor_model_parallel_size"]
+        gtp = gtp_size_from(num_weight_shards, tp)
+        egtp = expert_gtp_size_from(
+            expert_num_weight_shards, margs["expert_tensor_parallel_size"], tp
+        )
+        if egtp > 1:
+            raise ValueError(
+                f"expert_num_weight_shards={expert_num_weight_shards} (expert GTP={egtp}) is not "
+                "supported yet: leave it None or equal to expert_tensor_parallel_size"
+            )
+        if gtp_config is not None and not isinstance(gtp_config, GTPConfig):
+            raise ValueError(f"gtp_config must be a GTPConfig or None, got {type(gtp_config)}")
+        validate_strategy_args(margs, gtp)
+        io = getattr(self, "__io__", None)
+        super().__init__(*args, **kwargs)
+        if io is not None:  # the parent's IOMixin wrapper re-recorded only its own arguments
+            self.__io__ = io
+        self.num_weight_shards = tp * gtp
+        self.expert_num_weight_shards = expert_num_weight_shards
+        self.gtp_config = gtp_config
+        self.gtp_size = gtp
+        self.gtp_dims: GTPParallelDims | None = None
+        self.gtp_groups: GTPGroups | None = None
+        self.gtp_runtimes: list[GTPRuntime] = []
+        self._gtp_pgs: ProcessGroupCollection | None = None
+
+    def io_transform_args(self, init_fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Arguments NeMo's IOMixin records (``__io__``, checkpoint ``context/``), flattened.
+
+        NeMo binds them to ``__init__``'s signature, which here is ``*args, **kwargs`` plus the
+        GTP arguments; that would record a single ``kwargs={...}`` entry that does not rebuild
+        the strategy. Record every argument under its ``MegatronStrategy`` name instead.
+        """
+        from nemo.lightning.io.mixin import _io_transform_args
+
+        gtp = {k: kwargs.pop(k) for k in _GTP_ARGS if k in kwargs}
+        bound = _MEGATRON_SIGNATURE.bind_partial(self, *args, **kwargs)
+        flat = {k: v for k, v in bound.arguments.items() if k not in ("self", "kwargs")}
+        flat.update(bound.arguments.get("kwargs", {}), **gtp)
+
+        def recorded(self: Any, **kw: Any) -> None: ...
+
+        recorded.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+            + [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in flat]
+        )
+        return _io_transform_args(self, recorded, **flat)  # NeMo's value conversion
+
+    @property
+    def gtp_enabled(self) -> bool:
+        """True when weights are sharded over a GTP axis of size > 1."""
+        return self.gtp_size > 1
+
+    # ------------------------------------------------------------------ before the model exists
+    def connect(self, model: pl.LightningModule) -> None:
+        """NeMo's connect, then CUDA-graph warmup >= 2 under GTP (seed §2.4)."""
+        super().connect(model)
+        config = getattr(model, "config", None)
+        if self.gtp_enabled and config is not None:
+            note = enforce_cuda_graph_warmup(config)
+            if note:
+                nemo_logging.info(note)
+
+    def setup_distributed(self) -> None:
+        """NeMo's process groups (megatron ``parallel_state``), then the GTP groups."""
+        dims = None
+        if self.gtp_enabled:  # pure arithmetic: every size error before any collective
+            dims = GTPParallelDims(
+                world_size=self.num_nodes * self.num_processes,
+                tensor_model_parallel_size=self.tensor_model_parallel_size,
+                num_weight_shards=self.num_weight_shards,
+                context_parallel_size=self.context_parallel_size,
+                pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+                expert_model_parallel_size=self.expert_model_parallel_size,
+                expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+                num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
+            )
+        super().setup_distributed()
+        if dims is None:
+            return
+        if not parallel_state.model_parallel_is_initialized():
+            # NeMo skips its model-parallel init when torch.distributed was initialized before
+            # the trainer ran (e.g. a second fit in one process); the GTP grid is checked against
+            # megatron's, so initialize it the way NeMo would have.
+            nemo_init_model_parallel(self.model)
+        self.gtp_dims = dims
+        self.gtp_groups = initialize_gtp_parallel(dims)  # also checks megatron's DP == DP x GTP
+        self._gtp_pgs = gtp_process_groups(self.gtp_groups)
+        app_state = AppState()
+        if app_state.data_parallel_size != dims.data_parallel_size:
+            raise RuntimeError(
+                f"NeMo AppState.data_parallel_size={app_state.data_parallel_size}, but GTP needs "
+                f"the data-parallel ranks to be DP x GTP = {dims.data_parallel_size}"
+            )
+
+    # ------------------------------------------------------------------ model setup
+    def setup(self, trainer: pl.Trainer) -> None:
+        """NeMo's setup; under GTP also make sure GTP communication is drained at boundaries."""
+        if self.gtp_enabled and trainer.state.fn != TrainerFn.FITTING:
+            # Outside fit, MegatronStrategy.setup broadcasts every parameter from data-parallel
+            # rank 0 over megatron's data-parallel group, which is DP x GTP here: it would
+            # overwrite every GTP peer's shard with rank 0's.
+            raise NotImplementedError(
+                f"trainer.{trainer.state.fn.value}() with GTP (num_weight_shards="
+                f"{self.num_weight_shards}) is not supported yet: validate inside trainer.fit, "
+                "or use num_weight_shards=tensor_model_parallel_size"
+            )
+        if self.gtp_enabled and not any(isinstance(c, GTPDrainCallback) for c in trainer.callbacks):
+            trainer.callbacks.append(GTPDrainCallback())
+        super().setup(trainer)
+
+    def init_model_parallel(self) -> None:
+        """Precision conversion -> GTP sharding -> GTP-aware megatron DDP (NeMo's own wrap)."""
+        if not self.gtp_enabled:
+            super().init_model_parallel()
+            return
+        if self.ddp_config is not None:
+            validate_ddp_config(self.ddp_config)  # callbacks may have edited it since __init__
+        if self.gtp_groups is None:
+            raise RuntimeError("GTPMegatronStrategy.setup_distributed must run before the model "
+                               "is set up (it builds the GTP process groups)")
+        mp = self.megatron_parallel
+        if not getattr(mp.convert_module_fn, "gtp_composed", False):
+            mp.convert_module_fn = convert_then_shard(mp.convert_module_fn, self._shard_chunk)
+        with nemo_ddp_class(gtp_ddp_class(self._gtp_pgs)):
+            super().init_model_parallel()
+
+    def _shard_chunk(self, chunk: Any) -> None:
+        runtime = shard_model_chunk(chunk, self.gtp_groups, self.gtp_config)
+        if runtime is not None and all(runtime is not r for r in self.gtp_runtimes):
+            self.gtp_runtimes.append(runtime)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """NeMo's optimizer setup with the GTP ``ProcessGroupCollection`` (seed §3.2)."""
+        if not self.gtp_enabled:
+            super().setup_optimizers(trainer)
+            return
+        with megatron_optimizer_pg_collection(self._gtp_pgs):
+            super().setup_optimizers(trainer)
+
+    # ------------------------------------------------------------------ training
+    def on_train_start(self) -> None:
+        """Install the GTP ``finalize_model_grads``; rank 0 logs the active configuration.
+
+        Runs after every callback's ``on_fit_start``, where NeMo's ``MegatronOptimizerModule``
+        installs its ``finalize_model_grads_func``; ours wraps whatever is there.
+        """
+        super().on_train_start()
+        if not self.gtp_enabled:
+            return
+        for chunk in self.megatron_parallel:
+            config = get_model_config(chunk)
+            current = config.finalize_model_grads_func
+            if not getattr(current, "gtp_finalize", False):
+                wrapped = make_finalize_model_grads(
+                    self.gtp_groups, base=current or megatron_finalize_model_grads
+                )
+                wrapped.gtp_finalize = True
+                config.finalize_model_grads_func = wrapped
+        if self.is_global_zero and self.gtp_runtimes:
+            nemo_logging.info(gtp_banner(self.gtp_runtimes[0].config, self.gtp_dims))

@@ -1,0 +1,45 @@
+"""Fixes for NeMo 2.7.3 bugs a user of this stack hits; each one contained and documented.
+
+``SyntheticGPTDataModule``
+    ``nemo.collections.llm.gpt.data.mock.MockDataModule.setup`` passes ``create_attention_mask``
+    positionally into ``_MockGPTDataset``'s ``seed`` slot (``shared/notes/nemo_cpu.md`` R7). The
+    datasets therefore never emit an ``attention_mask`` (and use seed ``int(flag)``), so without
+    TransformerEngine ``gpt_forward_step`` fails with "dataloader did not provide an attention
+    mask". The subclass passes both by keyword; everything else is ``MockDataModule``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo.collections.llm.gpt.data.mock import MockDataModule, _MockGPTDataset
+
+
+class SyntheticGPTDataModule(MockDataModule):
+    """NeMo's random-token ``MockDataModule`` with the attention-mask / seed bug fixed.
+
+    Sample ``i`` of a split is ``numpy.random.default_rng(seed + i)`` tokens, so every data
+    rank's samples are reproducible and distinct (the Megatron sampler hands out indices).
+
+    Example::
+
+        data = SyntheticGPTDataModule(seq_length=32, tokenizer=NullTokenizer(255),
+                                      micro_batch_size=2, global_batch_size=8,
+                                      num_workers=0, pin_memory=False)
+    """
+
+    def __init__(self, *args: Any, seed: int = 42, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seed = seed
+
+    def setup(self, stage: str = "") -> None:
+        """Build the three splits with ``seed`` and ``create_attention_mask`` by keyword."""
+        for attr, name, num in (
+            ("_train_ds", "train", self.num_train_samples),
+            ("_validation_ds", "valid", self.num_val_samples),
+            ("_test_ds", "test", self.num_test_samples),
+        ):
+            setattr(self, attr, _MockGPTDataset(
+                self.tokenizer, name, num, self.seq_length, seed=self.seed,
+                create_attention_mask=self.create_attention_mask,
+            ))

@@ -1,0 +1,276 @@
+"""Run real ``nl.Trainer`` fits (NeMo 2.7.3, CPU/gloo) in processes spawned here.
+
+Lightning initializes torch.distributed itself: each spawned process gets ``MASTER_ADDR``,
+``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` and ``NODE_RANK``, which makes Lightning's
+``LightningEnvironment`` treat it as externally launched (no re-launch of pytest). The
+rendezvous goes through a ``FileStore`` handed to the strategy (``MegatronStrategy.store``, which
+NeMo passes to ``init_process_group``), not a TCP port: a port chosen in advance can be taken by
+gloo's own ephemeral connections (or another job) before the fit binds it. Several fits run in
+one process (process start + ``import nemo`` dominate the cost); between fits the harness tears
+down megatron / NeMo globals and the process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+VOCAB, SEQ, MBS, GBS, STEPS = 128, 16, 2, 8, 10
+BANNER_PREFIX = "GTP enabled."
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One ``trainer.fit``: layout, GTP on/off, what to record."""
+
+    name: str
+    tp: int = 1
+    gtp: int = 1
+    gtp_strategy: bool = False  # GTPMegatronStrategy even at gtp=1 (else plain MegatronStrategy)
+    steps: int = STEPS
+    metrics: bool = False
+    bf16: bool = False  # NeMo's MegatronMixedPrecision("bf16-mixed") plugin
+    distopt: bool = True  # False: NeMo's default ddp="megatron" and the non-distributed Adam
+    strategy_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------- recorders
+class _RecordingDataset(torch.utils.data.Dataset):
+    """Delegates to NeMo's mock dataset and records every sample index this rank loads."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.indices = inner, []
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, idx: int) -> Any:
+        self.indices.append(int(idx))
+        return self.inner[idx]
+
+    def collate_fn(self, batch: Any) -> Any:
+        return self.inner.collate_fn(batch)
+
+
+class _LineCatcher(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _make_callbacks() -> tuple[Any, Any]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers.logger import Logger
+
+    class Recorder(pl.Callback):
+        """Per-step loss, grad norm, learning rate; end-of-fit batch bookkeeping."""
+
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.grad_norms: list[float] = []
+            self.lrs: list[float] = []
+            self.end: dict[str, Any] = {}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self.losses.append(float(loss))
+            self.grad_norms.append(float(trainer.callback_metrics["grad_norm"]))
+
+        def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+            sampler = trainer.strategy.data_sampler
+            self.end = {
+                "num_microbatches": sampler.num_microbatches,
+                "global_batch_size": sampler.current_global_batch_size,
+                "consumed_samples": int(sampler.compute_consumed_samples(trainer.global_step)),
+                "logged_consumed_samples": float(trainer.callback_metrics["consumed_samples"]),
+                "logged_global_batch_size": float(trainer.callback_metrics["global_batch_size"]),
+                "global_step": trainer.global_step,
+            }
+
+    class MemoryLogger(Logger):
+        """A Lightning logger keeping every ``log_metrics`` call."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[tuple[int, dict[str, float]]] = []
+
+        @property
+        def name(self) -> str:
+            return "memory"
+
+        @property
+        def version(self) -> int:
+            return 0
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.records.append((step, dict(metrics)))
+
+    return Recorder(), MemoryLogger()
+
+
+# ---------------------------------------------------------------------------------- one fit
+def _ddp_config() -> Any:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True,
+        bucket_size=20_000, average_in_collective=False, check_for_nan_in_grad=True,
+    )
+
+
+def _gpt_config(tp: int) -> Any:
+    from nemo.collections import llm
+    from nemo.collections.llm.gpt.model.base import local_layer_spec
+
+    from nemo_gtp.cpu_compat import cpu_gpt_data_step
+
+    return llm.GPTConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        seq_length=SEQ, transformer_layer_spec=local_layer_spec, use_cpu_initialization=True,
+        params_dtype=torch.float32, bf16=False, tensor_model_parallel_size=tp,
+        # attention key bias: mathematically zero gradient whose rounding noise Adam amplifies
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, cross_entropy_loss_fusion=False,
+        gradient_accumulation_fusion=False, data_step_fn=cpu_gpt_data_step,
+    )
+
+
+def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.utils import get_model_config
+    from nemo import lightning as nl
+    from nemo.collections import llm
+    from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
+
+    from nemo_gtp import GTPMegatronStrategy, GTPMetricsCallback, SyntheticGPTDataModule
+
+    tokenizer = NullTokenizer(VOCAB - 1)
+    optim = nl.MegatronOptimizerModule(
+        OptimizerConfig(optimizer="adam", use_distributed_optimizer=fit.distopt, lr=1e-3,
+                        clip_grad=1.0, weight_decay=0.01),
+        lr_scheduler=nl.lr_scheduler.CosineAnnealingScheduler(
+            warmup_steps=3, max_steps=fit.steps, min_lr=1e-4),
+    )
+    model = llm.GPTModel(_gpt_config(fit.tp), tokenizer=tokenizer, optim=optim)
+    data = SyntheticGPTDataModule(
+        seq_length=SEQ, tokenizer=tokenizer, micro_batch_size=MBS, global_batch_size=GBS,
+        num_workers=0, pin_memory=False, num_train_samples=100_000,
+    )
+    original_setup = data.setup
+
+    def recording_setup(stage: str = "") -> None:
+        original_setup(stage)
+        data._train_ds = _RecordingDataset(data._train_ds)
+
+    data.setup = recording_setup
+    ddp = _ddp_config() if fit.distopt else "megatron"
+    kwargs = dict(tensor_model_parallel_size=fit.tp, ddp=ddp, process_group_backend="gloo",
+                  ckpt_async_save=False, **fit.strategy_kwargs)
+    if fit.gtp > 1 or fit.gtp_strategy:
+        strategy = GTPMegatronStrategy(num_weight_shards=fit.tp * fit.gtp, **kwargs)
+    else:
+        strategy = nl.MegatronStrategy(**kwargs)
+    strategy.store = dist.FileStore(store_path, world)  # rendezvous without a TCP port
+    recorder, memory_logger = _make_callbacks()
+    metrics_cb = GTPMetricsCallback() if fit.metrics else None
+    callbacks = [recorder] + ([metrics_cb] if metrics_cb else [])
+    trainer = nl.Trainer(
+        accelerator="cpu", devices=world, num_nodes=1, max_steps=fit.steps, strategy=strategy,
+        logger=memory_logger, callbacks=callbacks, enable_checkpointing=False,
+        enable_progress_bar=False, limit_val_batches=0, num_sanity_val_steps=0,
+        use_distributed_sampler=False, log_every_n_steps=1,
+        plugins=[nl.MegatronMixedPrecision(precision="bf16-mixed")] if fit.bf16 else None,
+    )
+    catcher = _LineCatcher()
+    logging.getLogger("nemo_logger").addHandler(catcher)
+    try:
+        trainer.fit(model, datamodule=data)
+    finally:
+        logging.getLogger("nemo_logger").removeHandler(catcher)
+    runtimes = getattr(strategy, "gtp_runtimes", [])
+    ddp = strategy.megatron_parallel[0].module
+    optimizer = strategy.optimizers[0].mcore_optimizer
+    optimizer = getattr(optimizer, "chained_optimizers", [optimizer])[0]  # the dense one
+    out = {
+        "name": fit.name, "losses": recorder.losses, "grad_norms": recorder.grad_norms,
+        "lrs": recorder.lrs, **recorder.end,
+        "data_rank": parallel_state.get_data_parallel_rank(),
+        "data_size": parallel_state.get_data_parallel_world_size(),
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "indices": data._train_ds.indices,
+        "banners": [line for line in catcher.lines if line.startswith(BANNER_PREFIX)],
+        "gtp_params": sum(len(r.params) for r in runtimes),
+        "fallback_allocations": sum(r.stats.fallback_allocations for r in runtimes),
+        "shard_dtypes": sorted({str(p.dtype) for r in runtimes for p in r.params}),
+        "metrics": metrics_cb.last_metrics if metrics_cb else {},
+        "logged_metric_steps": [s for s, m in memory_logger.records if "gtp/gather_bytes" in m],
+        "ddp_class": type(ddp).__name__,
+        "ddp_dp_size": dist.get_world_size(ddp.intra_dp_cp_group),
+        "optimizer_dp_size": dist.get_world_size(optimizer.data_parallel_group)
+        if fit.distopt else None,
+        "gtp_finalize": bool(getattr(get_model_config(ddp).finalize_model_grads_func,
+                                     "gtp_finalize", False)),
+        "sampler_kwargs": strategy.distributed_sampler_kwargs,
+        "drain_callback": any(type(c).__name__ == "GTPDrainCallback" for c in trainer.callbacks),
+    }
+    if fit.metrics and runtimes:
+        specs = [p.gtp_spec for r in runtimes for p in r.params]
+        size = runtimes[0].size
+        gathered = sum(math.prod(s.gathered_shape) * 4 for s in specs) * (size - 1) // size
+        out["expected_gather_bytes_per_pass"] = gathered
+    return out
+
+
+def _teardown() -> None:
+    """Reset what one fit leaves in process-global state before the next fit."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import unset_num_microbatches_calculator
+
+    parallel_state.destroy_model_parallel()
+    unset_num_microbatches_calculator()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
+    from nemo_gtp.cpu_compat import enable_cpu_compat
+
+    torch.set_num_threads(1)
+    enable_cpu_compat()
+    results = []
+    for index, fit in enumerate(fits):
+        os.environ.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(world), RANK=str(rank),
+                          LOCAL_RANK=str(rank), NODE_RANK="0")
+        try:
+            results.append(_fit(fit, world, str(Path(out_dir, f"store{index}"))))
+        finally:
+            _teardown()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def run_fits(fits: list[Fit], world: int, out_dir: str | Path) -> list[list[dict[str, Any]]]:
+    """Run ``fits`` in order on ``world`` spawned ranks; returns ``results[rank][fit_index]``."""
+    mp.spawn(_worker, args=(world, fits, str(out_dir)), nprocs=world, join=True)
+    return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+

@@ -1,0 +1,352 @@
+"""``GTPMegatronStrategy`` end to end with a real ``nl.Trainer`` on CPU/gloo, plus its checks.
+
+Parity oracle: GTP at (TP=t, GTP=g, DP=d) reproduces plain ``MegatronStrategy`` at (TP=t,
+DP=g*d) at the same global batch: per-step loss and grad norm within 1e-5 relative (fp32), for
+10 steps of NeMo's llm.GPTModel (local spec), megatron DDP + distributed Adam, clip_grad=1.0, a
+cosine LR schedule with warmup. The fits of one world size share one spawn (see
+``strategy_harness``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from typing import Any
+
+import pytest
+from strategy_harness import BANNER_PREFIX, GBS, MBS, STEPS, Fit, run_fits
+
+TOL = 1e-5
+
+
+def _by_name(results: list[list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """``{fit name: [rank 0 result, rank 1 result, ...]}``."""
+    names = [fit["name"] for fit in results[0]]
+    return {name: [rank[i] for rank in results] for i, name in enumerate(names)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    fits = [Fit("base_tp1_dp2"), Fit("tp1_gtp2", gtp=2, metrics=True),
+            Fit("gtp_off", gtp_strategy=True),
+            Fit("base_bf16", steps=4, bf16=True), Fit("tp1_gtp2_bf16", gtp=2, steps=4, bf16=True),
+            Fit("base_plain_adam", steps=5, distopt=False),
+            Fit("tp1_gtp2_plain_adam", gtp=2, steps=5, distopt=False)]
+    return _by_name(run_fits(fits, 2, tmp_path_factory.mktemp("two")))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    fits = [Fit("base_tp1_dp4"), Fit("tp1_gtp2_dp2", gtp=2),
+            Fit("base_tp2_dp2", tp=2), Fit("tp2_gtp2", tp=2, gtp=2)]
+    return _by_name(run_fits(fits, 4, tmp_path_factory.mktemp("four")))
+
+
+def _assert_parity(gtp: list[dict[str, Any]], base: list[dict[str, Any]], tol: float = TOL,
+                   steps: int = STEPS) -> float:
+    worst = 0.0
+    for g, b in zip(gtp, base, strict=True):
+        assert len(g["losses"]) == len(b["losses"]) == steps
+        for what in ("losses", "grad_norms"):
+            for step, (x, y) in enumerate(zip(g[what], b[what], strict=True)):
+                err = abs(x - y) / abs(y)
+                worst = max(worst, err)
+                assert err <= tol, f"{g['name']} {what} step {step}: {x} vs {y} ({err:.2e})"
+    assert base[0]["grad_norms"][0] > 1.0  # clip_grad=1.0 really clips: the norm path matters
+    print(f"[strategy parity] {gtp[0]['name']}: max rel err {worst:.2e}")
+    return worst
+
+
+# ------------------------------------------------------------------------------ end to end
+def test_parity_tp1_gtp2_dp1(two_ranks: dict) -> None:
+    _assert_parity(two_ranks["tp1_gtp2"], two_ranks["base_tp1_dp2"])
+
+
+def test_parity_default_ddp_non_distributed_optimizer(two_ranks: dict) -> None:
+    """ddp='megatron' (no overlap) + megatron's FP32Optimizer: grad norm via ``shared`` marks."""
+    _assert_parity(two_ranks["tp1_gtp2_plain_adam"], two_ranks["base_plain_adam"], steps=5)
+
+
+def test_parity_tp1_gtp2_dp2(four_ranks: dict) -> None:
+    _assert_parity(four_ranks["tp1_gtp2_dp2"], four_ranks["base_tp1_dp4"])
+
+
+def test_parity_tp2_gtp2(four_ranks: dict) -> None:
+    _assert_parity(four_ranks["tp2_gtp2"], four_ranks["base_tp2_dp2"])
+
+
+def test_parity_bf16_shards_have_training_dtype(two_ranks: dict) -> None:
+    """bf16-mixed: NeMo's Float16Module conversion runs before sharding (bf16 shards)."""
+    assert all(r["shard_dtypes"] == ["torch.bfloat16"] for r in two_ranks["tp1_gtp2_bf16"])
+    _assert_parity(two_ranks["tp1_gtp2_bf16"], two_ranks["base_bf16"], tol=1e-4, steps=4)
+
+
+def test_gtp_off_is_plain_megatron_strategy(two_ranks: dict) -> None:
+    for off, base in zip(two_ranks["gtp_off"], two_ranks["base_tp1_dp2"], strict=True):
+        assert off["losses"] == base["losses"] and off["grad_norms"] == base["grad_norms"]
+        assert off["ddp_class"] == "DDP" and off["gtp_params"] == 0 and off["banners"] == []
+        assert not off["gtp_finalize"] and not off["drain_callback"]
+
+
+@pytest.mark.parametrize("fixture, name, dp", [
+    ("two_ranks", "tp1_gtp2", 1), ("four_ranks", "tp1_gtp2_dp2", 2),
+    ("four_ranks", "tp2_gtp2", 1),
+])
+def test_wiring(request: pytest.FixtureRequest, fixture: str, name: str, dp: int) -> None:
+    """DDP and the distributed optimizer reduce over the replicate group (DP, not DP x GTP)."""
+    for rank in request.getfixturevalue(fixture)[name]:
+        assert rank["ddp_class"] == "BoundGTPNeMoDDP"
+        assert rank["ddp_dp_size"] == rank["optimizer_dp_size"] == dp
+        # NeMo's distributed_sampler_kwargs see the data group: DP x GTP ranks
+        assert rank["sampler_kwargs"] == {"num_replicas": 2 * dp, "rank": rank["data_rank"]}
+        assert rank["gtp_finalize"] and rank["drain_callback"]
+        assert rank["gtp_params"] == 8  # qkv, proj, fc1, fc2 x 2 layers
+        assert rank["fallback_allocations"] == 0
+
+
+@pytest.mark.parametrize("fixture, gtp_name, base_name, tp, gtp, dp", [
+    ("two_ranks", "tp1_gtp2", "base_tp1_dp2", 1, 2, 1),
+    ("four_ranks", "tp1_gtp2_dp2", "base_tp1_dp4", 1, 2, 2),
+    ("four_ranks", "tp2_gtp2", "base_tp2_dp2", 2, 2, 1),
+])
+def test_batch_and_lr_arithmetic(request: pytest.FixtureRequest, fixture: str, gtp_name: str,
+                                 base_name: str, tp: int, gtp: int, dp: int) -> None:
+    """global batch = micro x DP x GTP x microbatches (seed §3.1); NeMo's bookkeeping agrees."""
+    runs = request.getfixturevalue(fixture)
+    microbatches = GBS // (MBS * dp * gtp)
+    for rank, base in zip(runs[gtp_name], runs[base_name], strict=True):
+        assert rank["data_size"] == dp * gtp
+        assert rank["num_microbatches"] == microbatches == base["num_microbatches"]
+        assert MBS * dp * gtp * rank["num_microbatches"] == GBS == rank["global_batch_size"]
+        assert rank["consumed_samples"] == rank["logged_consumed_samples"] == STEPS * GBS
+        assert rank["logged_global_batch_size"] == GBS and rank["global_step"] == STEPS
+        assert rank["lrs"] == base["lrs"] and len(set(rank["lrs"])) > 2  # scheduler advanced
+        assert len(rank["indices"]) == STEPS * MBS * microbatches
+    by_data_rank: dict[int, list[int]] = {}
+    for rank in runs[gtp_name]:  # TP peers load the same samples, data ranks distinct ones
+        by_data_rank.setdefault(rank["data_rank"], rank["indices"])
+        assert by_data_rank[rank["data_rank"]] == rank["indices"]
+    assert len(by_data_rank) == dp * gtp
+    seen = [i for indices in by_data_rank.values() for i in indices]
+    assert sorted(seen) == list(range(STEPS * GBS))
+
+
+def test_iteration0_log_line(two_ranks: dict, four_ranks: dict) -> None:
+    expected = {"tp1_gtp2": "tp=1 gtp=2 dp=1", "tp1_gtp2_dp2": "tp=1 gtp=2 dp=2",
+                "tp2_gtp2": "tp=2 gtp=2 dp=1"}
+    for name, sizes in expected.items():
+        ranks = (two_ranks if name in two_ranks else four_ranks)[name]
+        assert len(ranks[0]["banners"]) == 1
+        line = ranks[0]["banners"][0]
+        assert line.startswith(f"{BANNER_PREFIX} GTPConfig(pad_for_alignment=16,") and sizes in line
+        assert "\n" not in line
+        assert all(rank["banners"] == [] for rank in ranks[1:])
+    for runs in (two_ranks, four_ranks):
+        for name, ranks in runs.items():
+            if name.startswith("base"):
+                assert all(rank["banners"] == [] for rank in ranks)
+
+
+def test_metrics_callback(two_ranks: dict) -> None:
+    for rank in two_ranks["tp1_gtp2"]:
+        m = rank["metrics"]
+        per_pass, microbatches = rank["expected_gather_bytes_per_pass"], rank["num_microbatches"]
+        # every weight: one forward and one backward gather, one wgrad reduce-scatter, per
+        # microbatch (counters reset each step)
+        assert m["gtp/gather_bytes"] == 2 * microbatches * per_pass
+        assert m["gtp/reduce_scatter_bytes"] == microbatches * per_pass
+        assert m["gtp/gathers"] == 2 * microbatches * rank["gtp_params"]
+        assert m["gtp/prefetches"] > 0 and m["gtp/prefetch_skipped"] == 0
+        assert m["gtp/exposed_comm_s"] == pytest.approx(
+            m["gtp/exposed_gather_s"] + m["gtp/exposed_reduce_scatter_s"])
+        assert m["gtp/exposed_gather_s"] > 0.0  # the chain head's gather is synchronous
+        assert 0.0 < m["gtp/exposed_comm_fraction"] <= 1.0
+        for kind in ("weight", "grad", "optimizer"):
+            assert 0 < m[f"gtp/{kind}_bytes"] < m[f"gtp/unsharded_{kind}_bytes"]
+        assert rank["logged_metric_steps"] == list(range(1, STEPS + 1))
+
+
+# ------------------------------------------------------------------------------ in process
+@pytest.fixture(scope="module")
+def nemo_env() -> types.SimpleNamespace:
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from nemo import lightning as nl
+
+    from nemo_gtp import GTPMegatronStrategy
+
+    return types.SimpleNamespace(DDPConfig=DistributedDataParallelConfig, nl=nl,
+                                 Strategy=GTPMegatronStrategy)
+
+
+INVALID = [
+    (dict(tensor_model_parallel_size=2, num_weight_shards=3), "num_weight_shards=3"),
+    (dict(num_weight_shards=0), "num_weight_shards=0"),
+    (dict(num_weight_shards=2, ddp="pytorch"), "ddp='pytorch'"),
+    (dict(num_weight_shards=2, fsdp="megatron"), "fsdp="),
+    (dict(num_weight_shards=2, use_tp_pp_dp_mapping=True), "use_tp_pp_dp_mapping"),
+    (dict(num_weight_shards=2, num_distributed_optimizer_instances=2),
+     "num_distributed_optimizer_instances"),
+    (dict(num_weight_shards=2, context_parallel_size=2), "context_parallel_size"),
+    (dict(num_weight_shards=2, expert_num_weight_shards=2), "expert_num_weight_shards"),
+    (dict(expert_tensor_parallel_size=2, expert_num_weight_shards=3), "expert_num_weight_shards=3"),
+    (dict(num_weight_shards=2, gtp_config="pad16"), "gtp_config"),
+]
+INVALID_DDP = [
+    (dict(average_in_collective=True), "average_in_collective=False"),
+    (dict(use_distributed_optimizer=True, overlap_param_gather=True), "overlap_param_gather"),
+    (dict(use_megatron_fsdp=True), "use_megatron_fsdp"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", INVALID)
+def test_invalid_arguments(nemo_env: Any, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+        nemo_env.Strategy(**kwargs)
+
+
+@pytest.mark.parametrize("ddp_kwargs, match", INVALID_DDP)
+def test_invalid_ddp_config(nemo_env: Any, ddp_kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as err:
+        nemo_env.Strategy(num_weight_shards=2, ddp=nemo_env.DDPConfig(**ddp_kwargs))
+    assert "ddp" in str(err.value)
+
+
+def test_average_in_collective_message(nemo_env: Any) -> None:
+    with pytest.raises(ValueError) as err:
+        nemo_env.Strategy(num_weight_shards=4, tensor_model_parallel_size=2,
+                          ddp=nemo_env.DDPConfig(average_in_collective=True))
+    assert "DistributedDataParallelConfig(average_in_collective=False)" in str(err.value)
+    assert "NeMo's stock recipes set it True" in str(err.value)
+
+
+def test_gtp_off_accepts_megatron_settings(nemo_env: Any) -> None:
+    strategy = nemo_env.Strategy(ddp=nemo_env.DDPConfig(average_in_collective=True),
+                                 use_tp_pp_dp_mapping=True, tensor_model_parallel_size=2)
+    assert not strategy.gtp_enabled and strategy.num_weight_shards == 2
+
+
+def test_ddp_config_rechecked_before_wrap(nemo_env: Any) -> None:
+    strategy = nemo_env.Strategy(num_weight_shards=2, ddp=nemo_env.DDPConfig())
+    strategy.ddp_config.average_in_collective = True  # e.g. a callback edited it after __init__
+    with pytest.raises(ValueError, match="average_in_collective"):
+        strategy.init_model_parallel()
+
+
+def test_non_fit_entry_points_rejected(nemo_env: Any) -> None:
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    strategy = nemo_env.Strategy(num_weight_shards=2)
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(fn=TrainerFn.VALIDATING),
+                                    callbacks=[])
+    with pytest.raises(NotImplementedError, match=r"trainer.validate\(\) with GTP"):
+        strategy.setup(trainer)
+
+
+def test_world_size_checked_before_collectives(nemo_env: Any) -> None:
+    import torch
+
+    strategy = nemo_env.Strategy(num_weight_shards=2)
+    strategy.parallel_devices = [torch.device("cpu")] * 3
+    with pytest.raises(ValueError, match="world_size=3 is not divisible"):
+        strategy.setup_distributed()
+
+
+def test_io_records_gtp_arguments(nemo_env: Any) -> None:
+    """NeMo's IOMixin record (checkpoint ``context/``) rebuilds the same strategy."""
+    import fiddle as fdl
+
+    from nemo_gtp.engine import GTPConfig
+
+    nemo_env.nl.MegatronStrategy()  # the parent's IOMixin wrapper exists before ours
+    strategy = nemo_env.Strategy(2, num_weight_shards=4, gtp_config=GTPConfig(pad_for_alignment=8),
+                                 process_group_backend="gloo")
+    rebuilt = fdl.build(strategy.__io__)
+    assert type(rebuilt) is type(strategy)
+    assert (rebuilt.num_weight_shards, rebuilt.tensor_model_parallel_size) == (4, 2)
+    assert rebuilt.gtp_config == GTPConfig(pad_for_alignment=8) and rebuilt.gtp_size == 2
+
+
+def test_cuda_graph_warmup_bump(nemo_env: Any) -> None:
+    from nemo.collections import llm
+    from nemo.collections.llm.gpt.model.base import local_layer_spec
+
+    from nemo_gtp.strategy import cuda_graphs_enabled, enforce_cuda_graph_warmup
+
+    def config(**kw: Any) -> types.SimpleNamespace:
+        base = dict(enable_cuda_graph=False, external_cuda_graph=False, cuda_graph_impl="none",
+                    cuda_graph_scope="full", cuda_graph_warmup_steps=0)
+        return types.SimpleNamespace(**{**base, **kw})
+
+    assert not cuda_graphs_enabled(config())
+    off = config()
+    assert enforce_cuda_graph_warmup(off) is None and off.cuda_graph_warmup_steps == 0
+    for kw in (dict(cuda_graph_impl="local"), dict(enable_cuda_graph=True),
+               dict(external_cuda_graph=True), dict(cuda_graph_scope="full_iteration")):
+        cfg = config(**kw)
+        note = enforce_cuda_graph_warmup(cfg)
+        assert cfg.cuda_graph_warmup_steps == 2 and "raised from 0 to 2" in note
+    kept = config(cuda_graph_impl="local", cuda_graph_warmup_steps=3)
+    assert enforce_cuda_graph_warmup(kept) is None and kept.cuda_graph_warmup_steps == 3
+
+    # Through the strategy, on a real NeMo model config (connect runs before the model exists).
+    for shards, expected in ((2, 2), (None, 1)):
+        gpt = llm.GPTModel(llm.GPTConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4,
+            transformer_layer_spec=local_layer_spec, cuda_graph_impl="local",
+            cuda_graph_warmup_steps=1))
+        nemo_env.Strategy(num_weight_shards=shards).connect(gpt)
+        assert gpt.config.cuda_graph_warmup_steps == expected
+
+
+def test_drain_callback_drains_every_runtime() -> None:
+    from nemo_gtp.strategy import GTPDrainCallback
+
+    class Runtime:
+        drains = 0
+
+        def drain(self) -> None:
+            self.drains += 1
+
+    runtimes = [Runtime(), Runtime()]
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(gtp_runtimes=runtimes))
+    callback = GTPDrainCallback()
+    callback.on_save_checkpoint(trainer, None, {})
+    callback.on_validation_start(trainer, None)
+    callback.on_fit_end(trainer, None)
+    callback.on_exception(trainer, None, RuntimeError("boom"))
+    assert [r.drains for r in runtimes] == [4, 4]
+
+    class Broken:
+        def drain(self) -> None:
+            raise RuntimeError("peer gone")
+
+    trainer.strategy.gtp_runtimes = [Broken()]
+    callback.on_exception(trainer, None, ValueError("original"))  # best effort: no raise
+
+
+def test_synthetic_datamodule_emits_attention_mask(nemo_env: Any) -> None:
+    from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
+
+    from nemo_gtp import SyntheticGPTDataModule
+
+    data = SyntheticGPTDataModule(seq_length=8, tokenizer=NullTokenizer(31), micro_batch_size=1,
+                                  global_batch_size=2, num_workers=0, pin_memory=False,
+                                  num_train_samples=16)
+    data.setup()
+    sample = data._train_ds[3]
+    assert sample["attention_mask"].shape == (1, 8, 8) and data._train_ds.seed == 42
+    assert not bool(sample["attention_mask"][0, 7, 0])  # causal: position 7 sees 0
+
+
+def test_engine_import_stays_free_of_nemo() -> None:
+    code = ("import sys, nemo_gtp, nemo_gtp.engine; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('nemo', 'lightning')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(_repo_root()))
+
+
+def _repo_root() -> Any:
+    from pathlib import Path
+
+    return Path(__file__).resolve().parent.parent
