@@ -55,6 +55,11 @@ def _compare(config: str, overrides: list[str]) -> int:
     for step in sorted(by_step[0]):
         a, b = by_step[0][step], by_step[1].get(step, float("nan"))
         print(f"{step:>5} | {a:>22.5f} | {b:>22.5f} | {abs(a - b) / abs(b):.1e}")
+    for name in names:
+        times = sorted(r["ms"] for r in logs[name][5:]) or [float("nan")]
+        peak = max((r.get("peak_gib", 0.0) for r in logs[name]), default=0.0)
+        print(f"{name}: median step {times[len(times) // 2]:.1f} ms"
+              + (f", peak memory {peak:.2f} GiB" if peak else ""))
     first, last = logs[names[0]][0]["loss"], logs[names[0]][-1]["loss"]
     print(f"\nGTP loss {first:.3f} -> {last:.3f} over {len(logs[names[0]])} steps; "
           f"both runs took {time.perf_counter() - start:.0f} s", flush=True)

@@ -126,7 +126,9 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
 
 
 class LossLog(pl.Callback):
-    """Rank 0 appends ``{"step", "loss", "ms"}`` JSON lines (the DP-reduced train loss) to a file.
+    """Rank 0 appends ``{"step", "loss", "ms"[, "peak_gib"]}`` JSON lines to a file.
+
+    ``loss`` is NeMo's ``reduced_train_loss`` (averaged over the data-parallel ranks).
 
     Example::
 
@@ -146,5 +148,7 @@ class LossLog(pl.Callback):
         loss = trainer.callback_metrics.get("reduced_train_loss")
         record = {"step": trainer.global_step, "loss": float(loss),
                   "ms": round(1000 * (time.perf_counter() - self._start), 1)}
+        if torch.cuda.is_available():
+            record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
