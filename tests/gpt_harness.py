@@ -85,6 +85,30 @@ def full_tensor(param: torch.Tensor, tensor: torch.Tensor, groups) -> torch.Tens
     return spec.unpad(out).clone()
 
 
+_GROUPS: dict[tuple[int, int, int], object] = {}
+
+
+def _groups(run: Run):  # noqa: ANN202
+    """GTP groups for ``run``, built once per layout and process.
+
+    Process groups are never freed before the process group itself is destroyed, and every
+    gloo group owns threads: rebuilding them for each of a test's runs piles up hundreds.
+    """
+    world = dist.get_world_size()
+    key = (world, run.tp, run.gtp)
+    if key not in _GROUPS:
+        if (parallel_state.model_parallel_is_initialized()
+                and parallel_state.get_tensor_model_parallel_world_size() != run.tp):
+            parallel_state.destroy_model_parallel()
+        dims = GTPParallelDims(world_size=world, tensor_model_parallel_size=run.tp,
+                               num_weight_shards=run.tp * run.gtp)
+        _GROUPS[key] = initialize_gtp_parallel(dims)
+    elif parallel_state.get_tensor_model_parallel_world_size() != run.tp:
+        parallel_state.destroy_model_parallel()
+        initialize_gtp_parallel(_GROUPS[key].dims, _GROUPS[key])  # megatron state only
+    return _GROUPS[key]
+
+
 def train(run: Run) -> dict:
     """Train ``run`` on the current world; returns per-rank losses, grad norms, grads, weights.
 
@@ -94,12 +118,7 @@ def train(run: Run) -> dict:
     device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
     if not on_gpu:
         enable_cpu_compat()
-    world = dist.get_world_size()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    dims = GTPParallelDims(world_size=world, tensor_model_parallel_size=run.tp,
-                           num_weight_shards=run.tp * run.gtp)
-    groups = initialize_gtp_parallel(dims)
+    groups = _groups(run)
     if on_gpu:
         model_parallel_cuda_manual_seed(1234)
     else:

@@ -36,10 +36,10 @@ CASES_2 = [
     Run(gtp=2, ffn=72, hidden=48, pad=16),                    # padded shapes
     Run(gtp=2, distopt=True, overlap_grad_reduce=False),      # distributed optimizer, sync DDP
 ]
-CASES_4 = [
+CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when TP changes
     Run(gtp=2), Run(gtp=2, distopt=True, per_token=True),     # TP1·GTP2·DP2
-    Run(tp=2, gtp=2), Run(tp=2, gtp=2, per_token=True, distopt=True),  # TP2·GTP2
     Run(gtp=4), Run(gtp=4, fp32_accum=True), Run(gtp=4, ffn=72, pad=1),  # TP1·GTP4
+    Run(tp=2, gtp=2), Run(tp=2, gtp=2, per_token=True, distopt=True),  # TP2·GTP2
 ]
 
 

@@ -16,10 +16,14 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from nemo_gtp.engine.grid import GTPGroups, GTPParallelDims
 
 
-def initialize_gtp_parallel(dims: GTPParallelDims) -> GTPGroups:
+def initialize_gtp_parallel(
+    dims: GTPParallelDims, groups: GTPGroups | None = None
+) -> GTPGroups:
     """Initialize megatron's ``parallel_state`` (if not yet) and build the GTP groups.
 
-    Collective over the world; every rank calls it once.
+    Collective over the world; every rank calls it once. ``groups`` from an earlier call with
+    the same ``dims`` are reused instead of built again (process groups live until the default
+    group is destroyed, so rebuilding them only accumulates).
 
     Example::
 
@@ -34,6 +38,9 @@ def initialize_gtp_parallel(dims: GTPParallelDims) -> GTPGroups:
             expert_model_parallel_size=dims.expert_model_parallel_size,
             expert_tensor_parallel_size=dims.expert_tensor_parallel_size,
             order="tp-cp-ep-dp-pp",
+            # GTP passes use_gloo_process_groups=False to megatron's optimizer; gloo twins of
+            # every megatron group would only cost threads and memory.
+            create_gloo_process_groups=False,
         )
     checks = {
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
@@ -50,7 +57,10 @@ def initialize_gtp_parallel(dims: GTPParallelDims) -> GTPGroups:
             f"megatron parallel_state was initialized with {checks}, the GTP grid needs "
             f"{expected}: initialize both from the same sizes"
         )
-    groups = dims.build()
+    if groups is None:
+        groups = dims.build()
+    elif groups.dims != dims:
+        raise ValueError(f"groups were built for {groups.dims}, not {dims}")
     data_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
     if sorted(data_ranks) != sorted(
         r for ranks in dims.group_ranks()["data"] if groups.rank in ranks for r in ranks
