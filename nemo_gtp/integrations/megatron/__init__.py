@@ -11,6 +11,12 @@ The four touch points of the seed (§3.1, §3.2), on megatron-core 0.15 which ha
   completes the GTP axis for replicated params.
 """
 
+from nemo_gtp.integrations.megatron.checkpoint import (
+    gtp_sharded_state_dict,
+    load_gtp_checkpoint,
+    make_gtp_sharded_state_dict,
+    save_gtp_checkpoint,
+)
 from nemo_gtp.integrations.megatron.ddp import GTPDDPMixin, GTPDistributedDataParallel
 from nemo_gtp.integrations.megatron.finalize import (
     allreduce_replicated_grads,
@@ -21,6 +27,7 @@ from nemo_gtp.integrations.megatron.transform import default_should_shard, shard
 
 __all__ = [
     "GTPDDPMixin", "GTPDistributedDataParallel", "allreduce_replicated_grads",
-    "default_should_shard", "gtp_process_groups", "initialize_gtp_parallel",
-    "make_finalize_model_grads", "shard_model",
+    "default_should_shard", "gtp_process_groups", "gtp_sharded_state_dict",
+    "initialize_gtp_parallel", "load_gtp_checkpoint", "make_finalize_model_grads",
+    "make_gtp_sharded_state_dict", "save_gtp_checkpoint", "shard_model",
 ]

@@ -1,0 +1,93 @@
+"""Print what a checkpoint holds: ``python -m nemo_gtp.checkpoint.inspect <dir>`` (seed §1.8).
+
+Shows the layout it was saved with (:mod:`nemo_gtp.checkpoint.layout`; "not recorded" for a
+checkpoint nemo_gtp did not write), then every tensor key with its global shape and dtype, and
+the sharded objects. Reads only the checkpoint's metadata files; no process group is needed.
+
+Example::
+
+    $ python -m nemo_gtp.checkpoint.inspect ckpt/step100 --filter linear_fc1
+    checkpoint: /abs/ckpt/step100
+    layout: TP2 x GTP2 x DP1 (PP1, CP1; world 4), pad_for_alignment=16
+    GTP padding (TP-local rows -> padded rows):
+      decoder.layers.mlp.linear_fc1.weight  40 -> 64
+    tensors (4 of 61):
+      decoder.layers.mlp.linear_fc1.bias    (2, 80)      torch.float32
+      ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from nemo_gtp.checkpoint.io import resolve_checkpoint
+from nemo_gtp.checkpoint.layout import read_layout
+
+
+def describe(checkpoint_dir: str | Path, key_filter: str = "") -> dict:
+    """Layout, tensors (key -> (global shape, dtype)) and object keys of a checkpoint."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    path = resolve_checkpoint(checkpoint_dir)
+    tensors = {
+        key: (tuple(meta.global_shape), str(meta.dtype))
+        for key, meta in sorted(load_tensors_metadata(str(path)).items())
+    }
+    objects = sorted(k for k in load_sharded_metadata(str(path)) if k not in tensors)
+    layout = read_layout(path)
+    return {
+        "path": str(path),
+        "filter": key_filter,
+        "layout": None if layout is None else layout.to_dict(),
+        "layout_line": "not recorded" if layout is None else layout.describe(),
+        "num_tensors": len(tensors),
+        "tensors": {k: v for k, v in tensors.items() if key_filter in k},
+        "objects": [k for k in objects if key_filter in k],
+    }
+
+
+def render(info: dict) -> str:
+    """Human-readable form of :func:`describe`'s result."""
+    lines = [f"checkpoint: {info['path']}", f"layout: {info['layout_line']}"]
+    padded = {k: v for k, v in ((info["layout"] or {}).get("padded_rows") or {}).items()
+              if info["filter"] in k}
+    if padded:
+        lines.append("GTP padding (TP-local rows -> padded rows):")
+        width = max(map(len, padded))
+        lines += [f"  {k:<{width}}  {rows} -> {pad}" for k, (rows, pad) in padded.items()]
+    tensors = info["tensors"]
+    lines.append(f"tensors ({len(tensors)} of {info['num_tensors']}):")
+    if tensors:
+        width = max(map(len, tensors))
+        lines += [f"  {k:<{width}}  {str(shape):<14} {dtype}"
+                  for k, (shape, dtype) in tensors.items()]
+    lines.append(f"objects ({len(info['objects'])}):")
+    lines += [f"  {k}" for k in info["objects"]]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_gtp.checkpoint.inspect", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("checkpoint_dir", help="a megatron torch_dist checkpoint directory")
+    parser.add_argument("--filter", default="", help="only keys containing this substring")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    args = parser.parse_args(argv)
+    try:
+        info = describe(args.checkpoint_dir, args.filter)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""GTP-aware sharded state dicts for megatron models and optimizers (seed §1.8, §3.3).
+
+megatron builds ``model.sharded_state_dict()`` as if every GTP shard were the whole TP-local
+weight. :func:`make_gtp_sharded_state_dict` post-processes it:
+
+- every parameter entry becomes a :class:`~nemo_gtp.checkpoint.pieces.RowMap` factory that
+  describes the local tensor as pieces of megatron's own *unpadded* global (the note in
+  :mod:`nemo_gtp.checkpoint.pieces` says why unpadded). For a GTP shard of rank ``g`` that is the
+  seed's offsets table in unpadded rows: column-parallel rows start at ``tp_rank·rows_tp +
+  g·shard_rows``, row-parallel rows at ``g·shard_rows`` with the TP offset on axis 1, no-TP rows at
+  ``g·shard_rows``; pad rows are left out;
+- ``replica_id`` takes its DP coordinate from the GTP-excluded replicate group (GTP peers hold
+  different data, not replicas); every entry GTP does not shard (norms, biases, embeddings,
+  ``_extra_state`` objects) folds ``gtp_rank`` into its TP coordinate, so exactly one GTP peer
+  writes it — also in the distributed optimizer's ``fully_sharded_model_space`` format, which
+  zeroes the DP coordinate.
+
+Because the factory keeps the parameter as its ``data``, megatron's optimizers match their state
+to it by identity and re-key it (``optimizer.state.exp_avg.<key>`` ...), so master weights and
+Adam moments get the same layout-independent pieces (§3.3 "Optimizer state"). Apply it in runs
+without GTP too: the weights then stay byte-compatible with megatron's own format, and the
+optimizer state is in the same layout-independent format as in GTP runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    ReplicaId,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from megatron.core.distributed import DistributedDataParallel
+
+from nemo_gtp.checkpoint.io import load_checkpoint, save_checkpoint
+from nemo_gtp.checkpoint.layout import CheckpointLayout
+from nemo_gtp.checkpoint.optimizer import (
+    DEFAULT_SHARDING_TYPE,
+    load_optimizer_state,
+    optimizer_sharded_state_dict,
+)
+from nemo_gtp.checkpoint.pieces import RowMap, RowSegment
+from nemo_gtp.engine.grid import GTPGroups
+from nemo_gtp.engine.param import is_gtp_param
+
+
+def gtp_sharded_state_dict(
+    model: torch.nn.Module, groups: GTPGroups | None, *, prefix: str = "",
+    metadata: dict | None = None,
+) -> dict[str, Any]:
+    """``model.sharded_state_dict()`` made GTP-aware (see the module docstring).
+
+    ``groups=None`` means a run without GTP (replicate group = megatron's data-parallel group).
+
+    Example::
+
+        model_sd = gtp_sharded_state_dict(model, groups)
+        optim_sd = optimizer_sharded_state_dict(optimizer, model_sd)
+        save_checkpoint({"model": model_sd, "optimizer": optim_sd}, path,
+                        layout=checkpoint_layout(model_sd, groups))
+    """
+    return make_gtp_sharded_state_dict(
+        model.sharded_state_dict(prefix=prefix, metadata=metadata), groups
+    )
+
+
+def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | None) -> dict:
+    """Rewrite megatron's model sharded state dict for GTP, in place; returns it."""
+    gtp_rank, gtp_size = (0, 1) if groups is None else (groups.gtp_rank, groups.gtp_size)
+    if groups is None:
+        replicate_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    else:
+        replicate_rank = dist.get_rank(groups.replicate)
+
+    def fold(replica_id: ReplicaId, gtp_sharded: bool) -> ReplicaId:
+        if isinstance(replica_id, tuple) and len(replica_id) == 3:
+            pp, tp, _ = replica_id  # megatron's (PP, TP, DP); its DP coordinate counts GTP peers
+            return (pp, tp if gtp_sharded else tp * gtp_size + gtp_rank, replicate_rank)
+        if gtp_sharded or gtp_rank == 0:  # not megatron's layout: only keep GTP peers apart
+            return replica_id
+        return (replica_id, gtp_rank)
+
+    def visit(value: Any) -> Any:
+        if isinstance(value, ShardedObject):
+            return replace(value, replica_id=fold(value.replica_id, False))
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+            row_map = _row_map(value)
+            gtp_sharded = is_gtp_param(value.data)
+            if gtp_sharded and groups is None:
+                raise ValueError(f"{value.key} is GTP-sharded: pass the run's GTPGroups")
+            if row_map is None:
+                if gtp_sharded:
+                    raise NotImplementedError(
+                        f"{value.key}: cannot describe this GTP-sharded entry "
+                        f"({type(value).__name__}) to the checkpoint"
+                    )
+                return replace(value, replica_id=fold(value.replica_id, False))
+            return row_map.factory(value.key, value.data, fold(value.replica_id, gtp_sharded))
+        return value
+
+    dict_list_map_inplace(visit, sharded_state_dict)
+    return sharded_state_dict
+
+
+def _row_map(entry: ShardedTensor | ShardedTensorFactory) -> RowMap | None:
+    """The row map of a parameter entry, or ``None`` for entries left to megatron."""
+    data = entry.data
+    if not isinstance(data, torch.nn.Parameter) or data.dim() == 0:
+        return None
+    if isinstance(entry, ShardedTensor):
+        segments = _tensor_segments(entry)
+        allow_mismatch = entry.allow_shape_mismatch
+    else:
+        segments = _factory_segments(entry)
+        allow_mismatch = False
+    if segments is None:
+        return None
+    first_row = data.gtp_spec.gtp_rank * data.gtp_spec.shard_dim0 if is_gtp_param(data) else 0
+    return RowMap(tuple(data.shape), first_row, tuple(segments), allow_mismatch)
+
+
+def _logical_shape(data: torch.Tensor) -> tuple[int, ...]:
+    """Shape of the TP-local weight a param stands for (the unsharded one for a GTP shard)."""
+    return tuple(data.gtp_spec.logical_shape) if is_gtp_param(data) else tuple(data.shape)
+
+
+def _tensor_segments(entry: ShardedTensor) -> list[RowSegment] | None:
+    if entry.flattened_range is not None:
+        return None
+    rows = _logical_shape(entry.data)[0]
+    shape, offset = list(entry.global_shape), list(entry.global_offset)
+    if is_gtp_param(entry.data):
+        # megatron scaled the TP grid by the shard's rows; rescale it by the logical rows.
+        if entry.axis_fragmentations is None:
+            return None
+        axis = entry.prepend_axis_num
+        shape[axis] = entry.axis_fragmentations[axis] * rows
+        offset[axis] = entry.global_offset[axis] // entry.local_shape[0] * rows
+    return [RowSegment(0, rows, "", tuple(shape), tuple(offset))]
+
+
+def _factory_segments(entry: ShardedTensorFactory) -> list[RowSegment] | None:
+    """Segments of a megatron factory that cuts a param into row blocks (SwiGLU ``fc1``).
+
+    The factory's own build runs on a meta tensor of the logical TP-local shape; each
+    ShardedTensor it returns is a block of whole rows, located by its view's storage offset.
+    Anything else (a factory that transforms values, flattens, ...) is not understood.
+    """
+    logical = _logical_shape(entry.data)
+    meta = torch.empty(logical, dtype=entry.data.dtype, device="meta")
+    try:
+        built = entry.build_fn(entry.key, meta, entry.replica_id, None)
+    except Exception:  # noqa: BLE001 - not a factory we can describe; the caller decides
+        return None
+    row_numel = math.prod(logical[1:])
+    segments = []
+    for sub in nested_values(built):
+        if not (isinstance(sub, ShardedTensor) and sub.flattened_range is None
+                and sub.data is not None and sub.data.is_contiguous()
+                and tuple(sub.data.shape[1:]) == logical[1:]
+                and sub.data.storage_offset() % row_numel == 0
+                and sub.key.startswith(entry.key)):
+            return None
+        start = sub.data.storage_offset() // row_numel
+        segments.append(RowSegment(start, start + sub.data.shape[0], sub.key[len(entry.key):],
+                                   tuple(sub.global_shape), tuple(sub.global_offset)))
+    segments.sort(key=lambda seg: seg.local_start)
+    covered = 0
+    for seg in segments:
+        if seg.local_start != covered:
+            return None
+        covered = seg.local_stop
+    return segments if covered == logical[0] else None
+
+
+def checkpoint_layout(sharded_state_dict: dict, groups: GTPGroups | None) -> CheckpointLayout:
+    """The layout record of this run (collective over the world: padding from every stage)."""
+    padded, pad_for_alignment = {}, None
+    for value in nested_values(sharded_state_dict):
+        data = getattr(value, "data", None)
+        if isinstance(value, ShardedTensorFactory) and is_gtp_param(data):
+            spec = data.gtp_spec
+            padded[value.key] = (spec.logical_shape[0], spec.padded_dim0)
+            state = data.gtp_state.runtime
+            runtime = state() if state is not None else None
+            if runtime is not None:
+                pad_for_alignment = runtime.config.pad_for_alignment
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (padded, pad_for_alignment))
+    for other, pad in every:
+        padded.update(other)
+        pad_for_alignment = pad_for_alignment if pad is None else pad
+    dims = None if groups is None else groups.dims
+    return CheckpointLayout(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        gtp_size=1 if dims is None else dims.gtp,
+        data_parallel_size=(parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+                            if dims is None else dims.dp),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        world_size=dist.get_world_size(),
+        pad_for_alignment=pad_for_alignment if padded else None,
+        padded_rows=padded,
+    )
+
+
+def load_model_state(model: torch.nn.Module, loaded: dict, *, strict: bool = True) -> Any:
+    """Copy a loaded model state dict (the result of loading a GTP-aware one) into ``model``.
+
+    The GTP factories already merged every shard to its param's shape with zeros in the pad;
+    the pad rows are zeroed again afterwards so the invariant holds whatever wrote the values.
+    Returns ``load_state_dict``'s missing/unexpected keys.
+    """
+    result = model.load_state_dict(loaded, strict=strict)
+    with torch.no_grad():
+        for param in model.parameters():
+            if is_gtp_param(param):
+                spec = param.gtp_spec
+                valid = spec.logical_shape[0] - spec.gtp_rank * spec.shard_dim0
+                param.data[max(valid, 0):].zero_()
+    return result
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    # megatron DDP would prefix every key with "module."; checkpoints key the bare model.
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def save_gtp_checkpoint(
+    checkpoint_dir: str, model: torch.nn.Module, optimizer: Any, groups: GTPGroups | None, *,
+    sharding_type: str = DEFAULT_SHARDING_TYPE, optimizer_metadata: dict | None = None,
+    extra: dict | None = None, **save_kwargs: Any,
+) -> Any:
+    """Save model (+ optimizer) atomically as ``{"model": ..., "optimizer": ..., **extra}``.
+
+    Collective. ``optimizer=None`` saves weights only; ``extra`` holds more common state;
+    ``optimizer_metadata`` goes to megatron's optimizer ``sharded_state_dict``; ``save_kwargs``
+    to :func:`~nemo_gtp.checkpoint.io.save_checkpoint` (``async_save=True`` returns its request).
+
+    Example::
+
+        save_gtp_checkpoint("ckpt/step100", model, optimizer, groups)
+    """
+    model_sd = gtp_sharded_state_dict(_unwrap(model), groups)
+    state = {"model": model_sd, **(extra or {})}
+    if optimizer is not None:
+        state["optimizer"] = optimizer_sharded_state_dict(
+            optimizer, model_sd, sharding_type=sharding_type, metadata=optimizer_metadata
+        )
+    return save_checkpoint(state, checkpoint_dir, layout=checkpoint_layout(model_sd, groups),
+                           **save_kwargs)
+
+
+def load_gtp_checkpoint(
+    checkpoint_dir: str, model: torch.nn.Module, optimizer: Any, groups: GTPGroups | None, *,
+    sharding_type: str = DEFAULT_SHARDING_TYPE, optimizer_metadata: dict | None = None,
+) -> dict:
+    """Load a checkpoint of any layout into ``model`` (+ ``optimizer``); returns the loaded dict.
+
+    Collective. Raises :class:`~nemo_gtp.checkpoint.io.CheckpointShapeMismatchError` when the
+    model's shapes differ from the checkpoint's.
+    """
+    model = _unwrap(model)
+    model_sd = gtp_sharded_state_dict(model, groups)
+    request = {"model": model_sd}
+    if optimizer is not None:
+        request["optimizer"] = optimizer_sharded_state_dict(
+            optimizer, model_sd, is_loading=True, sharding_type=sharding_type,
+            metadata=optimizer_metadata,
+        )
+    loaded = load_checkpoint(request, checkpoint_dir)
+    load_model_state(model, loaded["model"])
+    if optimizer is not None:
+        load_optimizer_state(optimizer, loaded["optimizer"])
+    return loaded

@@ -1,0 +1,279 @@
+"""Build, train and fully gather megatron's GPTModel at any (TP, GTP, DP) layout (checkpoint tests).
+
+The same real stack as ``gpt_harness``: megatron ``parallel_state``, ``GPTModel`` (local spec),
+our GTP-aware megatron DDP, ``get_megatron_optimizer`` and ``forward_backward_no_pipelining``,
+on CPU/gloo. Layouts change inside one process by destroying and re-initializing megatron's
+``parallel_state`` (the GTP groups are rebuilt each time).
+
+:func:`full_state` gathers every weight and every optimizer state tensor (fp32 master weight,
+Adam ``exp_avg`` / ``exp_avg_sq``) to the full logical tensor (GTP pad stripped, TP
+concatenated, distributed-optimizer ranges assembled), so two layouts compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+
+from nemo_gtp.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
+from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, is_gtp_param
+from nemo_gtp.integrations.megatron import (
+    GTPDistributedDataParallel,
+    gtp_process_groups,
+    initialize_gtp_parallel,
+    make_finalize_model_grads,
+    shard_model,
+)
+
+VOCAB, SEQ, MBS, MICROBATCHES = 128, 16, 2, 2
+STATE_KINDS = ("fp32_param", "exp_avg", "exp_avg_sq")
+COLLECTIVE_TIMEOUT_S = 240  # a rank stuck in a collective fails the spawn instead of hanging
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: object) -> None:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks with a bounded collective timeout."""
+    from dist_utils import free_port
+
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One (TP, GTP) layout on the current world (DP = world / (TP * GTP)) and the model shape."""
+
+    tp: int = 1
+    gtp: int = 1
+    ffn: int = 80
+    hidden: int = 64
+    pad: int = 16
+    distopt: bool = True
+    glu: bool = False
+    """Gated linear unit: megatron stores fc1 through its SwiGLU factory (gate, up halves)."""
+    bias: bool = True
+    """Linear biases. Off for loss comparisons across layouts: the attention key bias has a zero
+    true gradient whose rounding noise Adam turns into lr-sized steps (see ``gpt_harness``)."""
+    bucket_size: int | None = 8_000
+    """Small: several DDP buckets, so distributed-optimizer ranges cut params mid-row.
+    ``None`` (megatron's default, one bucket here) for ``fully_reshardable``: megatron 0.15
+    misplaces its state when buckets are padded ("param range exceeds unpadded buffer")."""
+
+    def __str__(self) -> str:
+        dp = dist.get_world_size() // (self.tp * self.gtp) if dist.is_initialized() else "?"
+        glu = ",glu" if self.glu else ""
+        return f"TP{self.tp}·GTP{self.gtp}·DP{dp}(ffn={self.ffn},pad={self.pad}{glu})"
+
+
+@dataclass
+class Built:
+    """A built training setup."""
+
+    layout: Layout
+    groups: GTPGroups
+    ddp: GTPDistributedDataParallel
+    optimizer: object
+    config: TransformerConfig
+
+
+def build(layout: Layout, seed: int = 1234) -> Built:
+    """(Re)initialize parallel state for ``layout`` and build model, DDP and optimizer."""
+    enable_cpu_compat(nemo=False)  # megatron-only: importing NeMo costs ~7 s CPU per rank
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    dims = GTPParallelDims(world_size=dist.get_world_size(), tensor_model_parallel_size=layout.tp,
+                           num_weight_shards=layout.tp * layout.gtp)
+    # Megatron's extra gloo copies of its groups are redundant here (every group is gloo), and
+    # each layout change would rebuild them; initialize_gtp_parallel keeps this initialization.
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, order="tp-cp-ep-dp-pp",
+        create_gloo_process_groups=False,
+    )
+    groups = initialize_gtp_parallel(dims)
+    model_parallel_cpu_manual_seed(seed)
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=layout.hidden, ffn_hidden_size=layout.ffn,
+        num_attention_heads=4, tensor_model_parallel_size=layout.tp,
+        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
+        attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+        bias_dropout_fusion=False, gated_linear_unit=layout.glu, add_bias_linear=layout.bias,
+    )
+    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ)
+    if layout.gtp > 1:
+        shard_model(model, groups, GTPConfig(pad_for_alignment=layout.pad))
+    pgs = gtp_process_groups(groups)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=True, use_distributed_optimizer=layout.distopt,
+        bucket_size=layout.bucket_size, grad_reduce_in_fp32=True,
+    )
+    ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01,
+                        use_distributed_optimizer=layout.distopt),
+        [ddp], use_gloo_process_groups=False, pg_collection=pgs,
+    )
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "data_parallel_group_gloo"):
+            # megatron refuses gloo groups alongside a pg_collection, but its memory-efficient
+            # fully_reshardable checkpoint path needs one; on CPU the replicate group is gloo.
+            opt.data_parallel_group_gloo = groups.replicate
+    config.finalize_model_grads_func = make_finalize_model_grads(groups)
+    config.no_sync_func = ddp.no_sync
+    return Built(layout, groups, ddp, optimizer, config)
+
+
+def _batch(step: int, microbatch: int, data_rank: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * microbatch + data_rank)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
+    return dict(
+        tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(MBS, SEQ),
+        position_ids=torch.arange(SEQ).expand(MBS, SEQ),
+        attention_mask=torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1),
+    )
+
+
+def _forward_step(data_iterator, model):  # noqa: ANN001
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                labels=batch["labels"])
+
+    def loss_func(output: torch.Tensor):
+        loss = (output.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        return loss, {"lm loss": loss.detach()}
+
+    return out, loss_func
+
+
+def train(built: Built, steps: int, first_step: int = 0) -> list[float]:
+    """Run ``steps`` optimizer steps; returns the losses of the first microbatch."""
+    data_rank = parallel_state.get_data_parallel_rank()
+    losses = []
+    for step in range(first_step, first_step + steps):
+        built.ddp.zero_grad_buffer()
+        built.optimizer.zero_grad()
+        data = iter([_batch(step, m, data_rank) for m in range(MICROBATCHES)])
+        reduced = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=data, model=[built.ddp],
+            num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=MBS,
+            forward_only=False,
+        )
+        built.optimizer.step()
+        losses.append(float(reduced[0]["lm loss"]))
+    return losses
+
+
+def _inner_optimizers(optimizer: object) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _local_states(built: Built, param: torch.nn.Parameter) -> tuple[int, int, dict] | None:
+    """This rank's (start, end, {kind: flat tensor}) of ``param``'s optimizer state, if any."""
+    for opt in _inner_optimizers(built.optimizer):
+        if hasattr(opt, "model_param_group_index_map"):  # DistributedOptimizer
+            if param not in opt.model_param_group_index_map:
+                continue
+            rng = opt._get_model_param_range_map(param)["param"]
+            tensors = opt._get_main_param_and_optimizer_states(param)
+            return rng.start, rng.end, {
+                "fp32_param": tensors["param"], "exp_avg": tensors["exp_avg"],
+                "exp_avg_sq": tensors["exp_avg_sq"],
+            }
+        state = opt.optimizer.state.get(param)
+        if state is not None:
+            return 0, param.numel(), {
+                "fp32_param": param.detach().view(-1), "exp_avg": state["exp_avg"].view(-1),
+                "exp_avg_sq": state["exp_avg_sq"].view(-1),
+            }
+    return None
+
+
+def _assemble_replicate(built: Built, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """Each optimizer state of ``param``, shard-shaped (distributed-optimizer ranges joined)."""
+    local = _local_states(built, param)
+    payload = None if local is None else (
+        local[0], local[1], {k: v.detach().clone() for k, v in local[2].items()}
+    )
+    group = built.groups.replicate
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, payload, group=group)
+    out = {}
+    for kind in STATE_KINDS:
+        flat = torch.full((param.numel(),), float("nan"), dtype=torch.float32)
+        covered = torch.zeros(param.numel(), dtype=torch.bool)
+        for part in parts:
+            if part is not None:
+                flat[part[0]:part[1]] = part[2][kind]
+                covered[part[0]:part[1]] = True
+        assert covered.all(), f"optimizer state of a {tuple(param.shape)} param not fully covered"
+        out[kind] = flat.view(param.shape)
+    return out
+
+
+def _gather_logical(
+    built: Built, name: str, param: torch.nn.Parameter, tensor: torch.Tensor
+) -> torch.Tensor:
+    """``tensor`` (shaped like ``param``) gathered over GTP (pad stripped), then over TP.
+
+    A GLU ``fc1`` holds ``[gate; up]`` per TP rank; the full tensor is all gates, then all ups.
+    """
+    tensor = tensor.detach().contiguous()
+    if is_gtp_param(param):
+        spec = param.gtp_spec
+        gathered = torch.empty(spec.gathered_shape, dtype=tensor.dtype)
+        dist.all_gather_into_tensor(gathered, tensor, group=built.groups.gtp)
+        tensor = spec.unpad(gathered).contiguous()
+    if getattr(param, "tensor_model_parallel", False) and built.layout.tp > 1:
+        group = parallel_state.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(tensor) for _ in range(built.layout.tp)]
+        dist.all_gather(parts, tensor, group=group)
+        if built.layout.glu and ".linear_fc1." in name:
+            halves = [part.chunk(2) for part in parts]
+            parts = [gate for gate, _ in halves] + [up for _, up in halves]
+        tensor = torch.cat(parts, dim=param.partition_dim)
+    return tensor.clone()
+
+
+def full_state(built: Built) -> dict[str, torch.Tensor]:
+    """Every weight and optimizer state as full logical tensors, keyed ``"<kind>/<param name>"``."""
+    out = {}
+    for name, param in built.ddp.module.named_parameters():
+        out[f"weight/{name}"] = _gather_logical(built, name, param, param.data)
+        for kind, tensor in _assemble_replicate(built, param).items():
+            out[f"{kind}/{name}"] = _gather_logical(built, name, param, tensor)
+    return out
+
+
+def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> int:
+    """Bitwise equality of two :func:`full_state` dicts; returns the number of tensors compared."""
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for key in want:
+        assert got[key].shape == want[key].shape, (key, got[key].shape, want[key].shape)
+        if not torch.equal(got[key], want[key]):
+            diff = (got[key] - want[key]).abs().max().item()
+            raise AssertionError(f"{key}: loaded state differs from saved (max abs diff {diff})")
+    return len(want)
