@@ -114,6 +114,12 @@ def train(run: Run) -> dict:
 
     gloo runs on CPU through the CPU compatibility layer; NCCL runs on the current CUDA device.
     """
+    setup = build(run)
+    return train_built(setup, run)
+
+
+def build(run: Run) -> dict:
+    """Model, DDP, optimizer and groups for ``run`` (see :func:`train`)."""
     on_gpu = dist.get_backend() == "nccl"
     device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
     if not on_gpu:
@@ -158,6 +164,13 @@ def train(run: Run) -> dict:
     )
     config.finalize_model_grads_func = make_finalize_model_grads(groups)
     config.no_sync_func = ddp.no_sync
+    return dict(model=model, ddp=ddp, optimizer=optimizer, groups=groups, device=device)
+
+
+def train_built(setup: dict, run: Run) -> dict:
+    """Run ``run.steps`` training steps on a :func:`build` result."""
+    model, ddp, optimizer = setup["model"], setup["ddp"], setup["optimizer"]
+    groups, device = setup["groups"], setup["device"]
     data_rank = parallel_state.get_data_parallel_rank()
     named = [(n, p) for n, p in ddp.module.named_parameters()]
     out = {"losses": [], "grad_norms": [], "grads": {}, "weights": {}, "data_rank": data_rank}
