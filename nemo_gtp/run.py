@@ -29,7 +29,7 @@ def _read(path: str) -> list[dict]:
 
 
 def _compare(config: str, overrides: list[str]) -> int:
-    from nemo_gtp.recipes.loader import load_recipe
+    from nemo_gtp.recipes.config import load_recipe
 
     cfg = load_recipe(config, overrides)
     tp = int(cfg.strategy.get("tensor_model_parallel_size", 1))
@@ -42,8 +42,9 @@ def _compare(config: str, overrides: list[str]) -> int:
             log = os.path.join(tmp, f"run{i}.jsonl")
             print(f"=== {name}: python -m nemo_gtp.run {config} {' '.join(args)}", flush=True)
             cmd = [sys.executable, "-m", "nemo_gtp.run", config, *args, "--loss-log", log]
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             result = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True)
+                                    text=True, env=env)
             if result.returncode != 0:
                 sys.stderr.write(result.stderr[-4000:])
                 print(f"{name} failed (exit {result.returncode})", flush=True)

@@ -5,6 +5,13 @@ Example::
     python -m nemo_gtp.run configs/tiny_cpu.yaml trainer.max_steps=50 strategy.num_weight_shards=4
 """
 
-from nemo_gtp.recipes.loader import build_fit, load_recipe
+from nemo_gtp.recipes.config import load_recipe
+
+
+def build_fit(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+    """See :func:`nemo_gtp.recipes.loader.build_fit` (imported lazily: it pulls in NeMo)."""
+    from nemo_gtp.recipes.loader import build_fit as _build_fit
+
+    return _build_fit(*args, **kwargs)
 
 __all__ = ["build_fit", "load_recipe"]

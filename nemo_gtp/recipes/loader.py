@@ -24,38 +24,9 @@ import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_gtp.recipes.config import load_recipe  # noqa: F401  (re-exported)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """The recipe at ``path`` with ``key=value`` overrides applied (``+key=value`` adds a key).
-
-    Unknown keys without ``+`` are an error, so a typo does not silently do nothing.
-    """
-    cfg = OmegaConf.load(path)
-    OmegaConf.set_struct(cfg, True)
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} is not key=value")
-        key, value = item.split("=", 1)
-        add = key.startswith("+")
-        key = key.lstrip("+")
-        if not add and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
-            raise ValueError(f"override {key!r}: no such key in {path} (use +{key}=... to add)")
-        with _open_dict(cfg):
-            OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"x={value}"]).x, merge=True)
-    return cfg
-
-
-class _open_dict:
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
-
-    def __enter__(self) -> None:
-        OmegaConf.set_struct(self.cfg, False)
-
-    def __exit__(self, *exc: object) -> None:
-        OmegaConf.set_struct(self.cfg, True)
 
 
 @dataclass
