@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_gtp.integrations.megatron.ddp import validate_ddp_config_for_gtp
+
 
 def gtp_size_from(num_weight_shards: int | None, tensor_model_parallel_size: int) -> int:
     """The GTP degree ``num_weight_shards / TP`` (seed §2.1), validated.
@@ -60,31 +62,7 @@ def validate_ddp_config(ddp_config: Any) -> None:
     Called at construction and again right before DDP wrapping (callbacks such as NeMo's
     ``MegatronCommOverlapCallback`` may edit the config in between).
     """
-    if getattr(ddp_config, "average_in_collective", False):
-        raise ValueError(
-            "ddp: DistributedDataParallelConfig.average_in_collective=True is incompatible with "
-            "GTP (seed §3.2: the mean is a pre-scale before a SUM collective). Set "
-            "DistributedDataParallelConfig(average_in_collective=False); NeMo's stock recipes "
-            "set it True"
-        )
-    if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(
-        ddp_config, "use_custom_fsdp", False
-    ):
-        raise ValueError(
-            "ddp: Megatron FSDP (use_megatron_fsdp / use_custom_fsdp) is not supported with GTP: "
-            "GTP shards weights itself and needs megatron DDP"
-        )
-    if getattr(ddp_config, "overlap_param_gather", False):
-        raise ValueError(
-            "ddp: DistributedDataParallelConfig.overlap_param_gather=True is not supported with "
-            "GTP: DDP's forward pre-hook param all-gather can race GTP's prefetch of the next "
-            "weight's shard. Set overlap_param_gather=False"
-        )
-    if getattr(ddp_config, "num_distributed_optimizer_instances", 1) != 1:
-        raise ValueError(
-            "num_distributed_optimizer_instances must be 1 with GTP (seed §3.2), got "
-            f"{ddp_config.num_distributed_optimizer_instances}"
-        )
+    validate_ddp_config_for_gtp(ddp_config)
 
 
 def validate_strategy_args(args: dict[str, Any], gtp_size: int) -> None:

@@ -25,13 +25,28 @@ def validate_ddp_config_for_gtp(ddp_config: object) -> None:
     """Reject DDP settings that are wrong under GTP (raised before any collective)."""
     if getattr(ddp_config, "average_in_collective", False):
         raise ValueError(
-            "DistributedDataParallelConfig.average_in_collective=True is incompatible with GTP "
-            "(seed §3.2: GTP scaling is a pre-scale before a SUM collective): set "
-            "average_in_collective=False"
+            "ddp: DistributedDataParallelConfig.average_in_collective=True is incompatible with "
+            "GTP (seed §3.2: the mean is a pre-scale before a SUM collective). Set "
+            "DistributedDataParallelConfig(average_in_collective=False); NeMo's stock recipes "
+            "set it True"
+        )
+    if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(
+        ddp_config, "use_custom_fsdp", False
+    ):
+        raise ValueError(
+            "ddp: Megatron FSDP (use_megatron_fsdp / use_custom_fsdp) is not supported with GTP: "
+            "GTP shards weights itself and needs megatron DDP"
+        )
+    if getattr(ddp_config, "overlap_param_gather", False):
+        raise ValueError(
+            "ddp: DistributedDataParallelConfig.overlap_param_gather=True is not supported with "
+            "GTP: DDP's forward pre-hook param all-gather can race GTP's prefetch of the next "
+            "weight's shard. Set overlap_param_gather=False"
         )
     if getattr(ddp_config, "num_distributed_optimizer_instances", 1) != 1:
         raise ValueError(
-            "DistributedDataParallelConfig.num_distributed_optimizer_instances must be 1 with GTP"
+            "num_distributed_optimizer_instances must be 1 with GTP (seed §3.2), got "
+            f"{ddp_config.num_distributed_optimizer_instances}"
         )
 
 
