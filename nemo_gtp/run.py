@@ -2,7 +2,8 @@
 
 ``--compare-baseline`` trains the recipe twice, as written (GTP) and with
 ``strategy.num_weight_shards`` set to the tensor-parallel size (plain TP + DP, same global
-batch), each in its own launch, then prints both loss curves side by side.
+batch), both in one launch of ``trainer.devices`` processes (one after the other, see
+``nemo_gtp.recipes.launch``), then prints both loss curves side by side.
 
 Examples::
 
@@ -13,43 +14,27 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
-
-
-def _read(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _compare(config: str, overrides: list[str]) -> int:
     from nemo_gtp.recipes.config import load_recipe
+    from nemo_gtp.recipes.launch import launch_fits
 
     cfg = load_recipe(config, overrides)
     tp = int(cfg.strategy.get("tensor_model_parallel_size", 1))
     shards = int(cfg.strategy.get("num_weight_shards") or tp)
     runs = {f"GTP (TP{tp}·GTP{shards // tp})": overrides,
             f"baseline (TP{tp}, no GTP)": [*overrides, f"strategy.num_weight_shards={tp}"]}
-    logs, start = {}, time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, args) in enumerate(runs.items()):
-            log = os.path.join(tmp, f"run{i}.jsonl")
-            print(f"=== {name}: python -m nemo_gtp.run {config} {' '.join(args)}", flush=True)
-            cmd = [sys.executable, "-m", "nemo_gtp.run", config, *args, "--loss-log", log]
-            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-            result = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True, env=env)
-            if result.returncode != 0:
-                sys.stderr.write(result.stderr[-4000:])
-                print(f"{name} failed (exit {result.returncode})", flush=True)
-                return result.returncode
-            logs[name] = _read(log)
+    start = time.perf_counter()
+    for name, args in runs.items():
+        print(f"=== {name}: python -m nemo_gtp.run {config} {' '.join(args)}", flush=True)
+    try:
+        logs = launch_fits(config, runs)
+    except RuntimeError as err:
+        print(f"training failed: {err}", flush=True)
+        return 1
     names = list(logs)
     print(f"\n{'step':>5} | {names[0]:>22} | {names[1]:>22} | rel diff")
     by_step = [{r["step"]: r["loss"] for r in logs[n]} for n in names]

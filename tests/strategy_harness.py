@@ -241,20 +241,9 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
     return out
 
 
-def _teardown() -> None:
-    """Reset what one fit leaves in process-global state before the next fit."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.num_microbatches_calculator import unset_num_microbatches_calculator
-
-    parallel_state.destroy_model_parallel()
-    unset_num_microbatches_calculator()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
     from nemo_gtp.cpu_compat import enable_cpu_compat
+    from nemo_gtp.recipes.launch import teardown_fit
 
     torch.set_num_threads(1)
     enable_cpu_compat()
@@ -265,7 +254,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
         try:
             results.append(_fit(fit, world, str(Path(out_dir, f"store{index}"))))
         finally:
-            _teardown()
+            teardown_fit()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 

@@ -110,6 +110,10 @@ class LossLog(pl.Callback):
         self.path = path
         self._start = 0.0
 
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if torch.cuda.is_available():  # peak of this fit, not of an earlier one in the process
+            torch.cuda.reset_peak_memory_stats()
+
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._start = time.perf_counter()
 

@@ -1,0 +1,119 @@
+"""Several recipe fits in one multi-process launch (``run.py --compare-baseline``).
+
+Starting a rank and importing NeMo costs far more than a tiny fit, so the GTP run and its
+baseline share one launch: the parent starts one process per rank (``RANK``/``LOCAL_RANK``/
+``WORLD_SIZE`` in the environment, which Lightning's ``LightningEnvironment`` takes as an
+external launch), and each rank runs the fits in order, tearing down megatron/NeMo process-global
+state between them (:func:`teardown_fit`). The rendezvous of each fit goes through its own
+``FileStore`` (handed to the strategy's ``store``, which NeMo passes to
+``init_process_group``), so no TCP port has to be picked in advance.
+
+Example::
+
+    logs = launch_fits("configs/tiny_cpu.yaml",
+                       {"gtp": [], "baseline": ["strategy.num_weight_shards=1"]})
+    logs["gtp"]  # [{"step": 0, "loss": ..., "ms": ...}, ...] from rank 0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def teardown_fit() -> None:
+    """Reset what one ``trainer.fit`` leaves in process-global state before the next one.
+
+    Megatron's parallel state and microbatch calculator are module globals that NeMo sets once
+    per fit; the default process group is destroyed so the next fit's strategy creates its own.
+    """
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import unset_num_microbatches_calculator
+
+    parallel_state.destroy_model_parallel()
+    unset_num_microbatches_calculator()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _world_size(config: str, overrides: list[str]) -> int:
+    from nemo_gtp.recipes.config import load_recipe
+
+    trainer = load_recipe(config, overrides).trainer
+    return int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
+
+
+def launch_fits(config: str, runs: dict[str, list[str]], *,
+                stderr_tail: int = 4000) -> dict[str, list[dict]]:
+    """Run ``config`` once per entry of ``runs`` (name -> overrides) in one launch.
+
+    Every run must need the same number of processes. Returns rank 0's per-step loss log of
+    each run (see :class:`nemo_gtp.recipes.loader.LossLog`). Raises ``RuntimeError`` with the
+    failing rank's stderr tail when a rank exits non-zero.
+    """
+    worlds = {name: _world_size(config, args) for name, args in runs.items()}
+    if len(set(worlds.values())) != 1:
+        raise ValueError(f"runs sharing one launch need the same trainer.devices x num_nodes, "
+                         f"got {worlds}")
+    world = next(iter(worlds.values()))
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp, "spec.json")
+        spec.write_text(json.dumps({"config": config, "runs": runs, "dir": tmp}))
+        procs = []
+        for rank in range(world):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
+                   "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            err = open(Path(tmp, f"stderr{rank}.txt"), "w")  # noqa: SIM115 (closed below)
+            procs.append((subprocess.Popen(
+                [sys.executable, "-m", "nemo_gtp.recipes.launch", str(spec)], env=env,
+                stdout=subprocess.DEVNULL, stderr=err), err))
+        codes = []
+        for proc, err in procs:
+            codes.append(proc.wait())
+            err.close()
+        if any(codes):
+            rank = next(r for r, c in enumerate(codes) if c)
+            tail = Path(tmp, f"stderr{rank}.txt").read_text()[-stderr_tail:]
+            raise RuntimeError(f"rank {rank} exited with {codes[rank]}:\n{tail}")
+        return {name: _read_log(Path(tmp, f"{i}.jsonl")) for i, name in enumerate(runs)}
+
+
+def _read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _rank_main(spec_path: str) -> None:
+    """One rank: every run of the spec in order, torn down in between."""
+    import torch.distributed as dist
+
+    from nemo_gtp.recipes.loader import LossLog, build_fit, load_recipe
+
+    spec = json.loads(Path(spec_path).read_text())
+    world = int(os.environ["WORLD_SIZE"])
+    for i, args in enumerate(spec["runs"].values()):
+        cfg = load_recipe(spec["config"], args)
+        fit = build_fit(cfg, callbacks=[LossLog(str(Path(spec["dir"], f"{i}.jsonl")))])
+        fit.trainer.strategy.store = dist.FileStore(str(Path(spec["dir"], f"store{i}")), world)
+        try:
+            fit.trainer.fit(fit.model, datamodule=fit.data)
+        finally:
+            del fit
+            teardown_fit()
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])
