@@ -23,6 +23,7 @@ from nemo_gtp.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_see
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, is_gtp_param
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
+    gtp_layer_spec,
     gtp_process_groups,
     initialize_gtp_parallel,
     make_finalize_model_grads,
@@ -47,6 +48,7 @@ class Run:
     pad: int = 16
     overlap_grad_reduce: bool = True
     gather_backend: str = "nccl"
+    presharded: bool = False  # build the linears as shards (gtp_layer_spec), weights copied in
 
 
 def _batch(step: int, microbatch: int, data_rank: int, device: str) -> dict[str, torch.Tensor]:
@@ -83,6 +85,17 @@ def full_tensor(param: torch.Tensor, tensor: torch.Tensor, groups) -> torch.Tens
     out = torch.empty(spec.gathered_shape, dtype=tensor.dtype, device=tensor.device)
     dist.all_gather_into_tensor(out, tensor.detach().contiguous(), group=groups.gtp)
     return spec.unpad(out).clone()
+
+
+def load_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy TP-local full weights ``full`` (by name) into ``model``; GTP shards take their slice.
+
+    Test/benchmark only: gives a model built as shards the initial weights of a full twin.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            source = full[name].to(param.device, param.dtype)
+            param.copy_(param.gtp_spec.shard(source) if is_gtp_param(param) else source)
 
 
 _GROUPS: dict[tuple[int, int, int], object] = {}
@@ -144,13 +157,21 @@ def build(run: Run) -> dict:
         # biased nn.Linear engine tests.
         add_bias_linear=False,
     )
-    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ).to(device)
+    gtp_config = GTPConfig(
+        calculate_per_token_loss=run.per_token, pad_for_alignment=run.pad,
+        reduce_scatter_with_fp32_accumulation=run.fp32_accum, gather_backend=run.gather_backend,
+    )
+    spec, reference = get_gpt_layer_local_spec(), None
+    if run.presharded and run.gtp > 1:
+        # The full twin this seed builds without GTP; the shards then start from its weights.
+        reference = {n: p.detach().clone()
+                     for n, p in GPTModel(config, spec, VOCAB, SEQ).named_parameters()}
+        spec = gtp_layer_spec(spec, groups, gtp_config)
+    model = GPTModel(config, spec, VOCAB, SEQ).to(device)
+    if reference is not None:
+        load_full_weights(model, reference)
     if run.gtp > 1:
-        shard_model(model, groups, GTPConfig(
-            calculate_per_token_loss=run.per_token, pad_for_alignment=run.pad,
-            reduce_scatter_with_fp32_accumulation=run.fp32_accum,
-            gather_backend=run.gather_backend,
-        ))
+        shard_model(model, groups, gtp_config)
     pgs = gtp_process_groups(groups)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=run.overlap_grad_reduce, use_distributed_optimizer=run.distopt,

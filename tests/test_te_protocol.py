@@ -53,6 +53,8 @@ def _worker(rank: int, world: int) -> None:
     assert materialize_weight_for_forward([plain])[0] is plain
     (w_fwd,) = materialize_weight_for_forward([weight])
     assert w_fwd.shape == (40, 16) and torch.equal(w_fwd, full)
+    # TE's LayerNormLinear computes the wgrad only if the tensor it is handed requires grad
+    assert w_fwd.requires_grad and w_fwd.is_leaf
     (w_bwd,) = materialize_weight_for_backward([weight])
     assert torch.equal(w_bwd, full)
 

@@ -156,6 +156,9 @@ class GTPParamState:
     reduce_scatter: ReduceScatterSlot = field(default_factory=ReduceScatterSlot)
     parity: int = 0
     grad_ready_hook: Callable[[], None] | None = None
+    forward_grad_enabled: bool = False
+    """Grad mode at the owning TE module's call: TE materializes inside its autograd forward,
+    where grad mode is off, so the runtime reads this instead (set by a forward pre-hook)."""
 
 
 class GTPShardedParam(torch.nn.Parameter):
@@ -230,7 +233,9 @@ class GTPShardedParam(torch.nn.Parameter):
     # TE >= 2.19 gates on ``is_distributed_weight`` and calls these on the leader of a weight
     # group (``weights[0]``; a te.Linear has a group of one). TE never tells us when its GEMM is
     # done, so a protocol-materialized buffer is released at the next protocol materialize of
-    # the same chain and direction (stream order makes that safe) or at the next drain.
+    # the same chain and direction (stream order makes that safe) or at the next drain. TE gets
+    # a requires-grad alias of the buffer (LayerNormLinear decides on wgrad from it), and its
+    # wgrad through finalize_group_grads (or grad_buffer() under fuse_wgrad_accumulation).
     def materialize_group_for_forward(self) -> list[torch.Tensor]:
         """Full weights for TE's forward GEMM (prefetches ``next_w``)."""
         return [self.runtime.materialize_for_protocol(self, Direction.FWD)]

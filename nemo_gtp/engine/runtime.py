@@ -324,9 +324,13 @@ class GTPRuntime:
         previous = self._protocol_last.pop(key, None)
         if previous is not None and previous is not param:
             self.release(previous, direction)
-        full = self.materialize(param, direction, will_backward=torch.is_grad_enabled())
+        will_backward = torch.is_grad_enabled() or param.gtp_state.forward_grad_enabled
+        full = self.materialize(param, direction, will_backward=will_backward)
         self._protocol_last[key] = param
-        return full
+        # An alias of the gathered buffer carrying the param's requires_grad: TE 2.20's
+        # LayerNormLinear reads requires_grad from the tensor it is handed (not from the param)
+        # to decide whether to keep its input and compute the wgrad at all.
+        return full.detach().requires_grad_(param.requires_grad)
 
     # ----------------------------------------------------------------- reduce-scatter side
     def wgrad_scratch(self, param: GTPShardedParam) -> torch.Tensor:

@@ -17,10 +17,6 @@ from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from nemo_gtp.engine.param import is_gtp_param
 
 
-def _noop(*unused: object) -> None:
-    return None
-
-
 def validate_ddp_config_for_gtp(ddp_config: object) -> None:
     """Reject DDP settings that are wrong under GTP (raised before any collective)."""
     if getattr(ddp_config, "average_in_collective", False):
@@ -74,7 +70,14 @@ class GTPDDPMixin:
                 self.param_to_bucket_group[param].register_grad_ready(param)
 
         param.register_grad_accum_hook(grad_ready)
-        return _noop
+
+        def drop_dummy_grad(*unused: object) -> None:
+            # TE's fused wgrad path (fuse_wgrad_accumulation) hands autograd a dummy shard-shaped
+            # wgrad once the real one went through finalize_group_grads; megatron's own hook
+            # drops param.grad the same way. The local GTP path returns None (no AccumulateGrad).
+            param.grad = None
+
+        return drop_dummy_grad
 
 
 class GTPDistributedDataParallel(GTPDDPMixin, DistributedDataParallel):

@@ -4,11 +4,19 @@ Megatron-local linears (``ColumnParallelLinear``/``RowParallelLinear``, the loca
 built full and sliced here, as the seed's ``wrap_module_params_gtp`` does, so a GTP model starts
 bit-identical to its non-GTP twin. ``torch.nn.Linear`` shards the same way. The embedding, the
 output layer, norms and biases stay replicated (their gathers would not amortize, §1.5).
+
+TransformerEngine linears (megatron's ``TEColumnParallelLinear`` / ``TERowParallelLinear`` /
+``TELayerNormColumnParallelLinear``) are driven by TE itself through its DistributedWeight
+protocol (:mod:`~nemo_gtp.integrations.megatron.transform_te`). Built from a layer spec passed
+through :func:`~nemo_gtp.integrations.megatron.spec_rewrite.gtp_layer_spec` they already hold
+their shard (no full weight materialized, seed §3.1 "One init path") and are only registered
+here; built full (megatron's stock TE spec) they are sliced like local linears.
 """
 
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -19,13 +27,20 @@ from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
 from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
 from nemo_gtp.engine.runtime import GTPRuntime
+from nemo_gtp.integrations.megatron.presharded import is_presharded, validate_model_config_for_gtp
+from nemo_gtp.integrations.megatron.transform_te import (
+    record_grad_mode,
+    te_parallel_linear_kinds,
+    warn_unsharded_te_modules,
+)
 
 _MEGATRON_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 
 
 def default_should_shard(name: str, module: torch.nn.Module) -> bool:
-    """Shard megatron-local and torch linears, except the output layer and tied weights."""
-    if not isinstance(module, (*_MEGATRON_LINEARS, torch.nn.Linear)):
+    """Shard megatron-local, TE parallel and torch linears, except the output layer and tied
+    weights."""
+    if not isinstance(module, (*_MEGATRON_LINEARS, torch.nn.Linear, *te_parallel_linear_kinds())):
         return False
     weight = getattr(module, "weight", None)
     if weight is None or not weight.requires_grad or is_gtp_param(weight):
@@ -74,6 +89,16 @@ def shard_model(
         runtime = shard_model(model, groups)
         ddp = GTPDistributedDataParallel(config, ddp_config, model,
                                          pg_collection=gtp_process_groups(groups))
+
+    TE layer spec, built as shards (``config`` the same in both calls)::
+
+        spec = gtp_layer_spec(get_gpt_layer_with_transformer_engine_spec(), groups, config)
+        model = GPTModel(model_config, spec, vocab_size, max_seq)
+        runtime = shard_model(model, groups, config)
+
+    Raises ``ValueError`` for settings GTP cannot honour (MoE, ``delay_wgrad_compute``, a
+    ``calculate_per_token_loss`` mismatch) and warns once naming TE ``LayerNormMLP``s, which
+    stay unsharded.
     """
     if hasattr(model, "param_to_bucket_group") or isinstance(
         model, torch.nn.parallel.DistributedDataParallel
@@ -95,15 +120,34 @@ def shard_model(
             "GTP on MoE models is not supported yet (num_moe_experts is set): use "
             "num_weight_shards=tensor_model_parallel_size"
         )
+    validate_model_config_for_gtp(model_config)
     runtime = GTPRuntime(groups.gtp, config, name=type(model).__name__)
+    te_linears = tuple(te_parallel_linear_kinds())
+    sliced_te: list[str] = []
     for name, module in list(model.named_modules()):
-        if not should_shard(name, module):
+        weight = module._parameters.get("weight")
+        if is_presharded(weight):  # built as its shard from a gtp_layer_spec: register only
+            runtime.register(weight, f"{name}.weight")
+        elif should_shard(name, module):
+            if isinstance(module, (*_MEGATRON_LINEARS, *te_linears)):
+                runtime.shard_parameter(module, "weight", f"{name}.weight")
+                sliced_te += [name] if isinstance(module, te_linears) else []
+            else:
+                shard_linear(module, runtime, f"{name}.weight")
+        else:
             continue
         if isinstance(module, _MEGATRON_LINEARS):
-            runtime.shard_parameter(module, "weight", f"{name}.weight")
             module._forward_impl = types.MethodType(_gtp_forward_impl, module)
-        else:
-            shard_linear(module, runtime, f"{name}.weight")
+        elif isinstance(module, te_linears):
+            record_grad_mode(module)  # TE drives the weight through the protocol
+    if sliced_te:
+        warnings.warn(
+            f"shard_model sliced {len(sliced_te)} TransformerEngine linear(s) that were built "
+            f"full (e.g. {sliced_te[0]}): pass the layer spec through gtp_layer_spec(spec, "
+            "groups, config) to build them as shards without materializing full weights",
+            stacklevel=2,
+        )
+    warn_unsharded_te_modules(model)
     if groups.gtp_rank != 0:
         for param in model.parameters():
             if not is_gtp_param(param):

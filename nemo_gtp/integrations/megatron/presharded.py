@@ -1,0 +1,207 @@
+"""Linears built directly as their GTP shard: the seed's "one init path" (§3.1, §1.5).
+
+A megatron linear class (TE wrapper or megatron-local) is subclassed so that its constructor is
+handed a pre-sharded ``output_size``: the base class then allocates and initializes only this
+rank's ``padded_dim0 / GTP`` rows, and no full weight ever exists. The built weight becomes an
+(unregistered) :class:`GTPShardedParam` whose :class:`ShardSpec` describes the full padded
+TP-local weight; :func:`nemo_gtp.integrations.megatron.shard_model` later registers it with the
+model's runtime, exactly as it registers the weights it slices itself.
+
+Subclasses are made on demand by :func:`presharded_class`, so this module needs neither TE nor a
+CUDA device; the TE classes are created only when ``transformer_engine`` is importable.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nemo_gtp.engine.grid import GTPGroups
+from nemo_gtp.engine.param import GTPShardedParam, ShardSpec
+
+
+@dataclass(frozen=True)
+class GTPShardPlan:
+    """What a pre-sharded linear needs at construction time: its GTP coordinates and padding.
+
+    Example::
+
+        plan = GTPShardPlan.from_groups(groups, GTPConfig(pad_for_alignment=16))
+    """
+
+    gtp_size: int
+    gtp_rank: int
+    pad_for_alignment: int = 16
+
+    @classmethod
+    def from_groups(cls, groups: GTPGroups, pad_for_alignment: int = 16) -> GTPShardPlan:
+        """The plan for this rank of ``groups``."""
+        return cls(groups.gtp_size, groups.gtp_rank, pad_for_alignment)
+
+
+def validate_model_config_for_gtp(config: object) -> None:
+    """Reject model-config settings GTP cannot honour (raised before any weight is built).
+
+    ``delay_wgrad_compute``: TE's delayed wgrad stores the wgrad GEMM for a later
+    ``backward_dw()`` and skips the DistributedWeight ``finalize_group_grads`` call, so a GTP
+    weight's gradient would never be reduce-scattered into ``main_grad`` (seed §3.1 "The bridge").
+    """
+    if getattr(config, "delay_wgrad_compute", False):
+        raise ValueError(
+            "TransformerConfig.delay_wgrad_compute=True is incompatible with GTP: TE's delayed "
+            "wgrad skips the DistributedWeight finalize_group_grads call, so GTP weight "
+            "gradients would never reach main_grad. Set delay_wgrad_compute=False"
+        )
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()
+        ]
+    return torch.default_generator
+
+
+def per_peer_init(init_method: Callable[[torch.Tensor], Any], gtp_rank: int) -> Callable:
+    """``init_method`` drawing from a stream of its own on each GTP peer (seed §3.1).
+
+    Every GTP peer builds its own shard, with the same (TP-rank dependent) RNG state; without
+    this the gathered weight would be GTP identical blocks. The peer seed is drawn from the
+    shared stream (so the run stays deterministic and the shared stream advances alike on every
+    peer), offset by the GTP rank; the outer stream is restored afterwards.
+    """
+
+    @functools.wraps(init_method)
+    def init(weight: torch.Tensor) -> Any:
+        if weight.device.type == "meta":
+            return init_method(weight)
+        seed = int(torch.randint(0, 2**62, (1,), device=weight.device))
+        devices = [] if weight.device.type != "cuda" else [_generator(weight.device).device]
+        with torch.random.fork_rng(devices=devices):
+            _generator(weight.device).manual_seed(seed + gtp_rank)
+            return init_method(weight)
+
+    return init
+
+
+class PreShardedLinearMixin:
+    """Builds a megatron linear as this rank's GTP shard (mix in before the linear class).
+
+    The base class must take ``(input_size, output_size, *, config, init_method, ...)`` and give
+    its weight ``output_size / TP`` rows (column-parallel) or ``output_size`` rows
+    (row-parallel), as megatron's TE wrappers and local linears do. ``gtp`` (a
+    :class:`GTPShardPlan`) arrives through the layer spec's params (see
+    :func:`nemo_gtp.integrations.megatron.spec_rewrite.gtp_layer_spec`). With GTP size 1 the class
+    builds exactly what its base builds.
+    """
+
+    gtp_column: bool = True
+    """True when TP splits ``output_size`` (column-parallel); False when it splits the input."""
+
+    def __init__(
+        self, input_size: int, output_size: int, *args: Any, gtp: GTPShardPlan,
+        config: Any, init_method: Callable, **kwargs: Any,
+    ) -> None:
+        if gtp.gtp_size == 1:  # off is a byte-for-byte no-op (seed §1.5)
+            super().__init__(input_size, output_size, *args, config=config,
+                             init_method=init_method, **kwargs)
+            return
+        validate_model_config_for_gtp(config)
+        if kwargs.get("is_expert"):
+            raise ValueError(
+                f"{type(self).__name__}: GTP on expert linears is not supported yet (MoE)"
+            )
+        tp = _tp_size(kwargs.get("tp_group"))
+        logical_out = output_size // tp if self.gtp_column else output_size
+        in_local = input_size if self.gtp_column else input_size // tp
+        spec = ShardSpec.for_weight(
+            (logical_out, in_local), gtp.gtp_size, gtp.gtp_rank, gtp.pad_for_alignment
+        )
+        built_out = spec.shard_dim0 * tp if self.gtp_column else spec.shard_dim0
+        super().__init__(input_size, built_out, *args, config=config,
+                         init_method=per_peer_init(init_method, gtp.gtp_rank), **kwargs)
+        attach_presharded_weight(self, spec)
+        # The module computes logical-width outputs (the GEMM sees the gathered weight).
+        for attr, value in (("output_size", output_size), ("out_features", logical_out),
+                            ("output_size_per_partition", logical_out)):
+            if hasattr(self, attr):
+                setattr(self, attr, value)
+
+
+def _tp_size(tp_group: object) -> int:
+    if tp_group is None:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_world_size()
+    return torch.distributed.get_world_size(tp_group)
+
+
+def attach_presharded_weight(module: torch.nn.Module, spec: ShardSpec) -> GTPShardedParam:
+    """Turn ``module.weight`` (already shard-shaped) into an unregistered GTP shard.
+
+    The base class initialized every row, pad rows included; those are zeroed (seed §1.3: pad
+    rows hold zeros and never receive gradient). A bias the base class built shard-sized is
+    re-registered at the logical width (zeros, as megatron initializes biases): it adds onto the
+    gathered GEMM output and stays replicated over GTP (§1.5).
+    """
+    old = module._parameters["weight"]
+    if type(old.data) is not torch.Tensor:
+        raise NotImplementedError(
+            f"{type(module).__name__}: GTP shards plain tensors only, got a "
+            f"{type(old.data).__name__} weight (FP8 primary weights / fp8_param_gather are not "
+            "supported with GTP yet)"
+        )
+    if tuple(old.shape) != spec.shard_shape:
+        raise ValueError(
+            f"{type(module).__name__} built a weight of shape {tuple(old.shape)}, expected the "
+            f"shard shape {spec.shard_shape}"
+        )
+    pad_from = spec.logical_shape[0] - spec.gtp_rank * spec.shard_dim0
+    with torch.no_grad():
+        old.data[max(pad_from, 0) :].zero_()
+    param = GTPShardedParam(old.data, old.requires_grad, spec=spec)
+    for key, value in vars(old).items():
+        if key not in ("main_grad", "grad_added_to_main_grad"):
+            setattr(param, key, value)
+    module._parameters["weight"] = param
+    bias = module._parameters.get("bias")
+    if bias is not None and bias.numel() > 0:
+        if bias.numel() != spec.shard_dim0:
+            raise ValueError(
+                f"{type(module).__name__} built a bias of {bias.numel()} elements, expected the "
+                f"shard width {spec.shard_dim0}"
+            )
+        full = torch.nn.Parameter(
+            torch.zeros(spec.logical_shape[0], dtype=bias.dtype, device=bias.device),
+            requires_grad=bias.requires_grad,
+        )
+        for key, value in vars(bias).items():
+            setattr(full, key, value)
+        module._parameters["bias"] = full
+    return param
+
+
+def is_presharded(param: object) -> bool:
+    """True for a GTP shard built by a pre-sharded linear and not yet owned by a runtime."""
+    return isinstance(param, GTPShardedParam) and param.gtp_state.runtime is None
+
+
+@functools.cache
+def presharded_class(base: type, column: bool) -> type:
+    """The pre-sharded subclass of megatron linear class ``base`` (one class per base).
+
+    Example::
+
+        cls = presharded_class(ColumnParallelLinear, column=True)
+        layer = cls(1024, 4096, gtp=plan, config=config, init_method=init, bias=False,
+                    gather_output=False)
+    """
+    return type(
+        f"GTP{base.__name__}", (PreShardedLinearMixin, base),
+        {"gtp_column": column, "__module__": __name__,
+         "__doc__": f"{base.__name__} built as its GTP shard (seed §3.1 'One init path')."},
+    )

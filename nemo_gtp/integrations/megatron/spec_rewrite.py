@@ -1,0 +1,108 @@
+"""Rewrite a megatron layer spec so its parallel linears are built pre-sharded (seed §1.5, §3.1).
+
+Opt-in is by linear class (§1.5): :func:`gtp_layer_spec` swaps megatron's column/row-parallel
+linear classes — the TE wrappers ``TEColumnParallelLinear``, ``TERowParallelLinear``,
+``TELayerNormColumnParallelLinear`` and the megatron-local ``ColumnParallelLinear`` /
+``RowParallelLinear`` — for their :mod:`~nemo_gtp.integrations.megatron.presharded`
+subclasses, which build only this rank's shard. Nothing else in the spec changes: base
+``TELinear`` (``parallel_mode="duplicated"``), norms, attention, TE's ``LayerNormMLP`` and the
+op-fuser MLP stay as they are (and stay unsharded).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from nemo_gtp.engine.config import GTPConfig
+from nemo_gtp.engine.grid import GTPGroups
+from nemo_gtp.integrations.megatron.presharded import GTPShardPlan, presharded_class
+from nemo_gtp.integrations.megatron.transform_te import te_parallel_linear_kinds
+
+
+def replace_modules_in_spec(
+    spec: Any, classes: Mapping[type, type], params: Mapping[str, Any]
+) -> Any:
+    """A copy of ``spec`` with every class in ``classes`` swapped and ``params`` added to it.
+
+    Walks ``ModuleSpec``s, submodule dataclasses (``TransformerLayerSubmodules``,
+    ``TransformerBlockSubmodules.layer_specs``, ...), lists and tuples. A class appearing bare
+    becomes ``ModuleSpec(module=new, params=params)``; a ``ModuleSpec`` of it keeps its own params
+    and submodules. Matching is by exact class (a subclass is a different opt-in decision).
+    Parts that contain nothing to swap are returned as they are; ``spec`` is never mutated.
+    """
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, type):
+            if node in classes:
+                return ModuleSpec(module=classes[node], params=dict(params))
+            return node
+        if isinstance(node, ModuleSpec):
+            module = node.module
+            swapped = isinstance(module, type) and module in classes
+            submodules = walk(node.submodules)
+            if not swapped and submodules is node.submodules:
+                return node
+            new = copy.copy(node)
+            if swapped:
+                new.module = classes[module]
+                new.params = {**node.params, **params}
+            new.submodules = submodules
+            return new
+        if isinstance(node, (list, tuple)):
+            items = [walk(item) for item in node]
+            if all(a is b for a, b in zip(items, node)):
+                return node
+            return type(node)(items)
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            changes = {}
+            for field in dataclasses.fields(node):
+                value = getattr(node, field.name)
+                new_value = walk(value)
+                if new_value is not value:
+                    changes[field.name] = new_value
+            if not changes:
+                return node
+            new = copy.copy(node)
+            for name, value in changes.items():
+                object.__setattr__(new, name, value)
+            return new
+        return node
+
+    return walk(spec)
+
+
+def presharded_classes() -> dict[type, type]:
+    """Every megatron linear class GTP opts in, mapped to its pre-sharded subclass.
+
+    The TE wrappers appear only when TransformerEngine is importable.
+    """
+    kinds: dict[type, bool] = {ColumnParallelLinear: True, RowParallelLinear: False}
+    kinds.update(te_parallel_linear_kinds(import_te=True))
+    return {base: presharded_class(base, column) for base, column in kinds.items()}
+
+
+def gtp_layer_spec(spec: Any, groups: GTPGroups, config: GTPConfig | None = None) -> Any:
+    """``spec`` with its parallel linears built as GTP shards (seed §3.1 "One init path").
+
+    Pass the result to the model constructor, then call ``shard_model`` on the built model (it
+    registers the pre-built shards with the model's runtime and shards whatever else is
+    eligible). With GTP size 1 ``spec`` is returned unchanged. ``config`` must be the one given
+    to ``shard_model`` (its ``pad_for_alignment`` fixes the shard shapes).
+
+    Example::
+
+        groups = initialize_gtp_parallel(dims)
+        spec = gtp_layer_spec(get_gpt_layer_with_transformer_engine_spec(), groups, gtp_config)
+        model = GPTModel(config, spec, vocab_size, max_seq)
+        shard_model(model, groups, gtp_config)
+    """
+    if groups.gtp_size == 1:
+        return spec
+    plan = GTPShardPlan.from_groups(groups, (config or GTPConfig()).pad_for_alignment)
+    return replace_modules_in_spec(spec, presharded_classes(), {"gtp": plan})

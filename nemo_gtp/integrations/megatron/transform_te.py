@@ -1,0 +1,95 @@
+"""TransformerEngine linears under GTP, through TE's DistributedWeight protocol (seed §1.5, §3.1).
+
+TE (>= 2.19) stays GTP-agnostic: a TE linear whose weight is a :class:`GTPShardedParam` asks it
+for the full weight before each GEMM (``materialize_group_for_forward/_backward``) and hands it
+the full wgrad (``finalize_group_grads``; with ``fuse_wgrad_accumulation`` the wgrad GEMM writes
+straight into ``grad_buffer()``). What this module adds around that bridge:
+
+- which megatron TE wrappers opt in (:func:`te_parallel_linear_kinds`; the spec rewrite builds
+  them pre-sharded, ``shard_model`` slices any built full),
+- the grad mode of the module call, recorded for the runtime (:func:`record_grad_mode`): TE
+  materializes inside its autograd ``forward``, where grad mode is always off, so the runtime
+  could not otherwise tell that a backward follows (the chain tail's hand-over prefetch, §1.1),
+- one warning naming the TE modules GTP leaves unsharded (:func:`warn_unsharded_te_modules`).
+
+TransformerEngine is never imported here unless asked (``import_te=True``) or already loaded:
+without TE there can be no TE module in the model.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+from nemo_gtp.engine.param import GTPShardedParam
+
+
+def te_parallel_linear_kinds(*, import_te: bool = False) -> dict[type, bool]:
+    """megatron's TE parallel-linear wrappers GTP shards, mapped to "TP splits out_features".
+
+    Empty when TransformerEngine is not installed (or, with ``import_te=False``, not loaded).
+    Base ``TELinear`` (``parallel_mode="duplicated"``) is deliberately absent: it stays full
+    (seed §1.5).
+    """
+    if not import_te and "transformer_engine" not in sys.modules:
+        return {}
+    try:
+        from megatron.core.extensions import transformer_engine as mte
+    except ImportError:
+        return {}
+    if not getattr(mte, "HAVE_TE", False):
+        return {}
+    return {
+        mte.TEColumnParallelLinear: True,
+        mte.TELayerNormColumnParallelLinear: True,
+        mte.TERowParallelLinear: False,
+    }
+
+
+def _unsharded_te_types() -> tuple[type, ...]:
+    """TE modules holding linear weights the DistributedWeight protocol does not reach."""
+    if "transformer_engine" not in sys.modules:
+        return ()
+    import transformer_engine.pytorch as te
+
+    types: list[type] = [te.LayerNormMLP]
+    fused = getattr(sys.modules.get("megatron.core.extensions.transformer_engine"),
+                    "TEFusedMLP", None)
+    if isinstance(fused, type):
+        types.append(fused)
+    return tuple(types)
+
+
+def warn_unsharded_te_modules(model: torch.nn.Module) -> list[str]:
+    """Warn once, naming every TE ``LayerNormMLP`` / op-fuser MLP that stays unsharded.
+
+    TE's protocol is wired into ``Linear``, ``LayerNormLinear`` and ``GroupedLinear`` only; a
+    ``LayerNormMLP`` keeps its fc1/fc2 weights full on every GTP peer (correct, replicated, but
+    without GTP's memory saving). Returns the module names.
+    """
+    types = _unsharded_te_types()
+    names = [name for name, m in model.named_modules() if types and isinstance(m, types)]
+    if names:
+        warnings.warn(
+            f"GTP leaves {len(names)} TransformerEngine module(s) unsharded, since TE's "
+            f"DistributedWeight protocol does not cover LayerNormMLP / fused-op MLPs: "
+            f"{', '.join(names)}. Build them as TELayerNormColumnParallelLinear + "
+            "TERowParallelLinear (megatron's default TE layer spec) to shard them",
+            stacklevel=3,
+        )
+    return names
+
+
+def _record(module: torch.nn.Module, args: object) -> None:
+    weight = module._parameters.get("weight")
+    if isinstance(weight, GTPShardedParam):
+        weight.gtp_state.forward_grad_enabled = torch.is_grad_enabled()
+
+
+def record_grad_mode(module: torch.nn.Module) -> None:
+    """Record the grad mode of each call of TE ``module`` on its GTP weight (see module doc)."""
+    if not getattr(module, "_gtp_grad_mode_hook", False):
+        module.register_forward_pre_hook(_record)
+        module._gtp_grad_mode_hook = True
