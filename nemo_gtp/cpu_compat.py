@@ -62,6 +62,10 @@ R14   r14_distopt_type_dispatch   megatron/core/optimizer/distrib_optimizer.py:
                                   DistributedOptimizer.__init__ (incl. _build_model_and_main_
                                   param_groups); optimizer.py:Float16OptimizerWithFloat16Params
                                   (bf16/fp16, untested) -> constructors run under CUDA names
+R15   r15_nemo_checkpoint_io      nemo/lightning/io/pl.py:MegatronCheckpointIO.__init__ ->
+                                  ``parallel_load`` off (megatron's fully-parallel load moves
+                                  shards between ranks through CUDA tensors);
+                                  _fix_tensors_device (asserts CUDA is initialized) -> identity
 R6    (function, not a patch)     nemo/collections/llm/gpt/model/base.py:gpt_data_step
                                   (val.cuda()) -> :func:`cpu_gpt_data_step`
 ====  ==========================  =============================================================
@@ -69,7 +73,7 @@ R6    (function, not a patch)     nemo/collections/llm/gpt/model/base.py:gpt_dat
 Not handled: R4 (does not apply to megatron-core 0.15.3) and R7 (``MockDataModule`` attention
 mask, handled elsewhere). Not covered either: activation recomputation (megatron's
 ``CheckpointFunction`` saves CUDA RNG states), pipeline/context/sequence parallelism, MoE,
-checkpoint save/load, the NeMo memory logging (``log_memory_usage``).
+asynchronous checkpoint save, the NeMo memory logging (``log_memory_usage``).
 
 Why a module-local ``torch`` instead of a ``TorchFunctionMode``
 ---------------------------------------------------------------
@@ -723,6 +727,36 @@ def _patch_r13_nemo_sampler_logging(patcher: _Patcher) -> None:
     _install_host_torch(patcher, "nemo.lightning.pytorch.plugins.data_sampler")
 
 
+@_register(
+    "R15",
+    "nemo/lightning/io/pl.py:MegatronCheckpointIO.__init__, _fix_tensors_device",
+    nemo=True,
+)
+def _patch_r15_nemo_checkpoint_io(patcher: _Patcher) -> None:
+    """R15: NeMo's checkpoint load assumes CUDA twice.
+
+    - The default ``ckpt_parallel_load=True`` wraps megatron's load in
+      ``FullyParallelLoadStrategyWrapper``, whose shard exchange
+      (``dist_checkpointing/exchange_utils.py``) allocates and moves every shard with
+      ``device="cuda"`` / ``.cuda()``. On CPU every rank reads its own shards instead (the
+      result is the same; only who reads which file changes).
+    - ``_fix_tensors_device`` (moves loaded CUDA tensors to the current device) asserts
+      ``torch.cuda.is_initialized()``; with only CPU tensors it has nothing to do.
+    """
+    from nemo.lightning.io import pl as nemo_io
+
+    cls = nemo_io.MegatronCheckpointIO
+    original = cls.__dict__["__init__"]
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.parallel_load = False
+
+    patcher.set(cls, "__init__", __init__)
+    patcher.set(nemo_io, "_fix_tensors_device", lambda checkpoint: checkpoint)
+
+
 # --------------------------------------------------------------------------------------------
 # Public switch
 # --------------------------------------------------------------------------------------------
@@ -764,7 +798,7 @@ def enable_cpu_compat(*, nemo: bool | None = None) -> None:
     """Apply the CPU patches (idempotent; a later call only adds patches not yet active).
 
     Args:
-        nemo: also apply the NeMo patches (R9 NeMo seeding, R12, R13). ``None`` (default)
+        nemo: also apply the NeMo patches (R9 NeMo seeding, R12, R13, R15). ``None`` (default)
             applies them when ``nemo.lightning`` imports (a few seconds when NeMo is not yet
             imported; a warning if it is installed but broken); ``True`` requires them;
             ``False`` skips them (a megatron-only run).

@@ -40,6 +40,14 @@ class Fit:
     bf16: bool = False  # NeMo's MegatronMixedPrecision("bf16-mixed") plugin
     distopt: bool = True  # False: NeMo's default ddp="megatron" and the non-distributed Adam
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
+    # checkpoints (absolute paths): NeMo ModelCheckpoint every n steps into ``checkpoint_dir``;
+    # stop (as if killed) after ``stop_after`` steps; ``trainer.fit(ckpt_path=resume_from)``;
+    # full weights to ``weights_to`` after the fit.
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    stop_after: int | None = None
+    resume_from: str | None = None
+    weights_to: str | None = None
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -107,10 +115,16 @@ def _make_callbacks() -> tuple[Any, Any]:
         def __init__(self) -> None:
             super().__init__()
             self.records: list[tuple[int, dict[str, float]]] = []
+            self.directory: str | None = None
 
         @property
         def name(self) -> str:
             return "memory"
+
+        @property
+        def save_dir(self) -> str | None:
+            """``trainer.log_dir``; NeMo's ModelCheckpoint writes its git/log files there."""
+            return self.directory
 
         @property
         def version(self) -> int:
@@ -123,6 +137,48 @@ def _make_callbacks() -> tuple[Any, Any]:
             self.records.append((step, dict(metrics)))
 
     return Recorder(), MemoryLogger()
+
+
+def _stopper(steps: int) -> Any:
+    import lightning.pytorch as pl
+
+    class StopAfter(pl.Callback):
+        """Ends the fit after ``steps`` optimizer steps (the run a crash would have cut short)."""
+
+        def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            if trainer.global_step >= steps:
+                trainer.should_stop = True
+
+    return StopAfter()
+
+
+def full_weights(strategy: Any) -> dict[str, torch.Tensor]:
+    """Every parameter of the (single-chunk) model as the full logical tensor, on every rank.
+
+    GTP shards are gathered over the GTP group (pad rows dropped), then TP pieces concatenated
+    along their partition dim, so runs of any layout compare bit for bit.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from nemo_gtp.engine import is_gtp_param
+
+    model = strategy.megatron_parallel[0].module.module  # lightning module -> DDP -> GPTModel
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, param in model.named_parameters():
+        tensor = param.detach().contiguous()
+        if is_gtp_param(param):
+            spec = param.gtp_spec
+            gathered = torch.empty(spec.gathered_shape, dtype=tensor.dtype)
+            dist.all_gather_into_tensor(gathered, tensor, group=strategy.gtp_groups.gtp)
+            tensor = spec.unpad(gathered).contiguous()
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            parts = [torch.empty_like(tensor) for _ in range(tp)]
+            dist.all_gather(parts, tensor, group=parallel_state.get_tensor_model_parallel_group())
+            tensor = torch.cat(parts, dim=param.partition_dim)
+        out[name] = tensor.clone()
+    return out
 
 
 # ---------------------------------------------------------------------------------- one fit
@@ -144,6 +200,7 @@ def _gpt_config(tp: int) -> Any:
     return llm.GPTConfig(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
         seq_length=SEQ, transformer_layer_spec=local_layer_spec, use_cpu_initialization=True,
+        make_vocab_size_divisible_by=64,  # padded vocab 128 at TP1 and TP2: checkpoints interop
         params_dtype=torch.float32, bf16=False, tensor_model_parallel_size=tp,
         # attention key bias: mathematically zero gradient whose rounding noise Adam amplifies
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
@@ -194,9 +251,23 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
     recorder, memory_logger = _make_callbacks()
     metrics_cb = GTPMetricsCallback() if fit.metrics else None
     callbacks = [recorder] + ([metrics_cb] if metrics_cb else [])
+    if fit.stop_after:
+        callbacks.append(_stopper(fit.stop_after))
+    if fit.checkpoint_every:
+        from nemo.utils import AppState
+
+        memory_logger.directory = str(Path(fit.checkpoint_dir).parent)
+        AppState().log_dir = Path(memory_logger.directory)  # what NeMoLogger.setup would set
+        callbacks.append(nl.ModelCheckpoint(
+            dirpath=fit.checkpoint_dir, every_n_train_steps=fit.checkpoint_every, save_top_k=-1,
+            save_last=False, monitor="reduced_train_loss", filename="{step}",
+            always_save_context=False, save_context_on_train_end=False,
+            save_optim_on_train_end=True,  # else the train-end save is weights-only
+        ))
     trainer = nl.Trainer(
         accelerator="cpu", devices=world, num_nodes=1, max_steps=fit.steps, strategy=strategy,
-        logger=memory_logger, callbacks=callbacks, enable_checkpointing=False,
+        logger=memory_logger, callbacks=callbacks,
+        enable_checkpointing=bool(fit.checkpoint_every),
         enable_progress_bar=False, limit_val_batches=0, num_sanity_val_steps=0,
         use_distributed_sampler=False, log_every_n_steps=1,
         plugins=[nl.MegatronMixedPrecision(precision="bf16-mixed")] if fit.bf16 else None,
@@ -204,9 +275,13 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
     catcher = _LineCatcher()
     logging.getLogger("nemo_logger").addHandler(catcher)
     try:
-        trainer.fit(model, datamodule=data)
+        trainer.fit(model, datamodule=data, ckpt_path=fit.resume_from)
     finally:
         logging.getLogger("nemo_logger").removeHandler(catcher)
+    if fit.weights_to:
+        weights = full_weights(strategy)
+        if dist.get_rank() == 0:
+            torch.save(weights, fit.weights_to)
     runtimes = getattr(strategy, "gtp_runtimes", [])
     ddp = strategy.megatron_parallel[0].module
     optimizer = strategy.optimizers[0].mcore_optimizer
@@ -253,6 +328,12 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
                           LOCAL_RANK=str(rank), NODE_RANK="0")
         try:
             results.append(_fit(fit, world, str(Path(out_dir, f"store{index}"))))
+        except BaseException:
+            import traceback
+
+            report = f"fit {fit.name}: {traceback.format_exc()}"
+            Path(out_dir, f"error{rank}.txt").write_text(report)
+            raise
         finally:
             teardown_fit()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -260,6 +341,11 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
 
 def run_fits(fits: list[Fit], world: int, out_dir: str | Path) -> list[list[dict[str, Any]]]:
     """Run ``fits`` in order on ``world`` spawned ranks; returns ``results[rank][fit_index]``."""
-    mp.spawn(_worker, args=(world, fits, str(out_dir)), nprocs=world, join=True)
+    try:
+        mp.spawn(_worker, args=(world, fits, str(out_dir)), nprocs=world, join=True)
+    except Exception as err:  # the first rank to die is often a victim: show every rank's error
+        reports = "\n".join(f"--- rank {r}: {Path(out_dir, f'error{r}.txt').read_text()[-3000:]}"
+                            for r in range(world) if Path(out_dir, f"error{r}.txt").exists())
+        raise RuntimeError(f"a rank failed; per-rank errors:\n{reports}") from err
     return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
 

@@ -71,14 +71,17 @@ def save_checkpoint(
     sharded_strategy: Any = None,
     validate_access_integrity: bool = True,
     async_save: bool = False,
+    content_metadata: dict | None = None,
 ) -> AsyncRequest | None:
     """Save a sharded state dict in megatron's ``torch_dist`` format, committed atomically.
 
     Collective over the default process group. ``layout`` is stored in the common state under
     :data:`~nemo_gtp.checkpoint.layout.LAYOUT_KEY` (``state_dict`` is modified: megatron's save
-    also applies its factories in place). With ``async_save`` megatron's ``AsyncRequest`` is
-    returned with the commit appended to its finalize functions (they run on every rank once
-    the writes finished); schedule it as megatron's async queue or NeMo would.
+    also applies its factories in place). ``content_metadata`` is megatron's (NeMo stores its
+    ``sharded_state_dict_metadata`` there and reads it back before loading). With
+    ``async_save`` megatron's ``AsyncRequest`` is returned with the commit appended to its
+    finalize functions (they run on every rank once the writes finished); schedule it as
+    megatron's async queue or NeMo would.
 
     Example::
 
@@ -97,6 +100,7 @@ def save_checkpoint(
     request = dist_checkpointing.save(
         state_dict, str(staging), sharded_strategy=sharded_strategy,
         validate_access_integrity=validate_access_integrity, async_sharded_save=async_save,
+        content_metadata=content_metadata,
     )
     if async_save:
         request.add_finalize_fn(lambda: _commit_everywhere(staging, final))

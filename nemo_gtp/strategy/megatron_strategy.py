@@ -14,6 +14,8 @@ Hooks, in the order NeMo / Lightning run them:
 ``init_model_parallel``      precision conversion -> ``shard_model`` -> GTP-aware megatron DDP
 ``setup_optimizers``         megatron optimizer over the GTP process groups (seed §3.2)
 ``on_train_start``           GTP-aware ``finalize_model_grads``; the one-line config log (§2.3)
+``save_checkpoint`` / load   GTP-aware sharded state dict, atomic ``torch_dist`` commit, layout-
+                             independent optimizer format (:mod:`nemo_gtp.strategy.checkpoint_io`)
 ===========================  =====================================================================
 
 Batch arithmetic (seed §3.1): every GTP peer eats its own microbatch, so
@@ -37,6 +39,7 @@ from nemo.lightning.pytorch.strategies import MegatronStrategy
 from nemo.lightning.pytorch.strategies.utils import init_model_parallel as nemo_init_model_parallel
 from nemo.utils import AppState
 from nemo.utils import logging as nemo_logging
+from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, GTPRuntime
 from nemo_gtp.integrations.megatron import (
@@ -45,6 +48,13 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
 )
 from nemo_gtp.strategy.callbacks import GTPDrainCallback
+from nemo_gtp.strategy.checkpoint_io import (
+    GTPCheckpointIO,
+    gtp_load_optimizer_states,
+    gtp_optimizer_sharded_state_dict,
+    gtp_sharded_state_dict_metadata,
+    install_gtp_sharded_state_dict,
+)
 from nemo_gtp.strategy.cuda_graphs import enforce_cuda_graph_warmup
 from nemo_gtp.strategy.ddp import gtp_ddp_class, nemo_ddp_class
 from nemo_gtp.strategy.model_transform import convert_then_shard, shard_model_chunk
@@ -234,6 +244,7 @@ class GTPMegatronStrategy(MegatronStrategy):
             mp.convert_module_fn = convert_then_shard(mp.convert_module_fn, self._shard_chunk)
         with nemo_ddp_class(gtp_ddp_class(self._gtp_pgs)):
             super().init_model_parallel()
+        install_gtp_sharded_state_dict(mp, self.gtp_groups)
 
     def _shard_chunk(self, chunk: Any) -> None:
         runtime = shard_model_chunk(chunk, self.gtp_groups, self.gtp_config)
@@ -269,3 +280,71 @@ class GTPMegatronStrategy(MegatronStrategy):
                 config.finalize_model_grads_func = wrapped
         if self.is_global_zero and self.gtp_runtimes:
             nemo_logging.info(gtp_banner(self.gtp_runtimes[0].config, self.gtp_dims))
+
+    # ------------------------------------------------------------------ checkpoints (§1.8, §3.3)
+    @property
+    def checkpoint_io(self) -> Any:
+        """NeMo's checkpoint IO; under GTP a :class:`GTPCheckpointIO` (atomic commit, layout)."""
+        if self._checkpoint_io is None and getattr(self, "gtp_size", 1) > 1:
+            io = GTPCheckpointIO(
+                lambda: self.gtp_groups, save_ckpt_format=self.save_ckpt_format,
+                async_save=self.async_save, torch_dist_multiproc=self.torch_dist_multiproc,
+                assume_constant_structure=self.assume_constant_structure,
+                parallel_save=self.parallel_save,
+                parallel_save_within_dp=self.parallel_save_within_dp,
+                parallel_load=self.parallel_load,
+                load_directly_on_device=self.load_directly_on_device,
+            )
+            self._checkpoint_io = AsyncFinalizableCheckpointIO(io) if self.async_save else io
+        return MegatronStrategy.checkpoint_io.fget(self)
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        MegatronStrategy.checkpoint_io.fset(self, io)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any = None) -> None:
+        """Drain GTP communication (every ``main_grad`` final), then NeMo's save (collective).
+
+        ``GTPDrainCallback.on_save_checkpoint`` drains too; this covers saves that bypass the
+        callbacks and costs nothing when already drained.
+        """
+        for runtime in self.gtp_runtimes:
+            runtime.drain()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @property
+    def sharded_state_dict_metadata(self) -> dict[str, Any]:
+        """NeMo's, with the distributed optimizer in a format that survives layout changes."""
+        metadata = super().sharded_state_dict_metadata
+        return gtp_sharded_state_dict_metadata(metadata) if self.gtp_enabled else metadata
+
+    def optimizer_sharded_state_dict(self, is_loading: bool = False,
+                                     metadata: dict | None = None) -> dict[str, Any]:
+        """The optimizer state keyed like the GTP-aware model state (seed §3.3)."""
+        if not self.gtp_enabled:
+            return super().optimizer_sharded_state_dict(is_loading=is_loading, metadata=metadata)
+        return gtp_optimizer_sharded_state_dict(
+            self.megatron_parallel, self.lightning_module.optimizers(use_pl_optimizer=False),
+            is_loading=is_loading,
+            metadata=self.sharded_state_dict_metadata if metadata is None else metadata,
+        )
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """Lightning restores optimizer state only when ``ckpt_load_optimizer`` asks for it.
+
+        (NeMo leaves it True, so a weights-only checkpoint cannot be resumed from even with
+        ``ckpt_load_optimizer=False``: Lightning insists on ``optimizer_states`` first.)
+        """
+        if not self.gtp_enabled:
+            return super().lightning_restore_optimizer
+        return bool(self.ckpt_load_optimizer) and super().lightning_restore_optimizer
+
+    def load_optimizer_state_dict(self, checkpoint: Any, selective_restore: bool = False) -> None:
+        """Load ``checkpoint["optimizer"]`` into every optimizer (megatron formats, torch Adam)."""
+        if not self.gtp_enabled:
+            super().load_optimizer_state_dict(checkpoint, selective_restore=selective_restore)
+            return
+        if self.should_restore_optimizer_states(selective_restore=selective_restore):
+            gtp_load_optimizer_states(self.optimizers, checkpoint["optimizer"])

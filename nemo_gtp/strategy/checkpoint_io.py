@@ -1,0 +1,163 @@
+"""Checkpoint save/load of ``GTPMegatronStrategy`` through NeMo's ``torch_dist`` path (§1.8, §3.3).
+
+NeMo's ``MegatronStrategy`` builds every checkpoint request from
+``megatron_parallel.sharded_state_dict()`` (model save, model load, and the optimizer's
+param-to-key map) and hands it to ``MegatronCheckpointIO``. Under GTP three pieces change:
+
+1. :func:`install_gtp_sharded_state_dict` makes that method GTP-aware
+   (:func:`~nemo_gtp.integrations.megatron.checkpoint.make_gtp_sharded_state_dict`): GTP shards
+   become pieces of megatron's unpadded global weight, so the checkpoint loads at any
+   (TP, GTP, DP) layout and in runs without GTP; replica ids keep GTP peers apart.
+2. :class:`GTPCheckpointIO` is NeMo's ``MegatronCheckpointIO`` with the atomic commit of
+   :mod:`nemo_gtp.checkpoint.io` (a save interrupted midway never replaces the last good
+   ``weights/``), the layout record the inspect CLI prints, and a shape check naming the
+   mismatching key before megatron's load.
+3. The distributed optimizer defaults to the layout-independent ``fully_sharded_model_space``
+   format (NeMo's default ``dp_reshardable`` only survives DP changes); optimizer state is
+   built and loaded with the torch-Adam fixes of :mod:`nemo_gtp.checkpoint.optimizer`.
+
+[Note: what a NeMo checkpoint directory holds]
+``<name>/weights/`` is megatron's distributed checkpoint (committed atomically here: written
+as ``<name>/.weights.saving`` and renamed), ``<name>/context/`` is NeMo's IO dump written by
+``ModelCheckpoint`` after the save. ``python -m nemo_gtp.checkpoint.inspect <name>/weights``
+shows the layout it was saved with.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nemo.lightning.io.pl import MegatronCheckpointIO, ckpt_to_weights_subdir
+
+from nemo_gtp.checkpoint.io import (
+    check_global_shapes,
+    is_complete,
+    previous_dir,
+    save_checkpoint,
+)
+from nemo_gtp.checkpoint.layout import LAYOUT_KEY
+from nemo_gtp.checkpoint.optimizer import (
+    DEFAULT_SHARDING_TYPE,
+    load_optimizer_state,
+    optimizer_sharded_state_dict,
+)
+from nemo_gtp.engine.grid import GTPGroups
+from nemo_gtp.integrations.megatron.checkpoint import (
+    checkpoint_layout,
+    make_gtp_sharded_state_dict,
+)
+
+
+def install_gtp_sharded_state_dict(megatron_parallel: Any, groups: GTPGroups) -> None:
+    """Make ``megatron_parallel.sharded_state_dict`` return the GTP-aware state dict (idempotent).
+
+    Example::
+
+        install_gtp_sharded_state_dict(strategy.megatron_parallel, strategy.gtp_groups)
+        sd = strategy.megatron_parallel.sharded_state_dict()  # GTP shards as global pieces
+    """
+    current = megatron_parallel.sharded_state_dict
+    if getattr(current, "gtp_aware", False):
+        return
+
+    @functools.wraps(current)
+    def gtp_sharded_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return make_gtp_sharded_state_dict(current(*args, **kwargs), groups)
+
+    gtp_sharded_state_dict.gtp_aware = True  # type: ignore[attr-defined]
+    megatron_parallel.sharded_state_dict = gtp_sharded_state_dict
+
+
+def gtp_sharded_state_dict_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """NeMo's metadata with the distributed optimizer's format made layout-independent.
+
+    ``dp_reshardable`` (NeMo's default) keys optimizer buckets by data-parallel rank and cannot
+    load at another TP/GTP size; ``fully_reshardable`` (``ckpt_optim_fully_reshardable=True``)
+    is kept, it is reshardable and readable by plain megatron.
+    """
+    if metadata.get("distrib_optim_sharding_type") == "dp_reshardable":
+        metadata = {**metadata, "distrib_optim_sharding_type": DEFAULT_SHARDING_TYPE}
+    return metadata
+
+
+def gtp_optimizer_sharded_state_dict(
+    megatron_parallel: Any, optimizer: Any, *, is_loading: bool, metadata: dict[str, Any]
+) -> dict[str, Any]:
+    """The optimizer's sharded state dict keyed by the GTP-aware model state dict.
+
+    ``optimizer`` is NeMo's wrapper (``McoreDistributedOptimizer``) or a megatron optimizer.
+    """
+    model_sd = {key: value for key, value in
+                megatron_parallel.sharded_state_dict(metadata=metadata).items()
+                if not key.endswith("_extra_state")}  # as NeMo does: no optimizer state there
+    return optimizer_sharded_state_dict(
+        getattr(optimizer, "mcore_optimizer", optimizer), model_sd, is_loading=is_loading,
+        sharding_type=metadata.get("distrib_optim_sharding_type", DEFAULT_SHARDING_TYPE),
+        metadata=metadata,
+    )
+
+
+def gtp_load_optimizer_states(optimizers: list[Any], states: list[dict]) -> None:
+    """Load each optimizer's loaded sharded state (NeMo's ``checkpoint["optimizer"]`` list)."""
+    for optimizer, state in zip(optimizers, states, strict=True):
+        load_optimizer_state(getattr(optimizer, "mcore_optimizer", optimizer), state)
+
+
+class GTPCheckpointIO(MegatronCheckpointIO):
+    """NeMo's ``MegatronCheckpointIO`` with an atomic commit, a layout record and shape checks.
+
+    ``groups`` returns the run's GTP groups when called (they exist only after the strategy's
+    distributed setup, the IO object is created before). Every ``MegatronCheckpointIO``
+    argument is accepted unchanged; NeMo wraps this in its async IO when ``async_save=True``
+    (the commit then runs as the save's finalize step).
+
+    Example::
+
+        io = GTPCheckpointIO(lambda: strategy.gtp_groups, save_ckpt_format="torch_dist")
+    """
+
+    def __init__(self, groups: Callable[[], GTPGroups | None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._groups = groups
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any = None) -> Any:
+        """Save into ``<path>/weights`` through a staging directory, then commit (collective)."""
+        if self.save_ckpt_format != "torch_dist":
+            raise ValueError(f"GTP checkpoints use save_ckpt_format='torch_dist', got "
+                             f"{self.save_ckpt_format!r}: set MegatronStrategy's save_ckpt_format")
+        weights = ckpt_to_weights_subdir(path, is_saving=True)
+        validate = not (self.validated_consistency and self.assume_constant_structure)
+        self.validated_consistency = True
+        layout = checkpoint_layout(checkpoint.get("sharded_state_dict", {}), self._groups())
+        return save_checkpoint(
+            checkpoint, weights, layout=layout, sharded_strategy=self.save_sharded_strategy,
+            validate_access_integrity=validate, async_save=self.async_save,
+            content_metadata=(storage_options or {}).get("content_metadata"),
+        )
+
+    def load_checkpoint(self, path: Any, sharded_state_dict: Any = None,
+                        map_location: Any = None, strict: Any = None) -> dict[str, Any]:
+        """Shape-check, then NeMo's load; falls back to a checkpoint a crashed commit set aside."""
+        path = _committed(Path(path))
+        check_global_shapes(sharded_state_dict, ckpt_to_weights_subdir(path, is_saving=False))
+        loaded = super().load_checkpoint(path, sharded_state_dict, map_location, strict)
+        loaded.pop(LAYOUT_KEY, None)
+        return loaded
+
+    def load_content_metadata(self, path: Any = None, preloaded_state_dict: Any = None) -> Any:
+        """NeMo reads the saved format flags from here before building the load request."""
+        if path is not None:
+            path = _committed(Path(path))
+        return super().load_content_metadata(path, preloaded_state_dict)
+
+
+def _committed(path: Path) -> Path:
+    """``path``, or the weights a commit crashed between its two renames left set aside."""
+    weights = path / "weights"
+    if path.name != "weights" and not weights.exists() and is_complete(previous_dir(weights)):
+        return previous_dir(weights)
+    return path
