@@ -9,6 +9,9 @@ Examples::
 
     python -m nemo_gtp.run configs/tiny_cpu.yaml --compare-baseline
     python -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=50 strategy.num_weight_shards=2
+    python -m nemo_gtp.run configs/tiny_cpu.yaml trainer.max_steps=10 \
+        +checkpoint.dir=ckpts +checkpoint.every_n_train_steps=10
+    python -m nemo_gtp.run configs/tiny_cpu.yaml trainer.max_steps=20 +resume=ckpts/step=9
 """
 
 from __future__ import annotations
@@ -66,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_recipe(args.config, args.overrides)
     callbacks = [LossLog(args.loss_log)] if args.loss_log else []
-    fit = build_fit(cfg, callbacks=callbacks)
-    fit.trainer.fit(fit.model, datamodule=fit.data)
+    build_fit(cfg, callbacks=callbacks).run()
     return 0
 
 

@@ -11,6 +11,8 @@ launch 1
                   ``step`` in any distributed-optimizer format; TE/Apex Adam on GPU can)
 launch 2
   ``gtp_resume``      ``trainer.fit(ckpt_path=<step 10>)``: steps 10..19 must equal ``gtp_20``'s
+  ``gtp4_resume``     the same checkpoint resumed at TP1·GTP4 (weights and Adam state resharded):
+                      steps 10..19 within 1e-5 of ``gtp_20``'s
   ``gtp_from_plain``  GTP loads ``plain_tp1``'s checkpoint (weights)
   ``plain_from_gtp``  plain ``MegatronStrategy`` at TP2·DP2 loads ``gtp_killed``'s checkpoint
 
@@ -55,6 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     plain_ckpt = max(plain_ckpts.iterdir())
     second = [
         Fit("gtp_resume", gtp=2, steps=20, resume_from=str(saved[0])),
+        Fit("gtp4_resume", gtp=4, steps=20, resume_from=str(saved[0])),
         Fit("gtp_from_plain", gtp=2, steps=10, resume_from=str(plain_ckpt),
             weights_to=str(root / "gtp_from_plain.pt"),
             strategy_kwargs={"ckpt_load_optimizer": False}),
@@ -76,6 +79,14 @@ def test_resume_continues_the_uninterrupted_curve_exactly(runs: dict[str, Any]) 
     assert resumed["lrs"] == full["lrs"][10:]
     assert resumed["global_step"] == 20
     assert resumed["logged_consumed_samples"] == full["logged_consumed_samples"] == 20 * 8
+
+
+def test_resume_at_another_gtp_size(runs: dict[str, Any]) -> None:
+    full, resumed = runs["gtp_20"], runs["gtp4_resume"]
+    assert len(resumed["losses"]) == 10
+    for what in ("losses", "grad_norms"):
+        for step, (x, y) in enumerate(zip(resumed[what], full[what][10:], strict=True)):
+            assert abs(x - y) <= 1e-5 * abs(y), f"{what} step {10 + step}: {x} vs {y}"
 
 
 def test_model_checkpoint_writes_a_committed_torch_dist_checkpoint(runs: dict[str, Any]) -> None:

@@ -109,7 +109,7 @@ def _rank_main(spec_path: str) -> None:
         fit = build_fit(cfg, callbacks=[LossLog(str(Path(spec["dir"], f"{i}.jsonl")))])
         fit.trainer.strategy.store = dist.FileStore(str(Path(spec["dir"], f"store{i}")), world)
         try:
-            fit.trainer.fit(fit.model, datamodule=fit.data)
+            fit.run()
         finally:
             del fit
             teardown_fit()

@@ -4,7 +4,10 @@ A recipe has the sections NeMo users know from ``nemo llm pretrain`` recipes: ``
 (``nl.Trainer`` arguments), ``strategy`` (``GTPMegatronStrategy`` arguments: the
 ``MegatronStrategy`` ones plus ``num_weight_shards``), ``ddp`` (megatron
 ``DistributedDataParallelConfig``), ``gtp`` (``GTPConfig``), ``model`` (``llm.GPTConfig``),
-``data``, ``optim`` (megatron ``OptimizerConfig``), ``precision`` and ``cpu_compat``.
+``data``, ``optim`` (megatron ``OptimizerConfig``), ``precision`` and ``cpu_compat``; optionally
+``checkpoint`` (``dir``, ``every_n_train_steps``: NeMo ``ModelCheckpoint`` saves, each a
+``<dir>/step=N/`` torch_dist checkpoint) and ``resume`` (a checkpoint directory to continue from
+with ``trainer.fit(ckpt_path=...)``, at this recipe's layout, whatever layout saved it).
 
 Example::
 
@@ -36,6 +39,11 @@ class Fit:
     trainer: Any
     model: Any
     data: Any
+    ckpt_path: str | None = None  # resume from here (``trainer.fit(..., ckpt_path=...)``)
+
+    def run(self) -> None:
+        """``trainer.fit`` with the recipe's model, data and resume checkpoint."""
+        self.trainer.fit(self.model, datamodule=self.data, ckpt_path=self.ckpt_path)
 
 
 def _plain(section: Any) -> dict[str, Any]:
@@ -86,14 +94,38 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
         gtp_config=GTPConfig(**_plain(cfg.get("gtp"))),
         **_plain(cfg.strategy),
     )
+    trainer_kwargs = _plain(cfg.trainer)
+    callbacks = [GTPDrainCallback(), *(callbacks or [])]
+    if cfg.get("checkpoint"):
+        callbacks.append(_model_checkpoint(_plain(cfg.checkpoint)))
+        trainer_kwargs["enable_checkpointing"] = True
     plugins = []
     if cfg.get("precision", "32") == "bf16-mixed":
         plugins.append(nl.MegatronMixedPrecision(precision="bf16-mixed"))
-    trainer = nl.Trainer(
-        strategy=strategy, plugins=plugins,
-        callbacks=[GTPDrainCallback(), *(callbacks or [])], **_plain(cfg.trainer),
+    trainer = nl.Trainer(strategy=strategy, plugins=plugins, callbacks=callbacks,
+                         **trainer_kwargs)
+    return Fit(trainer, model, data, ckpt_path=cfg.get("resume"))
+
+
+def _model_checkpoint(section: dict[str, Any]) -> Any:
+    """NeMo's ``ModelCheckpoint`` saving full (weights + optimizer) checkpoints every n steps."""
+    from pathlib import Path
+
+    from nemo import lightning as nl
+    from nemo.utils import AppState
+
+    directory = Path(section.pop("dir"))
+    every = int(section.pop("every_n_train_steps"))
+    if section:
+        raise ValueError(f"checkpoint: unknown keys {sorted(section)} (dir, every_n_train_steps)")
+    # NeMo's ModelCheckpoint writes its run logs to AppState().log_dir (NeMoLogger sets it).
+    directory.mkdir(parents=True, exist_ok=True)
+    AppState().log_dir = directory
+    return nl.ModelCheckpoint(
+        dirpath=str(directory), every_n_train_steps=every, save_top_k=-1, save_last=False,
+        monitor="reduced_train_loss", filename="{step}", save_optim_on_train_end=True,
+        always_save_context=False, save_context_on_train_end=False,
     )
-    return Fit(trainer, model, data)
 
 
 class LossLog(pl.Callback):
