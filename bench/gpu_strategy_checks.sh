@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU checks of the NeMo-level paths on 2 GPUs (results under $OUT):
+#  1. the ~1B recipe, GTP2 vs DP2 in one launch (run.py --compare-baseline), 20 steps;
+#  2. the ~125M recipe through GTPMegatronStrategy checkpoints: 20 steps with a ModelCheckpoint
+#     every 10, resume from step 10 at GTP2 (optimizer + data position restored), and the same
+#     checkpoint loaded by a DP2 run (no GTP; weights only: without TE/Apex megatron's plain
+#     distributed optimizer cannot describe torch Adam's per-param step);
+#  3. the inspect CLI on the saved checkpoint.
+# Usage (device machine, wheels installed, PYTHONPATH set): bash bench/gpu_strategy_checks.sh
+set -u
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+CK=/tmp/gtp_ckpts
+# The GPU machine has NumPy 2 (our pyproject pins numpy<2 for megatron-core 0.15, whose parallel
+# checkpoint save and load call np.product); keep NeMo's parallel save and load off here.
+PS="+strategy.ckpt_parallel_save=false +strategy.ckpt_parallel_load=false"
+SKIP_1B=${SKIP_1B:-0}
+run() {  # name, timeout, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*" | tee -a "$OUT/commands.txt"
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"
+  echo "exit $? after $((SECONDS - start)) s" | tee -a "$OUT/commands.txt"
+  tail -40 "$OUT/$name.out"
+}
+[ "$SKIP_1B" = 1 ] || [ "${COMPACT:-0}" = 1 ] || run gpt1b_compare 300 python3 -m nemo_gtp.run configs/gpt_1b.yaml trainer.max_steps=20 --compare-baseline
+[ "${COMPACT:-0}" = 1 ] || run gpt125m_full 150 python3 -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=20 \
+  +checkpoint.dir=$CK +checkpoint.every_n_train_steps=10 $PS --loss-log "$OUT/full.jsonl"
+[ "${COMPACT:-0}" = 1 ] || run gpt125m_resume_gtp2 120 python3 -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=20 \
+  +resume=$CK/step=9 $PS --loss-log "$OUT/resume_gtp2.jsonl"
+[ "${COMPACT:-0}" = 1 ] || run gpt125m_resume_dp2 120 python3 -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=20 \
+  +resume=$CK/step=9 strategy.num_weight_shards=1 +strategy.ckpt_load_optimizer=false $PS \
+  --loss-log "$OUT/resume_dp2.jsonl"
+[ "${COMPACT:-0}" = 1 ] || run inspect 60 python3 -m nemo_gtp.checkpoint.inspect $CK/step=9/weights
+ls -la $CK $CK/* > "$OUT/ckpt_listing.txt" 2>&1
+# Compact variant (COMPACT=1 skips the runs above): both resumes in one launch, weights only.
+if [ "${COMPACT:-0}" = 1 ]; then
+  run gpt125m_full12 150 python3 -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=12 \
+    +checkpoint.dir=$CK +checkpoint.every_n_train_steps=10 $PS --loss-log "$OUT/full12.jsonl"
+  run gpt125m_resume_both 200 python3 -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=12 \
+    +resume=$CK/step=9 +strategy.ckpt_load_optimizer=false $PS --compare-baseline
+fi
