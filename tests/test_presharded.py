@@ -29,7 +29,7 @@ from nemo_gtp.integrations.megatron import (
     shard_model,
     validate_model_config_for_gtp,
 )
-from nemo_gtp.integrations.megatron.presharded import presharded_class
+from nemo_gtp.integrations.megatron.presharded import PreShardedLinearMixin, presharded_class
 from nemo_gtp.integrations.megatron.spec_rewrite import presharded_classes
 
 
@@ -143,3 +143,66 @@ def _worker(rank: int, world: int) -> None:
 
 def test_presharded_local_linears_gloo() -> None:
     run_distributed(_worker, 2)
+
+
+def _fake_rank_groups(gtp: int) -> object:
+    """This rank's GTPGroups arithmetic without process groups (the spec rewrite uses no
+    collective; it only reads the GTP size and rank)."""
+    from nemo_gtp.engine import GTPGroups, GTPParallelDims
+
+    dims = GTPParallelDims(world_size=gtp, tensor_model_parallel_size=1, num_weight_shards=gtp)
+    return GTPGroups(dims, gtp - 1, *([None] * 7))
+
+
+def _linear_classes(spec: object) -> set[type]:
+    found: set[type] = set()
+
+    def walk(node: object) -> None:
+        if isinstance(node, type) and issubclass(node, torch.nn.Module):
+            found.add(node)
+        elif isinstance(node, ModuleSpec):
+            walk(node.module)
+            walk(node.submodules)
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                walk(item)
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for field in dataclasses.fields(node):
+                walk(getattr(node, field.name))
+
+    walk(spec)
+    return {cls for cls in found if issubclass(cls, (ColumnParallelLinear, RowParallelLinear))}
+
+
+def test_strategy_config_spec_rewrite() -> None:
+    """What GTPMegatronStrategy does to a NeMo GPTConfig before ``configure_model``."""
+    from nemo.collections import llm
+    from nemo.collections.llm.gpt.model.base import local_layer_spec
+
+    from nemo_gtp.integrations.megatron import preshard_config_layer_spec
+
+    groups = _fake_rank_groups(2)
+    config = llm.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                           transformer_layer_spec=local_layer_spec)
+    # Default classes = the loaded TE wrappers; without TE nothing changes (local linears keep
+    # the build-full-then-slice path that starts bit-identical to the non-GTP run).
+    assert "transformer_engine" not in __import__("sys").modules
+    assert preshard_config_layer_spec(config, groups) is False
+    assert config.transformer_layer_spec is local_layer_spec
+    # The same rewrite on the local classes: NeMo's spec function gets wrapped, once.
+    assert preshard_config_layer_spec(config, groups, GTPConfig(), classes=presharded_classes())
+    wrapped = config.transformer_layer_spec
+    assert wrapped is not local_layer_spec and wrapped.gtp_presharded
+    assert preshard_config_layer_spec(config, groups, classes=presharded_classes())
+    assert config.transformer_layer_spec is wrapped
+    built = _linear_classes(wrapped(config))
+    assert built and all(issubclass(cls, PreShardedLinearMixin) for cls in built), built
+    # A ModuleSpec is rewritten in place of the attribute.
+    config.transformer_layer_spec = get_gpt_layer_local_spec()
+    assert preshard_config_layer_spec(config, groups, classes=presharded_classes())
+    assert ColumnParallelLinear not in _linear_classes(config.transformer_layer_spec)
+    # GTP size 1: untouched.
+    config.transformer_layer_spec = local_layer_spec
+    assert preshard_config_layer_spec(config, _fake_rank_groups(1),
+                                      classes=presharded_classes()) is False
+    assert config.transformer_layer_spec is local_layer_spec

@@ -9,7 +9,8 @@ Hooks, in the order NeMo / Lightning run them:
 ===========================  =====================================================================
 ``__init__``                 validate every GTP-relevant argument (no collectives yet)
 ``connect``                  CUDA-graph warmup >= 2 on the model config (seed §2.4)
-``setup_distributed``        NeMo's process groups, then the GTP groups (seed §3.1)
+``setup_distributed``        NeMo's process groups, then the GTP groups (seed §3.1); TE linears
+                             of the config's layer spec set to build as their shard
 ``setup``                    NeMo's setup (fit only); adds :class:`GTPDrainCallback`
 ``init_model_parallel``      precision conversion -> ``shard_model`` -> GTP-aware megatron DDP
 ``setup_optimizers``         megatron optimizer over the GTP process groups (seed §3.2)
@@ -46,6 +47,7 @@ from nemo_gtp.integrations.megatron import (
     gtp_process_groups,
     initialize_gtp_parallel,
     make_finalize_model_grads,
+    preshard_config_layer_spec,
 )
 from nemo_gtp.strategy.callbacks import GTPDrainCallback
 from nemo_gtp.strategy.checkpoint_io import (
@@ -212,6 +214,11 @@ class GTPMegatronStrategy(MegatronStrategy):
                 f"NeMo AppState.data_parallel_size={app_state.data_parallel_size}, but GTP needs "
                 f"the data-parallel ranks to be DP x GTP = {dims.data_parallel_size}"
             )
+        # TE linears are built as their shard (seed §3.1 "One init path"): the groups exist now
+        # and NeMo's configure_model, which builds the model from this config, runs next.
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "transformer_layer_spec"):
+            preshard_config_layer_spec(config, self.gtp_groups, self.gtp_config)
 
     # ------------------------------------------------------------------ model setup
     def setup(self, trainer: pl.Trainer) -> None:

@@ -25,13 +25,18 @@ from nemo_gtp.integrations.megatron.finalize import (
 )
 from nemo_gtp.integrations.megatron.parallel import gtp_process_groups, initialize_gtp_parallel
 from nemo_gtp.integrations.megatron.presharded import GTPShardPlan, validate_model_config_for_gtp
-from nemo_gtp.integrations.megatron.spec_rewrite import gtp_layer_spec, replace_modules_in_spec
+from nemo_gtp.integrations.megatron.spec_rewrite import (
+    gtp_layer_spec,
+    preshard_config_layer_spec,
+    replace_modules_in_spec,
+)
 from nemo_gtp.integrations.megatron.transform import default_should_shard, shard_model
 
 __all__ = [
     "GTPDDPMixin", "GTPDistributedDataParallel", "GTPShardPlan", "allreduce_replicated_grads",
     "default_should_shard", "gtp_layer_spec", "gtp_process_groups", "gtp_sharded_state_dict",
     "initialize_gtp_parallel", "load_gtp_checkpoint", "make_finalize_model_grads",
-    "make_gtp_sharded_state_dict", "replace_modules_in_spec", "save_gtp_checkpoint",
+    "make_gtp_sharded_state_dict", "preshard_config_layer_spec", "replace_modules_in_spec",
+    "save_gtp_checkpoint",
     "shard_model", "validate_model_config_for_gtp",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -106,3 +107,43 @@ def gtp_layer_spec(spec: Any, groups: GTPGroups, config: GTPConfig | None = None
         return spec
     plan = GTPShardPlan.from_groups(groups, (config or GTPConfig()).pad_for_alignment)
     return replace_modules_in_spec(spec, presharded_classes(), {"gtp": plan})
+
+
+def preshard_config_layer_spec(
+    model_config: Any, groups: GTPGroups, config: GTPConfig | None = None,
+    classes: Mapping[type, type] | None = None,
+) -> bool:
+    """Make a model config's ``transformer_layer_spec`` build the given linears pre-sharded.
+
+    For trainers that build the model from a config after the process groups exist (NeMo's
+    ``GPTConfig.configure_model``; ``GTPMegatronStrategy`` calls this in its distributed setup).
+    The spec may be a ``ModuleSpec`` or a function of the config (NeMo's default TE spec); a
+    function is wrapped so its result is rewritten when NeMo calls it. ``classes`` defaults to
+    the loaded TransformerEngine wrappers only: TE linears are never built full, while local
+    linears keep the build-full-then-slice path that starts bit-identical to a run without GTP.
+    Returns whether anything can be swapped (False: GTP size 1, or no TE loaded).
+
+    Example::
+
+        preshard_config_layer_spec(gpt_config, groups, gtp_config)  # before configure_model
+    """
+    if groups.gtp_size == 1:
+        return False
+    if classes is None:
+        classes = {base: presharded_class(base, column)
+                   for base, column in te_parallel_linear_kinds(import_te=False).items()}
+    if not classes or getattr(model_config.transformer_layer_spec, "gtp_presharded", False):
+        return bool(classes)
+    plan = GTPShardPlan.from_groups(groups, (config or GTPConfig()).pad_for_alignment)
+    spec = model_config.transformer_layer_spec
+    if isinstance(spec, ModuleSpec) or not callable(spec):
+        model_config.transformer_layer_spec = replace_modules_in_spec(spec, classes, {"gtp": plan})
+        return True
+
+    @functools.wraps(spec)
+    def presharded_spec(*args: Any, **kwargs: Any) -> Any:
+        return replace_modules_in_spec(spec(*args, **kwargs), classes, {"gtp": plan})
+
+    presharded_spec.gtp_presharded = True  # type: ignore[attr-defined]
+    model_config.transformer_layer_spec = presharded_spec
+    return True
