@@ -12,14 +12,11 @@ concatenated, distributed-optimizer ranges assembled), so two layouts compare bi
 
 from __future__ import annotations
 
-import datetime
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
@@ -43,23 +40,11 @@ STATE_KINDS = ("fp32_param", "exp_avg", "exp_avg_sq")
 COLLECTIVE_TIMEOUT_S = 240  # a rank stuck in a collective fails the spawn instead of hanging
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
 def run_ranks(fn: Callable, world: int, *args: object) -> None:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks with a bounded collective timeout."""
-    from dist_utils import free_port
+    from dist_utils import run_distributed
 
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    run_distributed(fn, world, *args, timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -234,8 +219,9 @@ def _assemble_replicate(built: Built, param: torch.nn.Parameter) -> dict[str, to
     return out
 
 
-def _gather_logical(
-    built: Built, name: str, param: torch.nn.Parameter, tensor: torch.Tensor
+def gather_logical(
+    name: str, param: torch.nn.Parameter, tensor: torch.Tensor, gtp_group: object,
+    *, glu: bool = False,
 ) -> torch.Tensor:
     """``tensor`` (shaped like ``param``) gathered over GTP (pad stripped), then over TP.
 
@@ -245,13 +231,14 @@ def _gather_logical(
     if is_gtp_param(param):
         spec = param.gtp_spec
         gathered = torch.empty(spec.gathered_shape, dtype=tensor.dtype)
-        dist.all_gather_into_tensor(gathered, tensor, group=built.groups.gtp)
+        dist.all_gather_into_tensor(gathered, tensor, group=gtp_group)
         tensor = spec.unpad(gathered).contiguous()
-    if getattr(param, "tensor_model_parallel", False) and built.layout.tp > 1:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if getattr(param, "tensor_model_parallel", False) and tp > 1:
         group = parallel_state.get_tensor_model_parallel_group()
-        parts = [torch.empty_like(tensor) for _ in range(built.layout.tp)]
+        parts = [torch.empty_like(tensor) for _ in range(tp)]
         dist.all_gather(parts, tensor, group=group)
-        if built.layout.glu and ".linear_fc1." in name:
+        if glu and ".linear_fc1." in name:
             halves = [part.chunk(2) for part in parts]
             parts = [gate for gate, _ in halves] + [up for _, up in halves]
         tensor = torch.cat(parts, dim=param.partition_dim)
@@ -260,11 +247,11 @@ def _gather_logical(
 
 def full_state(built: Built) -> dict[str, torch.Tensor]:
     """Every weight and optimizer state as full logical tensors, keyed ``"<kind>/<param name>"``."""
-    out = {}
+    out, gtp, glu = {}, built.groups.gtp, built.layout.glu
     for name, param in built.ddp.module.named_parameters():
-        out[f"weight/{name}"] = _gather_logical(built, name, param, param.data)
+        out[f"weight/{name}"] = gather_logical(name, param, param.data, gtp, glu=glu)
         for kind, tensor in _assemble_replicate(built, param).items():
-            out[f"{kind}/{name}"] = _gather_logical(built, name, param, tensor)
+            out[f"{kind}/{name}"] = gather_logical(name, param, tensor, gtp, glu=glu)
     return out
 
 

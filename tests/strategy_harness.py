@@ -158,27 +158,13 @@ def full_weights(strategy: Any) -> dict[str, torch.Tensor]:
     GTP shards are gathered over the GTP group (pad rows dropped), then TP pieces concatenated
     along their partition dim, so runs of any layout compare bit for bit.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from nemo_gtp.engine import is_gtp_param
+    from ckpt_harness import gather_logical
 
     model = strategy.megatron_parallel[0].module.module  # lightning module -> DDP -> GPTModel
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    out = {}
-    for name, param in model.named_parameters():
-        tensor = param.detach().contiguous()
-        if is_gtp_param(param):
-            spec = param.gtp_spec
-            gathered = torch.empty(spec.gathered_shape, dtype=tensor.dtype)
-            dist.all_gather_into_tensor(gathered, tensor, group=strategy.gtp_groups.gtp)
-            tensor = spec.unpad(gathered).contiguous()
-        if getattr(param, "tensor_model_parallel", False) and tp > 1:
-            parts = [torch.empty_like(tensor) for _ in range(tp)]
-            dist.all_gather(parts, tensor, group=parallel_state.get_tensor_model_parallel_group())
-            tensor = torch.cat(parts, dim=param.partition_dim)
-        out[name] = tensor.clone()
-    return out
+    groups = getattr(strategy, "gtp_groups", None)  # plain MegatronStrategy has none
+    gtp_group = groups.gtp if groups is not None else None
+    return {name: gather_logical(name, param, param.data, gtp_group)
+            for name, param in model.named_parameters()}
 
 
 # ---------------------------------------------------------------------------------- one fit
@@ -254,16 +240,11 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
     if fit.stop_after:
         callbacks.append(_stopper(fit.stop_after))
     if fit.checkpoint_every:
-        from nemo.utils import AppState
+        from nemo_gtp.recipes.loader import model_checkpoint
 
-        memory_logger.directory = str(Path(fit.checkpoint_dir).parent)
-        AppState().log_dir = Path(memory_logger.directory)  # what NeMoLogger.setup would set
-        callbacks.append(nl.ModelCheckpoint(
-            dirpath=fit.checkpoint_dir, every_n_train_steps=fit.checkpoint_every, save_top_k=-1,
-            save_last=False, monitor="reduced_train_loss", filename="{step}",
-            always_save_context=False, save_context_on_train_end=False,
-            save_optim_on_train_end=True,  # else the train-end save is weights-only
-        ))
+        memory_logger.directory = str(Path(fit.checkpoint_dir).parent)  # trainer.log_dir
+        callbacks.append(model_checkpoint(fit.checkpoint_dir, fit.checkpoint_every,
+                                          log_dir=memory_logger.directory))
     trainer = nl.Trainer(
         accelerator="cpu", devices=world, num_nodes=1, max_steps=fit.steps, strategy=strategy,
         logger=memory_logger, callbacks=callbacks,

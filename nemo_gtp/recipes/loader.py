@@ -108,22 +108,35 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
 
 
 def _model_checkpoint(section: dict[str, Any]) -> Any:
-    """NeMo's ``ModelCheckpoint`` saving full (weights + optimizer) checkpoints every n steps."""
+    directory = section.pop("dir")
+    every = int(section.pop("every_n_train_steps"))
+    if section:
+        raise ValueError(f"checkpoint: unknown keys {sorted(section)} (dir, every_n_train_steps)")
+    return model_checkpoint(directory, every)
+
+
+def model_checkpoint(directory: str, every_n_train_steps: int, log_dir: str | None = None) -> Any:
+    """NeMo's ``ModelCheckpoint`` saving full (weights + optimizer) checkpoints every n steps.
+
+    Each save is ``<directory>/step=N/`` (a torch_dist ``weights/``); NeMo's run logs go to
+    ``log_dir`` (default: ``directory``). Example::
+
+        trainer = nl.Trainer(..., callbacks=[model_checkpoint("ckpts", 10)],
+                             enable_checkpointing=True)
+    """
     from pathlib import Path
 
     from nemo import lightning as nl
     from nemo.utils import AppState
 
-    directory = Path(section.pop("dir"))
-    every = int(section.pop("every_n_train_steps"))
-    if section:
-        raise ValueError(f"checkpoint: unknown keys {sorted(section)} (dir, every_n_train_steps)")
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
     # NeMo's ModelCheckpoint writes its run logs to AppState().log_dir (NeMoLogger sets it).
-    directory.mkdir(parents=True, exist_ok=True)
-    AppState().log_dir = directory
+    AppState().log_dir = path if log_dir is None else Path(log_dir)
     return nl.ModelCheckpoint(
-        dirpath=str(directory), every_n_train_steps=every, save_top_k=-1, save_last=False,
-        monitor="reduced_train_loss", filename="{step}", save_optim_on_train_end=True,
+        dirpath=str(path), every_n_train_steps=every_n_train_steps, save_top_k=-1,
+        save_last=False, monitor="reduced_train_loss", filename="{step}",
+        save_optim_on_train_end=True,  # else NeMo's train-end save is weights-only
         always_save_context=False, save_context_on_train_end=False,
     )
 
