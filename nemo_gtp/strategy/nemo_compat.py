@@ -7,7 +7,7 @@
     TransformerEngine ``gpt_forward_step`` fails with "dataloader did not provide an attention
     mask". The subclass passes both by keyword. ``MockDataModule`` also keeps no data position
     in checkpoints, so a resumed fit restarts at sample 0; the subclass saves and restores the
-    consumed-sample count the way NeMo's ``PreTrainingDataModule`` does, so a resumed run sees
+    consumed-sample count with NeMo's ``PreTrainingDataModule`` methods, so a resumed run sees
     exactly the samples the uninterrupted run would have. Everything else is
     ``MockDataModule``'s.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from nemo.collections.llm.gpt.data.mock import MockDataModule, _MockGPTDataset
+from nemo.collections.llm.gpt.data.pre_training import PreTrainingDataModule
 
 
 class SyntheticGPTDataModule(MockDataModule):
@@ -44,20 +45,10 @@ class SyntheticGPTDataModule(MockDataModule):
         self.data_sampler.init_global_step = self.init_global_step
         return super()._create_dataloader(dataset, **kwargs)
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"consumed_samples": n}``, saved in checkpoints (Lightning's datamodule state)."""
-        steps = self.trainer.global_step - self.init_global_step
-        return {"consumed_samples": self.data_sampler.compute_consumed_samples(steps)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue the sample stream where the checkpoint left it (before dataloaders exist)."""
-        from megatron.core.num_microbatches_calculator import update_num_microbatches
-
-        consumed = int(state_dict["consumed_samples"])
-        self.data_sampler.init_consumed_samples = consumed
-        self.data_sampler.prev_consumed_samples = consumed
-        update_num_microbatches(consumed_samples=consumed, consistency_check=False)
-        self.data_sampler.if_first_step = 1
+    # The consumed-sample position in checkpoints, exactly as NeMo's pre-training data module
+    # keeps it (both read ``data_sampler``, ``trainer`` and ``init_global_step``).
+    state_dict = PreTrainingDataModule.state_dict
+    load_state_dict = PreTrainingDataModule.load_state_dict
 
     def setup(self, stage: str = "") -> None:
         """Build the three splits with ``seed`` and ``create_attention_mask`` by keyword."""
