@@ -79,11 +79,17 @@ def build(args: argparse.Namespace, mode: str, world: int):
         fully_shard(model, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
 
-        def step(batch: dict) -> float:
+        def step(batch: dict, marks: list | None = None) -> float:
+            mark(marks)
             loss = forward_loss(model, batch)
+            mark(marks)
             loss.backward()
+            mark(marks)
+            # megatron's optimizer clips at 1.0 in the ddp/gtp modes: same work here
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            mark(marks)
             return float(loss.detach())
 
         return model, optimizer, step, None
@@ -103,16 +109,31 @@ def build(args: argparse.Namespace, mode: str, world: int):
     )
     finalize = make_finalize_model_grads(groups)
 
-    def step(batch: dict) -> float:
+    def step(batch: dict, marks: list | None = None) -> float:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
+        mark(marks)
         loss = forward_loss(ddp, batch)
+        mark(marks)
         loss.backward()
+        mark(marks)
         finalize([ddp])
         optimizer.step()
+        mark(marks)
         return float(loss.detach())
 
     return ddp, optimizer, step, runtime
+
+
+def mark(marks: list | None) -> None:
+    """Record a CUDA event at a phase boundary (forward | backward | finalize+optimizer)."""
+    if marks is not None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        marks.append(event)
+
+
+PHASES = ("forward", "backward", "optimizer")
 
 
 def forward_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -197,7 +218,10 @@ def profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None:  # 
 
 
 def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple[int, int]]):
+    if args.memory_trace:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     model, optimizer, step, runtime = build(args, mode, world)
+    built_gib = torch.cuda.memory_allocated() / 2**30
     records = []
     for mbs, seq in shapes:
         batch = make_batch(args, mbs, seq)
@@ -212,13 +236,16 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
         if runtime is not None:
             runtime.wait_timer.collect()
             runtime.stats.reset()
-        times = []
+        times, phases = [], {name: [] for name in PHASES}
         for _ in range(args.steps):
+            marks: list = []
             torch.cuda.synchronize()
             start = time.perf_counter()
-            step(batch)
+            step(batch, marks)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
+            for name, a, b in zip(PHASES, marks, marks[1:]):
+                phases[name].append(a.elapsed_time(b))
         exposed = runtime.wait_timer.collect() if runtime is not None else {}
         median = statistics.median(times)
         if args.profile and f"{mbs}x{seq}" == args.profile_shape:
@@ -232,9 +259,23 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
             if runtime else None,
             state_gib=state_bytes(model, optimizer) / 2**30,
             replicated_state_gib=replicated_bytes(model, 1) / 2**30,
+            built_gib=built_gib,
+            device_used_gib=(lambda fr, tot: (tot - fr) / 2**30)(*torch.cuda.mem_get_info()),
+            reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+            **{f"{name}_ms": statistics.median(v) for name, v in phases.items()},
         ))
         if dist.get_rank() == 0:
             print(json.dumps(records[-1]), flush=True)
+    if args.memory_trace:
+        from memory_peak import format_breakdown, peak_breakdown
+
+        text = format_breakdown(peak_breakdown(torch.cuda.memory._snapshot()))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        if dist.get_rank() == 0:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"memory_peak_{mode}.txt"), "w") as f:
+                f.write(f"mode={mode} shapes={args.shapes}\n{text}\n")
+            print(text, flush=True)
     del model, optimizer, step, runtime
     gc.collect()
     torch.cuda.empty_cache()
@@ -299,6 +340,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-shape", default="4x2048")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="write what is live at each mode's allocation peak")
     args = parser.parse_args()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")

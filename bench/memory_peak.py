@@ -1,0 +1,61 @@
+"""What is live at the peak of a CUDA memory history (explains a peak-memory difference).
+
+``torch.cuda.memory._record_memory_history(stacks="python")`` from before the model is built,
+run some steps, then :func:`peak_breakdown` replays the allocator's alloc/free trace from zero,
+finds the moment of the highest allocated total and groups the blocks live then by the first
+stack frame in our code (megatron, nemo_gtp, bench).
+
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    ...  # build, train
+    print(format_breakdown(peak_breakdown(torch.cuda.memory._snapshot())))
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+_OURS = ("megatron", "nemo_gtp", "bench", "fsdp")
+
+
+def _site(frames: list[dict]) -> str:
+    for frame in frames:
+        name = frame.get("filename", "")
+        if any(key in name for key in _OURS):
+            short = "/".join(name.split("/")[-2:])
+            return f"{short}:{frame.get('line')} {frame.get('name')}"
+    if frames:
+        f = frames[0]
+        return f"{f.get('filename', '?').split('/')[-1]}:{f.get('line')} {f.get('name')}"
+    return "<no frames>"
+
+
+def peak_breakdown(snapshot: dict, device: int | None = None) -> tuple[int, list[tuple[int, str]]]:
+    """(peak bytes, [(bytes, allocation site)] of the blocks live at the peak, largest first)."""
+    traces = snapshot["device_traces"]
+    trace = traces[device] if device is not None else max(traces, key=len)
+    frees = {"free_completed"} if any(e["action"] == "free_completed" for e in trace) else {
+        "free_requested"}
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    peak_live: dict[int, tuple[int, str]] = {}
+    for event in trace:
+        action = event["action"]
+        if action == "alloc":
+            live[event["addr"]] = (event["size"], _site(event.get("frames", [])))
+            total += event["size"]
+            if total > peak:
+                peak, peak_live = total, dict(live)
+        elif action in frees and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    by_site: Counter[str] = Counter()
+    for size, site in peak_live.values():
+        by_site[site] += size
+    return peak, sorted(((b, s) for s, b in by_site.items()), reverse=True)
+
+
+def format_breakdown(result: tuple[int, list[tuple[int, str]]], top: int = 20) -> str:
+    """Text table of :func:`peak_breakdown`'s result."""
+    peak, rows = result
+    lines = [f"peak (traced allocations) {peak / 2**30:.2f} GiB"]
+    lines += [f"  {b / 2**30:8.3f} GiB  {site}" for b, site in rows[:top]]
+    return "\n".join(lines)
