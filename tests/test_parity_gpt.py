@@ -8,12 +8,19 @@ agree within 1e-5 relative.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 from dist_utils import run_distributed
 from gpt_harness import Run, assert_parity, train
 
+from nemo_gtp.cpu_compat import enable_cpu_compat
+
 
 def _worker(rank: int, world: int, cases: list[Run]) -> None:
+    # First here, not inside the first train(): NeMo's import keeps a frame chain alive, and
+    # with it the locals of whoever called the import (the first model, otherwise).
+    enable_cpu_compat()
     for case in cases:
         reference = train(dataclasses.replace(case, gtp=1))
         result = train(case)
@@ -27,6 +34,12 @@ def _worker(rank: int, world: int, cases: list[Run]) -> None:
         except AssertionError as err:
             raise AssertionError(f"{case}: {err}") from None
         print(f"[parity] rank {rank} {case}: max rel err {worst:.2e}", flush=True)
+        # Nothing outlives the model: weights, grad buffers and optimizer state are freed once
+        # the training objects are dropped (DDP's GTP grad-ready hook holds only weak refs).
+        runtime_ref = weakref.ref(runtime)
+        del result, runtime, reference
+        gc.collect()
+        assert runtime_ref() is None, f"{case}: the GTP model outlived every reference to it"
 
 
 # One spawn per world size (process start + imports dominate on CPU); each case says which it is.

@@ -8,6 +8,7 @@ never reads a stale ``main_grad`` (the seed's ordering invariant).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -63,11 +64,18 @@ class GTPDDPMixin:
         if not is_gtp_param(param):
             return super()._make_backward_post_hook(param)
 
+        # Weak references: the hook lives in the param's own ``gtp_state``. A strong
+        # param -> hook -> (DDP, param) cycle runs through the tensor's __dict__, which Python's
+        # GC cannot traverse while autograd holds the TensorImpl, so the whole model (weights,
+        # grad buffers, optimizer state) would outlive every reference to it.
+        ddp_ref, param_ref = weakref.ref(self), weakref.ref(param)
+
         def grad_ready() -> None:
-            if is_graph_capturing():
+            ddp, owner = ddp_ref(), param_ref()
+            if ddp is None or owner is None or is_graph_capturing():
                 return
-            if self.ddp_config.overlap_grad_reduce and param in self.param_to_bucket_group:
-                self.param_to_bucket_group[param].register_grad_ready(param)
+            if ddp.ddp_config.overlap_grad_reduce and owner in ddp.param_to_bucket_group:
+                ddp.param_to_bucket_group[owner].register_grad_ready(owner)
 
         param.register_grad_accum_hook(grad_ready)
 
