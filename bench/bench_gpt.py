@@ -36,6 +36,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
+from torch_optimizer_kernels import fuse_adam, install_torch_kernels
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims
 from nemo_gtp.integrations.megatron import (
@@ -45,6 +46,14 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
     shard_model,
 )
+
+# The GTP variants the benchmark knows (mode name -> engine config).
+GTP_MODES = {
+    "gtp": GTPConfig(gather_backend="nccl"),
+    "gtp_ce": GTPConfig(gather_backend="copy_engine"),
+    "gtp_auto": GTPConfig(gather_backend="auto"),
+    "gtp_rs2": GTPConfig(gather_backend="nccl", separate_reduce_scatter_group=True),
+}
 
 
 def model_config(args: argparse.Namespace) -> TransformerConfig:
@@ -95,8 +104,7 @@ def build(args: argparse.Namespace, mode: str, world: int):
         return model, optimizer, step, None
     model = Float16Module(config, model)  # bf16 everywhere, as NeMo's precision plugin does
     if mode.startswith("gtp"):
-        backend = "copy_engine" if mode == "gtp_ce" else "nccl"
-        runtime = shard_model(model, groups, GTPConfig(gather_backend=backend))
+        runtime = shard_model(model, groups, GTP_MODES[mode])
     pgs = gtp_process_groups(groups)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True,
@@ -107,6 +115,9 @@ def build(args: argparse.Namespace, mode: str, world: int):
                         use_distributed_optimizer=True, clip_grad=1.0),
         [ddp], use_gloo_process_groups=False, pg_collection=pgs,
     )
+    if args.optimizer_kernels == "torch_fused":
+        install_torch_kernels()
+        fuse_adam(optimizer)
     finalize = make_finalize_model_grads(groups)
 
     def step(batch: dict, marks: list | None = None) -> float:
@@ -225,6 +236,8 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
     records = []
     for mbs, seq in shapes:
         batch = make_batch(args, mbs, seq)
+        if runtime is not None and runtime.config.gather_backend == "auto":
+            runtime.reset_gather_backend()  # a real run has one shape: decide for this one
         torch.cuda.reset_peak_memory_stats()
         try:
             for _ in range(args.warmup):
@@ -260,6 +273,7 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
             state_gib=state_bytes(model, optimizer) / 2**30,
             replicated_state_gib=replicated_bytes(model, 1) / 2**30,
             built_gib=built_gib,
+            gather_backend=runtime.gather_backend.value if runtime is not None else None,
             device_used_gib=(lambda fr, tot: (tot - fr) / 2**30)(*torch.cuda.mem_get_info()),
             reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
             **{f"{name}_ms": statistics.median(v) for name, v in phases.items()},
@@ -291,29 +305,35 @@ def write_report(args: argparse.Namespace, records: list[dict], world: int) -> N
     tokens = sorted({r["tokens_per_gpu"] for r in records})
     lines = [
         f"GPT {args.layers}L h{args.hidden} ffn{4 * args.hidden} heads{args.heads} vocab "
-        f"{args.vocab}, bf16, {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}",
+        f"{args.vocab}, bf16, {world}x {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"optimizer kernels: {args.optimizer_kernels}",
         "",
-        "state = weight+grad+optimizer bytes per rank; 'vs repl.' divides by plain replicated "
-        "training of the same model (18 B/param).",
+        "step = median of the steps; fwd / bwd / opt = medians of the phases (CUDA events: "
+        "forward, backward, finalize + optimizer step). peak = torch allocator peak; device = "
+        "GPU memory in use at the end (allocator cache, NCCL, symmetric memory). state = "
+        "weight+grad+optimizer bytes per rank; 'vs repl.' divides by plain replicated training "
+        "(18 B/param).",
         "",
-        "| tokens/GPU | mode | step ms | ratio vs DDP | tokens/s | peak GiB | state GiB "
-        "(vs DDP) | state vs repl. | exposed AG ms | exposed RS ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens/GPU | mode | gather | step ms | vs DDP | vs FSDP2 | fwd / bwd / opt ms | "
+        "tokens/s | peak GiB | device GiB | state GiB (vs repl.) | exposed AG / RS ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in tokens:
-        base = by.get(("ddp", t))
-        for mode in ("ddp", "fsdp2", "gtp", "gtp_ce"):
+        base, fsdp = by.get(("ddp", t)), by.get(("fsdp2", t))
+        for mode in ("ddp", "fsdp2", *GTP_MODES):
             r = by.get((mode, t))
             if r is None:
                 continue
             ratio = r["step_ms"] / base["step_ms"] if base else float("nan")
-            sratio = r["state_gib"] / base["state_gib"] if base else float("nan")
-            ag = "—" if r["exposed_gather_ms"] is None else f"{r['exposed_gather_ms']:.2f}"
-            rs = "—" if r["exposed_rs_ms"] is None else f"{r['exposed_rs_ms']:.2f}"
+            vs_fsdp = r["step_ms"] / fsdp["step_ms"] if fsdp else float("nan")
+            exposed = "—" if r["exposed_gather_ms"] is None else (
+                f"{r['exposed_gather_ms']:.2f} / {r['exposed_rs_ms']:.2f}")
             lines.append(
-                f"| {t} | {mode} | {r['step_ms']:.1f} | {ratio:.3f} | {r['tokens_per_s']:.0f} | "
-                f"{r['peak_gib']:.1f} | {r['state_gib']:.2f} ({sratio:.2f}) | "
-                f"{r['state_gib'] / r['replicated_state_gib']:.3f} | {ag} | {rs} |"
+                f"| {t} | {mode} | {r.get('gather_backend') or '—'} | {r['step_ms']:.1f} | "
+                f"{ratio:.3f} | {vs_fsdp:.3f} | {r['forward_ms']:.1f} / {r['backward_ms']:.1f} / "
+                f"{r['optimizer_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | "
+                f"{r['device_used_gib']:.1f} | {r['state_gib']:.2f} "
+                f"({r['state_gib'] / r['replicated_state_gib']:.3f}) | {exposed} |"
             )
     with open(os.path.join(args.out, "bench_gpt.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -334,12 +354,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--max-seq", type=int, default=2048)
     parser.add_argument("--shapes", default="1x1024,1x2048,2x2048,4x2048,8x2048")
-    parser.add_argument("--modes", default="ddp,fsdp2,gtp,gtp_ce")
+    parser.add_argument("--modes", default="ddp,fsdp2,gtp,gtp_ce,gtp_auto")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-shape", default="4x2048")
+    parser.add_argument("--optimizer-kernels", choices=("torch_fused", "megatron"),
+                        default="torch_fused",
+                        help="megatron modes: torch fused AdamW + foreach norms like FSDP2 "
+                             "(torch_fused) or megatron's no-TE/no-apex fallbacks")
     parser.add_argument("--memory-trace", action="store_true",
                         help="write what is live at each mode's allocation peak")
     args = parser.parse_args()

@@ -20,7 +20,8 @@ def plot_ratio(json_path: str, png_path: str) -> None:
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in data["records"] if not r.get("oom")}
     tokens = sorted({t for _, t in by})
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in ("fsdp2", "gtp", "gtp_ce"):
+    modes = sorted({m for m, _ in by if m != "ddp"}, key=lambda m: (m != "fsdp2", m))
+    for mode in modes:
         xs = [t for t in tokens if (mode, t) in by and ("ddp", t) in by]
         ax.plot(xs, [by[(mode, t)]["step_ms"] / by[("ddp", t)]["step_ms"] for t in xs],
                 marker="o", label=f"{mode} / ddp")

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
+from nemo_gtp.engine.copy_engine import decide_copy_engine
+from nemo_gtp.engine.runtime import GatherBackend
 
 
 def _mlp(seed: int) -> torch.nn.Sequential:
@@ -39,11 +41,17 @@ def _gather_full(param, group) -> torch.Tensor:
     return spec.unpad(out)
 
 
-def _parity_worker(rank: int, world: int, per_token: bool) -> None:
+def _parity_worker(rank: int, world: int, per_token: bool, options: dict) -> None:
     groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
     reference = _mlp(0)
     model = copy.deepcopy(reference)
-    runtime = _shard_mlp(model, groups.gtp, GTPConfig(calculate_per_token_loss=per_token))
+    runtime = _shard_mlp(
+        model, groups.gtp, GTPConfig(calculate_per_token_loss=per_token, **options)
+    )
+    if options.get("separate_reduce_scatter_group"):
+        assert runtime._rs_group is not groups.gtp
+        assert dist.get_process_group_ranks(runtime._rs_group) == \
+            dist.get_process_group_ranks(groups.gtp)
     for step in range(3):
         torch.manual_seed(100 + 10 * step + rank)
         x, target = torch.randn(8, 16), torch.randn(8, 16)
@@ -87,11 +95,30 @@ def _parity_worker(rank: int, world: int, per_token: bool) -> None:
     for (name, ref_p), p in zip(reference.named_parameters(), model.parameters()):
         full = _gather_full(p, groups.gtp) if hasattr(p, "gtp_spec") else p.detach()
         assert torch.allclose(full, ref_p.detach(), rtol=1e-5, atol=1e-6), name
+    # "auto" has no copy engine on gloo/CPU: NCCL-path gathers, decided without a collective.
+    assert runtime.gather_backend is GatherBackend.NCCL
+    assert runtime.tokens_per_gemm == 8
 
 
-@pytest.mark.parametrize("per_token", [False, True])
-def test_linear_parity_gtp2(per_token: bool) -> None:
-    run_distributed(_parity_worker, 2, per_token)
+@pytest.mark.parametrize("per_token, options", [
+    (False, {}),
+    (True, {}),
+    (False, {"gather_backend": "auto", "separate_reduce_scatter_group": True}),
+])
+def test_linear_parity_gtp2(per_token: bool, options: dict) -> None:
+    run_distributed(_parity_worker, 2, per_token, options)
+
+
+def test_copy_engine_decision() -> None:
+    """``gather_backend`` resolution from every peer's (host, tokens per GEMM)."""
+    assert decide_copy_engine([5, 5], [4096, 8192], required=False, min_tokens=4096)
+    assert not decide_copy_engine([5, 5], [2048, 8192], required=False, min_tokens=4096)
+    assert not decide_copy_engine([5, 6], [8192, 8192], required=False, min_tokens=4096)
+    assert decide_copy_engine([5, 5], [16, 16], required=True, min_tokens=4096)
+    with pytest.raises(RuntimeError, match="gather_backend='nccl' or 'auto'"):
+        decide_copy_engine([5, 6], [8192, 8192], required=True, min_tokens=4096)
+    with pytest.raises(ValueError, match="copy_engine_min_tokens"):
+        GTPConfig(copy_engine_min_tokens=-1)
 
 
 def _behaviour_worker(rank: int, world: int) -> None:

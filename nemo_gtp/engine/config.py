@@ -29,8 +29,18 @@ class GTPConfig:
         graph_wgrad_ring_size: persistent wgrad slots per CUDA-graph scheduling domain (§3.5).
         check_param_states: assert state-machine invariants on every transition (debugging).
         gather_backend: ``"nccl"`` (NCCL/gloo all-gather kernels), ``"copy_engine"`` (SM-free
-            pulls of peers' shards from symmetric memory, CUDA only; costs one extra shard-sized
-            copy of the weights) or ``"auto"`` (copy engine where available, else NCCL).
+            pulls of peers' shards from symmetric memory, CUDA only, every GTP peer on one host;
+            costs one extra shard-sized copy of the weights) or ``"auto"``: the copy engine
+            where it is faster, i.e. when it is available and the GEMMs see at least
+            ``copy_engine_min_tokens`` tokens (decided once, at the first gather, by all GTP
+            peers together), else NCCL.
+        copy_engine_min_tokens: the ``"auto"`` crossover in tokens per GEMM (rows of the
+            activation: micro-batch x sequence / CP). Below it the step is communication-bound
+            and NCCL's all-gather is faster than copy-engine pulls; above it hiding the gather
+            behind the GEMMs without taking SMs wins (``bench/results``, 2xH200).
+        separate_reduce_scatter_group: give the wgrad reduce-scatters their own communicator
+            (same ranks), so a weight's prefetched all-gather never queues behind the previous
+            weight's reduce-scatter on one NCCL stream.
     """
 
     pad_for_alignment: int = 16
@@ -41,12 +51,18 @@ class GTPConfig:
     graph_wgrad_ring_size: int = 2
     check_param_states: bool = False
     gather_backend: str = "nccl"
+    copy_engine_min_tokens: int = 4096
+    separate_reduce_scatter_group: bool = False
 
     def __post_init__(self) -> None:
         if self.gather_backend not in ("nccl", "copy_engine", "auto"):
             raise ValueError(
                 f"GTPConfig.gather_backend must be 'nccl', 'copy_engine' or 'auto', got "
                 f"{self.gather_backend!r}"
+            )
+        if self.copy_engine_min_tokens < 0:
+            raise ValueError(
+                f"GTPConfig.copy_engine_min_tokens must be >= 0, got {self.copy_engine_min_tokens}"
             )
         if self.pad_for_alignment < 1:
             raise ValueError(

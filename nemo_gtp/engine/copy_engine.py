@@ -18,6 +18,8 @@ take the refresh at the same gather. Cost: one extra shard-sized copy of the wei
 
 from __future__ import annotations
 
+import hashlib
+import socket
 from collections.abc import Sequence
 
 import torch
@@ -29,7 +31,10 @@ _ALIGN = 256
 
 
 def copy_engine_available(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """True where symmetric memory works for ``group`` (CUDA, NCCL, peers on one host)."""
+    """This rank's half of the check: CUDA, NCCL and symmetric memory importable.
+
+    Whether every peer is on this host is settled by :func:`agree_on_copy_engine`.
+    """
     if device.type != "cuda" or dist.get_backend(group) != "nccl":
         return False
     try:
@@ -37,6 +42,53 @@ def copy_engine_available(group: dist.ProcessGroup, device: torch.device) -> boo
     except ImportError:
         return False
     return True
+
+
+def host_id() -> int:
+    """A 63-bit id of this host (equal on every process of one machine)."""
+    digest = hashlib.sha1(socket.gethostname().encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def decide_copy_engine(
+    hosts: Sequence[int], tokens: Sequence[int], *, required: bool, min_tokens: int
+) -> bool:
+    """The ``gather_backend`` choice from every GTP peer's (host id, tokens per GEMM).
+
+    ``required`` (``"copy_engine"``) raises when the peers span hosts; ``"auto"`` picks the copy
+    engine only on one host and when the smallest token count reaches ``min_tokens``.
+
+    Example::
+
+        decide_copy_engine([7, 7], [8192, 8192], required=False, min_tokens=4096)  # True
+    """
+    one_host = len(set(hosts)) == 1
+    if required:
+        if not one_host:
+            raise RuntimeError(
+                "GTPConfig.gather_backend='copy_engine' needs every GTP peer on one host "
+                f"(symmetric memory), but the GTP group spans {len(set(hosts))} hosts: use "
+                "gather_backend='nccl' or 'auto'"
+            )
+        return True
+    return one_host and min(tokens) >= min_tokens
+
+
+def agree_on_copy_engine(
+    group: dist.ProcessGroup, device: torch.device, tokens: int, *, required: bool,
+    min_tokens: int,
+) -> bool:
+    """Collective over ``group``: every peer gets the same :func:`decide_copy_engine` answer.
+
+    Called once, at a runtime's first gather (every peer reaches it at the same point), and
+    only where :func:`copy_engine_available` holds, i.e. on NCCL: one tiny all-gather and a host
+    sync, outside the steady state.
+    """
+    mine = torch.tensor([host_id(), tokens], dtype=torch.int64, device=device)
+    everyone = torch.empty(dist.get_world_size(group), 2, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    hosts, counts = zip(*everyone.tolist())
+    return decide_copy_engine(hosts, counts, required=required, min_tokens=min_tokens)
 
 
 class _EventWork:
@@ -106,6 +158,14 @@ class SymmetricShardMirror:
             self._versions[id(p)] = p._version
         self._handle.barrier(channel=1)
         self.refreshes += 1
+
+    def close(self) -> None:
+        """Collective: wait until no peer still pulls from this mirror, then let it be freed."""
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self._handle.barrier(channel=0)
+        torch.cuda.current_stream().synchronize()
+        self._peers.clear()
+        self._local.clear()
 
     def gather(self, output: torch.Tensor, param: torch.Tensor) -> CommHandle:
         """Pull every peer's mirror of ``param`` into ``output`` (rank order along dim 0)."""

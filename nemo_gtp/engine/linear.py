@@ -83,6 +83,7 @@ class _GTPLinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         runtime = weight.runtime
         total_x = _gather_sequence(x, tp.group) if tp.sequence_parallel else x
+        runtime.note_tokens(total_x.numel() // total_x.shape[-1])
         full = runtime.materialize(weight, Direction.FWD, will_backward=will_backward)
         runtime.record("gemm", weight, Direction.FWD)
         out = torch.matmul(total_x, full.t())

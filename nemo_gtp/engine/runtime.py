@@ -33,7 +33,11 @@ import torch.distributed as dist
 from nemo_gtp.engine.buffers import BufferKey, GTPWeightCache, WgradPool
 from nemo_gtp.engine.collectives import all_gather_shard, reduce_scatter_wgrad
 from nemo_gtp.engine.config import GTPConfig
-from nemo_gtp.engine.copy_engine import SymmetricShardMirror, copy_engine_available
+from nemo_gtp.engine.copy_engine import (
+    SymmetricShardMirror,
+    agree_on_copy_engine,
+    copy_engine_available,
+)
 from nemo_gtp.engine.param import (
     Direction,
     GatherState,
@@ -55,6 +59,15 @@ class ChainId(enum.Enum):
     """Routed-expert fc1 weights, one block ahead (§3.4 grouped-expert chains; reserved)."""
     EXPERT_FC2 = "grouped_fc2_ungraphed"
     """Routed-expert fc2 weights, one block ahead (§3.4 grouped-expert chains; reserved)."""
+
+
+class GatherBackend(enum.Enum):
+    """How a runtime all-gathers its shards (``GTPConfig.gather_backend`` once resolved)."""
+
+    NCCL = "nccl"
+    """``torch.distributed`` all-gather: NCCL kernels on SMs (gloo threads on CPU)."""
+    COPY_ENGINE = "copy_engine"
+    """Copy-engine pulls of the peers' shards from symmetric memory (no SMs; one host, CUDA)."""
 
 
 class ChainPhase(enum.Enum):
@@ -157,7 +170,15 @@ class GTPRuntime:
         self.rank = dist.get_rank(group)
         self._nccl = dist.get_backend(group) == "nccl"
         self._mirror: SymmetricShardMirror | None = None
-        self._copy_engine_unavailable = False
+        self.gather_backend: GatherBackend | None = None  # resolved at the first gather
+        self.tokens_per_gemm = 0
+        # A second communicator over the same ranks for the reduce-scatters (see GTPConfig).
+        self._rs_group = group
+        if self.config.separate_reduce_scatter_group and self.size > 1:
+            self._rs_group = dist.new_group(
+                dist.get_process_group_ranks(group), backend=dist.get_backend(group),
+                use_local_synchronization=True,
+            )
         self.params: list[GTPShardedParam] = []
         self.chains = {cid: Chain(cid) for cid in ChainId}
         self.weight_cache = GTPWeightCache()
@@ -292,22 +313,48 @@ class GTPRuntime:
         return True
 
     def _use_copy_engine(self, param: GTPShardedParam) -> bool:
-        backend = self.config.gather_backend
-        if backend == "nccl" or self._copy_engine_unavailable:
-            return False
-        if self._mirror is None:
-            if not copy_engine_available(self.group, param.device):
-                self._copy_engine_unavailable = True
-                if backend == "copy_engine":
-                    raise RuntimeError(
-                        "GTPConfig.gather_backend='copy_engine' needs CUDA, NCCL and "
-                        "torch.distributed._symmetric_memory: use gather_backend='nccl'"
-                    )
-                return False
-            # Collective (symmetric-memory rendezvous): every GTP peer reaches its first gather
-            # at the same point of the same program.
-            self._mirror = SymmetricShardMirror(self.params, self.group)
-        return True
+        if self.gather_backend is None:
+            self.gather_backend = self._resolve_gather_backend(param.device)
+        return self.gather_backend is GatherBackend.COPY_ENGINE
+
+    def _resolve_gather_backend(self, device: torch.device) -> GatherBackend:
+        """``GTPConfig.gather_backend`` made concrete, once, at the first gather.
+
+        Every GTP peer reaches its first gather at the same point of the same program, so the
+        agreement (and the symmetric-memory rendezvous that follows) are collective-safe here.
+        """
+        requested = self.config.gather_backend
+        if requested == "nccl":
+            return GatherBackend.NCCL
+        if not copy_engine_available(self.group, device):
+            if requested == "copy_engine":
+                raise RuntimeError(
+                    "GTPConfig.gather_backend='copy_engine' needs CUDA, NCCL and "
+                    "torch.distributed._symmetric_memory: use gather_backend='nccl'"
+                )
+            return GatherBackend.NCCL
+        if not agree_on_copy_engine(
+            self.group, device, self.tokens_per_gemm, required=requested == "copy_engine",
+            min_tokens=self.config.copy_engine_min_tokens,
+        ):
+            return GatherBackend.NCCL
+        self._mirror = SymmetricShardMirror(self.params, self.group)
+        return GatherBackend.COPY_ENGINE
+
+    def note_tokens(self, tokens: int) -> None:
+        """Rows of the GEMMs about to run (read by gather_backend='auto' at the first gather)."""
+        self.tokens_per_gemm = tokens
+
+    def reset_gather_backend(self) -> None:
+        """Decide ``gather_backend`` again at the next gather (e.g. after a sequence-length change).
+
+        Call on every GTP peer at the same step boundary; drains first. The next gather is then
+        collective again (agreement, and the mirror's rendezvous if the copy engine is chosen).
+        """
+        self.drain()
+        if self._mirror is not None:
+            self._mirror.close()
+        self.gather_backend, self._mirror = None, None
 
     def _buffer_key(self, param: GTPShardedParam, direction: Direction) -> BufferKey:
         state = param.gtp_state
@@ -390,7 +437,7 @@ class GTPRuntime:
         chain = self.chains[param.gtp_state.chain_id]
         sync = not self.config.async_reduction or chain.is_head(param)
         rs.handle = reduce_scatter_wgrad(
-            output, scratch, self.group, async_op=True, fp32_recv=recv, average=average
+            output, scratch, self._rs_group, async_op=True, fp32_recv=recv, average=average
         )
         rs.state, rs.scratch, rs.output, rs.recv = (
             ReduceScatterState.ASYNC_WAIT, scratch, output, recv

@@ -7,7 +7,8 @@ straight into ``grad_buffer()``). What this module adds around that bridge:
 
 - which megatron TE wrappers opt in (:func:`te_parallel_linear_kinds`; the spec rewrite builds
   them pre-sharded, ``shard_model`` slices any built full),
-- the grad mode of the module call, recorded for the runtime (:func:`record_grad_mode`): TE
+- the grad mode (and GEMM row count, for ``gather_backend="auto"``) of the module call,
+  recorded for the runtime (:func:`record_grad_mode`): TE
   materializes inside its autograd ``forward``, where grad mode is always off, so the runtime
   could not otherwise tell that a backward follows (the chain tail's hand-over prefetch, §1.1),
 - one warning naming the TE modules GTP leaves unsharded (:func:`warn_unsharded_te_modules`).
@@ -82,10 +83,16 @@ def warn_unsharded_te_modules(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _record(module: torch.nn.Module, args: object) -> None:
+def _record(module: torch.nn.Module, args: tuple) -> None:
     weight = module._parameters.get("weight")
     if isinstance(weight, GTPShardedParam):
         weight.gtp_state.forward_grad_enabled = torch.is_grad_enabled()
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        runtime = weight.gtp_state.runtime() if weight.gtp_state.runtime is not None else None
+        if x is not None and x.dim() > 0 and runtime is not None:
+            # Rows of TE's GEMM; under sequence parallelism TE gathers the sequence first.
+            tp = getattr(module, "tp_size", 1) if getattr(module, "sequence_parallel", False) else 1
+            runtime.note_tokens(x.numel() // x.shape[-1] * tp)
 
 
 def record_grad_mode(module: torch.nn.Module) -> None:
