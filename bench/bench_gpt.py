@@ -228,6 +228,34 @@ def profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None:  # 
         f.write(events.table(sort_by="device_time_total", row_limit=30))
 
 
+EXPOSED_STEPS = 5
+
+
+def host_profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None:  # noqa: ANN001
+    """Where the host's time goes (cProfile, 5 steps): small shapes are launch-bound."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    start = time.perf_counter()
+    for _ in range(5):
+        step(batch)
+    host = time.perf_counter() - start
+    prof.disable()
+    torch.cuda.synchronize()
+    if dist.get_rank() != 0:
+        return
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"host_profile_{mode}_{args.profile_shape}.txt"), "w") as f:
+        f.write(f"mode={mode} shape={args.profile_shape}: 5 steps, host {1000 * host / 5:.1f} "
+                f"ms/step under cProfile\n{text.getvalue()}")
+
+
 def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple[int, int]]):
     if args.memory_trace:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -246,9 +274,6 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
             records.append(dict(mode=mode, mbs=mbs, seq=seq, tokens_per_gpu=mbs * seq, oom=True))
             torch.cuda.empty_cache()
             continue
-        if runtime is not None:
-            runtime.wait_timer.collect()
-            runtime.stats.reset()
         times, phases = [], {name: [] for name in PHASES}
         for _ in range(args.steps):
             marks: list = []
@@ -259,16 +284,26 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
             times.append(time.perf_counter() - start)
             for name, a, b in zip(PHASES, marks, marks[1:]):
                 phases[name].append(a.elapsed_time(b))
-        exposed = runtime.wait_timer.collect() if runtime is not None else {}
+        exposed = {}
+        if runtime is not None:  # separate steps: the stall timer's events cost host time
+            runtime.wait_timer.enable()
+            runtime.wait_timer.collect()
+            for _ in range(EXPOSED_STEPS):
+                step(batch)
+            exposed = runtime.wait_timer.collect()
+            runtime.wait_timer.enable(False)
         median = statistics.median(times)
         if args.profile and f"{mbs}x{seq}" == args.profile_shape:
             profile(args, mode, step, batch)
+        if args.host_profile and f"{mbs}x{seq}" == args.profile_shape:
+            host_profile(args, mode, step, batch)
         records.append(dict(
             mode=mode, mbs=mbs, seq=seq, tokens_per_gpu=mbs * seq, step_ms=1000 * median,
             tokens_per_s=world * mbs * seq / median,
             peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-            exposed_gather_ms=1000 * exposed.get("gather", 0.0) / args.steps if runtime else None,
-            exposed_rs_ms=1000 * exposed.get("reduce_scatter", 0.0) / args.steps
+            exposed_gather_ms=1000 * exposed.get("gather", 0.0) / EXPOSED_STEPS
+            if runtime else None,
+            exposed_rs_ms=1000 * exposed.get("reduce_scatter", 0.0) / EXPOSED_STEPS
             if runtime else None,
             state_gib=state_bytes(model, optimizer) / 2**30,
             replicated_state_gib=replicated_bytes(model, 1) / 2**30,
@@ -364,6 +399,8 @@ def main() -> None:
                         default="torch_fused",
                         help="megatron modes: torch fused AdamW + foreach norms like FSDP2 "
                              "(torch_fused) or megatron's no-TE/no-apex fallbacks")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="cProfile 5 steps at --profile-shape (host overhead)")
     parser.add_argument("--memory-trace", action="store_true",
                         help="write what is live at each mode's allocation peak")
     args = parser.parse_args()

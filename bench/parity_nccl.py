@@ -24,7 +24,10 @@ from gpt_harness import Run, assert_parity, train  # noqa: E402
 CASES = {
     2: [Run(gtp=2), Run(gtp=2, per_token=True), Run(gtp=2, ffn=72, hidden=48),
         Run(gtp=2, distopt=True), Run(gtp=2, gather_backend="copy_engine"),
-        Run(gtp=2, distopt=True, gather_backend="copy_engine")],
+        Run(gtp=2, distopt=True, gather_backend="copy_engine"),
+        Run(gtp=2, gather_backend="auto"),                     # 32 tokens/GEMM: NCCL
+        Run(gtp=2, gather_backend="auto", ce_min_tokens=16),   # copy engine
+        Run(gtp=2, separate_rs=True)],
     4: [Run(gtp=2), Run(tp=2, gtp=2), Run(gtp=4), Run(gtp=4, fp32_accum=True),
         Run(tp=2, gtp=2, per_token=True, distopt=True)],
 }
@@ -46,6 +49,11 @@ def main() -> None:
         reference = train(dataclasses.replace(case, gtp=1))
         result = train(case)
         worst = assert_parity(result, reference)
+        backend = result["runtime"].gather_backend.value
+        if case.gather_backend != "auto":
+            assert backend == case.gather_backend, (case, backend)
+        elif dist.get_rank() == 0:
+            print(f"[parity-nccl] {case}: auto chose {backend}", flush=True)
         if case.gather_backend != "nccl":  # same bytes gathered: bit-identical to NCCL's run
             nccl = train(dataclasses.replace(case, gather_backend="nccl"))
             assert nccl["losses"] == result["losses"], "copy-engine losses differ from NCCL's"
@@ -56,6 +64,7 @@ def main() -> None:
         records.append(dict(case=dataclasses.asdict(case), world=world, max_rel_err=worst,
                             passed=True, seconds=round(time.perf_counter() - start, 1),
                             device=torch.cuda.get_device_name(), backend="nccl",
+                            gather_backend=backend,
                             torch=torch.__version__))
         if dist.get_rank() == 0:
             print(f"[parity-nccl] {case}: max rel err {worst:.2e}", flush=True)

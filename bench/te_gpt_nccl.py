@@ -218,6 +218,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     _peak(reset=True)
     for step in range(steps):
         if step == args.timing_from and runtime is not None:
+            runtime.wait_timer.enable()
             runtime.wait_timer.collect()
             runtime.stats.reset()
         _sync()

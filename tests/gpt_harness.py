@@ -48,6 +48,8 @@ class Run:
     pad: int = 16
     overlap_grad_reduce: bool = True
     gather_backend: str = "nccl"
+    ce_min_tokens: int = 4096  # GTPConfig.copy_engine_min_tokens (gather_backend="auto")
+    separate_rs: bool = False  # GTPConfig.separate_reduce_scatter_group
     presharded: bool = False  # build the linears as shards (gtp_layer_spec), weights copied in
 
 
@@ -160,6 +162,7 @@ def build(run: Run) -> dict:
     gtp_config = GTPConfig(
         calculate_per_token_loss=run.per_token, pad_for_alignment=run.pad,
         reduce_scatter_with_fp32_accumulation=run.fp32_accum, gather_backend=run.gather_backend,
+        copy_engine_min_tokens=run.ce_min_tokens, separate_reduce_scatter_group=run.separate_rs,
     )
     spec, reference = get_gpt_layer_local_spec(), None
     if run.presharded and run.gtp > 1:

@@ -33,7 +33,8 @@ class GTPConfig:
             costs one extra shard-sized copy of the weights) or ``"auto"``: the copy engine
             where it is faster, i.e. when it is available and the GEMMs see at least
             ``copy_engine_min_tokens`` tokens (decided once, at the first gather, by all GTP
-            peers together), else NCCL.
+            peers together), else NCCL. Default ``"auto"``: NCCL on CPU/gloo, across hosts and
+            for short micro-batches.
         copy_engine_min_tokens: the ``"auto"`` crossover in tokens per GEMM (rows of the
             activation: micro-batch x sequence / CP). Below it the step is communication-bound
             and NCCL's all-gather is faster than copy-engine pulls; above it hiding the gather
@@ -50,7 +51,7 @@ class GTPConfig:
     reduce_scatter_with_fp32_accumulation: bool = False
     graph_wgrad_ring_size: int = 2
     check_param_states: bool = False
-    gather_backend: str = "nccl"
+    gather_backend: str = "auto"
     copy_engine_min_tokens: int = 4096
     separate_reduce_scatter_group: bool = False
 

@@ -20,11 +20,13 @@ class ExposedWaitTimer:
     Example::
 
         timer = ExposedWaitTimer()
-        timer.timed_wait(handle.wait, "gather")
+        timer.enable()
+        timer.timed_wait(handle.wait, "gather", device)
         seconds = timer.collect()        # {"gather": 0.0012}
     """
 
     def __init__(self) -> None:
+        self.enabled = False
         self._host: dict[str, float] = {}
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._free: list[torch.cuda.Event] = []
@@ -32,9 +34,16 @@ class ExposedWaitTimer:
     def _event(self) -> torch.cuda.Event:
         return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
 
+    def enable(self, on: bool = True) -> None:
+        """Start (or stop) timing waits; whoever enables it calls :meth:`collect` every step."""
+        self.enabled = on
+
     def timed_wait(self, wait: Callable[[], None], kind: str, device: torch.device) -> None:
-        """Run ``wait`` and charge the stall it causes to ``kind``."""
-        if device.type == "cuda" and torch.cuda.is_available():
+        """Run ``wait`` and, when enabled, charge the stall it causes to ``kind``."""
+        if not self.enabled:
+            wait()
+            return
+        if device.type == "cuda":
             start, end = self._event(), self._event()
             start.record()
             wait()

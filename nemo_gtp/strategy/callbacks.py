@@ -95,6 +95,7 @@ class GTPMetricsCallback(pl.Callback):
                              batch: Any, batch_idx: int) -> None:
         for runtime in gtp_runtimes(trainer):
             runtime.stats.reset()
+            runtime.wait_timer.enable()
             runtime.wait_timer.collect()  # drop what accumulated outside this step
         self._step_start = time.perf_counter()
 
