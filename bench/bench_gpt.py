@@ -204,6 +204,24 @@ def replicated_bytes(model: torch.nn.Module, shards: int) -> int:
     return 18 * numel
 
 
+def gtp_shard_share(model: torch.nn.Module) -> float | None:
+    """Elements this rank holds of the GTP-sharded weights / their logical elements.
+
+    The memory invariant (issue 5): 1/GTP within 5 % (padding). The weights' main_grad and
+    optimizer state are shard-shaped, so they follow the same share.
+    """
+    held = logical = 0
+    for p in model.parameters():
+        spec = getattr(p, "gtp_spec", None)
+        if spec is not None:
+            held += p.numel()
+            count = 1
+            for d in spec.logical_shape:
+                count *= d
+            logical += count
+    return held / logical if logical else None
+
+
 def profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None:  # noqa: ANN001
     """Kernel-time table of a few steps (explains where a step's time goes)."""
     from torch.profiler import ProfilerActivity
@@ -307,6 +325,7 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
             if runtime else None,
             state_gib=state_bytes(model, optimizer) / 2**30,
             replicated_state_gib=replicated_bytes(model, 1) / 2**30,
+            gtp_shard_share=gtp_shard_share(model),
             built_gib=built_gib,
             gather_backend=runtime.gather_backend.value if runtime is not None else None,
             device_used_gib=(lambda fr, tot: (tot - fr) / 2**30)(*torch.cuda.mem_get_info()),
@@ -370,6 +389,11 @@ def write_report(args: argparse.Namespace, records: list[dict], world: int) -> N
                 f"{r['device_used_gib']:.1f} | {r['state_gib']:.2f} "
                 f"({r['state_gib'] / r['replicated_state_gib']:.3f}) | {exposed} |"
             )
+    shares = {r["gtp_shard_share"] for r in records if r.get("gtp_shard_share")}
+    for share in sorted(shares):
+        ok = abs(share * world - 1.0) <= 0.05
+        lines.append(f"\nGTP-sharded weights held per rank: {share:.4f} of the logical elements "
+                     f"(1/GTP = {1 / world:.4f}): {'OK' if ok else 'FAILED'} (±5 %)")
     with open(os.path.join(args.out, "bench_gpt.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
