@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -216,7 +219,14 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     losses, grad_norms, times, exposed, dummy_grads = [], [], [], {}, 0
     CALLS.update(grad_buffer=0, finalize_group_grads=0)
     _peak(reset=True)
+    profiled = range(args.timing_from, args.timing_from + 5) if args.host_profile else range(0)
+    prof = cProfile.Profile()
     for step in range(steps):
+        if step == profiled.start:
+            prof.enable()
+        if step == profiled.stop:
+            prof.disable()
+            _write_host_profile(args, mode, prof, len(profiled))
         if step == args.timing_from and runtime is not None:
             runtime.wait_timer.enable()
             runtime.wait_timer.collect()
@@ -246,7 +256,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     record = dict(
         mode=mode, spec=kind, gtp=gtp, presharded=presharded, fused_wgrad=fused, bias=bias,
         steps=steps, losses=losses, grad_norms=grad_norms,
-        step_ms_median=1000 * statistics.median(times[args.timing_from:] or times),
+        step_ms_median=1000 * statistics.median(
+            times[max(args.timing_from, profiled.stop):] or times),
         peak_train_gib=_peak() / 2**30,
         build_peak_gib=build_peak_gib,
         gtp_params=0 if runtime is None else len(runtime.params),
@@ -265,6 +276,20 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     if CUDA:
         torch.cuda.empty_cache()
     return record
+
+
+def _write_host_profile(args: argparse.Namespace, mode: str, prof: cProfile.Profile,
+                        steps: int) -> None:
+    """cProfile of ``steps`` steps (rank 0): where a host-bound step's time goes."""
+    if dist.get_rank() != 0:
+        return
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"host_profile_{mode}.txt"), "w") as f:
+        f.write(f"mode={mode}: {steps} steps under cProfile\n{text.getvalue()}")
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -322,6 +347,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default="te_out")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="cProfile 5 steps from --timing-from (excluded from the median)")
     args = parser.parse_args()
     if CUDA:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
