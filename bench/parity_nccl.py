@@ -27,7 +27,11 @@ CASES = {
         Run(gtp=2, distopt=True, gather_backend="copy_engine"),
         Run(gtp=2, gather_backend="auto"),                     # 32 tokens/GEMM: NCCL
         Run(gtp=2, gather_backend="auto", ce_min_tokens=16),   # copy engine
-        Run(gtp=2, separate_rs=True)],
+        Run(gtp=2, separate_rs=True),
+        # bf16 + megatron's mixed-precision optimizers: they write params through .data, which
+        # moves no version counter; the copy-engine mirror must still see every step's weights.
+        Run(gtp=2, bf16=True, distopt=True, gather_backend="copy_engine"),
+        Run(gtp=2, bf16=True, gather_backend="copy_engine")],
     4: [Run(gtp=2), Run(tp=2, gtp=2), Run(gtp=4), Run(gtp=4, fp32_accum=True),
         Run(tp=2, gtp=2, per_token=True, distopt=True)],
 }
@@ -48,7 +52,9 @@ def main() -> None:
         start = time.perf_counter()
         reference = train(dataclasses.replace(case, gtp=1))
         result = train(case)
-        worst = assert_parity(result, reference)
+        # bf16 vs the DP run: summation order differs, so only a loose check; the copy-engine
+        # run below must still be bit-identical to the NCCL-gather run.
+        worst = assert_parity(result, reference, tol=5e-2 if case.bf16 else 1e-5)
         backend = result["runtime"].gather_backend.value
         if case.gather_backend != "auto":
             assert backend == case.gather_backend, (case, backend)

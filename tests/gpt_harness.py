@@ -18,6 +18,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
 from nemo_gtp.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, is_gtp_param
@@ -50,6 +51,7 @@ class Run:
     gather_backend: str = "nccl"
     ce_min_tokens: int = 4096  # GTPConfig.copy_engine_min_tokens (gather_backend="auto")
     separate_rs: bool = False  # GTPConfig.separate_reduce_scatter_group
+    bf16: bool = False  # bf16 params + megatron's mixed-precision optimizer (fp32 main params)
     presharded: bool = False  # build the linears as shards (gtp_layer_spec), weights copied in
 
 
@@ -148,7 +150,8 @@ def build(run: Run) -> dict:
     config = TransformerConfig(
         num_layers=2, hidden_size=run.hidden, ffn_hidden_size=run.ffn, num_attention_heads=4,
         tensor_model_parallel_size=run.tp, use_cpu_initialization=True,
-        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.bfloat16 if run.bf16 else torch.float32, bf16=run.bf16,
+        hidden_dropout=0.0, attention_dropout=0.0,
         calculate_per_token_loss=run.per_token, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         apply_rope_fusion=False, bias_dropout_fusion=False,
@@ -173,6 +176,8 @@ def build(run: Run) -> dict:
     model = GPTModel(config, spec, VOCAB, SEQ).to(device)
     if reference is not None:
         load_full_weights(model, reference)
+    if run.bf16:  # norms and inputs in bf16 too, as NeMo's precision plugin does
+        model = Float16Module(config, model)
     if run.gtp > 1:
         shard_model(model, groups, gtp_config)
     pgs = gtp_process_groups(groups)
@@ -182,7 +187,7 @@ def build(run: Run) -> dict:
     )
     ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, weight_decay=0.01,
+        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, weight_decay=0.01, bf16=run.bf16,
                         use_distributed_optimizer=run.distopt),
         [ddp], use_gloo_process_groups=False, pg_collection=pgs,
     )

@@ -7,13 +7,17 @@ device-to-device copies of the peers' mirrors (CUDA copy engines over NVLink, no
 stream, plus the local shard.
 
 [Note: mirror refresh protocol]
-A param's autograd version counter moves when the optimizer (or DDP's param sync) writes its
-storage. The first gather that sees a moved version refreshes the whole mirror, on the current
-stream: (1) join the side stream (my pulls of the old mirrors are done), (2) device barrier
-"everyone finished reading", (3) copy every shard into the mirror, (4) device barrier "every
-mirror is current". Every GTP peer updates its shards in the same optimizer step, so all peers
-take the refresh at the same gather. Cost: one extra shard-sized copy of the weights per rank
-(1/GTP of the model) and two device barriers per step.
+The mirror is stale after every optimizer step. Two signals say so: the runtime's ``drain()``
+(the fence every step passes before the optimizer runs) calls :meth:`mark_stale`, and a param's
+autograd version counter moves when an optimizer writes it in place. The version counter alone
+is not enough: megatron's mixed-precision optimizers write the bf16 params through ``.data``
+(``model_param.data.copy_(main_param)``), which bumps no version counter. The first gather after
+either signal refreshes the whole mirror, on the current stream: (1) join the side stream (my
+pulls of the old mirrors are done), (2) device barrier "everyone finished reading", (3) copy
+every shard into the mirror, (4) device barrier "every mirror is current". Every GTP peer drains
+and updates its shards in the same step, so all peers take the refresh at the same gather.
+Cost: one extra shard-sized copy of the weights per rank (1/GTP of the model) and two device
+barriers per step.
 """
 
 from __future__ import annotations
@@ -144,13 +148,18 @@ class SymmetricShardMirror:
             self._peers[id(param)] = views
             self._local[id(param)] = views[self.rank]
         self._versions: dict[int, int] = {id(p): -1 for p in params}
+        self._stale = True
         self.stream = torch.cuda.Stream(device=device)
         self._device_index = device.index if device.index is not None else (
             torch.cuda.current_device())
         self.refreshes = 0
 
+    def mark_stale(self) -> None:
+        """The weights may have changed (optimizer step, load): the next gather refreshes."""
+        self._stale = True
+
     def _refresh_if_stale(self, param: torch.Tensor) -> None:
-        if param._version == self._versions[id(param)]:
+        if not self._stale and param._version == self._versions[id(param)]:
             return
         current = torch.cuda.current_stream(self._device_index)
         current.wait_stream(self.stream)
@@ -159,6 +168,7 @@ class SymmetricShardMirror:
                              [p.detach() for p in self._params])
         for p in self._params:
             self._versions[id(p)] = p._version
+        self._stale = False
         self._handle.barrier(channel=1)
         self.refreshes += 1
 

@@ -489,9 +489,16 @@ class GTPRuntime:
                 self.release(param, direction)
 
     def drain(self) -> None:
-        """Both fences: no GTP communication is in flight afterwards."""
+        """Both fences: no GTP communication is in flight afterwards.
+
+        Also the step boundary: the optimizer may write the shards next (megatron's bf16 path
+        does so through ``.data``, invisibly to version counters), so the copy-engine mirror is
+        marked stale here and refreshed by the next gather.
+        """
         self.drain_reduce_scatters()
         self.drain_gathers()
+        if self._mirror is not None:
+            self._mirror.mark_stale()
 
     # ----------------------------------------------------------------- introspection
     def enable_trace(self) -> list[tuple[str, str, str]]:
