@@ -222,9 +222,9 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     profiled = range(args.timing_from, args.timing_from + 5) if args.host_profile else range(0)
     prof = cProfile.Profile()
     for step in range(steps):
-        if step == profiled.start:
+        if args.host_profile and step == profiled.start:
             prof.enable()
-        if step == profiled.stop:
+        if args.host_profile and step == profiled.stop:
             prof.disable()
             _write_host_profile(args, mode, prof, len(profiled))
         if step == args.timing_from and runtime is not None:
