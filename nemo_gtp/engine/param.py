@@ -257,6 +257,23 @@ class GTPShardedParam(torch.nn.Parameter):
         return None
 
 
+def carry_param_attributes(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Copy megatron's attributes from param ``old`` onto its replacement ``new``.
+
+    Everything megatron set (``tensor_model_parallel``, ``partition_dim``, ...) is carried over
+    except DDP's gradient state (``main_grad``, ``grad_added_to_main_grad``), which belongs to
+    the old tensor's shape.
+
+    Example::
+
+        shard = GTPShardedParam(spec.shard(old), old.requires_grad, spec=spec)
+        carry_param_attributes(old, shard)
+    """
+    for key, value in vars(old).items():
+        if key not in ("main_grad", "grad_added_to_main_grad"):
+            setattr(new, key, value)
+
+
 def is_gtp_param(tensor: object) -> bool:
     """True for a :class:`GTPShardedParam` (the seed's ``is_gtp_param``)."""
     return isinstance(tensor, GTPShardedParam)

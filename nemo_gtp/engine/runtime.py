@@ -44,6 +44,7 @@ from nemo_gtp.engine.param import (
     GTPShardedParam,
     ReduceScatterState,
     ShardSpec,
+    carry_param_attributes,
 )
 from nemo_gtp.engine.timing import ExposedWaitTimer
 
@@ -207,9 +208,7 @@ class GTPRuntime:
         old = getattr(module, attr)
         spec = ShardSpec.for_weight(old.shape, self.size, self.rank, self.config.pad_for_alignment)
         param = GTPShardedParam(spec.shard(old), old.requires_grad, spec=spec)
-        for key, value in vars(old).items():
-            if key not in ("main_grad", "grad_added_to_main_grad"):
-                setattr(param, key, value)
+        carry_param_attributes(old, param)
         module._parameters[attr] = param
         self.register(param, name, chain_id)
         return param

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from nemo_gtp.engine.grid import GTPGroups
-from nemo_gtp.engine.param import GTPShardedParam, ShardSpec
+from nemo_gtp.engine.param import GTPShardedParam, ShardSpec, carry_param_attributes
 
 
 @dataclass(frozen=True)
@@ -164,9 +164,7 @@ def attach_presharded_weight(module: torch.nn.Module, spec: ShardSpec) -> GTPSha
     with torch.no_grad():
         old.data[max(pad_from, 0) :].zero_()
     param = GTPShardedParam(old.data, old.requires_grad, spec=spec)
-    for key, value in vars(old).items():
-        if key not in ("main_grad", "grad_added_to_main_grad"):
-            setattr(param, key, value)
+    carry_param_attributes(old, param)
     module._parameters["weight"] = param
     bias = module._parameters.get("bias")
     if bias is not None and bias.numel() > 0:
@@ -179,8 +177,7 @@ def attach_presharded_weight(module: torch.nn.Module, spec: ShardSpec) -> GTPSha
             torch.zeros(spec.logical_shape[0], dtype=bias.dtype, device=bias.device),
             requires_grad=bias.requires_grad,
         )
-        for key, value in vars(bias).items():
-            setattr(full, key, value)
+        carry_param_attributes(bias, full)
         module._parameters["bias"] = full
     return param
 
