@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from host_profile import write_host_profile
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
@@ -195,10 +197,7 @@ def replicated_bytes(model: torch.nn.Module, shards: int) -> int:
     for p in model.parameters():
         spec = getattr(p, "gtp_spec", None)
         if spec is not None:
-            count = 1
-            for d in spec.logical_shape:
-                count *= d
-            numel += count
+            numel += math.prod(spec.logical_shape)
         else:
             numel += p.numel() * shards
     return 18 * numel
@@ -215,10 +214,7 @@ def gtp_shard_share(model: torch.nn.Module) -> float | None:
         spec = getattr(p, "gtp_spec", None)
         if spec is not None:
             held += p.numel()
-            count = 1
-            for d in spec.logical_shape:
-                count *= d
-            logical += count
+            logical += math.prod(spec.logical_shape)
     return held / logical if logical else None
 
 
@@ -252,8 +248,6 @@ EXPOSED_STEPS = 5
 def host_profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None:  # noqa: ANN001
     """Where the host's time goes (cProfile, 5 steps): small shapes are launch-bound."""
     import cProfile
-    import io
-    import pstats
 
     torch.cuda.synchronize()
     prof = cProfile.Profile()
@@ -266,12 +260,10 @@ def host_profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None
     torch.cuda.synchronize()
     if dist.get_rank() != 0:
         return
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(35)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"host_profile_{mode}_{args.profile_shape}.txt"), "w") as f:
-        f.write(f"mode={mode} shape={args.profile_shape}: 5 steps, host {1000 * host / 5:.1f} "
-                f"ms/step under cProfile\n{text.getvalue()}")
+    write_host_profile(
+        os.path.join(args.out, f"host_profile_{mode}_{args.profile_shape}.txt"),
+        f"mode={mode} shape={args.profile_shape}: 5 steps, host {1000 * host / 5:.1f} ms/step "
+        "under cProfile", prof)
 
 
 def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple[int, int]]):

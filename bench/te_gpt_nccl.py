@@ -29,10 +29,8 @@ import argparse
 import copy
 import cProfile
 import gc
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -56,6 +54,7 @@ from megatron.core.transformer.module import Float16Module
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from gpt_harness import Run, _groups, load_full_weights  # noqa: E402
+from host_profile import write_host_profile  # noqa: E402
 
 from nemo_gtp.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed  # noqa: E402
 from nemo_gtp.engine import GTPConfig, GTPShardedParam, is_gtp_param  # noqa: E402
@@ -281,15 +280,10 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
 def _write_host_profile(args: argparse.Namespace, mode: str, prof: cProfile.Profile,
                         steps: int) -> None:
     """cProfile of ``steps`` steps (rank 0): where a host-bound step's time goes."""
-    if dist.get_rank() != 0:
-        return
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats(40)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"host_profile_{mode}.txt"), "w") as f:
-        f.write(f"mode={mode}: {steps} steps under cProfile\n{text.getvalue()}")
+    if dist.get_rank() == 0:
+        write_host_profile(os.path.join(args.out, f"host_profile_{mode}.txt"),
+                           f"mode={mode}: {steps} steps under cProfile", prof,
+                           (("tottime", 30), ("cumulative", 40)))
 
 
 def compare(a: dict, b: dict) -> dict:
