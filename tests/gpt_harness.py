@@ -53,6 +53,7 @@ class Run:
     separate_rs: bool = False  # GTPConfig.separate_reduce_scatter_group
     bf16: bool = False  # bf16 params + megatron's mixed-precision optimizer (fp32 main params)
     presharded: bool = False  # build the linears as shards (gtp_layer_spec), weights copied in
+    shard_replicated: bool = False  # GTPConfig.shard_replicated_params_over_gtp (needs distopt)
 
 
 def _batch(step: int, microbatch: int, data_rank: int, device: str) -> dict[str, torch.Tensor]:
@@ -166,6 +167,7 @@ def build(run: Run) -> dict:
         calculate_per_token_loss=run.per_token, pad_for_alignment=run.pad,
         reduce_scatter_with_fp32_accumulation=run.fp32_accum, gather_backend=run.gather_backend,
         copy_engine_min_tokens=run.ce_min_tokens, separate_reduce_scatter_group=run.separate_rs,
+        shard_replicated_params_over_gtp=run.shard_replicated,
     )
     spec, reference = get_gpt_layer_local_spec(), None
     if run.presharded and run.gtp > 1:
@@ -180,7 +182,7 @@ def build(run: Run) -> dict:
         model = Float16Module(config, model)
     if run.gtp > 1:
         shard_model(model, groups, gtp_config)
-    pgs = gtp_process_groups(groups)
+    pgs = gtp_process_groups(groups, gtp_config)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=run.overlap_grad_reduce, use_distributed_optimizer=run.distopt,
         bucket_size=20_000, grad_reduce_in_fp32=True,
@@ -219,8 +221,18 @@ def train_built(setup: dict, run: Run) -> dict:
         _, grad_norm, _ = optimizer.step()
         out["grad_norms"].append(float(grad_norm))
     out["weights"] = {n: full_tensor(p, p.data, groups) for n, p in named}
+    out["optimizer_state_numel"] = optimizer_state_numel(optimizer)
     out["runtime"] = getattr(model, "gtp_runtime", None)
     return out
+
+
+def optimizer_state_numel(optimizer) -> int:  # noqa: ANN001
+    """Elements of Adam's ``exp_avg`` held by this rank, over every chained optimizer."""
+    total = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            total += state["exp_avg"].numel() if "exp_avg" in state else 0
+    return total
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

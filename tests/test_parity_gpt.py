@@ -34,6 +34,8 @@ def _worker(rank: int, world: int, cases: list[Run]) -> None:
         except AssertionError as err:
             raise AssertionError(f"{case}: {err}") from None
         print(f"[parity] rank {rank} {case}: max rel err {worst:.2e}", flush=True)
+        if case.shard_replicated:
+            _check_replicated_state_sharded(case, result, reference)
         # Nothing outlives the model: weights, grad buffers and optimizer state are freed once
         # the training objects are dropped (DDP's GTP grad-ready hook holds only weak refs).
         runtime_ref = weakref.ref(runtime)
@@ -42,17 +44,29 @@ def _worker(rank: int, world: int, cases: list[Run]) -> None:
         assert runtime_ref() is None, f"{case}: the GTP model outlived every reference to it"
 
 
+def _check_replicated_state_sharded(case: Run, result: dict, reference: dict) -> None:
+    """shard_replicated_params_over_gtp: each rank holds 1/(DP x GTP) of the Adam state, like
+    the run without GTP at DP x GTP (bucket padding aside), not the replicated params in full."""
+    held, ref_held = result["optimizer_state_numel"], reference["optimizer_state_numel"]
+    assert abs(held / ref_held - 1) < 0.05, (
+        f"{case}: {held} Adam elements per rank vs {ref_held} without GTP")
+
+
 # One spawn per world size (process start + imports dominate on CPU); each case says which it is.
 CASES_2 = [
     Run(gtp=2),                                               # TP1·GTP2
     Run(gtp=2, per_token=True),                               # per-token loss (SUM)
     Run(gtp=2, ffn=72, hidden=48, pad=16),                    # padded shapes
     Run(gtp=2, distopt=True, overlap_grad_reduce=False),      # distributed optimizer, sync DDP
+    Run(gtp=2, distopt=True, shard_replicated=True),          # replicated params over DP x GTP
 ]
 CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when TP changes
     Run(gtp=2), Run(gtp=2, distopt=True, per_token=True),     # TP1·GTP2·DP2
+    Run(gtp=2, distopt=True, shard_replicated=True),          # ... replicated over DP x GTP
     Run(gtp=4), Run(gtp=4, fp32_accum=True), Run(gtp=4, ffn=72, pad=1),  # TP1·GTP4
+    Run(gtp=4, distopt=True, fp32_accum=True, shard_replicated=True),
     Run(tp=2, gtp=2), Run(tp=2, gtp=2, per_token=True, distopt=True),  # TP2·GTP2
+    Run(tp=2, gtp=2, per_token=True, distopt=True, shard_replicated=True),
 ]
 
 

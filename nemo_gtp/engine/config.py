@@ -42,6 +42,16 @@ class GTPConfig:
         separate_reduce_scatter_group: give the wgrad reduce-scatters their own communicator
             (same ranks), so a weight's prefetched all-gather never queues behind the previous
             weight's reduce-scatter on one NCCL stream.
+        shard_replicated_params_over_gtp: the params GTP leaves replicated (embeddings, output
+            layer, norms, biases) are reduced by megatron DDP over the whole data group
+            (DP x GTP) and their distributed-optimizer state is sharded over it, instead of over
+            the replicate group plus a finalize all-reduce over GTP (seed §3.2). GTP shards then
+            ride megatron's second (expert-style) buffer over the replicate group, and their
+            reduce-scatter over GTP SUMs (DDP's 1/(DP x GTP) pre-scale makes the mean). Saves
+            1 - 1/GTP of the replicated params' fp32 master and Adam state per rank (issue 5's
+            "weight+grad+optimizer = 1/GTP of replicated"). Needs the distributed optimizer and
+            a model without MoE experts; build DDP and the optimizer with
+            ``gtp_process_groups(groups, config)``.
     """
 
     pad_for_alignment: int = 16
@@ -54,6 +64,12 @@ class GTPConfig:
     gather_backend: str = "auto"
     copy_engine_min_tokens: int = 4096
     separate_reduce_scatter_group: bool = False
+    shard_replicated_params_over_gtp: bool = False
+
+    @property
+    def sums_over_gtp(self) -> bool:
+        """Whether the wgrad reduce-scatter over GTP SUMs (else it averages; seed §3.2 table)."""
+        return self.calculate_per_token_loss or self.shard_replicated_params_over_gtp
 
     def __post_init__(self) -> None:
         if self.gather_backend not in ("nccl", "copy_engine", "auto"):

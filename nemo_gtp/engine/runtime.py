@@ -418,7 +418,8 @@ class GTPRuntime:
         """Reduce-scatter ``scratch`` (from :meth:`wgrad_scratch`) into ``param``'s main_grad.
 
         Scaling per the seed's §3.2 table: MEAN (1/GTP pre-scale) unless
-        ``calculate_per_token_loss`` (SUM). Async with one-step-deferred finalize, except the
+        ``calculate_per_token_loss`` or ``shard_replicated_params_over_gtp``
+        (:attr:`GTPConfig.sums_over_gtp`: SUM). Async with one-step-deferred finalize, except the
         chain head (and everything when ``async_reduction`` is off), which is synchronous.
         """
         rs = param.gtp_state.reduce_scatter
@@ -430,8 +431,8 @@ class GTPRuntime:
         if self.config.reduce_scatter_with_fp32_accumulation and self.size > 2:
             recv = self.wgrad_pool.get(spec.gathered_shape, scratch.dtype, scratch.device)
         # MEAN: NCCL averages inside the reduce-scatter kernel; elsewhere a 1/GTP pre-scale.
-        average = not self.config.calculate_per_token_loss and recv is None and self._nccl
-        if not self.config.calculate_per_token_loss and not average:
+        average = not self.config.sums_over_gtp and recv is None and self._nccl
+        if not self.config.sums_over_gtp and not average:
             scratch.mul_(1.0 / self.size)
         chain = self.chains[param.gtp_state.chain_id]
         sync = not self.config.async_reduction or chain.is_head(param)

@@ -65,6 +65,7 @@ from nemo_gtp.strategy.validation import (
     expert_gtp_size_from,
     gtp_size_from,
     validate_ddp_config,
+    validate_gtp_config,
     validate_strategy_args,
 )
 
@@ -133,6 +134,7 @@ class GTPMegatronStrategy(MegatronStrategy):
         if gtp_config is not None and not isinstance(gtp_config, GTPConfig):
             raise ValueError(f"gtp_config must be a GTPConfig or None, got {type(gtp_config)}")
         validate_strategy_args(margs, gtp)
+        validate_gtp_config(gtp_config, margs, gtp)
         io = getattr(self, "__io__", None)
         super().__init__(*args, **kwargs)
         if io is not None:  # the parent's IOMixin wrapper re-recorded only its own arguments
@@ -207,7 +209,7 @@ class GTPMegatronStrategy(MegatronStrategy):
             nemo_init_model_parallel(self.model)
         self.gtp_dims = dims
         self.gtp_groups = initialize_gtp_parallel(dims)  # also checks megatron's DP == DP x GTP
-        self._gtp_pgs = gtp_process_groups(self.gtp_groups)
+        self._gtp_pgs = gtp_process_groups(self.gtp_groups, self.gtp_config)
         app_state = AppState()
         if app_state.data_parallel_size != dims.data_parallel_size:
             raise RuntimeError(

@@ -106,3 +106,22 @@ def validate_strategy_args(args: dict[str, Any], gtp_size: int) -> None:
             "land on the GTP peers. Set context_parallel_size=1 or num_weight_shards="
             "tensor_model_parallel_size"
         )
+
+
+def validate_gtp_config(gtp_config: Any, args: dict[str, Any], gtp_size: int) -> None:
+    """Check a ``GTPConfig`` against the strategy's other arguments.
+
+    Example::
+
+        validate_gtp_config(GTPConfig(shard_replicated_params_over_gtp=True),
+                            {"ddp": "megatron"}, gtp_size=2)  # ValueError: distributed optimizer
+    """
+    if gtp_size == 1 or gtp_config is None or not gtp_config.shard_replicated_params_over_gtp:
+        return
+    ddp = args.get("ddp", "megatron")
+    if isinstance(ddp, str) or not getattr(ddp, "use_distributed_optimizer", False):
+        raise ValueError(
+            "gtp_config.shard_replicated_params_over_gtp=True shards optimizer state: pass "
+            "ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, ...) and an "
+            "OptimizerConfig with use_distributed_optimizer=True, or set it False"
+        )

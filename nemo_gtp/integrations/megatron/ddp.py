@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.cuda_graphs import is_graph_capturing
 
@@ -47,6 +48,43 @@ def validate_ddp_config_for_gtp(ddp_config: object) -> None:
         )
 
 
+def route_gtp_params_to_second_buffer(
+    module: torch.nn.Module, gtp_params: list[torch.nn.Parameter], ddp_config: object,
+    pg_collection: object,
+) -> None:
+    """``GTPConfig.shard_replicated_params_over_gtp``: tag the GTP shards ``allreduce=False``.
+
+    megatron's DDP then keeps them in its second (expert-style) buffer, reduced over the
+    replicate group, while the replicated params take the first buffer over the whole data
+    group (DP x GTP); ``get_megatron_optimizer`` builds one optimizer per buffer the same way.
+    Every check runs before megatron's first collective.
+    """
+    runtime = gtp_params[0].runtime
+    if not getattr(ddp_config, "use_distributed_optimizer", False):
+        raise ValueError(
+            "GTPConfig.shard_replicated_params_over_gtp=True shards optimizer state and needs "
+            "DistributedDataParallelConfig(use_distributed_optimizer=True) (and "
+            "OptimizerConfig(use_distributed_optimizer=True)); or set it False"
+        )
+    experts = [n for n, p in module.named_parameters()
+               if not is_gtp_param(p) and not getattr(p, "allreduce", True)]
+    if experts:
+        raise ValueError(
+            "GTPConfig.shard_replicated_params_over_gtp=True uses megatron's expert buffer for "
+            f"the GTP shards, but the model has expert params ({experts[0]}, ...): set it False"
+        )
+    dp_cp = getattr(pg_collection, "dp_cp", None)
+    gtp_ranks = set(dist.get_process_group_ranks(runtime.group))
+    if dp_cp is None or not gtp_ranks <= set(dist.get_process_group_ranks(dp_cp)):
+        raise ValueError(
+            "GTPConfig.shard_replicated_params_over_gtp=True needs DDP built with "
+            "pg_collection=gtp_process_groups(groups, gtp_config) (its data-parallel group "
+            "spans GTP)"
+        )
+    for param in gtp_params:
+        param.allreduce = False
+
+
 class GTPDDPMixin:
     """Mix into megatron's ``DistributedDataParallel`` (or a subclass such as NeMo's ``DDP``).
 
@@ -56,8 +94,13 @@ class GTPDDPMixin:
     """
 
     def __init__(self, config, ddp_config, module, *args, **kwargs) -> None:  # noqa: ANN001
-        if any(is_gtp_param(p) for p in module.parameters()):
+        gtp_params = [p for p in module.parameters() if is_gtp_param(p)]
+        if gtp_params:
             validate_ddp_config_for_gtp(ddp_config)
+            if gtp_params[0].runtime.config.shard_replicated_params_over_gtp:
+                route_gtp_params_to_second_buffer(
+                    module, gtp_params, ddp_config, kwargs.get("pg_collection")
+                )
         super().__init__(config, ddp_config, module, *args, **kwargs)
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[..., None]:

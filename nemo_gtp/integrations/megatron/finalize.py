@@ -6,7 +6,8 @@ group, TP/PP all-reduces, per-token scaling over the DP x GTP data group); (3) a
 replicated params' grads over the GTP group — AVG (1/GTP pre-scale then SUM) by default, SUM
 under ``calculate_per_token_loss`` (the seed's §3.2 table). All three are linear, so running (3)
 after megatron's reduction gives the same sum, and it stays correct when DDP overlapped its
-bucket reductions with the backward.
+bucket reductions with the backward. With ``GTPConfig.shard_replicated_params_over_gtp`` DDP
+reduces the replicated params over DP x GTP itself and (3) is skipped.
 """
 
 from __future__ import annotations
@@ -85,11 +86,14 @@ def make_finalize_model_grads(
         return base
     runtimes: list[GTPRuntime] | None = None
     per_token = False
+    ddp_reduces_over_gtp = False  # shard_replicated_params_over_gtp: DDP did step (3)
 
     def finalize_model_grads(model: Sequence[torch.nn.Module], *args, **kwargs) -> None:
-        nonlocal runtimes, per_token
+        nonlocal runtimes, per_token, ddp_reduces_over_gtp
         if runtimes is None:  # found once: no per-step walk over the parameters
             runtimes = _runtimes_of(model)
+            ddp_reduces_over_gtp = any(
+                rt.config.shard_replicated_params_over_gtp for rt in runtimes)
             per_token = bool(getattr(getattr(model[0], "config", None),
                                      "calculate_per_token_loss", False))
             mismatched = [rt.name for rt in runtimes
@@ -102,6 +106,7 @@ def make_finalize_model_grads(
         for runtime in runtimes:
             runtime.drain()
         base(model, *args, **kwargs)
-        allreduce_replicated_grads(model, groups.gtp, per_token=per_token)
+        if not ddp_reduces_over_gtp:
+            allreduce_replicated_grads(model, groups.gtp, per_token=per_token)
 
     return finalize_model_grads

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.grid import GTPGroups, GTPParallelDims
 
 
@@ -72,15 +73,35 @@ def initialize_gtp_parallel(
     return groups
 
 
-def gtp_process_groups(groups: GTPGroups) -> ProcessGroupCollection:
+def gtp_process_groups(
+    groups: GTPGroups, config: GTPConfig | None = None
+) -> ProcessGroupCollection:
     """The ``ProcessGroupCollection`` megatron DDP and ``get_megatron_optimizer`` must use.
 
-    Data-parallel fields are the replicate group (seed §3.2: DDP and the distributed optimizer
-    reduce over it); ``mp`` is TP x GTP x PP, so the non-distributed optimizer's grad norm sums
-    every GTP shard, and ``DistributedOptimizer`` keys state by a rank unique per GTP peer
-    (seed §3.3 "Optimizer state").
+    Default (seed §3.2): the data-parallel fields are the replicate group (DDP and the
+    distributed optimizer reduce over it); ``mp`` is TP x GTP x PP, so the non-distributed
+    optimizer's grad norm sums every GTP shard, and ``DistributedOptimizer`` keys state by a rank
+    unique per GTP peer (seed §3.3 "Optimizer state").
+
+    With ``config.shard_replicated_params_over_gtp`` (GTP shards tagged ``allreduce=False`` by
+    :class:`GTPDDPMixin`): the replicated params take megatron's first buffer and optimizer over
+    the whole data group (DP x GTP) with the TP x PP model-parallel group, exactly as without GTP;
+    the GTP shards take the second (expert-style) buffer and optimizer over the replicate group
+    with TP x GTP x PP as their model-parallel group.
+
+    Example::
+
+        pgs = gtp_process_groups(groups, gtp_config)
+        ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
     """
     pgs = ProcessGroupCollection.use_mpu_process_groups()
+    if groups.gtp_size > 1 and config is not None and config.shard_replicated_params_over_gtp:
+        pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = groups.data
+        pgs.expt_dp = pgs.intra_expt_dp = groups.replicate
+        pgs.tp_ep_pp = groups.model_parallel
+        pgs.mp = parallel_state.get_model_parallel_group()
+        return pgs
     pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = groups.replicate
     pgs.mp = groups.model_parallel
     return pgs
+

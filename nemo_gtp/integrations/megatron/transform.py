@@ -148,7 +148,9 @@ def shard_model(
             stacklevel=2,
         )
     warn_unsharded_te_modules(model)
-    if groups.gtp_rank != 0:
+    if groups.gtp_rank != 0 and not config.shard_replicated_params_over_gtp:
+        # Replicated params are counted once in the world-wide grad norm; with
+        # shard_replicated_params_over_gtp each GTP peer owns a distinct optimizer slice of them.
         for param in model.parameters():
             if not is_gtp_param(param):
                 param.shared = True
