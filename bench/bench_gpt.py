@@ -55,7 +55,27 @@ GTP_MODES = {
     "gtp_ce": GTPConfig(gather_backend="copy_engine"),
     "gtp_auto": GTPConfig(gather_backend="auto"),
     "gtp_rs2": GTPConfig(gather_backend="nccl", separate_reduce_scatter_group=True),
+    # default gather + embeddings/output/norms reduced and optimizer-sharded over DP x GTP
+    "gtp_sr": GTPConfig(gather_backend="auto", shard_replicated_params_over_gtp=True),
+    # NCCL gather with the GTP communicator on a high-priority stream / limited to 8 CTAs
+    "gtp_hiprio": GTPConfig(gather_backend="nccl"),
+    "gtp_ctas8": GTPConfig(gather_backend="nccl"),
 }
+# ProcessGroupNCCL.Options of the GTP communicator per mode (issue 5: stream priority, channels).
+GTP_PG_OPTIONS = {"gtp_hiprio": dict(is_high_priority_stream=True),
+                  "gtp_ctas8": dict(max_ctas=8)}
+
+
+def gtp_pg_options(mode: str) -> object | None:
+    """NCCL options for ``mode``'s GTP group, or None (the defaults)."""
+    spec = GTP_PG_OPTIONS.get(mode)
+    if spec is None:
+        return None
+    options = dist.ProcessGroupNCCL.Options(
+        is_high_priority_stream=spec.get("is_high_priority_stream", False))
+    if "max_ctas" in spec:
+        options.config.max_ctas = spec["max_ctas"]
+    return options
 
 
 def model_config(args: argparse.Namespace) -> TransformerConfig:
@@ -74,7 +94,8 @@ def build(args: argparse.Namespace, mode: str, world: int):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     gtp = world if mode.startswith("gtp") else 1
-    groups = initialize_gtp_parallel(GTPParallelDims(world_size=world, num_weight_shards=gtp))
+    groups = initialize_gtp_parallel(GTPParallelDims(world_size=world, num_weight_shards=gtp),
+                                     gtp_pg_options=gtp_pg_options(mode))
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     config = model_config(args)
@@ -107,7 +128,7 @@ def build(args: argparse.Namespace, mode: str, world: int):
     model = Float16Module(config, model)  # bf16 everywhere, as NeMo's precision plugin does
     if mode.startswith("gtp"):
         runtime = shard_model(model, groups, GTP_MODES[mode])
-    pgs = gtp_process_groups(groups)
+    pgs = gtp_process_groups(groups, GTP_MODES.get(mode))
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True,
     )
@@ -180,13 +201,17 @@ def state_bytes(model: torch.nn.Module, optimizer: object) -> int:
         add(p.data)
         add(getattr(p, "main_grad", None))
         add(p.grad)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    for state in getattr(inner, "state", {}).values():
-        for value in state.values():
-            add(value)
-    for group in getattr(optimizer, "shard_fp32_from_float16_groups", []) or []:
-        for p in group:
-            add(p)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", opt)
+        for state in getattr(inner, "state", {}).values():
+            for value in state.values():
+                add(value)
+        # megatron's fp32 master copies (mixed precision: distributed and non-distributed)
+        for name in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups",
+                     "shard_fp32_groups"):
+            for group in getattr(opt, name, None) or []:
+                for p in group:
+                    add(p)
     return total
 
 
@@ -266,6 +291,23 @@ def host_profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None
         "under cProfile", prof)
 
 
+def write_per_weight_exposed(args: argparse.Namespace, mode: str, shape: str,
+                             per_weight: dict[tuple[str, str], float]) -> None:
+    """The per-layer exposed-communication profile: ms per step each weight's gather / RS kept
+    the compute stream waiting, in model order (rank 0, ``exposed_<mode>_<shape>.txt``)."""
+    if dist.get_rank() != 0 or not per_weight:
+        return
+    names = list(dict.fromkeys(name for _, name in per_weight))
+    lines = [f"mode={mode} shape={shape}: exposed ms per step ({EXPOSED_STEPS} steps), "
+             "weight | gather | reduce-scatter"]
+    for name in names:
+        ag = 1000 * per_weight.get(("gather", name), 0.0) / EXPOSED_STEPS
+        rs = 1000 * per_weight.get(("reduce_scatter", name), 0.0) / EXPOSED_STEPS
+        lines.append(f"{name} | {ag:.3f} | {rs:.3f}")
+    with open(os.path.join(args.out, f"exposed_{mode}_{shape}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple[int, int]]):
     if args.memory_trace:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -296,11 +338,14 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
                 phases[name].append(a.elapsed_time(b))
         exposed = {}
         if runtime is not None:  # separate steps: the stall timer's events cost host time
-            runtime.wait_timer.enable()
+            runtime.wait_timer.enable(per_weight=True)
             runtime.wait_timer.collect()
+            runtime.wait_timer.take_per_weight()
             for _ in range(EXPOSED_STEPS):
                 step(batch)
             exposed = runtime.wait_timer.collect()
+            write_per_weight_exposed(args, mode, f"{mbs}x{seq}",
+                                     runtime.wait_timer.take_per_weight())
             runtime.wait_timer.enable(False)
         median = statistics.median(times)
         if args.profile and f"{mbs}x{seq}" == args.profile_shape:
@@ -386,6 +431,15 @@ def write_report(args: argparse.Namespace, records: list[dict], world: int) -> N
         ok = abs(share * world - 1.0) <= 0.05
         lines.append(f"\nGTP-sharded weights held per rank: {share:.4f} of the logical elements "
                      f"(1/GTP = {1 / world:.4f}): {'OK' if ok else 'FAILED'} (±5 %)")
+    # Issue 5's memory invariant over the whole model: weight + grad + optimizer bytes per rank
+    # = 1/GTP of plain replicated training (±5 %).
+    for mode in GTP_MODES:
+        r = next((r for r in records if r["mode"] == mode and not r.get("oom")), None)
+        if r is not None:
+            share = r["state_gib"] / r["replicated_state_gib"] * world
+            lines.append(f"\n{mode}: weight+grad+optimizer per rank {r['state_gib']:.2f} GiB = "
+                         f"{share:.3f} x (replicated / GTP): "
+                         f"{'OK' if share <= 1.05 else 'FAILED'} (<= 1/GTP + 5 %)")
     with open(os.path.join(args.out, "bench_gpt.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:

@@ -31,9 +31,15 @@ CASES = {
         # bf16 + megatron's mixed-precision optimizers: they write params through .data, which
         # moves no version counter; the copy-engine mirror must still see every step's weights.
         Run(gtp=2, bf16=True, distopt=True, gather_backend="copy_engine"),
-        Run(gtp=2, bf16=True, gather_backend="copy_engine")],
+        Run(gtp=2, bf16=True, gather_backend="copy_engine"),
+        # replicated params reduced / optimizer-sharded over DP x GTP (two chained optimizers)
+        Run(gtp=2, distopt=True, shard_replicated=True),
+        Run(gtp=2, distopt=True, shard_replicated=True, per_token=True),
+        Run(gtp=2, bf16=True, distopt=True, shard_replicated=True, gather_backend="auto",
+            ce_min_tokens=16)],
     4: [Run(gtp=2), Run(tp=2, gtp=2), Run(gtp=4), Run(gtp=4, fp32_accum=True),
-        Run(tp=2, gtp=2, per_token=True, distopt=True)],
+        Run(tp=2, gtp=2, per_token=True, distopt=True),
+        Run(gtp=2, distopt=True, shard_replicated=True)],
 }
 
 

@@ -62,6 +62,9 @@ class Layout:
     bias: bool = True
     """Linear biases. Off for loss comparisons across layouts: the attention key bias has a zero
     true gradient whose rounding noise Adam turns into lr-sized steps (see ``gpt_harness``)."""
+    shard_replicated: bool = False
+    """``GTPConfig.shard_replicated_params_over_gtp``: two chained optimizers (replicated params
+    over DP x GTP, GTP shards over DP) instead of one."""
     bucket_size: int | None = 8_000
     """Small: several DDP buckets, so distributed-optimizer ranges cut params mid-row.
     ``None`` (megatron's default, one bucket here) for ``fully_reshardable``: megatron 0.15
@@ -70,6 +73,7 @@ class Layout:
     def __str__(self) -> str:
         dp = dist.get_world_size() // (self.tp * self.gtp) if dist.is_initialized() else "?"
         glu = ",glu" if self.glu else ""
+        glu += ",shard_replicated" if self.shard_replicated else ""
         return f"TP{self.tp}·GTP{self.gtp}·DP{dp}(ffn={self.ffn},pad={self.pad}{glu})"
 
 
@@ -109,9 +113,11 @@ def build(layout: Layout, seed: int = 1234) -> Built:
         bias_dropout_fusion=False, gated_linear_unit=layout.glu, add_bias_linear=layout.bias,
     )
     model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ)
+    gtp_config = GTPConfig(pad_for_alignment=layout.pad,
+                           shard_replicated_params_over_gtp=layout.shard_replicated)
     if layout.gtp > 1:
-        shard_model(model, groups, GTPConfig(pad_for_alignment=layout.pad))
-    pgs = gtp_process_groups(groups)
+        shard_model(model, groups, gtp_config)
+    pgs = gtp_process_groups(groups, gtp_config)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=True, use_distributed_optimizer=layout.distopt,
         bucket_size=layout.bucket_size, grad_reduce_in_fp32=True,
@@ -203,7 +209,9 @@ def _assemble_replicate(built: Built, param: torch.nn.Parameter) -> dict[str, to
     payload = None if local is None else (
         local[0], local[1], {k: v.detach().clone() for k, v in local[2].items()}
     )
-    group = built.groups.replicate
+    # shard_replicated_params_over_gtp: the replicated params' state is spread over DP x GTP
+    over_data = built.layout.shard_replicated and not is_gtp_param(param)
+    group = built.groups.data if over_data else built.groups.replicate
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, payload, group=group)
     out = {}

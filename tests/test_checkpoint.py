@@ -79,6 +79,7 @@ SAVES = {
     "tp2gtp2-glu": Save(Layout(tp=2, gtp=2, glu=True)),
     "tp1gtp2dp2-dp-reshardable": Save(Layout(gtp=2), DP_ONLY),
     "tp1gtp4-nobias": Save(Layout(gtp=4, bias=False)),
+    "tp1gtp2dp2-shard-replicated": Save(Layout(gtp=2, shard_replicated=True)),
 }
 CRASH_TARGET = "crash-target"  # the tp2gtp2 model again, in its own directory
 # Resume GTP4 (data-parallel size GTP x DP = 4) without GTP at DP4: same batches per data rank.
@@ -104,6 +105,12 @@ LOADS = {
     "glu-tp2gtp2->nogtp-tp4": Load("tp2gtp2-glu", Layout(tp=4, glu=True)),
     # NeMo's default format only reshards DP; GTP peers must still get distinct keys (§3.3).
     "dp-reshardable-tp1gtp2dp2->same": Load("tp1gtp2dp2-dp-reshardable", Layout(gtp=2)),
+    # Replicated params' optimizer state over DP x GTP (two chained optimizers) <-> one optimizer.
+    "shard-replicated-tp1gtp2dp2->nogtp-tp2dp2": Load("tp1gtp2dp2-shard-replicated",
+                                                      Layout(tp=2)),
+    "tp2gtp2->shard-replicated-tp1gtp4": Load("tp2gtp2", Layout(gtp=4, shard_replicated=True)),
+    "shard-replicated-tp1gtp2dp2->same-tp2gtp2": Load("tp1gtp2dp2-shard-replicated",
+                                                      Layout(tp=2, gtp=2, shard_replicated=True)),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 import weakref
 from collections import Counter
 
@@ -15,6 +16,7 @@ from dist_utils import run_distributed
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
 from nemo_gtp.engine.copy_engine import decide_copy_engine
 from nemo_gtp.engine.runtime import GatherBackend
+from nemo_gtp.engine.timing import ExposedWaitTimer
 
 
 def _mlp(seed: int) -> torch.nn.Sequential:
@@ -119,6 +121,25 @@ def test_copy_engine_decision() -> None:
         decide_copy_engine([5, 6], [8192, 8192], required=True, min_tokens=4096)
     with pytest.raises(ValueError, match="copy_engine_min_tokens"):
         GTPConfig(copy_engine_min_tokens=-1)
+
+
+def test_exposed_wait_timer_per_weight() -> None:
+    """Stall per kind, and per weight when asked (the per-layer exposed profile)."""
+    cpu = torch.device("cpu")
+    timer = ExposedWaitTimer()
+    timer.timed_wait(lambda: None, "gather", cpu, "a")  # disabled: nothing charged
+    assert timer.collect() == {} and timer.take_per_weight() == {}
+    timer.enable(per_weight=True)
+    timer.timed_wait(lambda: time.sleep(0.02), "gather", cpu, "a")
+    timer.timed_wait(lambda: time.sleep(0.01), "reduce_scatter", cpu, "b")
+    totals, per_weight = timer.collect(), timer.take_per_weight()
+    assert totals["gather"] >= 0.02 and totals["reduce_scatter"] >= 0.01
+    assert per_weight == {("gather", "a"): totals["gather"],
+                          ("reduce_scatter", "b"): totals["reduce_scatter"]}
+    assert timer.take_per_weight() == {}
+    timer.enable()  # per kind only
+    timer.timed_wait(lambda: None, "gather", cpu, "a")
+    assert set(timer.collect()) == {"gather"} and timer.take_per_weight() == {}
 
 
 def _behaviour_worker(rank: int, world: int) -> None:

@@ -79,6 +79,7 @@ def load_optimizer_state(optimizer: Any, loaded: dict) -> None:
       which torch's Adam then increments in place once per param (wrong bias correction from the
       first step after a resume); each param gets its own copy.
     """
+    loaded = rechain_loaded_state(optimizer, loaded)
     with torch_adam_step_hidden(optimizer), torch.no_grad():
         optimizer.load_state_dict(loaded)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -87,6 +88,59 @@ def load_optimizer_state(optimizer: Any, loaded: dict) -> None:
             for state in inner.state.values():
                 if isinstance(state.get("step"), torch.Tensor):
                     state["step"] = state["step"].clone()
+
+
+_GROUP_KEYS = ("wd_mult", "lr_mult", "is_decoupled_lr")  # megatron's group identity, less MoE's
+
+
+def rechain_loaded_state(optimizer: Any, loaded: dict) -> Any:
+    """A loaded optimizer state in the shape ``optimizer`` expects, whatever chain saved it.
+
+    megatron's ``ChainedOptimizer`` saves ``{0: state_0, 1: state_1, ...}`` for several
+    optimizers and one plain state for a single one. ``GTPConfig.shard_replicated_params_over_gtp``
+    chains two (replicated params, GTP shards), a run without it or without GTP one. The
+    per-param tensors are requested (and loaded) in this run's structure already; only the
+    common part, read back in the saver's structure, must be re-dealt: each param group of this
+    run takes the saved group with the same ``wd_mult`` / ``lr_mult`` / ``is_decoupled_lr`` (the
+    learning-rate schedule and step are shared by all of them), keeping its own
+    ``is_expert_parallel``. Same chain on both sides: ``loaded`` is returned unchanged.
+    """
+    subs = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    if not isinstance(loaded, dict):
+        return loaded
+    top = {k: v for k, v in loaded.items() if not isinstance(k, int)}
+    mine = [loaded.get(i, {}) for i in range(len(subs))] if len(subs) > 1 else [top]
+    if all("optimizer" in part for part in mine):
+        return loaded
+    saved = [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))] \
+        if len(subs) == 1 else [top]
+    saved = [part for part in saved if isinstance(part, dict) and "optimizer" in part]
+    if not saved:
+        return loaded
+    groups = [g for part in saved for g in part["optimizer"]["param_groups"]]
+    out = []
+    for sub, part in zip(subs, mine, strict=True):
+        inner = getattr(sub, "optimizer", None)
+        own_groups = inner.state_dict()["param_groups"] if inner is not None else []
+        dealt = []
+        for own in own_groups:
+            match = next((g for g in groups if _group_id(g) == _group_id(own)), None)
+            if match is None:
+                raise ValueError(
+                    f"the checkpoint's optimizer state has no param group like this run's "
+                    f"{dict(zip(_GROUP_KEYS, _group_id(own)))}: load the weights only "
+                    "(MegatronStrategy(ckpt_load_optimizer=False))"
+                )
+            dealt.append({**match, "is_expert_parallel": own.get("is_expert_parallel", False)})
+        common = {k: v for k, v in saved[0].items() if k not in part}
+        out.append({**common, **part,
+                    "optimizer": {**saved[0]["optimizer"], "param_groups": dealt}})
+    return out[0] if len(subs) == 1 else dict(enumerate(out))
+
+
+def _group_id(group: dict) -> tuple:
+    """A param group's identity, reading NeMo's ``pre_`` spellings too."""
+    return tuple(group.get(key, group.get(f"pre_{key}")) for key in _GROUP_KEYS)
 
 
 @contextlib.contextmanager

@@ -180,11 +180,13 @@ class GTPParallelDims:
             "expert_data": _groups_varying(expert, ("egtp", "edp")),
         }
 
-    def build(self) -> GTPGroups:
+    def build(self, gtp_pg_options: object | None = None) -> GTPGroups:
         """Create the GTP process groups; collective over the whole world.
 
         Every rank must call it in the same order (``torch.distributed.new_group`` is
         collective). Requires an initialized default process group of ``world_size`` ranks.
+        ``gtp_pg_options`` (e.g. ``ProcessGroupNCCL.Options`` with a high-priority stream or
+        ``config.max_ctas``) applies to the GTP groups only, whose gathers run beside the GEMMs.
         """
         if not dist.is_initialized():
             raise RuntimeError("GTPParallelDims.build() needs torch.distributed initialized first")
@@ -197,7 +199,8 @@ class GTPParallelDims:
         mine: dict[str, dist.ProcessGroup] = {}
         for name, rank_lists in self.group_ranks().items():
             for ranks in rank_lists:
-                group = dist.new_group(ranks)
+                options = gtp_pg_options if name == "gtp" else None
+                group = dist.new_group(ranks, pg_options=options)
                 if rank in ranks:
                     mine[name] = group
         return GTPGroups(dims=self, rank=rank, **mine)

@@ -246,7 +246,8 @@ class GTPRuntime:
         if slot.state is GatherState.NONE:
             self._issue_gather(param, direction, async_op=False)
         if slot.state is GatherState.ASYNC_WAIT:
-            self.wait_timer.timed_wait(slot.handle.wait, "gather", param.device)
+            self.wait_timer.timed_wait(slot.handle.wait, "gather", param.device,
+                                       state.name)
             slot.state = GatherState.DATA_READY
         if self.config.weight_prefetch and chain.phase is ChainPhase.LINKED:
             self.prefetch_neighbour(param, direction, will_backward=will_backward)
@@ -457,7 +458,7 @@ class GTPRuntime:
     def _finalize(self, param: GTPShardedParam) -> None:
         state = param.gtp_state
         rs = state.reduce_scatter
-        self.wait_timer.timed_wait(rs.handle.wait, "reduce_scatter", param.device)
+        self.wait_timer.timed_wait(rs.handle.wait, "reduce_scatter", param.device, state.name)
         rs.state = ReduceScatterState.DATA_READY
         if hasattr(param, "main_grad"):
             param.main_grad.add_(rs.output)

@@ -80,8 +80,15 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
     else:
         replicate_rank = dist.get_rank(groups.replicate)
 
-    def fold(replica_id: ReplicaId, gtp_sharded: bool) -> ReplicaId:
+    over_gtp = groups is not None and _replicated_params_over_gtp(sharded_state_dict)
+
+    def fold(replica_id: ReplicaId, gtp_sharded: bool, state_over_gtp: bool = False) -> ReplicaId:
         if isinstance(replica_id, tuple) and len(replica_id) == 3:
+            if state_over_gtp:
+                # shard_replicated_params_over_gtp: megatron's own DP coordinate (over DP x GTP)
+                # elects one writer of the weight, and the distributed optimizer, which zeroes
+                # it, writes every GTP peer's distinct slice of the replicated params' state.
+                return replica_id
             pp, tp, _ = replica_id  # megatron's (PP, TP, DP); its DP coordinate counts GTP peers
             return (pp, tp if gtp_sharded else tp * gtp_size + gtp_rank, replicate_rank)
         if gtp_sharded or gtp_rank == 0:  # not megatron's layout: only keep GTP peers apart
@@ -102,12 +109,28 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
                         f"{value.key}: cannot describe this GTP-sharded entry "
                         f"({type(value).__name__}) to the checkpoint"
                     )
-                return replace(value, replica_id=fold(value.replica_id, False))
-            return row_map.factory(value.key, value.data, fold(value.replica_id, gtp_sharded))
+                return replace(value, replica_id=fold(value.replica_id, False, over_gtp))
+            replica_id = fold(value.replica_id, gtp_sharded, over_gtp and not gtp_sharded)
+            return row_map.factory(value.key, value.data, replica_id)
         return value
 
     dict_list_map_inplace(visit, sharded_state_dict)
     return sharded_state_dict
+
+
+def _replicated_params_over_gtp(sharded_state_dict: dict) -> bool:
+    """Whether the model's GTP runtime has ``shard_replicated_params_over_gtp`` on."""
+    found = False
+
+    def look(value: Any) -> Any:
+        nonlocal found
+        data = getattr(value, "data", None)
+        if not found and is_gtp_param(data):
+            found = data.runtime.config.shard_replicated_params_over_gtp
+        return value
+
+    dict_list_map_inplace(look, sharded_state_dict)
+    return found
 
 
 def _row_map(entry: ShardedTensor | ShardedTensorFactory) -> RowMap | None:

@@ -18,13 +18,14 @@ from nemo_gtp.engine.grid import GTPGroups, GTPParallelDims
 
 
 def initialize_gtp_parallel(
-    dims: GTPParallelDims, groups: GTPGroups | None = None
+    dims: GTPParallelDims, groups: GTPGroups | None = None, gtp_pg_options: object | None = None
 ) -> GTPGroups:
     """Initialize megatron's ``parallel_state`` (if not yet) and build the GTP groups.
 
     Collective over the world; every rank calls it once. ``groups`` from an earlier call with
     the same ``dims`` are reused instead of built again (process groups live until the default
-    group is destroyed, so rebuilding them only accumulates).
+    group is destroyed, so rebuilding them only accumulates). ``gtp_pg_options`` goes to
+    :meth:`GTPParallelDims.build` (the GTP communicator's NCCL options).
 
     Example::
 
@@ -59,7 +60,7 @@ def initialize_gtp_parallel(
             f"{expected}: initialize both from the same sizes"
         )
     if groups is None:
-        groups = dims.build()
+        groups = dims.build(gtp_pg_options)
     elif groups.dims != dims:
         raise ValueError(f"groups were built for {groups.dims}, not {dims}")
     data_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
