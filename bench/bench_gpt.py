@@ -294,17 +294,17 @@ def host_profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None
 def write_per_weight_exposed(args: argparse.Namespace, mode: str, shape: str,
                              per_weight: dict[tuple[str, str], float]) -> None:
     """The per-layer exposed-communication profile: ms per step each weight's gather / RS kept
-    the compute stream waiting, in model order (rank 0, ``exposed_<mode>_<shape>.txt``)."""
+    the compute stream waiting, in model order (rank 0, appended to ``exposed_<mode>.txt``)."""
     if dist.get_rank() != 0 or not per_weight:
         return
     names = list(dict.fromkeys(name for _, name in per_weight))
-    lines = [f"mode={mode} shape={shape}: exposed ms per step ({EXPOSED_STEPS} steps), "
+    lines = [f"\n## mode={mode} shape={shape}: exposed ms per step ({EXPOSED_STEPS} steps), "
              "weight | gather | reduce-scatter"]
     for name in names:
         ag = 1000 * per_weight.get(("gather", name), 0.0) / EXPOSED_STEPS
         rs = 1000 * per_weight.get(("reduce_scatter", name), 0.0) / EXPOSED_STEPS
         lines.append(f"{name} | {ag:.3f} | {rs:.3f}")
-    with open(os.path.join(args.out, f"exposed_{mode}_{shape}.txt"), "w") as f:
+    with open(os.path.join(args.out, f"exposed_{mode}.txt"), "a") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -474,6 +474,7 @@ def main() -> None:
     parser.add_argument("--memory-trace", action="store_true",
                         help="write what is live at each mode's allocation peak")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     world = dist.get_world_size()
