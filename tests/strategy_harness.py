@@ -266,7 +266,8 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
     runtimes = getattr(strategy, "gtp_runtimes", [])
     ddp = strategy.megatron_parallel[0].module
     optimizer = strategy.optimizers[0].mcore_optimizer
-    optimizer = getattr(optimizer, "chained_optimizers", [optimizer])[0]  # the dense one
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    optimizer = chained[0]  # the dense one
     out = {
         "name": fit.name, "losses": recorder.losses, "grad_norms": recorder.grad_norms,
         "lrs": recorder.lrs, **recorder.end,
@@ -282,6 +283,7 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
         "logged_metric_steps": [s for s, m in memory_logger.records if "gtp/gather_bytes" in m],
         "ddp_class": type(ddp).__name__,
         "ddp_dp_size": dist.get_world_size(ddp.intra_dp_cp_group),
+        "chained_optimizers": len(chained),
         "optimizer_dp_size": dist.get_world_size(optimizer.data_parallel_group)
         if fit.distopt else None,
         "gtp_finalize": bool(getattr(get_model_config(ddp).finalize_model_grads_func,

@@ -12,7 +12,7 @@ import gc
 import weakref
 
 from dist_utils import run_distributed
-from gpt_harness import Run, assert_parity, train
+from gpt_harness import Run, _groups, assert_parity, train
 
 from nemo_gtp.cpu_compat import enable_cpu_compat
 
@@ -70,8 +70,37 @@ CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when 
 ]
 
 
+def _wrong_data_group_worker(rank: int, world: int) -> None:
+    """DDP built with process groups that do not match the model's GTPConfig is refused."""
+    import pytest
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from nemo_gtp.engine import GTPConfig, GTPRuntime, shard_linear
+    from nemo_gtp.integrations.megatron import GTPDistributedDataParallel, gtp_process_groups
+
+    enable_cpu_compat()
+    groups = _groups(Run(gtp=2))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    for over_gtp in (False, True):
+        config = GTPConfig(shard_replicated_params_over_gtp=over_gtp)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32))
+        runtime = GTPRuntime(groups.gtp, config)  # params hold their runtime weakly
+        shard_linear(model[0], runtime, "0.weight")
+        wrong = gtp_process_groups(groups, GTPConfig(shard_replicated_params_over_gtp=not over_gtp))
+        with pytest.raises(ValueError, match=f"shard_replicated_params_over_gtp={over_gtp}"):
+            GTPDistributedDataParallel(None, ddp_config, model, pg_collection=wrong)
+        if not over_gtp:  # no pg_collection: megatron's data group (DP x GTP) would be used
+            with pytest.raises(ValueError, match="gtp_process_groups"):
+                GTPDistributedDataParallel(None, ddp_config, model)
+
+
 def test_parity_two_ranks() -> None:
     run_distributed(_worker, 2, CASES_2)
+
+
+def test_ddp_refuses_groups_that_do_not_match_the_gtp_config() -> None:
+    run_distributed(_wrong_data_group_worker, 2)
 
 
 def test_parity_four_ranks() -> None:

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from strategy_harness import BANNER_PREFIX, GBS, MBS, STEPS, Fit, run_fits
 
+from nemo_gtp.engine import GTPConfig
+
 TOL = 1e-5
 
 
@@ -32,7 +34,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
             Fit("gtp_off", gtp_strategy=True),
             Fit("base_bf16", steps=4, bf16=True), Fit("tp1_gtp2_bf16", gtp=2, steps=4, bf16=True),
             Fit("base_plain_adam", steps=5, distopt=False),
-            Fit("tp1_gtp2_plain_adam", gtp=2, steps=5, distopt=False)]
+            Fit("tp1_gtp2_plain_adam", gtp=2, steps=5, distopt=False),
+            Fit("tp1_gtp2_shard_replicated", gtp=2, strategy_kwargs={
+                "gtp_config": GTPConfig(shard_replicated_params_over_gtp=True)})]
     return _by_name(run_fits(fits, 2, tmp_path_factory.mktemp("two")))
 
 
@@ -66,6 +70,15 @@ def test_parity_tp1_gtp2_dp1(two_ranks: dict) -> None:
 def test_parity_default_ddp_non_distributed_optimizer(two_ranks: dict) -> None:
     """ddp='megatron' (no overlap) + megatron's FP32Optimizer: grad norm via ``shared`` marks."""
     _assert_parity(two_ranks["tp1_gtp2_plain_adam"], two_ranks["base_plain_adam"], steps=5)
+
+
+def test_parity_shard_replicated_params_over_gtp(two_ranks: dict) -> None:
+    """GTPConfig(shard_replicated_params_over_gtp=True) through NeMo: replicated params' DDP
+    buffer and distributed optimizer span DP x GTP, the GTP shards get their own optimizer."""
+    for rank in two_ranks["tp1_gtp2_shard_replicated"]:
+        assert rank["ddp_dp_size"] == rank["optimizer_dp_size"] == 2
+        assert rank["chained_optimizers"] == 2 and rank["gtp_params"] == 8
+    _assert_parity(two_ranks["tp1_gtp2_shard_replicated"], two_ranks["base_tp1_dp2"])
 
 
 def test_parity_tp1_gtp2_dp2(four_ranks: dict) -> None:
@@ -191,6 +204,8 @@ INVALID = [
     (dict(num_weight_shards=2, expert_num_weight_shards=2), "expert_num_weight_shards"),
     (dict(expert_tensor_parallel_size=2, expert_num_weight_shards=3), "expert_num_weight_shards=3"),
     (dict(num_weight_shards=2, gtp_config="pad16"), "gtp_config"),
+    (dict(num_weight_shards=2, gtp_config=GTPConfig(shard_replicated_params_over_gtp=True)),
+     "use_distributed_optimizer=True"),
 ]
 INVALID_DDP = [
     (dict(average_in_collective=True), "average_in_collective=False"),

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.cuda_graphs import is_graph_capturing
 
@@ -48,9 +49,26 @@ def validate_ddp_config_for_gtp(ddp_config: object) -> None:
         )
 
 
+def check_data_group(runtime: object, pg_collection: object | None) -> None:
+    """DDP's data-parallel group must span the GTP peers exactly when the model's
+    ``GTPConfig.shard_replicated_params_over_gtp`` says so (else gradients are reduced twice,
+    or GTP shards of different rows are summed). Raised before megatron's first collective."""
+    dp_cp = getattr(pg_collection, "dp_cp", None) if pg_collection is not None else \
+        parallel_state.get_data_parallel_group(with_context_parallel=True)
+    gtp_ranks = set(dist.get_process_group_ranks(runtime.group))
+    spans_gtp = len(gtp_ranks & set(dist.get_process_group_ranks(dp_cp))) > 1
+    wanted = runtime.config.shard_replicated_params_over_gtp
+    if spans_gtp != wanted:
+        raise ValueError(
+            f"DDP's data-parallel group {'spans' if spans_gtp else 'excludes'} the GTP peers but "
+            f"GTPConfig.shard_replicated_params_over_gtp={wanted}: build DDP (and the optimizer) "
+            "with pg_collection=gtp_process_groups(groups, gtp_config), using the GTPConfig "
+            "given to shard_model"
+        )
+
+
 def route_gtp_params_to_second_buffer(
-    module: torch.nn.Module, gtp_params: list[torch.nn.Parameter], ddp_config: object,
-    pg_collection: object,
+    module: torch.nn.Module, gtp_params: list[torch.nn.Parameter], ddp_config: object
 ) -> None:
     """``GTPConfig.shard_replicated_params_over_gtp``: tag the GTP shards ``allreduce=False``.
 
@@ -59,7 +77,6 @@ def route_gtp_params_to_second_buffer(
     group (DP x GTP); ``get_megatron_optimizer`` builds one optimizer per buffer the same way.
     Every check runs before megatron's first collective.
     """
-    runtime = gtp_params[0].runtime
     if not getattr(ddp_config, "use_distributed_optimizer", False):
         raise ValueError(
             "GTPConfig.shard_replicated_params_over_gtp=True shards optimizer state and needs "
@@ -72,14 +89,6 @@ def route_gtp_params_to_second_buffer(
         raise ValueError(
             "GTPConfig.shard_replicated_params_over_gtp=True uses megatron's expert buffer for "
             f"the GTP shards, but the model has expert params ({experts[0]}, ...): set it False"
-        )
-    dp_cp = getattr(pg_collection, "dp_cp", None)
-    gtp_ranks = set(dist.get_process_group_ranks(runtime.group))
-    if dp_cp is None or not gtp_ranks <= set(dist.get_process_group_ranks(dp_cp)):
-        raise ValueError(
-            "GTPConfig.shard_replicated_params_over_gtp=True needs DDP built with "
-            "pg_collection=gtp_process_groups(groups, gtp_config) (its data-parallel group "
-            "spans GTP)"
         )
     for param in gtp_params:
         param.allreduce = False
@@ -97,10 +106,9 @@ class GTPDDPMixin:
         gtp_params = [p for p in module.parameters() if is_gtp_param(p)]
         if gtp_params:
             validate_ddp_config_for_gtp(ddp_config)
+            check_data_group(gtp_params[0].runtime, kwargs.get("pg_collection"))
             if gtp_params[0].runtime.config.shard_replicated_params_over_gtp:
-                route_gtp_params_to_second_buffer(
-                    module, gtp_params, ddp_config, kwargs.get("pg_collection")
-                )
+                route_gtp_params_to_second_buffer(module, gtp_params, ddp_config)
         super().__init__(config, ddp_config, module, *args, **kwargs)
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[..., None]:
