@@ -80,6 +80,7 @@ MODES = {
 }
 PAIRS = [("te_gtp2", "te_dp2"), ("te_gtp2_unfused", "te_dp2"), ("te_gtp2_sliced", "te_dp2"),
          ("local_gtp2", "local_dp2"), ("te_bias_gtp2", "te_bias_dp2")]
+EXPOSED_STEPS = 5  # the last steps of each mode, timed for exposed communication only
 CALLS = {"grad_buffer": 0, "finalize_group_grads": 0}
 # CUDA + NCCL on the GPU machine; CPU + gloo (local modes only) to smoke-test the script.
 CUDA = torch.cuda.is_available()
@@ -216,6 +217,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     data_rank = parallel_state.get_data_parallel_rank()
     forward_backward = get_forward_backward_func()
     losses, grad_norms, times, exposed, dummy_grads = [], [], [], {}, 0
+    # too short a run (the bias modes' correctness check): no exposed-wait steps
+    exposed_from = steps - EXPOSED_STEPS if steps - EXPOSED_STEPS > args.timing_from else steps
     CALLS.update(grad_buffer=0, finalize_group_grads=0)
     _peak(reset=True)
     profiled = range(args.timing_from, args.timing_from + 5) if args.host_profile else range(0)
@@ -227,9 +230,12 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
             prof.disable()
             _write_host_profile(args, mode, prof, len(profiled))
         if step == args.timing_from and runtime is not None:
-            runtime.wait_timer.enable()
-            runtime.wait_timer.collect()
             runtime.stats.reset()
+        if step == exposed_from and runtime is not None:
+            # the last EXPOSED_STEPS steps: the stall timer's events cost host time, which a
+            # host-bound step would show, so the timed steps run without it
+            runtime.wait_timer.enable(per_weight=True)
+            runtime.wait_timer.collect()
         _sync()
         start = time.perf_counter()
         ddp.zero_grad_buffer()
@@ -243,7 +249,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         _, grad_norm, _ = optimizer.step()
         _sync()
         times.append(time.perf_counter() - start)
-        if runtime is not None and step >= args.timing_from:
+        if runtime is not None and step >= exposed_from:
             for k, v in runtime.wait_timer.collect().items():
                 exposed[k] = exposed.get(k, 0.0) + v
         loss = torch.stack([r["lm loss"] for r in reduced]).sum()
@@ -252,16 +258,22 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         losses.append(float(loss) / tokens)
         grad_norms.append(float(grad_norm))
     timed = max(steps - args.timing_from, 1)
+    per_weight: dict[str, dict[str, float]] = {}
+    if runtime is not None:
+        for (kind, name), seconds in runtime.wait_timer.take_per_weight().items():
+            per_weight.setdefault(kind, {})[name] = 1000 * seconds / EXPOSED_STEPS
+        runtime.wait_timer.enable(False)
     record = dict(
         mode=mode, spec=kind, gtp=gtp, presharded=presharded, fused_wgrad=fused, bias=bias,
         steps=steps, losses=losses, grad_norms=grad_norms,
         step_ms_median=1000 * statistics.median(
-            times[max(args.timing_from, profiled.stop):] or times),
+            times[max(args.timing_from, profiled.stop):exposed_from] or times),
         peak_train_gib=_peak() / 2**30,
         build_peak_gib=build_peak_gib,
         gtp_params=0 if runtime is None else len(runtime.params),
-        exposed_gather_ms_per_step=1000 * exposed.get("gather", 0.0) / timed,
-        exposed_rs_ms_per_step=1000 * exposed.get("reduce_scatter", 0.0) / timed,
+        exposed_gather_ms_per_step=1000 * exposed.get("gather", 0.0) / EXPOSED_STEPS,
+        exposed_rs_ms_per_step=1000 * exposed.get("reduce_scatter", 0.0) / EXPOSED_STEPS,
+        exposed_ms_per_step_by_weight=per_weight,
         stats_per_step=None if runtime is None else {
             k: v / timed for k, v in vars(runtime.stats).items()},
         protocol_calls_per_step={k: v / steps for k, v in CALLS.items()},
