@@ -88,20 +88,29 @@ class Built:
     config: TransformerConfig
 
 
+_GTP_GROUPS: dict[GTPParallelDims, GTPGroups] = {}
+
+
 def build(layout: Layout, seed: int = 1234) -> Built:
     """(Re)initialize parallel state for ``layout`` and build model, DDP and optimizer."""
     enable_cpu_compat(nemo=False)  # megatron-only: importing NeMo costs ~7 s CPU per rank
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
     dims = GTPParallelDims(world_size=dist.get_world_size(), tensor_model_parallel_size=layout.tp,
                            num_weight_shards=layout.tp * layout.gtp)
-    # Megatron's extra gloo copies of its groups are redundant here (every group is gloo), and
-    # each layout change would rebuild them; initialize_gtp_parallel keeps this initialization.
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, order="tp-cp-ep-dp-pp",
-        create_gloo_process_groups=False,
-    )
-    groups = initialize_gtp_parallel(dims)
+    # Process groups live until the default group is destroyed and every gloo group owns
+    # threads: rebuilding megatron's and the GTP groups for each of a spawn's ~20 builds piled up
+    # over a thousand threads per rank. megatron's state is rebuilt only when TP changes, and
+    # the GTP groups of a layout are built once per process.
+    if (parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_tensor_model_parallel_world_size() != layout.tp):
+        parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        # megatron's extra gloo copies of its groups are redundant here (every group is gloo)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp, order="tp-cp-ep-dp-pp",
+            create_gloo_process_groups=False,
+        )
+    groups = _GTP_GROUPS.get(dims)
+    groups = _GTP_GROUPS[dims] = initialize_gtp_parallel(dims, groups)
     model_parallel_cpu_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(

@@ -232,7 +232,8 @@ def _load_worker(rank: int, world: int, root: str) -> None:
             results[name] = {"ok": False, "error": f"{type(err).__name__}: {err}",
                              "traceback": traceback.format_exc()}
 
-    for name, case in LOADS.items():
+    # same TP adjacent: megatron's parallel_state is rebuilt only when TP changes
+    for name, case in sorted(LOADS.items(), key=lambda item: item[1].layout.tp):
         record(name, lambda case=case: _load_case(case, root))
 
     def after_crash() -> int:
