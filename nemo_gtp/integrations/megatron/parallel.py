@@ -105,4 +105,3 @@ def gtp_process_groups(
     pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = groups.replicate
     pgs.mp = groups.model_parallel
     return pgs
-
