@@ -376,7 +376,6 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
         text = format_breakdown(peak_breakdown(torch.cuda.memory._snapshot()))
         torch.cuda.memory._record_memory_history(enabled=None)
         if dist.get_rank() == 0:
-            os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"memory_peak_{mode}.txt"), "w") as f:
                 f.write(f"mode={mode} shapes={args.shapes}\n{text}\n")
             print(text, flush=True)
@@ -387,7 +386,6 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
 
 
 def write_report(args: argparse.Namespace, records: list[dict], world: int) -> None:
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_gpt.json"), "w") as f:
         json.dump(dict(args=vars(args), world=world, device=torch.cuda.get_device_name(),
                        torch=torch.__version__, records=records), f, indent=1)
@@ -475,7 +473,7 @@ def main() -> None:
     parser.add_argument("--memory-trace", action="store_true",
                         help="write what is live at each mode's allocation peak")
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)  # every report below writes into it
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     world = dist.get_world_size()

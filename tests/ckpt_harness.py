@@ -2,8 +2,8 @@
 
 The same real stack as ``gpt_harness``: megatron ``parallel_state``, ``GPTModel`` (local spec),
 our GTP-aware megatron DDP, ``get_megatron_optimizer`` and ``forward_backward_no_pipelining``,
-on CPU/gloo. Layouts change inside one process by destroying and re-initializing megatron's
-``parallel_state`` (the GTP groups are rebuilt each time).
+on CPU/gloo. Layouts change inside one process: megatron's ``parallel_state`` is rebuilt when TP
+changes, each layout's GTP groups are built once (``gpt_harness._groups``).
 
 :func:`full_state` gathers every weight and every optimizer state tensor (fp32 master weight,
 Adam ``exp_avg`` / ``exp_avg_sq``) to the full logical tensor (GTP pad stripped, TP
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from gpt_harness import Run, _groups
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
@@ -26,11 +27,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 
 from nemo_gtp.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
-from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, is_gtp_param
+from nemo_gtp.engine import GTPConfig, GTPGroups, is_gtp_param
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
     gtp_process_groups,
-    initialize_gtp_parallel,
     make_finalize_model_grads,
     shard_model,
 )
@@ -88,29 +88,11 @@ class Built:
     config: TransformerConfig
 
 
-_GTP_GROUPS: dict[GTPParallelDims, GTPGroups] = {}
-
-
 def build(layout: Layout, seed: int = 1234) -> Built:
     """(Re)initialize parallel state for ``layout`` and build model, DDP and optimizer."""
     enable_cpu_compat(nemo=False)  # megatron-only: importing NeMo costs ~7 s CPU per rank
-    dims = GTPParallelDims(world_size=dist.get_world_size(), tensor_model_parallel_size=layout.tp,
-                           num_weight_shards=layout.tp * layout.gtp)
-    # Process groups live until the default group is destroyed and every gloo group owns
-    # threads: rebuilding megatron's and the GTP groups for each of a spawn's ~20 builds piled up
-    # over a thousand threads per rank. megatron's state is rebuilt only when TP changes, and
-    # the GTP groups of a layout are built once per process.
-    if (parallel_state.model_parallel_is_initialized()
-            and parallel_state.get_tensor_model_parallel_world_size() != layout.tp):
-        parallel_state.destroy_model_parallel()
-    if not parallel_state.model_parallel_is_initialized():
-        # megatron's extra gloo copies of its groups are redundant here (every group is gloo)
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp, order="tp-cp-ep-dp-pp",
-            create_gloo_process_groups=False,
-        )
-    groups = _GTP_GROUPS.get(dims)
-    groups = _GTP_GROUPS[dims] = initialize_gtp_parallel(dims, groups)
+    # megatron's state and this layout's GTP groups, built once per process (gpt_harness)
+    groups = _groups(Run(tp=layout.tp, gtp=layout.gtp))
     model_parallel_cpu_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(

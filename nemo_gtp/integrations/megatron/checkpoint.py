@@ -120,17 +120,11 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
 
 def _replicated_params_over_gtp(sharded_state_dict: dict) -> bool:
     """Whether the model's GTP runtime has ``shard_replicated_params_over_gtp`` on."""
-    found = False
-
-    def look(value: Any) -> Any:
-        nonlocal found
+    for value in nested_values(sharded_state_dict):
         data = getattr(value, "data", None)
-        if not found and is_gtp_param(data):
-            found = data.runtime.config.shard_replicated_params_over_gtp
-        return value
-
-    dict_list_map_inplace(look, sharded_state_dict)
-    return found
+        if is_gtp_param(data):  # one runtime per model: its first GTP weight answers
+            return data.runtime.config.shard_replicated_params_over_gtp
+    return False
 
 
 def _row_map(entry: ShardedTensor | ShardedTensorFactory) -> RowMap | None:
