@@ -277,6 +277,8 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
         "indices": data._train_ds.indices,
         "banners": [line for line in catcher.lines if line.startswith(BANNER_PREFIX)],
         "gtp_params": sum(len(r.params) for r in runtimes),
+        "presharded_modules": sum(type(m).__name__.startswith("GTP") and hasattr(m, "gtp_column")
+                                  for m in strategy.megatron_parallel[0].modules()),
         "fallback_allocations": sum(r.stats.fallback_allocations for r in runtimes),
         "shard_dtypes": sorted({str(p.dtype) for r in runtimes for p in r.params}),
         "metrics": metrics_cb.last_metrics if metrics_cb else {},

@@ -52,6 +52,13 @@ class GTPConfig:
             "weight+grad+optimizer = 1/GTP of replicated"). Needs the distributed optimizer and
             a model without MoE experts; build DDP and the optimizer with
             ``gtp_process_groups(groups, config)``.
+        preshard_linears: which linears a trainer that builds the model from a config
+            (``GTPMegatronStrategy``) builds directly as their shard, so no full weight is ever
+            materialized (design §3.1 "One init path"): ``"te"`` (default) the
+            TransformerEngine parallel linears only; ``"all"`` also megatron's local
+            ``ColumnParallelLinear`` / ``RowParallelLinear``, whose weights are otherwise built
+            full and sliced (a run that starts bit-identical to its non-GTP twin; pre-sharded
+            weights are drawn per GTP peer instead).
     """
 
     pad_for_alignment: int = 16
@@ -65,6 +72,7 @@ class GTPConfig:
     copy_engine_min_tokens: int = 4096
     separate_reduce_scatter_group: bool = False
     shard_replicated_params_over_gtp: bool = False
+    preshard_linears: str = "te"
 
     @property
     def sums_over_gtp(self) -> bool:
@@ -76,6 +84,10 @@ class GTPConfig:
             raise ValueError(
                 f"GTPConfig.gather_backend must be 'nccl', 'copy_engine' or 'auto', got "
                 f"{self.gather_backend!r}"
+            )
+        if self.preshard_linears not in ("te", "all"):
+            raise ValueError(
+                f"GTPConfig.preshard_linears must be 'te' or 'all', got {self.preshard_linears!r}"
             )
         if self.copy_engine_min_tokens < 0:
             raise ValueError(

@@ -510,3 +510,25 @@ class GTPRuntime:
     def record(self, event: str, param: GTPShardedParam, direction: Direction) -> None:
         if self.trace is not None:
             self.trace.append((event, param.gtp_state.name, direction.value))
+
+
+def runtimes_of(*modules: torch.nn.Module) -> list[GTPRuntime]:
+    """The live :class:`GTPRuntime` objects owning the GTP weights of ``modules`` (in order).
+
+    Shards built pre-sharded but not yet registered (a layer spec rewritten by
+    ``gtp_layer_spec``, before ``shard_model`` ran) have no runtime yet and are skipped.
+
+    Example::
+
+        for runtime in runtimes_of(model):
+            runtime.drain()
+    """
+    found: dict[int, GTPRuntime] = {}
+    for module in modules:
+        for param in module.parameters():
+            if isinstance(param, GTPShardedParam):
+                ref = param.gtp_state.runtime
+                runtime = ref() if ref is not None else None
+                if runtime is not None:
+                    found.setdefault(id(runtime), runtime)
+    return list(found.values())

@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from nemo_gtp.engine import GTPRuntime, is_gtp_param
+from nemo_gtp.engine import GTPRuntime, runtimes_of
 from nemo_gtp.strategy.accounting import MemoryFootprint, memory_footprint
 
 _log = logging.getLogger(__name__)
@@ -24,13 +24,8 @@ def gtp_runtimes(trainer: pl.Trainer) -> list[GTPRuntime]:
     runtimes = getattr(trainer.strategy, "gtp_runtimes", None)
     if runtimes is not None:
         return list(runtimes)
-    found: dict[int, GTPRuntime] = {}
     model = trainer.strategy.model
-    if model is not None:
-        for param in model.parameters():
-            if is_gtp_param(param):
-                found.setdefault(id(param.runtime), param.runtime)
-    return list(found.values())
+    return runtimes_of(model) if model is not None else []
 
 
 def drain_all(trainer: pl.Trainer) -> None:

@@ -15,16 +15,8 @@ from typing import Any
 
 import torch
 
-from nemo_gtp.engine import GTPConfig, GTPGroups, GTPRuntime, is_gtp_param
+from nemo_gtp.engine import GTPConfig, GTPGroups, GTPRuntime, runtimes_of
 from nemo_gtp.integrations.megatron import shard_model
-
-
-def _runtimes_in(module: torch.nn.Module) -> list[GTPRuntime]:
-    runtimes: dict[int, GTPRuntime] = {}
-    for param in module.parameters():
-        if is_gtp_param(param):
-            runtimes.setdefault(id(param.runtime), param.runtime)
-    return list(runtimes.values())
 
 
 def mirror_model_config(config: GTPConfig | None, model_config: Any) -> GTPConfig:
@@ -45,11 +37,13 @@ def shard_model_chunk(
 ) -> GTPRuntime | None:
     """Shard one NeMo model chunk (a LightningModule holding the megatron model as ``.module``).
 
-    Idempotent: a chunk whose weights are already GTP-sharded keeps its runtime (NeMo may run
-    ``init_model_parallel`` again, e.g. PEFT's deferred setup).
+    Idempotent: a chunk whose weights are already owned by a runtime keeps it (NeMo may run
+    ``init_model_parallel`` again, e.g. PEFT's deferred setup). Linears built as their shard
+    (TE wrappers from the rewritten layer spec) own no runtime yet: ``shard_model`` registers
+    them.
     """
     module = getattr(chunk, "module", chunk)
-    existing = _runtimes_in(module)
+    existing = runtimes_of(module)
     if existing:
         return existing[0]
     config = mirror_model_config(config, getattr(module, "config", None))

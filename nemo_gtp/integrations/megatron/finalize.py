@@ -21,7 +21,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.param import is_gtp_param
-from nemo_gtp.engine.runtime import GTPRuntime
+from nemo_gtp.engine.runtime import runtimes_of
 
 
 def _replicated_grads(model_chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
@@ -63,15 +63,6 @@ def allreduce_replicated_grads(
             grad.copy_(reduced)
 
 
-def _runtimes_of(model_chunks: Sequence[torch.nn.Module]) -> list[GTPRuntime]:
-    runtimes: dict[int, GTPRuntime] = {}
-    for chunk in model_chunks:
-        for param in chunk.parameters():
-            if is_gtp_param(param):
-                runtimes.setdefault(id(param.runtime), param.runtime)
-    return list(runtimes.values())
-
-
 def make_finalize_model_grads(
     groups: GTPGroups,
     base: Callable[..., None] = megatron_finalize_model_grads,
@@ -84,14 +75,14 @@ def make_finalize_model_grads(
     """
     if groups.gtp_size == 1:
         return base
-    runtimes: list[GTPRuntime] | None = None
+    runtimes: list | None = None
     per_token = False
     ddp_reduces_over_gtp = False  # shard_replicated_params_over_gtp: DDP did step (3)
 
     def finalize_model_grads(model: Sequence[torch.nn.Module], *args, **kwargs) -> None:
         nonlocal runtimes, per_token, ddp_reduces_over_gtp
         if runtimes is None:  # found once: no per-step walk over the parameters
-            runtimes = _runtimes_of(model)
+            runtimes = runtimes_of(*model)
             ddp_reduces_over_gtp = any(
                 rt.config.shard_replicated_params_over_gtp for rt in runtimes)
             per_token = bool(getattr(getattr(model[0], "config", None),

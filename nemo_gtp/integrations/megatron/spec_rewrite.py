@@ -119,8 +119,9 @@ def preshard_config_layer_spec(
     ``GPTConfig.configure_model``; ``GTPMegatronStrategy`` calls this in its distributed setup).
     The spec may be a ``ModuleSpec`` or a function of the config (NeMo's default TE spec); a
     function is wrapped so its result is rewritten when NeMo calls it. ``classes`` defaults to
-    the loaded TransformerEngine wrappers only: TE linears are never built full, while local
-    linears keep the build-full-then-slice path that starts bit-identical to a run without GTP.
+    the loaded TransformerEngine wrappers (TE linears are never built full), plus megatron's
+    local linears under ``GTPConfig.preshard_linears="all"``; otherwise local linears keep the
+    build-full-then-slice path that starts bit-identical to a run without GTP.
     Returns whether anything can be swapped (False: GTP size 1, or no TE loaded).
 
     Example::
@@ -129,12 +130,15 @@ def preshard_config_layer_spec(
     """
     if groups.gtp_size == 1:
         return False
+    config = config or GTPConfig()
     if classes is None:
-        classes = {base: presharded_class(base, column)
-                   for base, column in te_parallel_linear_kinds(import_te=False).items()}
+        kinds = dict(te_parallel_linear_kinds(import_te=False))
+        if config.preshard_linears == "all":
+            kinds.update({ColumnParallelLinear: True, RowParallelLinear: False})
+        classes = {base: presharded_class(base, column) for base, column in kinds.items()}
     if not classes or getattr(model_config.transformer_layer_spec, "gtp_presharded", False):
         return bool(classes)
-    plan = GTPShardPlan.from_groups(groups, (config or GTPConfig()).pad_for_alignment)
+    plan = GTPShardPlan.from_groups(groups, config.pad_for_alignment)
     spec = model_config.transformer_layer_spec
     if isinstance(spec, ModuleSpec) or not callable(spec):
         model_config.transformer_layer_spec = replace_modules_in_spec(spec, classes, {"gtp": plan})
