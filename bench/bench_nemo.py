@@ -59,83 +59,87 @@ def _token_overrides(tokens: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- one rank
-class _Steps:
-    """Lightning callback: step wall times, losses, peak memory; exposed-communication and
-    profiling windows after the timed steps."""
+def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
+    """The rank's Lightning callback (Lightning imported here: the parent process stays light)."""
+    import lightning.pytorch as pl
 
-    def __init__(self, warmup: int, timed: int, profile: bool) -> None:
-        import lightning.pytorch as pl  # noqa: F401  (imported late: the parent stays light)
+    class _Steps(pl.Callback):
+        """Lightning callback: step wall times, losses, peak memory; exposed-communication and
+        profiling windows after the timed steps."""
 
-        self.warmup, self.timed, self.profile = warmup, timed, profile
-        self.records: list[dict] = []
-        self.exposed: dict[str, float] = {}
-        self.torch_profile: dict = {}
-        self.host_profile = ""
-        self._start = 0.0
-        self._prof = None
-        self._torch_prof = None
+        def __init__(self, warmup: int, timed: int, profile: bool) -> None:
+            self.warmup, self.timed, self.profile = warmup, timed, profile
+            self.records: list[dict] = []
+            self.exposed: dict[str, float] = {}
+            self.torch_profile: dict = {}
+            self.host_profile = ""
+            self._start = 0.0
+            self._prof = None
+            self._torch_prof = None
 
-    @property
-    def windows(self) -> dict[str, range]:
-        """Step ranges: timed, exposed-communication, torch.profiler, cProfile."""
-        t0 = self.warmup + self.timed
-        return {"timed": range(self.warmup, t0), "exposed": range(t0, t0 + 3),
-                "torch": range(t0 + 3, t0 + 6) if self.profile else range(0),
-                "host": range(t0 + 6, t0 + 9) if self.profile else range(0)}
+        @property
+        def windows(self) -> dict[str, range]:
+            """Step ranges: timed, exposed-communication, torch.profiler, cProfile."""
+            t0 = self.warmup + self.timed
+            return {"timed": range(self.warmup, t0), "exposed": range(t0, t0 + 3),
+                    "torch": range(t0 + 3, t0 + 6) if self.profile else range(0),
+                    "host": range(t0 + 6, t0 + 9) if self.profile else range(0)}
 
-    @property
-    def total_steps(self) -> int:
-        return self.warmup + self.timed + (9 if self.profile else 3)
+        @property
+        def total_steps(self) -> int:
+            return self.warmup + self.timed + (9 if self.profile else 3)
 
-    def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
-        import torch
+        def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            import torch
 
-        from nemo_gtp.strategy import gtp_runtimes
+            from nemo_gtp.strategy import gtp_runtimes
 
-        step, w = trainer.global_step, self.windows
-        if step == w["exposed"].start:
-            for runtime in gtp_runtimes(trainer):
-                runtime.wait_timer.enable()
-                runtime.wait_timer.collect()
-        if step == w["exposed"].stop:
-            for runtime in gtp_runtimes(trainer):
-                runtime.wait_timer.enable(False)
-        if w["torch"] and step == w["torch"].start:
-            self._torch_prof = torch.profiler.profile(activities=[
-                torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-            self._torch_prof.__enter__()
-        if w["host"] and step == w["host"].start:
-            self._prof = cProfile.Profile()
-            self._prof.enable()
-        torch.cuda.synchronize()
-        self._start = time.perf_counter()
+            step, w = trainer.global_step, self.windows
+            if step == w["exposed"].start:
+                for runtime in gtp_runtimes(trainer):
+                    runtime.wait_timer.enable()
+                    runtime.wait_timer.collect()
+            if step == w["exposed"].stop:
+                for runtime in gtp_runtimes(trainer):
+                    runtime.wait_timer.enable(False)
+            if w["torch"] and step == w["torch"].start:
+                self._torch_prof = torch.profiler.profile(activities=[
+                    torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                self._torch_prof.__enter__()
+            if w["host"] and step == w["host"].start:
+                self._prof = cProfile.Profile()
+                self._prof.enable()
+            torch.cuda.synchronize()
+            self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
-        import torch
+        def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            import torch
 
-        from nemo_gtp.strategy import gtp_runtimes
+            from nemo_gtp.strategy import gtp_runtimes
 
-        torch.cuda.synchronize()
-        step, w = trainer.global_step - 1, self.windows
-        ms = 1000 * (time.perf_counter() - self._start)
-        loss = trainer.callback_metrics.get("reduced_train_loss")
-        self.records.append({"step": step, "ms": round(ms, 2),
-                             "loss": float(loss) if loss is not None else None})
-        if step == w["exposed"].stop - 1:
-            for runtime in gtp_runtimes(trainer):
-                for kind, seconds in runtime.wait_timer.collect().items():
-                    self.exposed[kind] = self.exposed.get(kind, 0.0) + seconds / 3
-        if w["torch"] and step == w["torch"].stop - 1:
-            self._torch_prof.__exit__(None, None, None)
-            self.torch_profile = _summarize_torch_profile(self._torch_prof, len(w["torch"]),
-                                                          [r["ms"] for r in self.records[-3:]])
-        if w["host"] and step == w["host"].stop - 1:
-            self._prof.disable()
-            text = io.StringIO()
-            stats = pstats.Stats(self._prof, stream=text)
-            stats.sort_stats("tottime").print_stats(30)
-            stats.sort_stats("cumulative").print_stats(45)
-            self.host_profile = text.getvalue()
+            torch.cuda.synchronize()
+            step, w = trainer.global_step - 1, self.windows
+            ms = 1000 * (time.perf_counter() - self._start)
+            loss = trainer.callback_metrics.get("reduced_train_loss")
+            self.records.append({"step": step, "ms": round(ms, 2),
+                                 "loss": float(loss) if loss is not None else None})
+            if step == w["exposed"].stop - 1:
+                for runtime in gtp_runtimes(trainer):
+                    for kind, seconds in runtime.wait_timer.collect().items():
+                        self.exposed[kind] = self.exposed.get(kind, 0.0) + seconds / 3
+            if w["torch"] and step == w["torch"].stop - 1:
+                self._torch_prof.__exit__(None, None, None)
+                self.torch_profile = _summarize_torch_profile(self._torch_prof, len(w["torch"]),
+                                                              [r["ms"] for r in self.records[-3:]])
+            if w["host"] and step == w["host"].stop - 1:
+                self._prof.disable()
+                text = io.StringIO()
+                stats = pstats.Stats(self._prof, stream=text)
+                stats.sort_stats("tottime").print_stats(30)
+                stats.sort_stats("cumulative").print_stats(45)
+                self.host_profile = text.getvalue()
+
+    return _Steps(warmup, timed, profile)
 
 
 def _summarize_torch_profile(prof, steps: int, step_ms: list[float]) -> dict:
@@ -178,7 +182,7 @@ def _rank_main(spec_path: str) -> None:
     for i, run in enumerate(spec["runs"]):
         record = {k: run[k] for k in ("mode", "tokens_per_gpu")}
         try:
-            steps = _Steps(spec["warmup"], spec["timed"], run["profile"])
+            steps = _steps_callback(spec["warmup"], spec["timed"], run["profile"])
             cfg = load_recipe(str(ROOT / run["config"]), [
                 *run["overrides"], f"trainer.max_steps={steps.total_steps}"])
             fit = build_fit(cfg, callbacks=[steps])

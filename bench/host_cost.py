@@ -23,6 +23,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import time
 
 import torch
@@ -56,7 +57,8 @@ def _gtp(n: int, hidden: int, device: torch.device, backend: str) -> tuple[torch
                              num_weight_shards=dist.get_world_size()).build()
     try:
         runtime = GTPRuntime(groups, GTPConfig(gather_backend=backend))
-    except (TypeError, ValueError):  # the engine before GTPRuntime took GTPGroups (old figure)
+    except (AttributeError, TypeError, ValueError):  # the engine before GTPRuntime took
+        # GTPGroups: the same script measures it (bench/results)
         backend = "nccl" if backend == "process_group" else backend
         runtime = GTPRuntime(groups.gtp, GTPConfig(gather_backend=backend))
     for i, layer in enumerate(model):
@@ -74,7 +76,7 @@ def _step(model: torch.nn.Module, runtime: object, x: torch.Tensor) -> None:
 
 
 def _collectives_only(n: int, hidden: int, device: torch.device, steps: int,
-                      warmup: int) -> float:
+                      warmup: int) -> tuple[float, float]:
     from nemo_gtp.engine.collectives import GroupCollectives
 
     ops = GroupCollectives(dist.group.WORLD)
@@ -93,24 +95,36 @@ def _collectives_only(n: int, hidden: int, device: torch.device, steps: int,
     for _ in range(warmup):
         one()
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    issue, wall = [], []
     for _ in range(steps):
+        start = time.perf_counter()
         one()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+        issue.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - start)
+    return statistics.median(issue), statistics.median(wall)
 
 
 def _time(model: torch.nn.Module, runtime: object, x: torch.Tensor, steps: int,
-          warmup: int) -> float:
+          warmup: int) -> tuple[float, float]:
+    """(host seconds to issue one step, wall seconds of one step), medians.
+
+    Each step starts on an idle GPU (synchronized before) and is timed until its last launch
+    returns, so the host never blocks on a full launch queue or on the GPU: the issue time is
+    pure host work, whatever the tiny NCCL kernels' latency is.
+    """
     for _ in range(warmup):
         _step(model, runtime, x)
     torch.cuda.synchronize()
     dist.barrier()
-    start = time.perf_counter()
+    issue, wall = [], []
     for _ in range(steps):
+        start = time.perf_counter()
         _step(model, runtime, x)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps
+        issue.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - start)
+    return statistics.median(issue), statistics.median(wall)
 
 
 def _profile(model: torch.nn.Module, runtime: object, x: torch.Tensor, steps: int) -> str:
@@ -127,7 +141,7 @@ def _profile(model: torch.nn.Module, runtime: object, x: torch.Tensor, steps: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", type=int, default=64)
+    parser.add_argument("--weights", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
@@ -142,17 +156,18 @@ def main() -> None:
     device = torch.device("cuda", local_rank)
     x = torch.randn(args.tokens, args.hidden, device=device, requires_grad=True)
     seconds: dict[str, float] = {}
+    walls: dict[str, float] = {}
     for mode in args.modes.split(","):
         if mode == "collectives":
-            seconds[mode] = _collectives_only(args.weights, args.hidden, device, args.steps,
-                                              args.warmup)
+            seconds[mode], walls[mode] = _collectives_only(
+                args.weights, args.hidden, device, args.steps, args.warmup)
             continue
         if mode == "plain":
             model, runtime = _plain(args.weights, args.hidden, device)
         else:
             backend = {"gtp": "process_group", "gtp_ce": "copy_engine"}[mode]
             model, runtime = _gtp(args.weights, args.hidden, device, backend)
-        seconds[mode] = _time(model, runtime, x, args.steps, args.warmup)
+        seconds[mode], walls[mode] = _time(model, runtime, x, args.steps, args.warmup)
         if args.profile and runtime is not None and dist.get_rank() == 0:
             os.makedirs(args.profile, exist_ok=True)
             with open(os.path.join(args.profile, f"host_cost_{mode}.txt"), "w") as f:
@@ -163,7 +178,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         n = args.weights
         result = {"weights": n, "hidden": args.hidden, "tokens": args.tokens,
-                  "step_us": {m: round(s * 1e6, 1) for m, s in seconds.items()},
+                  "note": "host issue time per step (GPU idle at step start), per weight below",
+                  "host_issue_us_per_step": {m: round(s * 1e6, 1) for m, s in seconds.items()},
+                  "wall_us_per_step": {m: round(s * 1e6, 1) for m, s in walls.items()},
                   "us_per_weight": {m: round(s * 1e6 / n, 2) for m, s in seconds.items()}}
         if "plain" in seconds:
             result["gtp_extra_us_per_weight"] = {
