@@ -43,11 +43,21 @@ MODES = {
     "dp2_te": ("configs/gpt_1b_te.yaml", ["strategy.num_weight_shards=1"]),
     "gtp2_te": ("configs/gpt_1b_te.yaml", []),
     "gtp2_te_sr": ("configs/gpt_1b_te.yaml", ["+gtp.shard_replicated_params_over_gtp=true"]),
+    "gtp2_local_rs2": ("configs/gpt_1b.yaml", ["+gtp.separate_reduce_scatter_group=true"]),
+    "gtp2_local_d2": ("configs/gpt_1b.yaml", ["+gtp.prefetch_depth=2"]),
+    "gtp2_local_d2_rs2": ("configs/gpt_1b.yaml", ["+gtp.prefetch_depth=2",
+                                                  "+gtp.separate_reduce_scatter_group=true"]),
+    "gtp2_local_ce": ("configs/gpt_1b.yaml", ["+gtp.copy_engine_min_tokens=0"]),
+    "gtp2_local_ce_rs2": ("configs/gpt_1b.yaml", ["+gtp.copy_engine_min_tokens=0",
+                                                  "+gtp.separate_reduce_scatter_group=true"]),
     "mfsdp_te": ("configs/gpt_1b_te.yaml", [
         "strategy.num_weight_shards=1", "+strategy.fsdp=megatron",
         "ddp.use_distributed_optimizer=true"]),
 }
 BASELINE = {"gtp2_local": "dp2_local", "gtp2_te": "dp2_te", "gtp2_te_sr": "dp2_te",
+            "gtp2_local_rs2": "dp2_local", "gtp2_local_ce": "dp2_local",
+            "gtp2_local_d2": "dp2_local", "gtp2_local_d2_rs2": "dp2_local",
+            "gtp2_local_ce_rs2": "dp2_local",
             "dp2_local": "dp2_te", "mfsdp_te": "dp2_te"}
 
 
@@ -189,13 +199,15 @@ def _rank_main(spec_path: str) -> None:
             fit.trainer.strategy.store = dist.FileStore(str(Path(spec["dir"], f"store{i}")),
                                                         world)
             torch.cuda.reset_peak_memory_stats()
+            leftover = torch.cuda.memory_allocated()  # what earlier fits left allocated
             fit.run()
             timed = [r["ms"] for r in steps.records if r["step"] in steps.windows["timed"]]
             median = statistics.median(timed)
             record.update(
                 step_ms=round(median, 2), tokens_per_s_per_gpu=round(
                     run["tokens_per_gpu"] / median * 1000),
-                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                peak_gib=round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2),
+                leftover_gib=round(leftover / 2**30, 2),
                 losses=[r["loss"] for r in steps.records],
                 exposed_ms={k: round(v * 1000, 3) for k, v in steps.exposed.items()},
                 torch_profile={k: v for k, v in steps.torch_profile.items()

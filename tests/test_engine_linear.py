@@ -100,12 +100,18 @@ def _parity_worker(rank: int, world: int, per_token: bool, options: dict) -> Non
     # "auto" has no copy engine on gloo/CPU: process-group gathers, decided without a collective.
     assert runtime.gather_backend is GatherBackend.PROCESS_GROUP
     assert runtime.tokens_per_gemm == 8
+    depth = runtime.config.prefetch_depth
+    assert max(runtime.max_live_buffers.values()) <= 1 + depth
+    if depth > 1:  # the consume of weight 0 gathered weights 1 and 2 ahead
+        assert runtime.stats.prefetches > 0 and runtime.stats.prefetch_skipped == 0
+        assert [len(p.gtp_state.fwd.ahead) for p in runtime.params] == [2, 1, 0]
 
 
 @pytest.mark.parametrize("per_token, options", [
     (False, {}),
     (True, {}),
     (False, {"gather_backend": "auto", "separate_reduce_scatter_group": True}),
+    (False, {"prefetch_depth": 2}),
 ])
 def test_linear_parity_gtp2(per_token: bool, options: dict) -> None:
     run_distributed(_parity_worker, 2, per_token, options)

@@ -24,6 +24,9 @@ class GTPConfig:
             beyond divisibility by the GTP size.
         weight_prefetch: issue the one-step-ahead all-gather of the neighbouring weight (§1.1).
             Off gathers every weight synchronously at its GEMM (debugging the cold-start path).
+        prefetch_depth: how many weights ahead each consume gathers (1: the one-step-ahead chain
+            of §1.1). 2 gives a small GEMM (e.g. the attention projection before a large MLP
+            weight) two GEMMs of runway, for one more gathered buffer per chain and direction.
         async_reduction: reduce-scatter weight gradients asynchronously with the one-step-deferred
             finalize (§1.1). Off reduces synchronously inside each backward.
         calculate_per_token_loss: SUM over the GTP axis instead of MEAN (§3.2 table); must mirror
@@ -66,6 +69,7 @@ class GTPConfig:
 
     pad_for_alignment: int = 16
     weight_prefetch: bool = True
+    prefetch_depth: int = 1
     async_reduction: bool = True
     calculate_per_token_loss: bool = False
     reduce_scatter_with_fp32_accumulation: bool = False
@@ -96,6 +100,8 @@ class GTPConfig:
             raise ValueError(
                 f"GTPConfig.copy_engine_min_tokens must be >= 0, got {self.copy_engine_min_tokens}"
             )
+        if self.prefetch_depth < 1:
+            raise ValueError(f"GTPConfig.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if self.pad_for_alignment < 1:
             raise ValueError(
                 f"GTPConfig.pad_for_alignment must be >= 1, got {self.pad_for_alignment}"

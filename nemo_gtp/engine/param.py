@@ -133,14 +133,15 @@ class GatherSlot:
     the faulty call instead of corrupting a buffer. The runtime fills the links once, when the
     chain order is committed, so the steady-state step only follows attributes:
 
-    - ``next``: the slot whose gather this consume prefetches (the neighbour's same-direction
-      slot, design §3.1 chains table), ``handover``: the chain tail's own backward slot;
+    - ``ahead``: the slots whose gathers this consume prefetches, nearest first (the next
+      ``GTPConfig.prefetch_depth`` weights of the chain in this direction, design §3.1 chains
+      table); ``handover``: at the forward chain tail, the first backward slots;
     - ``cache`` / ``cache_full``: the cache slot whose stable buffer this direction gathers
       into, and that buffer's unpadded view.
     """
 
     __slots__ = ("direction", "index", "state", "work", "buffer", "full", "cache",
-                 "cache_full", "next", "handover", "nbytes", "pull_plan", "pull_work")
+                 "cache_full", "ahead", "handover", "nbytes", "pull_plan", "pull_work")
 
     def __init__(self, direction: Direction, index: int = -1) -> None:
         self.direction = direction
@@ -151,8 +152,8 @@ class GatherSlot:
         self.full: torch.Tensor | None = None
         self.cache: Any = None
         self.cache_full: torch.Tensor | None = None
-        self.next: GatherSlot | None = None
-        self.handover: GatherSlot | None = None
+        self.ahead: tuple[GatherSlot, ...] = ()
+        self.handover: tuple[GatherSlot, ...] = ()
         self.nbytes = 0  # bytes this rank receives per gather
         self.pull_plan: Any = None  # copy-engine backend: (rows of cache buffer, peer mirror)
         self.pull_work: Any = None  # copy-engine backend: the slot's reusable event

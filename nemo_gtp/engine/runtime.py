@@ -85,11 +85,12 @@ class Chain:
     """The observed forward order of one chain's weights.
 
     Committing the order (:meth:`observe` returns True) links every weight's gather slots to
-    their neighbours' (``GatherSlot.next``) once, so the steady-state step never searches.
+    the ones they prefetch (``GatherSlot.ahead``) once, so the steady-state step never searches.
     """
 
-    def __init__(self, chain_id: ChainId) -> None:
+    def __init__(self, chain_id: ChainId, depth: int = 1) -> None:
         self.chain_id = chain_id
+        self.depth = depth  # weights gathered ahead of each consume
         self.phase = ChainPhase.OBSERVING
         self.order: list[GTPShardedParam] = []
         self._seen: set[int] = set()
@@ -114,32 +115,36 @@ class Chain:
 
     def _commit(self) -> None:
         self.phase = ChainPhase.LINKED
-        previous = None
-        for i, param in enumerate(self.order):
+        order, n, depth = self.order, len(self.order), self.depth
+        for i, param in enumerate(order):
             state = param.gtp_state
-            # Same-shape neighbours get alternating parities (design §3.1): one-step-ahead keeps
-            # a weight and its neighbour live at once, and different parities give them
-            # different buffers, so a prefetch never lands in the buffer a GEMM reads.
-            same = previous is not None and (
-                previous.gtp_spec.gathered_shape == param.gtp_spec.gathered_shape
-                and previous.dtype == param.dtype
-            )
-            state.parity = 1 - previous.gtp_state.parity if same else 0
+            # Weights within ``depth`` of each other can be live at once; same-shape ones get
+            # different parities (design §3.1), so a prefetch never lands in the buffer a GEMM
+            # still reads. Greedy: the smallest parity no such earlier neighbour uses.
+            taken = {
+                order[j].gtp_state.parity for j in range(max(0, i - depth), i)
+                if order[j].gtp_spec.gathered_shape == param.gtp_spec.gathered_shape
+                and order[j].dtype == param.dtype
+            }
+            state.parity = min(p for p in range(depth + 1) if p not in taken)
             state.is_head = i == 0
-            state.fwd.next = self.order[i + 1].gtp_state.fwd if i + 1 < len(self.order) else None
-            state.fwd.handover = state.bwd if i + 1 == len(self.order) else None
-            state.bwd.next = self.order[i - 1].gtp_state.bwd if i > 0 else None
+            later = range(i + 1, min(n, i + 1 + depth))
+            earlier = range(i - 1, max(-1, i - 1 - depth), -1)
+            state.fwd.ahead = tuple(order[j].gtp_state.fwd for j in later)
+            state.bwd.ahead = tuple(order[j].gtp_state.bwd for j in earlier)
+            # The forward tail hands over to the backward: its consume gathers the first ones.
+            first_backward = range(n - 1, max(-1, n - 1 - depth), -1)
+            state.fwd.handover = tuple(
+                order[j].gtp_state.bwd for j in first_backward) if i == n - 1 else ()
             for slot in (state.fwd, state.bwd):  # parity may have changed the ticket
                 slot.cache, slot.cache_full = None, None
-            previous = param
 
     def neighbour(self, param: GTPShardedParam, direction: Direction) -> GTPShardedParam | None:
         """``next_w`` (forward) or ``prev_w`` (backward) of ``param``; None at the ends."""
         if param.gtp_state.chain is not self:
             return None
-        nxt = param.gtp_state.slot(direction).next
-        runtime = param.runtime
-        return None if nxt is None else runtime.params[nxt.index]
+        ahead = param.gtp_state.slot(direction).ahead
+        return param.runtime.params[ahead[0].index] if ahead else None
 
     def is_head(self, param: GTPShardedParam) -> bool:
         """True for the first weight in forward order (the last reduce-scatter of a backward)."""
@@ -219,7 +224,7 @@ class GTPRuntime:
             else 1.0 / self.size
         self._prefetch_enabled = self.config.weight_prefetch
         self.params: list[GTPShardedParam] = []
-        self.chains = {cid: Chain(cid) for cid in ChainId}
+        self.chains = {cid: Chain(cid, self.config.prefetch_depth) for cid in ChainId}
         self.weight_cache = GTPWeightCache()
         self.wgrad_pool = WgradPool()
         self.stats = CommStats()
@@ -296,12 +301,9 @@ class GTPRuntime:
             else:
                 slot.complete()
         if self._prefetch_enabled and chain.phase is ChainPhase.LINKED:
-            nxt = slot.next
-            if nxt is not None:
-                if nxt.state is _NONE:
-                    self._prefetch(nxt)
-            elif will_backward and slot.handover is not None and slot.handover.state is _NONE:
-                self._prefetch(slot.handover)
+            for target in slot.ahead if slot.ahead or not will_backward else slot.handover:
+                if target.state is _NONE:
+                    self._prefetch(target)
         return slot.full
 
     def prefetch_neighbour(
@@ -311,10 +313,9 @@ class GTPRuntime:
         if not self._prefetch_enabled:
             return
         slot = param.gtp_state.slot(direction)
-        target = slot.next if slot.next is not None else (
-            slot.handover if will_backward else None)
-        if target is not None and target.state is _NONE:
-            self._prefetch(target)
+        for target in slot.ahead if slot.ahead or not will_backward else slot.handover:
+            if target.state is _NONE:
+                self._prefetch(target)
 
     def release(self, param: GTPShardedParam, direction: Direction) -> None:
         """Return ``param``'s gathered buffer for ``direction`` to the cache."""
