@@ -69,7 +69,15 @@ def _gtp(n: int, hidden: int, device: torch.device, backend: str) -> tuple[torch
     return model, runtime
 
 
-def _step(model: torch.nn.Module, runtime: object, x: torch.Tensor) -> None:
+STACK_DEPTH = 0  # extra Python frames around each step (NeMo's call depth is ~60-100)
+
+
+def _step(model: torch.nn.Module, runtime: object, x: torch.Tensor, depth: int = -1) -> None:
+    if depth < 0:
+        depth = STACK_DEPTH
+    if depth > 0:  # what a deep framework stack costs per collective (the flight recorder)
+        _step(model, runtime, x, depth - 1)
+        return
     model(x).sum().backward()
     if runtime is not None:
         runtime.drain()
@@ -147,9 +155,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--modes", default="plain,gtp,gtp_ce,collectives")
+    parser.add_argument("--stack-depth", type=int, default=0,
+                        help="run each step under this many extra Python frames")
     parser.add_argument("--profile", help="write a cProfile report of each GTP mode here (dir)")
     parser.add_argument("--out", help="JSON results (rank 0)")
     args = parser.parse_args()
+    global STACK_DEPTH
+    STACK_DEPTH = args.stack_depth
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -178,6 +190,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         n = args.weights
         result = {"weights": n, "hidden": args.hidden, "tokens": args.tokens,
+                  "stack_depth": args.stack_depth,
+                  "flight_recorder_env": {k: os.environ.get(k) for k in (
+                      "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")},
                   "note": "host issue time per step (GPU idle at step start), per weight below",
                   "host_issue_us_per_step": {m: round(s * 1e6, 1) for m, s in seconds.items()},
                   "wall_us_per_step": {m: round(s * 1e6, 1) for m, s in walls.items()},

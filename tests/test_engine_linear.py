@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import time
 import weakref
 from collections import Counter
@@ -202,3 +203,20 @@ def _behaviour_worker(rank: int, world: int) -> None:
 
 def test_prefetch_order_buffers_and_isolation() -> None:
     run_distributed(_behaviour_worker, 2)
+
+
+def test_flight_recorder_quieted_only_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GTP turns torch's NCCL flight recorder off by default (a Python stack per collective),
+    before torch.distributed initializes, and never overrides an explicit setting."""
+    from nemo_gtp.engine.collectives import FLIGHT_RECORDER_ENV, quiet_flight_recorder
+
+    for key in FLIGHT_RECORDER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert not dist.is_initialized()
+    assert "TORCH_FR_BUFFER_SIZE=0" in quiet_flight_recorder()
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "0"
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    assert quiet_flight_recorder() is None and os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")
+    assert quiet_flight_recorder() is None and "TORCH_FR_BUFFER_SIZE" not in os.environ

@@ -43,6 +43,7 @@ from nemo.utils import logging as nemo_logging
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, GTPRuntime
+from nemo_gtp.engine.collectives import quiet_flight_recorder
 from nemo_gtp.integrations.megatron import (
     gtp_process_groups,
     initialize_gtp_parallel,
@@ -187,6 +188,9 @@ class GTPMegatronStrategy(MegatronStrategy):
 
     def setup_distributed(self) -> None:
         """NeMo's process groups (megatron ``parallel_state``), then the GTP groups."""
+        note = quiet_flight_recorder() if self.gtp_enabled else None
+        if note:
+            nemo_logging.info(note)
         dims = None
         if self.gtp_enabled:  # pure arithmetic: every size error before any collective
             dims = GTPParallelDims(
