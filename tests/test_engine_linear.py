@@ -27,8 +27,8 @@ def _mlp(seed: int) -> torch.nn.Sequential:
     )
 
 
-def _shard_mlp(model: torch.nn.Module, group, config: GTPConfig) -> GTPRuntime:
-    runtime = GTPRuntime(group, config)
+def _shard_mlp(model: torch.nn.Module, groups, config: GTPConfig) -> GTPRuntime:
+    runtime = GTPRuntime(groups, config)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             shard_linear(module, runtime, f"{name}.weight")
@@ -48,7 +48,7 @@ def _parity_worker(rank: int, world: int, per_token: bool, options: dict) -> Non
     reference = _mlp(0)
     model = copy.deepcopy(reference)
     runtime = _shard_mlp(
-        model, groups.gtp, GTPConfig(calculate_per_token_loss=per_token, **options)
+        model, groups, GTPConfig(calculate_per_token_loss=per_token, **options)
     )
     if options.get("separate_reduce_scatter_group"):
         assert runtime._rs_group is not groups.gtp
@@ -97,8 +97,8 @@ def _parity_worker(rank: int, world: int, per_token: bool, options: dict) -> Non
     for (name, ref_p), p in zip(reference.named_parameters(), model.parameters()):
         full = _gather_full(p, groups.gtp) if hasattr(p, "gtp_spec") else p.detach()
         assert torch.allclose(full, ref_p.detach(), rtol=1e-5, atol=1e-6), name
-    # "auto" has no copy engine on gloo/CPU: NCCL-path gathers, decided without a collective.
-    assert runtime.gather_backend is GatherBackend.NCCL
+    # "auto" has no copy engine on gloo/CPU: process-group gathers, decided without a collective.
+    assert runtime.gather_backend is GatherBackend.PROCESS_GROUP
     assert runtime.tokens_per_gemm == 8
 
 
@@ -117,7 +117,7 @@ def test_copy_engine_decision() -> None:
     assert not decide_copy_engine([5, 5], [2048, 8192], required=False, min_tokens=4096)
     assert not decide_copy_engine([5, 6], [8192, 8192], required=False, min_tokens=4096)
     assert decide_copy_engine([5, 5], [16, 16], required=True, min_tokens=4096)
-    with pytest.raises(RuntimeError, match="gather_backend='nccl' or 'auto'"):
+    with pytest.raises(RuntimeError, match="gather_backend='process_group' or 'auto'"):
         decide_copy_engine([5, 6], [8192, 8192], required=True, min_tokens=4096)
     with pytest.raises(ValueError, match="copy_engine_min_tokens"):
         GTPConfig(copy_engine_min_tokens=-1)
@@ -145,8 +145,8 @@ def test_exposed_wait_timer_per_weight() -> None:
 def _behaviour_worker(rank: int, world: int) -> None:
     groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
     model_a, model_b = _mlp(0), _mlp(1)
-    runtime_a = _shard_mlp(model_a, groups.gtp, GTPConfig(pad_for_alignment=4))
-    runtime_b = _shard_mlp(model_b, groups.gtp, GTPConfig(pad_for_alignment=4))
+    runtime_a = _shard_mlp(model_a, groups, GTPConfig(pad_for_alignment=4))
+    runtime_b = _shard_mlp(model_b, groups, GTPConfig(pad_for_alignment=4))
     names = [f"{i}.weight" for i in (0, 2, 4)]
     for step in range(3):
         trace = runtime_a.enable_trace()

@@ -57,7 +57,8 @@ def test_invalid_configurations(kwargs: dict, message: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [(dict(pad_for_alignment=0), "pad_for_alignment must be >= 1"),
-     (dict(graph_wgrad_ring_size=0), "graph_wgrad_ring_size must be >= 1")],
+     (dict(gather_backend="nvlink"), "gather_backend must be 'process_group', 'copy_engine'"),
+     (dict(preshard_linears="local"), "preshard_linears must be 'te' or 'all'")],
 )
 def test_invalid_gtp_config(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -85,7 +85,7 @@ def _wrong_data_group_worker(rank: int, world: int) -> None:
     for over_gtp in (False, True):
         config = GTPConfig(shard_replicated_params_over_gtp=over_gtp)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32))
-        runtime = GTPRuntime(groups.gtp, config)  # params hold their runtime weakly
+        runtime = GTPRuntime(groups, config)  # params hold their runtime weakly
         shard_linear(model[0], runtime, "0.weight")
         wrong = gtp_process_groups(groups, GTPConfig(shard_replicated_params_over_gtp=not over_gtp))
         with pytest.raises(ValueError, match=f"shard_replicated_params_over_gtp={over_gtp}"):

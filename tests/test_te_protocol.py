@@ -43,7 +43,7 @@ def _worker(rank: int, world: int) -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(16, 40, bias=False)
     full = linear.weight.detach().clone()
-    runtime = GTPRuntime(groups.gtp, GTPConfig(pad_for_alignment=16))
+    runtime = GTPRuntime(groups, GTPConfig(pad_for_alignment=16))
     weight = shard_linear(linear, runtime, "fc.weight")
     weight.main_grad = torch.zeros_like(weight)
     fired = []

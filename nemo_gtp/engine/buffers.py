@@ -1,13 +1,13 @@
-"""Buffers with stable addresses: the gathered-weight cache and the wgrad pool (seed §3.1).
+"""Buffers with stable addresses: the gathered-weight cache and the wgrad pool (design §3.1).
 
 Both allocate on first use and then hand out the same storage every iteration, so the steady
 state allocates nothing and a captured CUDA graph replays against the addresses it recorded
-(seed §1.2 "Idempotent ticket cache").
+(design §1.2 "Idempotent ticket cache"). A weight finds its cache slot and its pool free lists
+once; the steady-state step only touches attributes and list ends.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,8 @@ import torch
 
 @dataclass(frozen=True)
 class BufferKey:
-    """Identity of one gathered-weight buffer (seed §3.1: shape, dtype, fwd, parity; per chain)."""
+    """Identity (ticket) of one gathered-weight buffer (design §3.1: shape, dtype, direction,
+    parity; per chain)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -25,50 +26,59 @@ class BufferKey:
     parity: int
 
 
-class _CacheSlot:
-    __slots__ = ("buffer", "owner")
+class CacheSlot:
+    """One gathered-weight buffer and the gather slot currently holding it (None: free)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("key", "buffer", "owner")
+
+    def __init__(self, key: BufferKey) -> None:
+        self.key = key
         self.buffer: torch.Tensor | None = None
         self.owner: object | None = None
+
+    def try_acquire(self, owner: object) -> bool:
+        """Hold the buffer for ``owner``; False if another owner holds it (never overwritten)."""
+        if self.owner is not None and self.owner is not owner:
+            return False
+        self.owner = owner
+        return True
+
+    def release(self, owner: object) -> None:
+        """Give the buffer back; a no-op unless ``owner`` holds it."""
+        if self.owner is owner:
+            self.owner = None
 
 
 class GTPWeightCache:
     """Gathered-weight buffers shared by every weight with the same :class:`BufferKey`.
 
-    A weight *acquires* its key's buffer for the span gather → GEMM and *releases* it after;
-    weights of one key therefore share one buffer. Chain neighbours that would share a key get
-    different parities (see ``GTPRuntime``), so a prefetch never lands in a buffer whose GEMM
-    is still pending. :meth:`acquire` refuses a buffer held by another owner instead of
-    overwriting it. :meth:`clear` drops storage but keeps keys valid (lazy re-allocation).
+    A weight holds its key's buffer for the span gather → GEMM and releases it after; weights of
+    one key therefore share one buffer. Chain neighbours that would share a key get different
+    parities (see ``GTPRuntime``), so a prefetch never lands in a buffer whose GEMM is still
+    pending; :meth:`CacheSlot.try_acquire` refuses a buffer another owner holds instead of
+    overwriting it. :meth:`clear` drops storage but keeps tickets valid (lazy re-allocation).
 
     Example::
 
         cache = GTPWeightCache()
-        buf = cache.acquire(key, owner=param)    # same storage every iteration
-        cache.release(key, owner=param)
+        slot = cache.slot(key)                 # same storage every iteration
+        if slot.try_acquire(owner): ...        # gather into slot.buffer, GEMM
+        slot.release(owner)
     """
 
     def __init__(self) -> None:
-        self._slots: dict[BufferKey, _CacheSlot] = defaultdict(_CacheSlot)
+        self._slots: dict[BufferKey, CacheSlot] = {}
         self.allocations = 0
 
-    def acquire(self, key: BufferKey, owner: object) -> torch.Tensor | None:
-        """The buffer for ``key`` held by ``owner``; None if another owner holds it."""
-        slot = self._slots[key]
-        if slot.owner is not None and slot.owner is not owner:
-            return None
+    def slot(self, key: BufferKey) -> CacheSlot:
+        """The slot of ``key``, its buffer allocated on first use."""
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = CacheSlot(key)
         if slot.buffer is None:
             slot.buffer = torch.empty(key.shape, dtype=key.dtype, device=key.device)
             self.allocations += 1
-        slot.owner = owner
-        return slot.buffer
-
-    def release(self, key: BufferKey, owner: object) -> None:
-        """Give ``key``'s buffer back; a no-op if ``owner`` does not hold it."""
-        slot = self._slots.get(key)
-        if slot is not None and slot.owner is owner:
-            slot.owner = None
+        return slot
 
     def held(self) -> int:
         """Number of buffers currently held."""
@@ -82,43 +92,63 @@ class GTPWeightCache:
         )
 
     def clear(self) -> None:
-        """Drop every buffer (keys stay valid; the next acquire re-allocates)."""
+        """Drop every buffer (tickets stay valid; the next :meth:`slot` re-allocates)."""
         for slot in self._slots.values():
             if slot.owner is not None:
                 raise RuntimeError("GTPWeightCache.clear() while a buffer is held; drain first")
             slot.buffer = None
 
 
-class WgradPool:
-    """Recycled full-size wgrad scratch (and reduce-scatter output) buffers (seed §3.1).
+class FreeList:
+    """Recycled buffers of one shape / dtype / device, pad rows zeroed once at allocation.
 
-    :meth:`get` returns a pooled buffer of the exact shape/dtype/device or allocates one;
-    :meth:`put` returns it. Foreign tensors handed to :meth:`put` are ignored, so the pool never
-    accumulates buffers it did not create.
-
-    Example::
-
-        scratch = pool.get((96, 64), torch.float32, torch.device("cpu"))
-        ...
-        pool.put(scratch)
+    ``zero_from`` (rows) marks the alignment tail that no wgrad GEMM writes: it is zeroed when
+    the buffer is created and stays zero, so the reduce-scatter never reads stale pad rows.
     """
 
-    def __init__(self) -> None:
-        self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        self._owned: dict[int, torch.Tensor] = {}
-        self.allocations = 0
+    __slots__ = ("shape", "dtype", "device", "zero_from", "free", "pool")
 
-    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A scratch buffer of ``shape``; contents are undefined."""
-        free = self._free[(tuple(shape), dtype, device)]
-        if free:
-            return free.pop()
-        buffer = torch.empty(shape, dtype=dtype, device=device)
-        self._owned[id(buffer)] = buffer
-        self.allocations += 1
+    def __init__(self, pool: WgradPool, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, zero_from: int | None) -> None:
+        self.shape, self.dtype, self.device, self.zero_from = shape, dtype, device, zero_from
+        self.free: list[torch.Tensor] = []
+        self.pool = pool
+
+    def get(self) -> torch.Tensor:
+        """A buffer of this list's shape; contents undefined except the zero tail."""
+        if self.free:
+            return self.free.pop()
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if self.zero_from is not None and self.zero_from < self.shape[0]:
+            buffer[self.zero_from :].zero_()
+        self.pool.allocations += 1
         return buffer
 
     def put(self, buffer: torch.Tensor) -> None:
         """Return a buffer obtained from :meth:`get`."""
-        if self._owned.get(id(buffer)) is buffer:
-            self._free[(tuple(buffer.shape), buffer.dtype, buffer.device)].append(buffer)
+        self.free.append(buffer)
+
+
+class WgradPool:
+    """Full-size wgrad scratch and reduce-scatter outputs, recycled (design §3.1).
+
+    Example::
+
+        scratch = pool.free_list((96, 64), torch.float32, torch.device("cpu"), zero_from=72)
+        buffer = scratch.get()
+        ...
+        scratch.put(buffer)
+    """
+
+    def __init__(self) -> None:
+        self._lists: dict[tuple, FreeList] = {}
+        self.allocations = 0
+
+    def free_list(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                  zero_from: int | None = None) -> FreeList:
+        """The free list of ``(shape, dtype, device, zero_from)`` (created on first use)."""
+        key = (tuple(shape), dtype, device, zero_from)
+        found = self._lists.get(key)
+        if found is None:
+            found = self._lists[key] = FreeList(self, tuple(shape), dtype, device, zero_from)
+        return found

@@ -1,4 +1,4 @@
-"""GTP tuning knobs (seed §2.4), as one immutable dataclass owned by each runtime."""
+"""GTP tuning knobs (design §2.4), as one immutable dataclass owned by each runtime."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GTPConfig:
-    """The seed's ``GTPRematConfig`` knobs (§2.4), per model rather than process-global.
+    """GTP's tuning knobs (design §2.4), per model rather than process-global.
+
+    Every field changes behaviour. (Megatron's ``check_param_states`` has no counterpart: the
+    state machines always check their transitions; ``graph_wgrad_ring_size`` arrives with
+    CUDA-graph capture.)
 
     Example::
 
@@ -26,15 +30,14 @@ class GTPConfig:
             the model config's ``calculate_per_token_loss``.
         reduce_scatter_with_fp32_accumulation: replace the wgrad reduce-scatter by an all-to-all
             plus one local FP32 sum (§2.5); bypassed automatically when the GTP axis is <= 2.
-        graph_wgrad_ring_size: persistent wgrad slots per CUDA-graph scheduling domain (§3.5).
-        check_param_states: assert state-machine invariants on every transition (debugging).
-        gather_backend: ``"nccl"`` (NCCL/gloo all-gather kernels), ``"copy_engine"`` (SM-free
+        gather_backend: ``"process_group"`` (the GTP process group's all-gather: NCCL kernels
+            on CUDA, gloo on CPU; ``"nccl"`` is accepted as an alias), ``"copy_engine"`` (SM-free
             pulls of peers' shards from symmetric memory, CUDA only, every GTP peer on one host;
             costs one extra shard-sized copy of the weights) or ``"auto"``: the copy engine
             where it is faster, i.e. when it is available and the GEMMs see at least
             ``copy_engine_min_tokens`` tokens (decided once, at the first gather, by all GTP
-            peers together), else NCCL. Default ``"auto"``: NCCL on CPU/gloo, across hosts and
-            for short micro-batches.
+            peers together), else the process group. Default ``"auto"``: the process group on
+            CPU/gloo, across hosts and for short micro-batches.
         copy_engine_min_tokens: the ``"auto"`` crossover in tokens per GEMM (rows of the
             activation: micro-batch x sequence / CP). Below it the step is communication-bound
             and NCCL's all-gather is faster than copy-engine pulls; above it hiding the gather
@@ -45,12 +48,12 @@ class GTPConfig:
         shard_replicated_params_over_gtp: the params GTP leaves replicated (embeddings, output
             layer, norms, biases) are reduced by megatron DDP over the whole data group
             (DP x GTP) and their distributed-optimizer state is sharded over it, instead of over
-            the replicate group plus a finalize all-reduce over GTP (seed §3.2). GTP shards then
+            the replicate group plus a finalize all-reduce over GTP (§3.2). GTP shards then
             ride megatron's second (expert-style) buffer over the replicate group, and their
             reduce-scatter over GTP SUMs (DDP's 1/(DP x GTP) pre-scale makes the mean). Saves
-            1 - 1/GTP of the replicated params' fp32 master and Adam state per rank (issue 5's
-            "weight+grad+optimizer = 1/GTP of replicated"). Needs the distributed optimizer and
-            a model without MoE experts; build DDP and the optimizer with
+            1 - 1/GTP of the replicated params' fp32 master and Adam state per rank, so weight +
+            grad + optimizer bytes are 1/GTP of replicated training. Needs the distributed
+            optimizer and a model without MoE experts; build DDP and the optimizer with
             ``gtp_process_groups(groups, config)``.
         preshard_linears: which linears a trainer that builds the model from a config
             (``GTPMegatronStrategy``) builds directly as their shard, so no full weight is ever
@@ -66,8 +69,6 @@ class GTPConfig:
     async_reduction: bool = True
     calculate_per_token_loss: bool = False
     reduce_scatter_with_fp32_accumulation: bool = False
-    graph_wgrad_ring_size: int = 2
-    check_param_states: bool = False
     gather_backend: str = "auto"
     copy_engine_min_tokens: int = 4096
     separate_reduce_scatter_group: bool = False
@@ -80,10 +81,12 @@ class GTPConfig:
         return self.calculate_per_token_loss or self.shard_replicated_params_over_gtp
 
     def __post_init__(self) -> None:
-        if self.gather_backend not in ("nccl", "copy_engine", "auto"):
+        if self.gather_backend == "nccl":  # the name before gloo shared the path
+            object.__setattr__(self, "gather_backend", "process_group")
+        if self.gather_backend not in ("process_group", "copy_engine", "auto"):
             raise ValueError(
-                f"GTPConfig.gather_backend must be 'nccl', 'copy_engine' or 'auto', got "
-                f"{self.gather_backend!r}"
+                f"GTPConfig.gather_backend must be 'process_group', 'copy_engine' or 'auto', "
+                f"got {self.gather_backend!r}"
             )
         if self.preshard_linears not in ("te", "all"):
             raise ValueError(
@@ -96,8 +99,4 @@ class GTPConfig:
         if self.pad_for_alignment < 1:
             raise ValueError(
                 f"GTPConfig.pad_for_alignment must be >= 1, got {self.pad_for_alignment}"
-            )
-        if self.graph_wgrad_ring_size < 1:
-            raise ValueError(
-                f"GTPConfig.graph_wgrad_ring_size must be >= 1, got {self.graph_wgrad_ring_size}"
             )

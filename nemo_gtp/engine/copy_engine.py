@@ -29,8 +29,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_gtp.engine.collectives import CommHandle
-
 _ALIGN = 256
 
 
@@ -72,7 +70,7 @@ def decide_copy_engine(
             raise RuntimeError(
                 "GTPConfig.gather_backend='copy_engine' needs every GTP peer on one host "
                 f"(symmetric memory), but the GTP group spans {len(set(hosts))} hosts: use "
-                "gather_backend='nccl' or 'auto'"
+                "gather_backend='process_group' or 'auto'"
             )
         return True
     return one_host and min(tokens) >= min_tokens
@@ -95,16 +93,50 @@ def agree_on_copy_engine(
     return decide_copy_engine(hosts, counts, required=required, min_tokens=min_tokens)
 
 
-class _EventWork:
-    """A dist.Work stand-in: waiting makes the current stream wait on a recorded event."""
+class CudaStreamOps:
+    """The few stream/event operations of a copy-engine gather, at C++ cost.
 
-    __slots__ = ("event",)
+    ``torch.cuda.current_stream()`` and ``Stream.wait_stream`` build Python objects and new
+    events on every call; a gather needs four such operations per weight, twice per step. Here
+    the current stream is looked up by id in a small cache of ``Stream`` objects and events are
+    recorded / waited on through the event base class (no device context, no allocation).
+    """
 
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self.event = event
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._get_current = torch._C._cuda_getCurrentStream
+        self._set_current = torch._C._cuda_setStream
+        self.record = torch._C._CudaEventBase.record  # (event, stream)
+        self.wait = torch._C._CudaEventBase.wait  # (event, stream): stream waits for event
+
+    def current(self) -> torch.cuda.Stream:
+        """The current stream of this device (a cached ``Stream`` object)."""
+        stream_id, device_index, device_type = self._get_current(self.device_index)
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            stream = self._streams[stream_id] = torch.cuda.Stream(
+                stream_id=stream_id, device_index=device_index, device_type=device_type)
+        return stream
+
+    def make_current(self, stream: torch.cuda.Stream) -> None:
+        """``torch.cuda.set_stream(stream)`` without the wrapper."""
+        self._set_current(stream_id=stream.stream_id, device_index=stream.device_index,
+                          device_type=stream.device_type)
+
+
+class EventWork:
+    """A ``dist.Work`` stand-in for one gather slot: waiting makes the current stream wait on
+    the slot's (reused) event, recorded after the pulls."""
+
+    __slots__ = ("event", "ops")
+
+    def __init__(self, ops: CudaStreamOps) -> None:
+        self.ops = ops
+        self.event = torch.cuda.Event()
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        self.ops.wait(self.event, self.ops.current())
 
 
 class SymmetricShardMirror:
@@ -113,7 +145,8 @@ class SymmetricShardMirror:
     Example::
 
         mirror = SymmetricShardMirror(runtime.params, runtime.group)
-        handle = mirror.gather(buffer, param)   # async; handle.wait() orders the consumer
+        plan = mirror.pull_plan(buffer, param)        # once per (buffer, param)
+        work = mirror.pull(plan, param, EventWork(mirror.ops))   # async; work.wait() orders
     """
 
     def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -152,16 +185,16 @@ class SymmetricShardMirror:
         self.stream = torch.cuda.Stream(device=device)
         self._device_index = device.index if device.index is not None else (
             torch.cuda.current_device())
+        self.ops = CudaStreamOps(self._device_index)
+        self._fence = torch.cuda.Event()  # "pulls start after what the compute stream issued"
         self.refreshes = 0
 
     def mark_stale(self) -> None:
         """The weights may have changed (optimizer step, load): the next gather refreshes."""
         self._stale = True
 
-    def _refresh_if_stale(self, param: torch.Tensor) -> None:
-        if not self._stale and param._version == self._versions[id(param)]:
-            return
-        current = torch.cuda.current_stream(self._device_index)
+    def _refresh(self) -> None:
+        current = self.ops.current()
         current.wait_stream(self.stream)
         self._handle.barrier(channel=0)
         torch._foreach_copy_([self._local[id(p)] for p in self._params],
@@ -180,20 +213,32 @@ class SymmetricShardMirror:
         self._peers.clear()
         self._local.clear()
 
-    def gather(self, output: torch.Tensor, param: torch.Tensor) -> CommHandle:
-        """Pull every peer's mirror of ``param`` into ``output`` (rank order along dim 0)."""
-        self._refresh_if_stale(param)
-        current = torch.cuda.current_stream(self._device_index)
-        # The output buffer's previous readers and the refresh are enqueued before the pulls.
-        self.stream.wait_stream(current)
+    def pull_plan(self, output: torch.Tensor, param: torch.Tensor
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(destination rows of output, source mirror)`` per GTP peer, in rank order.
+
+        The local rows come from this rank's own mirror, which is current after the refresh.
+        """
         rows = param.shape[0]
-        # set_stream rather than the torch.cuda.stream() context: this runs 2x per weight per
-        # step, and small steps are host-bound (bench host profile).
-        torch.cuda.set_stream(self.stream)
+        return [(output[peer * rows : (peer + 1) * rows], source)
+                for peer, source in enumerate(self._peers[id(param)])]
+
+    def pull(self, plan: list[tuple[torch.Tensor, torch.Tensor]], param: torch.Tensor,
+             work: EventWork) -> EventWork:
+        """Pull every peer's mirror per ``plan`` on the side stream; ``work.wait()`` orders the
+        consumer after the pulls."""
+        if self._stale or param._version != self._versions[id(param)]:
+            self._refresh()
+        ops = self.ops
+        current = ops.current()
+        # The output buffer's previous readers and the refresh are enqueued before the pulls.
+        ops.record(self._fence, current)
+        ops.wait(self._fence, self.stream)
+        ops.make_current(self.stream)
         try:
-            for peer, source in enumerate(self._peers[id(param)]):
-                target = output[peer * rows : (peer + 1) * rows]
-                target.copy_(param.detach() if peer == self.rank else source, non_blocking=True)
+            for target, source in plan:
+                target.copy_(source, non_blocking=True)
         finally:
-            torch.cuda.set_stream(current)
-        return CommHandle(_EventWork(self.stream.record_event()))
+            ops.make_current(current)
+        ops.record(work.event, self.stream)
+        return work

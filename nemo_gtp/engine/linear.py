@@ -1,4 +1,4 @@
-"""The autograd path for linears without TransformerEngine (seed §3.1 "Megatron-local linears").
+"""The autograd path for linears without TransformerEngine (design §3.1, local linears).
 
 Forward: materialize (gather) → GEMM → release. Backward: re-materialize → dgrad GEMM → release;
 wgrad GEMM into pooled scratch → reduce-scatter into ``main_grad`` (deferred finalize). The
@@ -83,9 +83,11 @@ class _GTPLinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         runtime = weight.runtime
         total_x = _gather_sequence(x, tp.group) if tp.sequence_parallel else x
-        runtime.note_tokens(total_x.numel() // total_x.shape[-1])
+        if runtime.gather_backend is None:  # read once, by gather_backend="auto"
+            runtime.note_tokens(total_x.numel() // total_x.shape[-1])
         full = runtime.materialize(weight, Direction.FWD, will_backward=will_backward)
-        runtime.record("gemm", weight, Direction.FWD)
+        if runtime.trace is not None:
+            runtime.record("gemm", weight, Direction.FWD)
         out = torch.matmul(total_x, full.t())
         runtime.release(weight, Direction.FWD)
         if bias is not None:
@@ -104,7 +106,8 @@ class _GTPLinearFunction(torch.autograd.Function):
         grad_in, dgrad_work = None, None
         if ctx.needs_input_grad[0]:
             full = runtime.materialize(weight, Direction.BWD)
-            runtime.record("gemm", weight, Direction.BWD)
+            if runtime.trace is not None:
+                runtime.record("gemm", weight, Direction.BWD)
             grad_in = torch.matmul(grad_out, full)
             runtime.release(weight, Direction.BWD)
             if tp.allreduce_dgrad and not tp.sequence_parallel:
@@ -114,8 +117,7 @@ class _GTPLinearFunction(torch.autograd.Function):
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
         x_2d = total_x.reshape(-1, total_x.shape[-1])
         scratch = runtime.wgrad_scratch(weight)
-        logical = weight.gtp_spec.unpad(scratch)
-        _wgrad_gemm(grad_2d, x_2d, logical)
+        _wgrad_gemm(grad_2d, x_2d, weight.gtp_spec.unpad(scratch))
         runtime.reduce_scatter_wgrad(weight, scratch)
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if grad_in is not None and tp.sequence_parallel:
@@ -150,7 +152,7 @@ def shard_linear(module: torch.nn.Linear, runtime: GTPRuntime, name: str) -> GTP
 
     Example::
 
-        runtime = GTPRuntime(gtp_group)
+        runtime = GTPRuntime(groups)
         shard_linear(model.fc1, runtime, "fc1.weight")
     """
     if not isinstance(module, torch.nn.Linear):

@@ -18,14 +18,13 @@ import enum
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from nemo_gtp.engine.collectives import CommHandle
     from nemo_gtp.engine.runtime import GTPRuntime
 
 
@@ -122,43 +121,136 @@ class ShardSpec:
         return gathered[: self.logical_shape[0]]
 
 
-@dataclass
+class GTPStateError(RuntimeError):
+    """A GTP state machine was asked for a transition its current state does not allow."""
+
+
 class GatherSlot:
-    """State of one direction's all-gather for one weight."""
+    """One direction's all-gather state machine of one weight (design §1.1).
 
-    state: GatherState = GatherState.NONE
-    handle: CommHandle | None = None
-    buffer: torch.Tensor | None = None
-    key: Any = None
+    ``NONE → ASYNC_WAIT → DATA_READY → NONE``; each transition is a method that checks the
+    state it leaves (the way FSDP2 asserts its training states), so a broken protocol fails at
+    the faulty call instead of corrupting a buffer. The runtime fills the links once, when the
+    chain order is committed, so the steady-state step only follows attributes:
+
+    - ``next``: the slot whose gather this consume prefetches (the neighbour's same-direction
+      slot, design §3.1 chains table), ``handover``: the chain tail's own backward slot;
+    - ``cache`` / ``cache_full``: the cache slot whose stable buffer this direction gathers
+      into, and that buffer's unpadded view.
+    """
+
+    __slots__ = ("direction", "index", "state", "work", "buffer", "full", "cache",
+                 "cache_full", "next", "handover", "nbytes", "pull_plan", "pull_work")
+
+    def __init__(self, direction: Direction, index: int = -1) -> None:
+        self.direction = direction
+        self.index = index  # position of the owning param in its runtime's ``params``
+        self.state = GatherState.NONE
+        self.work: Any = None  # anything with ``wait()``: a c10d Work or a copy-engine event
+        self.buffer: torch.Tensor | None = None
+        self.full: torch.Tensor | None = None
+        self.cache: Any = None
+        self.cache_full: torch.Tensor | None = None
+        self.next: GatherSlot | None = None
+        self.handover: GatherSlot | None = None
+        self.nbytes = 0  # bytes this rank receives per gather
+        self.pull_plan: Any = None  # copy-engine backend: (rows of cache buffer, peer mirror)
+        self.pull_work: Any = None  # copy-engine backend: the slot's reusable event
+
+    def issued(self, work: Any, buffer: torch.Tensor, full: torch.Tensor) -> None:
+        """NONE → ASYNC_WAIT: a gather into ``buffer`` was issued; ``work.wait()`` completes it."""
+        if self.state is not GatherState.NONE:
+            raise GTPStateError(f"gather {self.direction.value} issued in state {self.state}")
+        self.state, self.work, self.buffer, self.full = GatherState.ASYNC_WAIT, work, buffer, full
+
+    def complete(self) -> None:
+        """ASYNC_WAIT → DATA_READY: wait for the gather (on CUDA: order the current stream)."""
+        if self.state is not GatherState.ASYNC_WAIT:
+            raise GTPStateError(f"gather {self.direction.value} waited in state {self.state}")
+        self.work.wait()
+        self.state, self.work = GatherState.DATA_READY, None
+
+    def released(self) -> None:
+        """DATA_READY → NONE: the GEMM consumed the weight; the buffer goes back."""
+        if self.state is not GatherState.DATA_READY:
+            raise GTPStateError(f"gather {self.direction.value} released in state {self.state}")
+        self.state, self.buffer, self.full = GatherState.NONE, None, None
 
 
-@dataclass
 class ReduceScatterSlot:
-    """State of one weight's in-flight wgrad reduce-scatter."""
+    """One weight's wgrad reduce-scatter state machine (design §1.1 ``rs_state``).
 
-    state: ReduceScatterState = ReduceScatterState.NONE
-    handle: CommHandle | None = None
-    scratch: torch.Tensor | None = None
-    output: torch.Tensor | None = None
-    recv: torch.Tensor | None = None
+    ``NONE → ASYNC_WAIT → DATA_READY → NONE``, transitions checked like :class:`GatherSlot`.
+    ``scratch_pool`` / ``output_pool`` are the weight's free lists in the runtime's wgrad pool,
+    found once (no per-step key lookups).
+    """
+
+    __slots__ = ("state", "work", "scratch", "output", "recv", "scratch_pool", "output_pool",
+                 "recv_pool")
+
+    def __init__(self) -> None:
+        self.state = ReduceScatterState.NONE
+        self.work: Any = None
+        self.scratch: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.recv: torch.Tensor | None = None
+        self.scratch_pool: Any = None
+        self.output_pool: Any = None
+        self.recv_pool: Any = None
+
+    def issued(self, work: Any, scratch: torch.Tensor, output: torch.Tensor,
+               recv: torch.Tensor | None) -> None:
+        """NONE → ASYNC_WAIT: the reduce-scatter of ``scratch`` into ``output`` is in flight."""
+        if self.state is not ReduceScatterState.NONE:
+            raise GTPStateError(f"reduce-scatter issued in state {self.state}")
+        self.state, self.work = ReduceScatterState.ASYNC_WAIT, work
+        self.scratch, self.output, self.recv = scratch, output, recv
+
+    def complete(self) -> None:
+        """ASYNC_WAIT → DATA_READY: wait; the reduced shard is in ``output``."""
+        if self.state is not ReduceScatterState.ASYNC_WAIT:
+            raise GTPStateError(f"reduce-scatter waited in state {self.state}")
+        self.work.wait()
+        self.state, self.work = ReduceScatterState.DATA_READY, None
+
+    def finished(self) -> None:
+        """DATA_READY → NONE: ``output`` was added into main_grad; buffers go back to the pool."""
+        if self.state is not ReduceScatterState.DATA_READY:
+            raise GTPStateError(f"reduce-scatter finalized in state {self.state}")
+        self.scratch_pool.put(self.scratch)
+        self.output_pool.put(self.output)
+        if self.recv is not None:
+            self.recv_pool.put(self.recv)
+        self.state, self.scratch, self.output, self.recv = (
+            ReduceScatterState.NONE, None, None, None)
 
 
-@dataclass
 class GTPParamState:
     """Runtime bookkeeping the owning :class:`GTPRuntime` keeps on each param."""
 
-    name: str = ""
-    runtime: weakref.ReferenceType[GTPRuntime] | None = None
-    chain_id: Any = None
-    gather: dict[Direction, GatherSlot] = field(
-        default_factory=lambda: {d: GatherSlot() for d in Direction}
-    )
-    reduce_scatter: ReduceScatterSlot = field(default_factory=ReduceScatterSlot)
-    parity: int = 0
-    grad_ready_hook: Callable[[], None] | None = None
-    forward_grad_enabled: bool = False
-    """Grad mode at the owning TE module's call: TE materializes inside its autograd forward,
-    where grad mode is off, so the runtime reads this instead (set by a forward pre-hook)."""
+    __slots__ = ("name", "runtime", "chain_id", "chain", "fwd", "bwd", "rs", "parity",
+                 "is_head", "grad_ready_hook", "forward_grad_enabled", "protocol_scratch",
+                 "__weakref__")
+
+    def __init__(self) -> None:
+        self.name = ""
+        self.runtime: weakref.ReferenceType[GTPRuntime] | None = None
+        self.chain_id: Any = None
+        self.chain: Any = None  # the runtime's Chain object for chain_id
+        self.fwd = GatherSlot(Direction.FWD)
+        self.bwd = GatherSlot(Direction.BWD)
+        self.rs = ReduceScatterSlot()
+        self.parity = 0
+        self.is_head = False  # first in forward order: its reduce-scatter is synchronous
+        self.grad_ready_hook: Callable[[], None] | None = None
+        self.forward_grad_enabled = False
+        """Grad mode at the owning TE module's call: TE materializes inside its autograd forward,
+        where grad mode is off, so the runtime reads this instead (set by a forward pre-hook)."""
+        self.protocol_scratch: torch.Tensor | None = None  # TE's grad_buffer(), until finalize
+
+    def slot(self, direction: Direction) -> GatherSlot:
+        """The gather slot of ``direction``."""
+        return self.fwd if direction is Direction.FWD else self.bwd
 
 
 class GTPShardedParam(torch.nn.Parameter):

@@ -1,4 +1,4 @@
-"""``GTPRuntime``: the one object per model that drives every GTP weight (seed §1.1, §3.1, §3.4).
+"""``GTPRuntime``: the one object per model that drives every GTP weight (design §1.1, §3.1, §3.4).
 
 It owns what the seed keeps in process-global state — chain cursors and link tables, the
 gathered-weight cache, the wgrad pool, the pending reduce-scatters, statistics — so several GTP
@@ -24,22 +24,24 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections import Counter, deque
 from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
 from nemo_gtp.engine.buffers import BufferKey, GTPWeightCache, WgradPool
-from nemo_gtp.engine.collectives import all_gather_shard, reduce_scatter_wgrad
+from nemo_gtp.engine.collectives import GroupCollectives, reduce_scatter_wgrad
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.copy_engine import (
+    EventWork,
     SymmetricShardMirror,
     agree_on_copy_engine,
     copy_engine_available,
 )
+from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.param import (
     Direction,
+    GatherSlot,
     GatherState,
     GTPShardedParam,
     ReduceScatterState,
@@ -48,46 +50,52 @@ from nemo_gtp.engine.param import (
 )
 from nemo_gtp.engine.timing import ExposedWaitTimer
 
+_FWD, _BWD = Direction.FWD, Direction.BWD
+_NONE, _ASYNC, _READY = GatherState.NONE, GatherState.ASYNC_WAIT, GatherState.DATA_READY
+
 
 class ChainId(enum.Enum):
-    """Prefetch chains; ``prev_w``/``next_w`` only ever link params of the same chain (§1.2)."""
+    """Prefetch chains; neighbours only ever link params of the same chain (design §1.2)."""
 
     UNGRAPHED = "ungraphed"
     """Weights that run eagerly (every weight until CUDA-graph capture is wired in)."""
     GRAPHED = "graphed"
-    """Weights inside captured CUDA graphs; never linked to eager weights (§1.2)."""
-    EXPERT_FC1 = "grouped_fc1_ungraphed"
-    """Routed-expert fc1 weights, one block ahead (§3.4 grouped-expert chains; reserved)."""
-    EXPERT_FC2 = "grouped_fc2_ungraphed"
-    """Routed-expert fc2 weights, one block ahead (§3.4 grouped-expert chains; reserved)."""
+    """Weights inside captured CUDA graphs; never linked to eager weights (design §1.2)."""
 
 
 class GatherBackend(enum.Enum):
     """How a runtime all-gathers its shards (``GTPConfig.gather_backend`` once resolved)."""
 
-    NCCL = "nccl"
-    """``torch.distributed`` all-gather: NCCL kernels on SMs (gloo threads on CPU)."""
+    PROCESS_GROUP = "process_group"
+    """The process group's all-gather: NCCL kernels on SMs on CUDA, gloo threads on CPU."""
     COPY_ENGINE = "copy_engine"
     """Copy-engine pulls of the peers' shards from symmetric memory (no SMs; one host, CUDA)."""
 
 
 class ChainPhase(enum.Enum):
-    """Lifecycle of one chain's link table (seed §3.4 "Linking (lazily, on the first forward)")."""
+    """Lifecycle of one chain's link table (design §3.4 "Linking", on the first forward)."""
 
     OBSERVING = "observing"
     """First forward: consumes are appended to the order; nothing is prefetched yet."""
     LINKED = "linked"
-    """The order is committed; every consume prefetches its neighbour."""
+    """The order is committed and linked; every consume prefetches its neighbour."""
 
 
 class Chain:
-    """The observed forward order of one chain's weights (a doubly linked list by position)."""
+    """The observed forward order of one chain's weights.
+
+    Committing the order (:meth:`observe` returns True) links every weight's gather slots to
+    their neighbours' (``GatherSlot.next``) once, so the steady-state step never searches.
+    """
 
     def __init__(self, chain_id: ChainId) -> None:
         self.chain_id = chain_id
         self.phase = ChainPhase.OBSERVING
         self.order: list[GTPShardedParam] = []
-        self._position: dict[int, int] = {}
+        self._seen: set[int] = set()
+        self.live = 0  # gathered buffers currently held by this chain's weights
+        self.max_live = 0
+        self.protocol_last: list[GTPShardedParam | None] = [None, None]  # TE: per direction
 
     def observe(self, param: GTPShardedParam, direction: Direction) -> bool:
         """Record a consume during the first pass; True when this consume committed the order.
@@ -95,37 +103,43 @@ class Chain:
         The pass ends at the first backward consume, or when a forward consume repeats a weight
         (the next forward started, or a weight is used twice: either way the order is known).
         """
-        if direction is Direction.BWD or id(param) in self._position:
-            self.phase = ChainPhase.LINKED
-            self._assign_parities()
+        if self.phase is not ChainPhase.OBSERVING:
+            raise RuntimeError(f"chain {self.chain_id.value} is already linked")
+        if direction is _BWD or id(param) in self._seen:
+            self._commit()
             return True
-        self._position[id(param)] = len(self.order)
+        self._seen.add(id(param))
         self.order.append(param)
         return False
 
-    def _assign_parities(self) -> None:
-        """Chain neighbours with the same buffer shape get alternating parities (seed §3.1).
-
-        One-step-ahead keeps a weight and its neighbour live at once; different parities give
-        them different cache keys, so a prefetch never lands in the buffer its neighbour's GEMM
-        reads.
-        """
+    def _commit(self) -> None:
+        self.phase = ChainPhase.LINKED
         previous = None
-        for param in self.order:
+        for i, param in enumerate(self.order):
+            state = param.gtp_state
+            # Same-shape neighbours get alternating parities (design §3.1): one-step-ahead keeps
+            # a weight and its neighbour live at once, and different parities give them
+            # different buffers, so a prefetch never lands in the buffer a GEMM reads.
             same = previous is not None and (
                 previous.gtp_spec.gathered_shape == param.gtp_spec.gathered_shape
                 and previous.dtype == param.dtype
             )
-            param.gtp_state.parity = 1 - previous.gtp_state.parity if same else 0
+            state.parity = 1 - previous.gtp_state.parity if same else 0
+            state.is_head = i == 0
+            state.fwd.next = self.order[i + 1].gtp_state.fwd if i + 1 < len(self.order) else None
+            state.fwd.handover = state.bwd if i + 1 == len(self.order) else None
+            state.bwd.next = self.order[i - 1].gtp_state.bwd if i > 0 else None
+            for slot in (state.fwd, state.bwd):  # parity may have changed the ticket
+                slot.cache, slot.cache_full = None, None
             previous = param
 
     def neighbour(self, param: GTPShardedParam, direction: Direction) -> GTPShardedParam | None:
         """``next_w`` (forward) or ``prev_w`` (backward) of ``param``; None at the ends."""
-        pos = self._position.get(id(param))
-        if pos is None:
+        if param.gtp_state.chain is not self:
             return None
-        pos += 1 if direction is Direction.FWD else -1
-        return self.order[pos] if 0 <= pos < len(self.order) else None
+        nxt = param.gtp_state.slot(direction).next
+        runtime = param.runtime
+        return None if nxt is None else runtime.params[nxt.index]
 
     def is_head(self, param: GTPShardedParam) -> bool:
         """True for the first weight in forward order (the last reduce-scatter of a backward)."""
@@ -151,35 +165,59 @@ class CommStats:
 
 
 class GTPRuntime:
-    """Per-model driver of every :class:`GTPShardedParam` (seed §1.1, §3.1).
+    """Per-model driver of every :class:`GTPShardedParam` (design §1.1, §3.1).
 
     Example::
 
-        runtime = GTPRuntime(groups.gtp, GTPConfig())
+        groups = GTPParallelDims(world_size=2, num_weight_shards=2).build()
+        runtime = GTPRuntime(groups, GTPConfig())
         shard = runtime.shard_parameter(linear, "weight", name="fc1.weight")
         ...                      # forward / backward through nemo_gtp.engine.linear
         runtime.drain()          # before the optimizer reads main_grad
+
+    [Note: the steady-state hot path]
+    A step costs every weight three collectives and their waits; the Python around them is kept
+    to attribute reads: slots carry their chain links, cache slot and byte counts (set when the
+    chain order is committed and at the first gather), collectives go straight to the process
+    group (:class:`GroupCollectives`), pooled buffers come from per-weight free lists, and
+    nothing is allocated or looked up by key after the first step.
     """
 
-    def __init__(
-        self, group: dist.ProcessGroup, config: GTPConfig | None = None, *, name: str = "model"
-    ) -> None:
-        self.group = group
+    def __init__(self, groups: GTPGroups, config: GTPConfig | None = None, *,
+                 name: str = "model") -> None:
+        if not isinstance(groups, GTPGroups):
+            raise TypeError(
+                "GTPRuntime takes the GTPGroups it shards over (GTPParallelDims(...).build() or "
+                f"initialize_gtp_parallel(...)), got {type(groups).__name__}"
+            )
+        self.groups = groups
+        self.group = groups.gtp
         self.config = config or GTPConfig()
         self.name = name
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self._nccl = dist.get_backend(group) == "nccl"
+        self.size = groups.gtp_size
+        self.rank = groups.gtp_rank
+        self._nccl = dist.get_backend(self.group) == "nccl"
+        self._ops = GroupCollectives(self.group)
         self._mirror: SymmetricShardMirror | None = None
         self.gather_backend: GatherBackend | None = None  # resolved at the first gather
+        self._use_mirror = False
         self.tokens_per_gemm = 0
         # A second communicator over the same ranks for the reduce-scatters (see GTPConfig).
-        self._rs_group = group
+        self._rs_group = self.group
         if self.config.separate_reduce_scatter_group and self.size > 1:
             self._rs_group = dist.new_group(
-                dist.get_process_group_ranks(group), backend=dist.get_backend(group),
+                dist.get_process_group_ranks(self.group), backend=dist.get_backend(self.group),
                 use_local_synchronization=True,
             )
+        self._rs_ops = GroupCollectives(self._rs_group)
+        self._fp32_accumulation = (
+            self.config.reduce_scatter_with_fp32_accumulation and self.size > 2)
+        # MEAN (design §3.2): NCCL averages inside the reduce-scatter; elsewhere a 1/GTP pre-scale.
+        self._average_in_collective = (
+            not self.config.sums_over_gtp and self._nccl and not self._fp32_accumulation)
+        self._prescale = None if self.config.sums_over_gtp or self._average_in_collective \
+            else 1.0 / self.size
+        self._prefetch_enabled = self.config.weight_prefetch
         self.params: list[GTPShardedParam] = []
         self.chains = {cid: Chain(cid) for cid in ChainId}
         self.weight_cache = GTPWeightCache()
@@ -187,12 +225,7 @@ class GTPRuntime:
         self.stats = CommStats()
         self.wait_timer = ExposedWaitTimer()
         self.trace: list[tuple[str, str, str]] | None = None
-        self.live_buffers: Counter[ChainId] = Counter()
-        self.max_live_buffers: Counter[ChainId] = Counter()
-        self._pending_rs: deque[GTPShardedParam] = deque()
-        # TE protocol: the last weight materialized per (chain, direction), released at the next.
-        self._protocol_last: dict[tuple[ChainId, Direction], GTPShardedParam] = {}
-        self._protocol_scratch: dict[int, torch.Tensor] = {}
+        self._pending_rs: list[GTPShardedParam] = []
 
     # ----------------------------------------------------------------- construction
     def shard_parameter(
@@ -225,9 +258,21 @@ class GTPRuntime:
                 f"{name}: shard spec is for GTP size {param.gtp_spec.gtp_size}, runtime group "
                 f"has {self.size} ranks"
             )
-        state.name, state.chain_id = name, chain_id
+        state.name, state.chain_id, state.chain = name, chain_id, self.chains[chain_id]
         state.runtime = weakref.ref(self)
+        index = len(self.params)
+        state.fwd.index = state.bwd.index = index
         self.params.append(param)
+
+    @property
+    def live_buffers(self) -> dict[ChainId, int]:
+        """Gathered buffers currently held, per chain."""
+        return {cid: chain.live for cid, chain in self.chains.items()}
+
+    @property
+    def max_live_buffers(self) -> dict[ChainId, int]:
+        """Most gathered buffers held at once, per chain (one-step-ahead: at most 2)."""
+        return {cid: chain.max_live for cid, chain in self.chains.items()}
 
     # ----------------------------------------------------------------- all-gather side
     def materialize(
@@ -239,106 +284,140 @@ class GTPRuntime:
         prefetching its own backward gather.
         """
         state = param.gtp_state
-        chain = self.chains[state.chain_id]
+        slot = state.fwd if direction is _FWD else state.bwd
+        chain = state.chain
         if chain.phase is ChainPhase.OBSERVING:
             chain.observe(param, direction)
-        slot = state.gather[direction]
-        if slot.state is GatherState.NONE:
-            self._issue_gather(param, direction, async_op=False)
-        if slot.state is GatherState.ASYNC_WAIT:
-            self.wait_timer.timed_wait(slot.handle.wait, "gather", param.device,
-                                       state.name)
-            slot.state = GatherState.DATA_READY
-        if self.config.weight_prefetch and chain.phase is ChainPhase.LINKED:
-            self.prefetch_neighbour(param, direction, will_backward=will_backward)
-        return param.gtp_spec.unpad(slot.buffer)
+        if slot.state is _NONE:
+            self._issue(param, slot, async_op=False)
+        if slot.state is _ASYNC:
+            if self.wait_timer.enabled:
+                self.wait_timer.timed_wait(slot.complete, "gather", param.device, state.name)
+            else:
+                slot.complete()
+        if self._prefetch_enabled and chain.phase is ChainPhase.LINKED:
+            nxt = slot.next
+            if nxt is not None:
+                if nxt.state is _NONE:
+                    self._prefetch(nxt)
+            elif will_backward and slot.handover is not None and slot.handover.state is _NONE:
+                self._prefetch(slot.handover)
+        return slot.full
 
     def prefetch_neighbour(
         self, param: GTPShardedParam, direction: Direction, *, will_backward: bool = False
     ) -> None:
-        """Issue the async gather the next consume in ``direction`` will need (seed §3.1 table)."""
-        chain = self.chains[param.gtp_state.chain_id]
-        neighbour = chain.neighbour(param, direction)
-        if neighbour is not None:
-            self._prefetch(neighbour, direction)
-        elif direction is Direction.FWD and will_backward:
-            self._prefetch(param, Direction.BWD)
+        """Issue the async gather the next consume in ``direction`` will need (design §3.1)."""
+        if not self._prefetch_enabled:
+            return
+        slot = param.gtp_state.slot(direction)
+        target = slot.next if slot.next is not None else (
+            slot.handover if will_backward else None)
+        if target is not None and target.state is _NONE:
+            self._prefetch(target)
 
     def release(self, param: GTPShardedParam, direction: Direction) -> None:
         """Return ``param``'s gathered buffer for ``direction`` to the cache."""
-        slot = param.gtp_state.gather[direction]
-        if slot.state is GatherState.NONE:
+        slot = param.gtp_state.fwd if direction is _FWD else param.gtp_state.bwd
+        if slot.state is _NONE:
             return
-        if slot.state is GatherState.ASYNC_WAIT:
-            slot.handle.wait()
-        self.weight_cache.release(slot.key, slot)
-        self.live_buffers[param.gtp_state.chain_id] -= 1
-        slot.state, slot.handle, slot.buffer, slot.key = GatherState.NONE, None, None, None
+        if slot.state is _ASYNC:
+            slot.complete()
+        if slot.cache is not None and slot.buffer is slot.cache.buffer:
+            slot.cache.release(slot)
+        param.gtp_state.chain.live -= 1
+        slot.released()
 
-    def _prefetch(self, param: GTPShardedParam, direction: Direction) -> None:
-        if param.gtp_state.gather[direction].state is GatherState.NONE:
-            if self._issue_gather(param, direction, async_op=True):
-                self.stats.prefetches += 1
-            else:
-                self.stats.prefetch_skipped += 1
+    def _prefetch(self, slot: GatherSlot) -> None:
+        if self._issue(self.params[slot.index], slot, async_op=True):
+            self.stats.prefetches += 1
+        else:
+            self.stats.prefetch_skipped += 1
 
-    def _issue_gather(
-        self, param: GTPShardedParam, direction: Direction, *, async_op: bool
-    ) -> bool:
-        slot = param.gtp_state.gather[direction]
-        key = self._buffer_key(param, direction)
-        buffer = self.weight_cache.acquire(key, slot)
-        if buffer is None:
+    def _bind(self, param: GTPShardedParam, slot: GatherSlot) -> None:
+        """Find ``slot``'s cache slot (its ticket) and precompute what each gather reuses."""
+        state = param.gtp_state
+        if not param.is_contiguous():
+            raise ValueError(f"{state.name}: GTP shard is not contiguous")
+        key = BufferKey(param.gtp_spec.gathered_shape, param.dtype, param.device,
+                        state.chain_id.value, slot.direction.value, state.parity)
+        slot.cache = self.weight_cache.slot(key)
+        slot.cache_full = param.gtp_spec.unpad(slot.cache.buffer)
+        buffer = slot.cache.buffer
+        slot.nbytes = buffer.numel() * buffer.element_size() * (self.size - 1) // self.size
+        if self._use_mirror:
+            slot.pull_plan = self._mirror.pull_plan(buffer, param)
+            slot.pull_work = slot.pull_work or EventWork(self._mirror.ops)
+
+    def _issue(self, param: GTPShardedParam, slot: GatherSlot, *, async_op: bool) -> bool:
+        if self.gather_backend is None:
+            self._resolve_gather_backend(param.device)
+        cache = slot.cache
+        if cache is None or cache.buffer is None:
+            self._bind(param, slot)
+            cache = slot.cache
+        if cache.try_acquire(slot):
+            buffer, full = cache.buffer, slot.cache_full
+            if self._use_mirror:
+                work = self._mirror.pull(slot.pull_plan, param, slot.pull_work)
+            else:  # detached: gloo copies the local shard under autograd's eyes
+                work = self._ops.all_gather(buffer, param.detach())
+        else:
             if async_op:
                 return False
             # Only reachable when the observed order mispredicts; correctness first.
-            buffer = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+            buffer = torch.empty(param.gtp_spec.gathered_shape, dtype=param.dtype,
+                                 device=param.device)
+            full = param.gtp_spec.unpad(buffer)
             self.stats.fallback_allocations += 1
-        slot.buffer, slot.key = buffer, key
-        if self._use_copy_engine(param):
-            slot.handle = self._mirror.gather(buffer, param)
-        else:
-            slot.handle = all_gather_shard(buffer, param.data, self.group, async_op=True)
-        slot.state = GatherState.ASYNC_WAIT
-        chain_id = param.gtp_state.chain_id
-        self.live_buffers[chain_id] += 1
-        self.max_live_buffers[chain_id] = max(
-            self.max_live_buffers[chain_id], self.live_buffers[chain_id]
-        )
-        self.stats.gathers += 1
-        self.stats.gather_bytes += buffer.numel() * buffer.element_size() * (self.size - 1) // (
-            self.size
-        )
-        self.record("ag_issue_async" if async_op else "ag_issue_sync", param, direction)
+            if self._use_mirror:
+                work = self._mirror.pull(self._mirror.pull_plan(buffer, param), param,
+                                         EventWork(self._mirror.ops))
+            else:
+                work = self._ops.all_gather(buffer, param.detach())
+        slot.issued(work, buffer, full)
+        chain = param.gtp_state.chain
+        chain.live += 1
+        if chain.live > chain.max_live:
+            chain.max_live = chain.live
+        stats = self.stats
+        stats.gathers += 1
+        stats.gather_bytes += slot.nbytes
+        if self.trace is not None:
+            self.record("ag_issue_async" if async_op else "ag_issue_sync", param, slot.direction)
         return True
 
-    def _use_copy_engine(self, param: GTPShardedParam) -> bool:
-        if self.gather_backend is None:
-            self.gather_backend = self._resolve_gather_backend(param.device)
-        return self.gather_backend is GatherBackend.COPY_ENGINE
-
-    def _resolve_gather_backend(self, device: torch.device) -> GatherBackend:
+    def _resolve_gather_backend(self, device: torch.device) -> None:
         """``GTPConfig.gather_backend`` made concrete, once, at the first gather.
 
         Every GTP peer reaches its first gather at the same point of the same program, so the
         agreement (and the symmetric-memory rendezvous that follows) are collective-safe here.
         """
+        backend = self._choose_gather_backend(device)
+        if backend is GatherBackend.COPY_ENGINE:
+            self._mirror = SymmetricShardMirror(self.params, self.group)
+        self.gather_backend = backend
+        self._use_mirror = backend is GatherBackend.COPY_ENGINE
+        for param in self.params:  # cache bindings carry backend-specific plans
+            for slot in (param.gtp_state.fwd, param.gtp_state.bwd):
+                slot.cache, slot.cache_full = None, None
+
+    def _choose_gather_backend(self, device: torch.device) -> GatherBackend:
         requested = self.config.gather_backend
-        if requested == "nccl":
-            return GatherBackend.NCCL
+        if requested == "process_group":
+            return GatherBackend.PROCESS_GROUP
         if not copy_engine_available(self.group, device):
             if requested == "copy_engine":
                 raise RuntimeError(
                     "GTPConfig.gather_backend='copy_engine' needs CUDA, NCCL and "
-                    "torch.distributed._symmetric_memory: use gather_backend='nccl'"
+                    "torch.distributed._symmetric_memory: use gather_backend='process_group'"
                 )
-            return GatherBackend.NCCL
+            return GatherBackend.PROCESS_GROUP
         if not agree_on_copy_engine(
             self.group, device, self.tokens_per_gemm, required=requested == "copy_engine",
             min_tokens=self.config.copy_engine_min_tokens,
         ):
-            return GatherBackend.NCCL
-        self._mirror = SymmetricShardMirror(self.params, self.group)
+            return GatherBackend.PROCESS_GROUP
         return GatherBackend.COPY_ENGINE
 
     def note_tokens(self, tokens: int) -> None:
@@ -354,46 +433,49 @@ class GTPRuntime:
         self.drain()
         if self._mirror is not None:
             self._mirror.close()
-        self.gather_backend, self._mirror = None, None
-
-    def _buffer_key(self, param: GTPShardedParam, direction: Direction) -> BufferKey:
-        state = param.gtp_state
-        return BufferKey(
-            param.gtp_spec.gathered_shape, param.dtype, param.device, state.chain_id.value,
-            direction.value, state.parity,
-        )
+        self.gather_backend, self._mirror, self._use_mirror = None, None, False
 
     def materialize_for_protocol(
         self, param: GTPShardedParam, direction: Direction
     ) -> torch.Tensor:
         """:meth:`materialize` for TE's DistributedWeight protocol (see the param's Note)."""
-        key = (param.gtp_state.chain_id, direction)
-        previous = self._protocol_last.pop(key, None)
+        chain = param.gtp_state.chain
+        which = 0 if direction is _FWD else 1
+        previous = chain.protocol_last[which]
         if previous is not None and previous is not param:
             self.release(previous, direction)
         will_backward = torch.is_grad_enabled() or param.gtp_state.forward_grad_enabled
         full = self.materialize(param, direction, will_backward=will_backward)
-        self._protocol_last[key] = param
+        chain.protocol_last[which] = param
         # An alias of the gathered buffer carrying the param's requires_grad: TE 2.20's
         # LayerNormLinear reads requires_grad from the tensor it is handed (not from the param)
         # to decide whether to keep its input and compute the wgrad at all.
         return full.detach().requires_grad_(param.requires_grad)
 
     # ----------------------------------------------------------------- reduce-scatter side
+    def _bind_pools(self, param: GTPShardedParam, dtype: torch.dtype) -> None:
+        spec, rs = param.gtp_spec, param.gtp_state.rs
+        rs.scratch_pool = self.wgrad_pool.free_list(
+            spec.gathered_shape, dtype, param.device, zero_from=spec.logical_shape[0])
+        rs.output_pool = self.wgrad_pool.free_list(spec.shard_shape, dtype, param.device)
+        rs.recv_pool = self.wgrad_pool.free_list(spec.gathered_shape, dtype, param.device)
+
     def wgrad_scratch(self, param: GTPShardedParam) -> torch.Tensor:
-        """A pooled full-size wgrad buffer (dtype of ``main_grad``); pad rows already zero."""
-        dtype = param.main_grad.dtype if hasattr(param, "main_grad") else param.dtype
-        scratch = self.wgrad_pool.get(param.gtp_spec.gathered_shape, dtype, param.device)
-        if param.gtp_spec.pad_length:
-            scratch[param.gtp_spec.logical_shape[0] :].zero_()
-        return scratch
+        """A pooled full-size wgrad buffer (dtype of ``main_grad``); pad rows are zero."""
+        main_grad = getattr(param, "main_grad", None)
+        dtype = param.dtype if main_grad is None else main_grad.dtype
+        pool = param.gtp_state.rs.scratch_pool
+        if pool is None or pool.dtype is not dtype:
+            self._bind_pools(param, dtype)
+            pool = param.gtp_state.rs.scratch_pool
+        return pool.get()
 
     def protocol_grad_buffer(self, param: GTPShardedParam) -> torch.Tensor:
         """Logical (unpadded) view of a pooled scratch for TE's fused wgrad GEMM."""
-        scratch = self._protocol_scratch.get(id(param))
-        if scratch is None:
-            scratch = self._protocol_scratch[id(param)] = self.wgrad_scratch(param)
-        return param.gtp_spec.unpad(scratch)
+        state = param.gtp_state
+        if state.protocol_scratch is None:
+            state.protocol_scratch = self.wgrad_scratch(param)
+        return param.gtp_spec.unpad(state.protocol_scratch)
 
     def reduce_scatter_foreign_wgrad(self, param: GTPShardedParam, wgrad: torch.Tensor) -> None:
         """Reduce-scatter a full logical-shape wgrad produced outside this runtime (e.g. TE).
@@ -401,16 +483,16 @@ class GTPRuntime:
         ``wgrad`` is either the view :meth:`protocol_grad_buffer` handed out (no copy) or any
         tensor of the logical shape (copied into pooled scratch, pad rows zero).
         """
-        spec = param.gtp_spec
+        spec, state = param.gtp_spec, param.gtp_state
         if tuple(wgrad.shape) != spec.logical_shape:
             raise ValueError(
-                f"{param.gtp_state.name}: wgrad shape {tuple(wgrad.shape)} != logical weight "
+                f"{state.name}: wgrad shape {tuple(wgrad.shape)} != logical weight "
                 f"shape {spec.logical_shape}"
             )
-        scratch = self._protocol_scratch.pop(id(param), None)
+        scratch, state.protocol_scratch = state.protocol_scratch, None
         if scratch is None or scratch.data_ptr() != wgrad.data_ptr():
             if scratch is not None:
-                self.wgrad_pool.put(scratch)
+                state.rs.scratch_pool.put(scratch)
             scratch = self.wgrad_scratch(param)
             spec.unpad(scratch).copy_(wgrad)
         self.reduce_scatter_wgrad(param, scratch)
@@ -418,76 +500,78 @@ class GTPRuntime:
     def reduce_scatter_wgrad(self, param: GTPShardedParam, scratch: torch.Tensor) -> None:
         """Reduce-scatter ``scratch`` (from :meth:`wgrad_scratch`) into ``param``'s main_grad.
 
-        Scaling per the seed's §3.2 table: MEAN (1/GTP pre-scale) unless
+        Scaling per design §3.2: MEAN (1/GTP pre-scale, or NCCL's AVG) unless
         ``calculate_per_token_loss`` or ``shard_replicated_params_over_gtp``
         (:attr:`GTPConfig.sums_over_gtp`: SUM). Async with one-step-deferred finalize, except the
         chain head (and everything when ``async_reduction`` is off), which is synchronous.
         """
-        rs = param.gtp_state.reduce_scatter
+        state = param.gtp_state
+        rs = state.rs
         if rs.state is not ReduceScatterState.NONE:  # same weight twice in one backward
             self._finalize(param)
-        spec = param.gtp_spec
-        output = self.wgrad_pool.get(spec.shard_shape, scratch.dtype, scratch.device)
-        recv = None
-        if self.config.reduce_scatter_with_fp32_accumulation and self.size > 2:
-            recv = self.wgrad_pool.get(spec.gathered_shape, scratch.dtype, scratch.device)
-        # MEAN: NCCL averages inside the reduce-scatter kernel; elsewhere a 1/GTP pre-scale.
-        average = not self.config.sums_over_gtp and recv is None and self._nccl
-        if not self.config.sums_over_gtp and not average:
-            scratch.mul_(1.0 / self.size)
-        chain = self.chains[param.gtp_state.chain_id]
-        sync = not self.config.async_reduction or chain.is_head(param)
-        rs.handle = reduce_scatter_wgrad(
-            output, scratch, self._rs_group, async_op=True, fp32_recv=recv, average=average
-        )
-        rs.state, rs.scratch, rs.output, rs.recv = (
-            ReduceScatterState.ASYNC_WAIT, scratch, output, recv
-        )
-        self.stats.reduce_scatters += 1
-        self.stats.reduce_scatter_bytes += scratch.numel() * scratch.element_size() * (
-            self.size - 1
-        ) // self.size
-        self.record("rs_issue_sync" if sync else "rs_issue_async", param, Direction.BWD)
-        while self._pending_rs:  # the one-step-deferred finalize of the previous weight(s)
-            self._finalize(self._pending_rs.popleft())
+        output = rs.output_pool.get()
+        if self._prescale is not None:
+            scratch.mul_(self._prescale)
+        if self._fp32_accumulation:
+            recv = rs.recv_pool.get()
+            work = reduce_scatter_wgrad(output, scratch, self._rs_group, async_op=True,
+                                        fp32_recv=recv)
+        else:
+            recv = None
+            work = self._rs_ops.reduce_scatter(output, scratch,
+                                               average=self._average_in_collective)
+        rs.issued(work, scratch, output, recv)
+        sync = state.is_head or not self.config.async_reduction
+        stats = self.stats
+        stats.reduce_scatters += 1
+        stats.reduce_scatter_bytes += scratch.numel() * scratch.element_size() * (
+            self.size - 1) // self.size
+        if self.trace is not None:
+            self.record("rs_issue_sync" if sync else "rs_issue_async", param, _BWD)
+        pending = self._pending_rs
+        if pending:  # the one-step-deferred finalize of the previous weight(s)
+            for previous in pending:
+                self._finalize(previous)
+            pending.clear()
         if sync:
             self._finalize(param)
         else:
-            self._pending_rs.append(param)
+            pending.append(param)
 
     def _finalize(self, param: GTPShardedParam) -> None:
         state = param.gtp_state
-        rs = state.reduce_scatter
-        self.wait_timer.timed_wait(rs.handle.wait, "reduce_scatter", param.device, state.name)
-        rs.state = ReduceScatterState.DATA_READY
-        if hasattr(param, "main_grad"):
-            param.main_grad.add_(rs.output)
+        rs = state.rs
+        if self.wait_timer.enabled:
+            self.wait_timer.timed_wait(rs.complete, "reduce_scatter", param.device, state.name)
+        else:
+            rs.complete()
+        main_grad = getattr(param, "main_grad", None)
+        if main_grad is not None:
+            main_grad.add_(rs.output)
         elif param.grad is None:
             param.grad = rs.output.to(param.dtype, copy=True)
         else:
             param.grad.add_(rs.output)
-        for buffer in (rs.scratch, rs.output, rs.recv):
-            if buffer is not None:
-                self.wgrad_pool.put(buffer)
-        rs.state, rs.handle, rs.scratch, rs.output, rs.recv = (
-            ReduceScatterState.NONE, None, None, None, None
-        )
-        self.record("finalize", param, Direction.BWD)
+        rs.finished()
+        if self.trace is not None:
+            self.record("finalize", param, _BWD)
         if state.grad_ready_hook is not None:
             state.grad_ready_hook()
 
     # ----------------------------------------------------------------- fences
     def drain_reduce_scatters(self) -> None:
         """Finalize every pending reduce-scatter (the fence before main_grad is read)."""
-        while self._pending_rs:
-            self._finalize(self._pending_rs.popleft())
+        pending, self._pending_rs = self._pending_rs, []
+        for param in pending:
+            self._finalize(param)
 
     def drain_gathers(self) -> None:
         """Complete and release every outstanding gather (e.g. an unconsumed prefetch)."""
-        self._protocol_last.clear()
+        for chain in self.chains.values():
+            chain.protocol_last = [None, None]
         for param in self.params:
-            for direction in Direction:
-                self.release(param, direction)
+            self.release(param, _FWD)
+            self.release(param, _BWD)
 
     def drain(self) -> None:
         """Both fences: no GTP communication is in flight afterwards.
@@ -508,6 +592,7 @@ class GTPRuntime:
         return self.trace
 
     def record(self, event: str, param: GTPShardedParam, direction: Direction) -> None:
+        """Append ``(event, param name, direction)`` to the trace, when tracing."""
         if self.trace is not None:
             self.trace.append((event, param.gtp_state.name, direction.value))
 

@@ -3,11 +3,13 @@
 A recipe has the sections NeMo users know from ``nemo llm pretrain`` recipes: ``trainer``
 (``nl.Trainer`` arguments), ``strategy`` (``GTPMegatronStrategy`` arguments: the
 ``MegatronStrategy`` ones plus ``num_weight_shards``), ``ddp`` (megatron
-``DistributedDataParallelConfig``), ``gtp`` (``GTPConfig``), ``model`` (``llm.GPTConfig``),
-``data``, ``optim`` (megatron ``OptimizerConfig``), ``precision`` and ``cpu_compat``; optionally
-``checkpoint`` (``dir``, ``every_n_train_steps``: NeMo ``ModelCheckpoint`` saves, each a
-``<dir>/step=N/`` torch_dist checkpoint) and ``resume`` (a checkpoint directory to continue from
-with ``trainer.fit(ckpt_path=...)``, at this recipe's layout, whatever layout saved it).
+``DistributedDataParallelConfig``), ``gtp`` (``GTPConfig``), ``model`` (``llm.GPTConfig``,
+plus ``layer_spec``: ``te`` or ``local``, defaulting to ``te`` when TransformerEngine imports,
+as NeMo does), ``data``, ``optim`` (megatron ``OptimizerConfig``), ``precision`` and
+``cpu_compat``; optionally ``checkpoint`` (``dir``, ``every_n_train_steps``: NeMo
+``ModelCheckpoint`` saves, each a ``<dir>/step=N/`` torch_dist checkpoint) and ``resume`` (a
+checkpoint directory to continue from with ``trainer.fit(ckpt_path=...)``, at this recipe's
+layout, whatever layout saved it).
 
 Example::
 
@@ -79,10 +81,12 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
 
         model_cfg.setdefault("use_cpu_initialization", True)
         model_cfg["data_step_fn"] = cpu_gpt_data_step
-    gpt_config = llm.GPTConfig(
-        transformer_layer_spec=local_layer_spec, vocab_size=vocab,
-        seq_length=data_cfg["seq_length"], **model_cfg,
-    )
+    layer_spec = model_cfg.pop("layer_spec", None) or default_layer_spec_name()
+    if layer_spec not in ("te", "local"):
+        raise ValueError(f"model.layer_spec must be 'te' or 'local', got {layer_spec!r}")
+    if layer_spec == "local":  # else NeMo's own default: the TransformerEngine spec
+        model_cfg["transformer_layer_spec"] = local_layer_spec
+    gpt_config = llm.GPTConfig(vocab_size=vocab, seq_length=data_cfg["seq_length"], **model_cfg)
     tokenizer = NullTokenizer(vocab - 1)  # NullTokenizer(n) has vocab_size n + 1
     optim = nl.MegatronOptimizerModule(config=OptimizerConfig(**_plain(cfg.optim)))
     model = llm.GPTModel(gpt_config, tokenizer=tokenizer, optim=optim)
@@ -105,6 +109,13 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
     trainer = nl.Trainer(strategy=strategy, plugins=plugins, callbacks=callbacks,
                          **trainer_kwargs)
     return Fit(trainer, model, data, ckpt_path=cfg.get("resume"))
+
+
+def default_layer_spec_name() -> str:
+    """``"te"`` when TransformerEngine imports (NeMo's default layer spec), else ``"local"``."""
+    import importlib.util
+
+    return "te" if importlib.util.find_spec("transformer_engine") is not None else "local"
 
 
 def _model_checkpoint(section: dict[str, Any]) -> Any:

@@ -120,7 +120,7 @@ def shard_model(
             "num_weight_shards=tensor_model_parallel_size"
         )
     validate_model_config_for_gtp(model_config)
-    runtime = GTPRuntime(groups.gtp, config, name=type(model).__name__)
+    runtime = GTPRuntime(groups, config, name=type(model).__name__)
     te_linears = tuple(te_parallel_linear_kinds())
     sliced_te: list[str] = []
     for name, module in list(model.named_modules()):

@@ -1,0 +1,326 @@
+"""The path users run: NeMo's trainer + ``GTPMegatronStrategy`` on a recipe, GTP vs baselines.
+
+One launch of ``trainer.devices`` processes runs every (mode, tokens per GPU) fit in turn
+(torn down in between, as ``python -m nemo_gtp.run --compare-baseline`` does), and rank 0
+writes one record per fit: median step time after warmup, tokens/s per GPU, peak memory, loss
+curve, exposed GTP communication (measured in separate steps, so its CUDA events never time the
+median), and, where asked, a profile of a few more steps: a ``torch.profiler`` summary (GPU
+busy vs idle per step) and a cProfile of the host (time in GTP code per call).
+
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    python bench/bench_nemo.py --modes dp2_local,gtp2_local,dp2_te,gtp2_te \\
+        --tokens 1024,2048,4096,8192 --out results_dir [--profile-tokens 2048,4096]
+
+Modes (1B recipe, 24 layers, hidden 2048): ``dp2_local`` / ``gtp2_local``
+(``configs/gpt_1b.yaml``, megatron-local linears), ``dp2_te`` / ``gtp2_te``
+(``configs/gpt_1b_te.yaml``, NeMo's default TransformerEngine spec), ``mfsdp_te`` (plain
+``MegatronStrategy`` with Megatron-FSDP, when this stack runs it: its error is recorded
+otherwise). Tokens per GPU T: sequence 2048 (1024 for T=1024), micro-batch T / sequence,
+global batch = micro-batch x 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODES = {
+    "dp2_local": ("configs/gpt_1b.yaml", ["strategy.num_weight_shards=1"]),
+    "gtp2_local": ("configs/gpt_1b.yaml", []),
+    "dp2_te": ("configs/gpt_1b_te.yaml", ["strategy.num_weight_shards=1"]),
+    "gtp2_te": ("configs/gpt_1b_te.yaml", []),
+    "gtp2_te_sr": ("configs/gpt_1b_te.yaml", ["+gtp.shard_replicated_params_over_gtp=true"]),
+    "mfsdp_te": ("configs/gpt_1b_te.yaml", [
+        "strategy.num_weight_shards=1", "+strategy.fsdp=megatron",
+        "ddp.use_distributed_optimizer=true"]),
+}
+BASELINE = {"gtp2_local": "dp2_local", "gtp2_te": "dp2_te", "gtp2_te_sr": "dp2_te",
+            "dp2_local": "dp2_te", "mfsdp_te": "dp2_te"}
+
+
+def _token_overrides(tokens: int) -> list[str]:
+    seq = 1024 if tokens < 2048 else 2048
+    mbs = max(1, tokens // seq)
+    return [f"data.seq_length={seq}", f"data.micro_batch_size={mbs}",
+            f"data.global_batch_size={2 * mbs}"]
+
+
+# ----------------------------------------------------------------------------- one rank
+def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
+    """The rank's Lightning callback (Lightning imported here: the parent process stays light)."""
+    import lightning.pytorch as pl
+
+    class _Steps(pl.Callback):
+        """Lightning callback: step wall times, losses, peak memory; exposed-communication and
+        profiling windows after the timed steps."""
+
+        def __init__(self, warmup: int, timed: int, profile: bool) -> None:
+            self.warmup, self.timed, self.profile = warmup, timed, profile
+            self.records: list[dict] = []
+            self.exposed: dict[str, float] = {}
+            self.torch_profile: dict = {}
+            self.host_profile = ""
+            self._start = 0.0
+            self._prof = None
+            self._torch_prof = None
+
+        @property
+        def windows(self) -> dict[str, range]:
+            """Step ranges: timed, exposed-communication, torch.profiler, cProfile."""
+            t0 = self.warmup + self.timed
+            return {"timed": range(self.warmup, t0), "exposed": range(t0, t0 + 3),
+                    "torch": range(t0 + 3, t0 + 6) if self.profile else range(0),
+                    "host": range(t0 + 6, t0 + 9) if self.profile else range(0)}
+
+        @property
+        def total_steps(self) -> int:
+            return self.warmup + self.timed + (9 if self.profile else 3)
+
+        def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            import torch
+
+            from nemo_gtp.strategy import gtp_runtimes
+
+            step, w = trainer.global_step, self.windows
+            if step == w["exposed"].start:
+                for runtime in gtp_runtimes(trainer):
+                    runtime.wait_timer.enable()
+                    runtime.wait_timer.collect()
+            if step == w["exposed"].stop:
+                for runtime in gtp_runtimes(trainer):
+                    runtime.wait_timer.enable(False)
+            if w["torch"] and step == w["torch"].start:
+                self._torch_prof = torch.profiler.profile(activities=[
+                    torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                self._torch_prof.__enter__()
+            if w["host"] and step == w["host"].start:
+                self._prof = cProfile.Profile()
+                self._prof.enable()
+            torch.cuda.synchronize()
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            import torch
+
+            from nemo_gtp.strategy import gtp_runtimes
+
+            torch.cuda.synchronize()
+            step, w = trainer.global_step - 1, self.windows
+            ms = 1000 * (time.perf_counter() - self._start)
+            loss = trainer.callback_metrics.get("reduced_train_loss")
+            self.records.append({"step": step, "ms": round(ms, 2),
+                                 "loss": float(loss) if loss is not None else None})
+            if step == w["exposed"].stop - 1:
+                for runtime in gtp_runtimes(trainer):
+                    for kind, seconds in runtime.wait_timer.collect().items():
+                        self.exposed[kind] = self.exposed.get(kind, 0.0) + seconds / 3
+            if w["torch"] and step == w["torch"].stop - 1:
+                self._torch_prof.__exit__(None, None, None)
+                self.torch_profile = _summarize_torch_profile(self._torch_prof, len(w["torch"]),
+                                                              [r["ms"] for r in self.records[-3:]])
+            if w["host"] and step == w["host"].stop - 1:
+                self._prof.disable()
+                text = io.StringIO()
+                stats = pstats.Stats(self._prof, stream=text)
+                stats.sort_stats("tottime").print_stats(30)
+                stats.sort_stats("cumulative").print_stats(45)
+                self.host_profile = text.getvalue()
+
+    return _Steps(warmup, timed, profile)
+
+
+def _summarize_torch_profile(prof, steps: int, step_ms: list[float]) -> dict:
+    """GPU busy time per step (union of kernel / memcpy intervals on each stream's device),
+    against the step's wall time: idle = wall - busy is time the GPU waited for the host."""
+    intervals = []
+    for event in prof.events():
+        if getattr(event, "device_type", None) is not None and str(event.device_type).endswith(
+                "CUDA") and event.time_range.end > event.time_range.start:
+            intervals.append((event.time_range.start, event.time_range.end))
+    intervals.sort()
+    busy, current = 0.0, None
+    for start, end in intervals:
+        if current is None or start > current[1]:
+            if current is not None:
+                busy += current[1] - current[0]
+            current = [start, end]
+        else:
+            current[1] = max(current[1], end)
+    if current is not None:
+        busy += current[1] - current[0]
+    busy_ms = busy / 1000 / steps
+    wall_ms = statistics.mean(step_ms) if step_ms else float("nan")
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    return {"gpu_busy_ms_per_step": round(busy_ms, 2), "wall_ms_per_step": round(wall_ms, 2),
+            "gpu_idle_fraction": round(max(0.0, 1 - busy_ms / wall_ms), 3),
+            "top_cpu_ops": table}
+
+
+def _rank_main(spec_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from nemo_gtp.recipes.launch import teardown_fit
+    from nemo_gtp.recipes.loader import build_fit, load_recipe
+
+    spec = json.loads(Path(spec_path).read_text())
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    out = []
+    for i, run in enumerate(spec["runs"]):
+        record = {k: run[k] for k in ("mode", "tokens_per_gpu")}
+        try:
+            steps = _steps_callback(spec["warmup"], spec["timed"], run["profile"])
+            cfg = load_recipe(str(ROOT / run["config"]), [
+                *run["overrides"], f"trainer.max_steps={steps.total_steps}"])
+            fit = build_fit(cfg, callbacks=[steps])
+            fit.trainer.strategy.store = dist.FileStore(str(Path(spec["dir"], f"store{i}")),
+                                                        world)
+            torch.cuda.reset_peak_memory_stats()
+            fit.run()
+            timed = [r["ms"] for r in steps.records if r["step"] in steps.windows["timed"]]
+            median = statistics.median(timed)
+            record.update(
+                step_ms=round(median, 2), tokens_per_s_per_gpu=round(
+                    run["tokens_per_gpu"] / median * 1000),
+                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                losses=[r["loss"] for r in steps.records],
+                exposed_ms={k: round(v * 1000, 3) for k, v in steps.exposed.items()},
+                torch_profile={k: v for k, v in steps.torch_profile.items()
+                               if k != "top_cpu_ops"})
+            if rank == 0 and run["profile"]:
+                name = f"{run['mode']}_{run['tokens_per_gpu']}"
+                Path(spec["out"], f"host_profile_{name}.txt").write_text(steps.host_profile)
+                Path(spec["out"], f"torch_profile_{name}.txt").write_text(
+                    steps.torch_profile.get("top_cpu_ops", ""))
+            del fit
+        except Exception as err:  # record and go on: one broken mode must not hide the rest
+            record["error"] = f"{type(err).__name__}: {err}"[:2000]
+            if rank == 0:
+                traceback.print_exc()
+        finally:
+            teardown_fit()
+        out.append(record)
+        if rank == 0:
+            print(json.dumps({k: v for k, v in record.items() if k != "losses"}), flush=True)
+    if rank == 0:
+        Path(spec["dir"], "records.json").write_text(json.dumps(out))
+
+
+# ----------------------------------------------------------------------------- parent
+def _report(records: list[dict], out: Path) -> str:
+    by = {(r["mode"], r["tokens_per_gpu"]): r for r in records}
+    lines = ["| mode | tokens/GPU | step ms | vs baseline | tokens/s/GPU | peak GiB | "
+             "exposed gather / RS ms | GPU idle | max loss rel diff vs baseline |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | {r['tokens_per_gpu']} | failed: "
+                         f"{r['error'][:160]} | | | | | | |")
+            continue
+        base = by.get((BASELINE.get(r["mode"], ""), r["tokens_per_gpu"]))
+        ratio, diff = "", ""
+        if base and "error" not in base:
+            ratio = f"{r['step_ms'] / base['step_ms']:.3f}× {BASELINE[r['mode']]}"
+            pairs = [(a, b) for a, b in zip(r["losses"], base["losses"])
+                     if a is not None and b is not None]
+            diff = f"{max(abs(a - b) / abs(b) for a, b in pairs):.1e}" if pairs else ""
+        exposed = r.get("exposed_ms", {})
+        idle = r.get("torch_profile", {}).get("gpu_idle_fraction")
+        lines.append(
+            f"| {r['mode']} | {r['tokens_per_gpu']} | {r['step_ms']:.1f} | {ratio} | "
+            f"{r['tokens_per_s_per_gpu']} | {r['peak_gib']} | "
+            f"{exposed.get('gather', 0):.2f} / {exposed.get('reduce_scatter', 0):.2f} | "
+            f"{'' if idle is None else f'{idle:.0%}'} | {diff} |")
+    table = "\n".join(lines)
+    (out / "bench_nemo.md").write_text(table + "\n")
+    try:
+        _plot(records, out / "bench_nemo_ratio.png")
+    except Exception as err:  # noqa: BLE001 (matplotlib missing: the table is the result)
+        print(f"plot skipped: {err}")
+    return table
+
+
+def _plot(records: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for mode, base in BASELINE.items():
+        xs = sorted(t for m, t in by if m == mode and (base, t) in by)
+        if xs:
+            ax.plot(xs, [by[(mode, t)]["step_ms"] / by[(base, t)]["step_ms"] for t in xs],
+                    marker="o", label=f"{mode} / {base}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per GPU")
+    ax.set_ylabel("step time ratio")
+    ax.set_title("NeMo 1B recipe, GTPMegatronStrategy, 2 GPUs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="dp2_local,gtp2_local,dp2_te,gtp2_te")
+    parser.add_argument("--tokens", default="1024,2048,4096,8192")
+    parser.add_argument("--profile-tokens", default="", help="also profile at these sizes")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--timed", type=int, default=20)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = {int(t) for t in args.profile_tokens.split(",") if t}
+    runs = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for mode in args.modes.split(","):
+            config, overrides = MODES[mode]
+            runs.append({"mode": mode, "tokens_per_gpu": tokens, "config": config,
+                         "overrides": [*overrides, *_token_overrides(tokens)],
+                         "profile": tokens in profile})
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp, "spec.json")
+        spec.write_text(json.dumps({"runs": runs, "dir": tmp, "out": str(out.resolve()),
+                                    "warmup": args.warmup, "timed": args.timed}))
+        procs = []
+        for rank in range(args.devices):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
+                   "WORLD_SIZE": str(args.devices), "MASTER_ADDR": "127.0.0.1",
+                   "OMP_NUM_THREADS": "1"}
+            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
+            procs.append((subprocess.Popen([sys.executable, __file__, "--rank-main", str(spec)],
+                                           env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        codes = []
+        for proc, log in procs:
+            codes.append(proc.wait())
+            log.close()
+        records_path = Path(tmp, "records.json")
+        records = json.loads(records_path.read_text()) if records_path.exists() else []
+    (out / "bench_nemo.json").write_text(json.dumps(records, indent=1))
+    print(_report(records, out))
+    return max(codes)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--rank-main":
+        _rank_main(sys.argv[2])
+    else:
+        sys.exit(main())

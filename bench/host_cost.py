@@ -1,0 +1,197 @@
+"""Host cost of GTP per weight per step: a chain of tiny GTP linears vs the same chain without GTP.
+
+The GEMMs are tiny, so the GPU is never the bottleneck and a step's wall time is the host time
+it takes to issue it. The difference between a GTP chain and a plain chain, divided by the
+number of weights, is what GTP's Python and collective issue cost per weight per step (forward
+gather + backward gather + wgrad reduce-scatter + finalize), the figure that decides whether a
+small-token step becomes host-bound.
+
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    torchrun --nproc-per-node 2 bench/host_cost.py --weights 64 --steps 200 --out host_cost.json
+
+Modes: ``plain`` (torch linears; megatron-style ``main_grad`` accumulation in a post-accumulate
+hook), ``gtp`` (GTP over all ranks, process-group gather), ``gtp_ce`` (copy-engine gather),
+``collectives`` (only the three collectives per weight, issued and waited through
+:class:`~nemo_gtp.engine.collectives.GroupCollectives`: the floor any per-weight design pays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
+
+
+def _chain(n: int, hidden: int, device: torch.device) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        *[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(n)]).to(device)
+
+
+def _plain(n: int, hidden: int, device: torch.device) -> tuple[torch.nn.Module, None]:
+    model = _chain(n, hidden, device)
+    for p in model.parameters():
+        p.main_grad = torch.zeros_like(p)
+
+        def accumulate(param: torch.Tensor) -> None:  # what megatron DDP's hook does
+            param.main_grad.add_(param.grad)
+            param.grad = None
+
+        p.register_post_accumulate_grad_hook(accumulate)
+    return model, None
+
+
+def _gtp(n: int, hidden: int, device: torch.device, backend: str) -> tuple[torch.nn.Module, object]:
+    model = _chain(n, hidden, device)
+    groups = GTPParallelDims(world_size=dist.get_world_size(),
+                             num_weight_shards=dist.get_world_size()).build()
+    try:
+        runtime = GTPRuntime(groups, GTPConfig(gather_backend=backend))
+    except (AttributeError, TypeError, ValueError):  # the engine before GTPRuntime took
+        # GTPGroups: the same script measures it (bench/results)
+        backend = "nccl" if backend == "process_group" else backend
+        runtime = GTPRuntime(groups.gtp, GTPConfig(gather_backend=backend))
+    for i, layer in enumerate(model):
+        param = shard_linear(layer, runtime, f"{i}.weight")
+        param.main_grad = torch.zeros_like(param)
+        param.register_grad_accum_hook(lambda: None)  # DDP's grad-ready hook slot
+    model.gtp_runtime = runtime
+    return model, runtime
+
+
+def _step(model: torch.nn.Module, runtime: object, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+    if runtime is not None:
+        runtime.drain()
+
+
+def _collectives_only(n: int, hidden: int, device: torch.device, steps: int,
+                      warmup: int) -> tuple[float, float]:
+    from nemo_gtp.engine.collectives import GroupCollectives
+
+    ops = GroupCollectives(dist.group.WORLD)
+    size = dist.get_world_size()
+    shard = torch.randn(hidden // size, hidden, device=device)
+    full = torch.empty(hidden, hidden, device=device)
+    out = torch.empty_like(shard)
+
+    def one() -> None:
+        for _ in range(n):  # forward gather, backward gather, reduce-scatter; each waited
+            ops.all_gather(full, shard).wait()
+            ops.all_gather(full, shard).wait()
+            ops.reduce_scatter(out, full, average=True).wait()
+            shard.add_(out, alpha=0.0)
+
+    for _ in range(warmup):
+        one()
+    torch.cuda.synchronize()
+    issue, wall = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        one()
+        issue.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - start)
+    return statistics.median(issue), statistics.median(wall)
+
+
+def _time(model: torch.nn.Module, runtime: object, x: torch.Tensor, steps: int,
+          warmup: int) -> tuple[float, float]:
+    """(host seconds to issue one step, wall seconds of one step), medians.
+
+    Each step starts on an idle GPU (synchronized before) and is timed until its last launch
+    returns, so the host never blocks on a full launch queue or on the GPU: the issue time is
+    pure host work, whatever the tiny NCCL kernels' latency is.
+    """
+    for _ in range(warmup):
+        _step(model, runtime, x)
+    torch.cuda.synchronize()
+    dist.barrier()
+    issue, wall = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        _step(model, runtime, x)
+        issue.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - start)
+    return statistics.median(issue), statistics.median(wall)
+
+
+def _profile(model: torch.nn.Module, runtime: object, x: torch.Tensor, steps: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        _step(model, runtime, x)
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--modes", default="plain,gtp,gtp_ce,collectives")
+    parser.add_argument("--profile", help="write a cProfile report of each GTP mode here (dir)")
+    parser.add_argument("--out", help="JSON results (rank 0)")
+    args = parser.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    device = torch.device("cuda", local_rank)
+    x = torch.randn(args.tokens, args.hidden, device=device, requires_grad=True)
+    seconds: dict[str, float] = {}
+    walls: dict[str, float] = {}
+    for mode in args.modes.split(","):
+        if mode == "collectives":
+            seconds[mode], walls[mode] = _collectives_only(
+                args.weights, args.hidden, device, args.steps, args.warmup)
+            continue
+        if mode == "plain":
+            model, runtime = _plain(args.weights, args.hidden, device)
+        else:
+            backend = {"gtp": "process_group", "gtp_ce": "copy_engine"}[mode]
+            model, runtime = _gtp(args.weights, args.hidden, device, backend)
+        seconds[mode], walls[mode] = _time(model, runtime, x, args.steps, args.warmup)
+        if args.profile and runtime is not None and dist.get_rank() == 0:
+            os.makedirs(args.profile, exist_ok=True)
+            with open(os.path.join(args.profile, f"host_cost_{mode}.txt"), "w") as f:
+                f.write(_profile(model, runtime, x, 20))
+        elif args.profile and runtime is not None:
+            _profile(model, runtime, x, 20)  # keep the peers' collectives matched
+        del model, runtime
+    if dist.get_rank() == 0:
+        n = args.weights
+        result = {"weights": n, "hidden": args.hidden, "tokens": args.tokens,
+                  "note": "host issue time per step (GPU idle at step start), per weight below",
+                  "host_issue_us_per_step": {m: round(s * 1e6, 1) for m, s in seconds.items()},
+                  "wall_us_per_step": {m: round(s * 1e6, 1) for m, s in walls.items()},
+                  "us_per_weight": {m: round(s * 1e6 / n, 2) for m, s in seconds.items()}}
+        if "plain" in seconds:
+            result["gtp_extra_us_per_weight"] = {
+                m: round((s - seconds["plain"]) * 1e6 / n, 2)
+                for m, s in seconds.items() if m.startswith("gtp")}
+        print(json.dumps(result, indent=1), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
