@@ -87,7 +87,7 @@ def make_finalize_model_grads(
             ddp_reduces_over_gtp = any(
                 rt.config.shard_replicated_params_over_gtp for rt in runtimes)
             model_config = getattr(model[0], "config", None)
-            for runtime in runtimes:  # shard_model checked it; the config may have changed since
+            for runtime in runtimes:  # runtimes built without shard_model were never checked
                 mirror_per_token_loss(runtime.config, model_config, owner=runtime.name)
             per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
         for runtime in runtimes:
