@@ -31,7 +31,7 @@ run() {  # name, timeout, command...
 [ "${COMPACT:-0}" = 1 ] || run gpt125m_resume_dp2 120 python3 -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=20 \
   +resume=$CK/step=9 strategy.num_weight_shards=1 +strategy.ckpt_load_optimizer=false $PS \
   --loss-log "$OUT/resume_dp2.jsonl"
-[ "${COMPACT:-0}" = 1 ] || run inspect 60 python3 -m nemo_gtp.checkpoint.inspect $CK/step=9/weights
+[ "${COMPACT:-0}" = 1 ] || run inspect 60 python3 -m nemo_gtp.checkpoint.show $CK/step=9/weights
 ls -la $CK $CK/* > "$OUT/ckpt_listing.txt" 2>&1
 # Compact variant (COMPACT=1 skips the runs above): both resumes in one launch, weights only.
 if [ "${COMPACT:-0}" = 1 ]; then

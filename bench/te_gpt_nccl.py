@@ -313,7 +313,7 @@ def checks(args: argparse.Namespace) -> dict:
     import transformer_engine
     import transformer_engine.pytorch as te
 
-    from nemo_gtp.integrations.megatron.spec_rewrite import presharded_classes
+    from nemo_gtp.integrations.megatron.sharding.spec import presharded_classes
 
     out: dict = {"te_version": transformer_engine.__version__}
     groups = _groups(Run(gtp=2))

@@ -35,9 +35,9 @@ from nemo_gtp.checkpoint import (
     resolve_checkpoint,
 )
 from nemo_gtp.checkpoint.boxes import flat_range_boxes
-from nemo_gtp.checkpoint.inspect import main as inspect_main
 from nemo_gtp.checkpoint.io import previous_dir, staging_dir
 from nemo_gtp.checkpoint.pieces import RowMap, RowSegment
+from nemo_gtp.checkpoint.show import main as inspect_main
 
 WORLD = 4
 FSMS, RESHARDABLE, DP_ONLY = "fully_sharded_model_space", "fully_reshardable", "dp_reshardable"
@@ -339,7 +339,7 @@ def test_shape_mismatch_names_key_and_shapes(run: dict) -> None:
 
 
 def test_inspect_cli(run: dict, capsys: pytest.CaptureFixture) -> None:
-    # In-process: `python -m nemo_gtp.checkpoint.inspect` runs this `main` (a subprocess would
+    # In-process: `python -m nemo_gtp.checkpoint.show` runs this `main` (a subprocess would
     # only add ~8 s of imports).
     assert inspect_main([str(run["root"] / "tp2gtp2"), "--filter", "fc1"]) == 0
     out = capsys.readouterr().out

@@ -29,8 +29,8 @@ from nemo_gtp.integrations.megatron import (
     shard_model,
     validate_model_config_for_gtp,
 )
-from nemo_gtp.integrations.megatron.presharded import PreShardedLinearMixin, presharded_class
-from nemo_gtp.integrations.megatron.spec_rewrite import presharded_classes
+from nemo_gtp.integrations.megatron.sharding.built import PreShardedLinearMixin, presharded_class
+from nemo_gtp.integrations.megatron.sharding.spec import presharded_classes
 
 
 def _config(**overrides: object) -> TransformerConfig:

@@ -94,7 +94,7 @@ def test_model_checkpoint_writes_a_committed_torch_dist_checkpoint(runs: dict[st
     assert (saved / "weights" / "metadata.json").is_file()
     assert not list(saved.glob(".weights.*"))  # staging committed, nothing set aside
     result = subprocess.run(
-        [sys.executable, "-m", "nemo_gtp.checkpoint.inspect", str(saved / "weights")],
+        [sys.executable, "-m", "nemo_gtp.checkpoint.show", str(saved / "weights")],
         capture_output=True, text=True, check=True,
     )
     assert "layout: TP1 x GTP2 x DP2" in result.stdout, result.stdout

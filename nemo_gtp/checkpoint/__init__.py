@@ -9,7 +9,7 @@ Format level (megatron ``dist_checkpointing`` objects; no model knowledge):
   :func:`load_checkpoint` (global shapes checked first, :class:`CheckpointShapeMismatchError`).
 - :mod:`~nemo_gtp.checkpoint.optimizer`: distributed-optimizer format choice and load helpers.
 - :mod:`~nemo_gtp.checkpoint.layout`: :class:`CheckpointLayout`, stored in the common state.
-- ``python -m nemo_gtp.checkpoint.inspect <dir>``: print layout, keys and global shapes.
+- ``python -m nemo_gtp.checkpoint.show <dir>``: print layout, keys and global shapes.
 
 The model side (which entries are GTP shards, replica ids) is
 :mod:`nemo_gtp.integrations.megatron.checkpoint`.

@@ -2,7 +2,7 @@
 
 The tensors of a nemo_gtp checkpoint do not depend on the layout (see
 :mod:`nemo_gtp.checkpoint.pieces`), so this record is informational: it tells a reader (the
-``inspect`` CLI, a person debugging a resume) which grid and padding produced the checkpoint.
+``show`` CLI, a person debugging a resume) which grid and padding produced the checkpoint.
 It lives in ``common.pt`` under :data:`LAYOUT_KEY`, which rank 0 writes and every load returns.
 """
 

@@ -1,7 +1,9 @@
 """The rank grid with the GTP axis (seed §3.1 "Process groups", §1.4).
 
-One object validates every size (:class:`GTPParallelDims`, pure arithmetic, no collectives) and
-builds every process group (:meth:`GTPParallelDims.build` -> :class:`GTPGroups`).
+One object derives and validates every size (:class:`GTPParallelDims`, pure arithmetic, no
+collectives; statically from a trainer's arguments, then against the world size with
+:meth:`GTPParallelDims.with_world_size`) and builds every process group
+(:meth:`GTPParallelDims.build` -> :class:`GTPGroups`, whose GTP size and rank come from it).
 
 Rank order, fastest-varying first (seed §3.1: ``tp-gtp_remat-cp-ep-dp-pp``)::
 
@@ -16,7 +18,7 @@ keeps finding the right TP/PP groups, and its data-parallel group *is* our ``dat
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
@@ -43,22 +45,41 @@ def _groups_varying(sizes: dict[str, int], vary: tuple[str, ...]) -> list[list[i
     return groups
 
 
+def _check_positive(name: str, value: object, hint: str = "") -> None:
+    """``value`` (the setting ``name``) must be a positive ``int`` (``True`` is not a size)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"{name} must be a positive integer, got {name}={value!r}"
+            + (f" ({hint})" if hint else "")
+        )
+
+
 @dataclass(frozen=True)
 class GTPParallelDims:
     """Validated sizes of every parallel axis, GTP included (seed §2.1, §3.1).
 
-    ``num_weight_shards`` is the seed's ``--tensor-parallel-num-weight-shards`` (= TP x GTP) and
-    ``expert_num_weight_shards`` its expert twin (= ETP x EGTP). Every invalid combination raises
-    ``ValueError`` naming the setting to change, before any collective runs.
+    The one place that derives and validates the GTP degree: ``num_weight_shards`` is the seed's
+    ``--tensor-parallel-num-weight-shards`` (= TP x GTP) and ``expert_num_weight_shards`` its
+    expert twin (= ETP x EGTP). Every invalid combination raises ``ValueError`` naming the setting
+    to change, before any collective runs.
+
+    Two stages, because a trainer's arguments are known before its world is:
+
+    - ``world_size=None`` (static): every check that does not need the world size (sizes
+      positive, shards vs TP and EGTP vs ETP, CP with GTP, distributed-optimizer instances);
+      ``gtp`` / ``etp`` / ``egtp`` are known, ``dp`` / ``edp`` and the rank grid are not.
+    - :meth:`with_world_size` (complete): the same sizes, also checked against the world size.
 
     Example::
 
-        dims = GTPParallelDims(world_size=8, tensor_model_parallel_size=2, num_weight_shards=4)
+        static = GTPParallelDims(tensor_model_parallel_size=2, num_weight_shards=4)
+        static.gtp                 # 2, known before any process group
+        dims = static.with_world_size(8)
         dims.gtp, dims.dp          # (2, 2)
         groups = dims.build()      # after torch.distributed.init_process_group
     """
 
-    world_size: int
+    world_size: int | None = None
     tensor_model_parallel_size: int = 1
     num_weight_shards: int | None = None
     context_parallel_size: int = 1
@@ -68,74 +89,123 @@ class GTPParallelDims:
     expert_num_weight_shards: int | None = None
     num_distributed_optimizer_instances: int = 1
     gtp: int = field(init=False)
-    dp: int = field(init=False)
     etp: int = field(init=False)
     egtp: int = field(init=False)
-    edp: int = field(init=False)
 
     def __post_init__(self) -> None:
-        def positive(name: str, value: int) -> None:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
         tp = self.tensor_model_parallel_size
-        for name in ("world_size", "tensor_model_parallel_size", "context_parallel_size",
+        for name in ("tensor_model_parallel_size", "context_parallel_size",
                      "pipeline_model_parallel_size", "expert_model_parallel_size",
                      "num_distributed_optimizer_instances"):
-            positive(name, getattr(self, name))
+            _check_positive(name, getattr(self, name))
+        if self.world_size is not None:
+            _check_positive("world_size", self.world_size)
         shards = tp if self.num_weight_shards is None else self.num_weight_shards
-        positive("num_weight_shards", shards)
+        _check_positive("num_weight_shards", shards,
+                        "num_weight_shards = TP x GTP; None means TP, i.e. GTP off")
         if shards % tp != 0:
             raise ValueError(
                 f"num_weight_shards={shards} must be a multiple of tensor_model_parallel_size={tp}"
                 f" (num_weight_shards = TP x GTP, e.g. {tp * 2} for GTP=2)"
             )
         gtp = shards // tp
-        model = tp * gtp * self.context_parallel_size * self.pipeline_model_parallel_size
-        if self.world_size % model != 0:
-            raise ValueError(
-                f"world_size={self.world_size} is not divisible by num_weight_shards x "
-                f"context_parallel_size x pipeline_model_parallel_size = {shards} x "
-                f"{self.context_parallel_size} x {self.pipeline_model_parallel_size} = {model}: "
-                "change num_weight_shards or the number of devices"
-            )
         if gtp > 1 and self.context_parallel_size > 1:
             raise ValueError(
                 f"context_parallel_size={self.context_parallel_size} with GTP={gtp} is not "
-                "supported yet: set context_parallel_size=1 or num_weight_shards="
-                f"tensor_model_parallel_size ({tp})"
+                "supported yet: megatron's CP axis would land on the GTP peers. Set "
+                f"context_parallel_size=1 or num_weight_shards=tensor_model_parallel_size ({tp})"
             )
         etp = tp if self.expert_tensor_parallel_size is None else self.expert_tensor_parallel_size
-        positive("expert_tensor_parallel_size", etp)
+        _check_positive("expert_tensor_parallel_size", etp)
         eshards = etp if self.expert_num_weight_shards is None else self.expert_num_weight_shards
-        positive("expert_num_weight_shards", eshards)
+        _check_positive("expert_num_weight_shards", eshards,
+                        "expert_num_weight_shards = ETP x EGTP; None means ETP, i.e. EGTP off")
         if eshards % etp != 0:
             raise ValueError(
                 f"expert_num_weight_shards={eshards} must be a multiple of "
                 f"expert_tensor_parallel_size={etp} (expert_num_weight_shards = ETP x EGTP)"
             )
         egtp = eshards // etp
-        emodel = etp * self.expert_model_parallel_size * egtp * self.pipeline_model_parallel_size
-        if self.world_size % emodel != 0:
-            raise ValueError(
-                f"world_size={self.world_size} is not divisible by expert_num_weight_shards x "
-                f"expert_model_parallel_size x pipeline_model_parallel_size = {eshards} x "
-                f"{self.expert_model_parallel_size} x {self.pipeline_model_parallel_size} = "
-                f"{emodel}: change expert_num_weight_shards or expert_model_parallel_size"
-            )
-        if (gtp > 1 or egtp > 1) and self.num_distributed_optimizer_instances != 1:
-            raise ValueError(
-                f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances}"
-                " is not supported with GTP (seed §3.2): set num_distributed_optimizer_instances=1"
-            )
+        if gtp > 1 or egtp > 1:
+            self.check_distributed_optimizer_instances(self.num_distributed_optimizer_instances)
         object.__setattr__(self, "num_weight_shards", shards)
         object.__setattr__(self, "expert_tensor_parallel_size", etp)
         object.__setattr__(self, "expert_num_weight_shards", eshards)
         object.__setattr__(self, "gtp", gtp)
-        object.__setattr__(self, "dp", self.world_size // model)
         object.__setattr__(self, "etp", etp)
         object.__setattr__(self, "egtp", egtp)
-        object.__setattr__(self, "edp", self.world_size // emodel)
+        if self.world_size is not None:
+            self._check_world_size()
+
+    def _check_world_size(self) -> None:
+        """The checks that need the world size: both grids tile it."""
+        world, pp = self.world_size, self.pipeline_model_parallel_size
+        if world % self._dense_model_size != 0:
+            raise ValueError(
+                f"world_size={world} is not divisible by num_weight_shards x "
+                f"context_parallel_size x pipeline_model_parallel_size = "
+                f"{self.num_weight_shards} x {self.context_parallel_size} x {pp} = "
+                f"{self._dense_model_size}: change num_weight_shards or the number of devices"
+            )
+        if world % self._expert_model_size != 0:
+            raise ValueError(
+                f"world_size={world} is not divisible by expert_num_weight_shards x "
+                f"expert_model_parallel_size x pipeline_model_parallel_size = "
+                f"{self.expert_num_weight_shards} x {self.expert_model_parallel_size} x {pp} = "
+                f"{self._expert_model_size}: change expert_num_weight_shards or "
+                "expert_model_parallel_size"
+            )
+
+    @staticmethod
+    def check_distributed_optimizer_instances(instances: int, where: str = "") -> None:
+        """GTP needs one distributed-optimizer instance (seed §3.2); ``where`` prefixes the
+        setting's name in the message (e.g. ``"ddp: DistributedDataParallelConfig."``)."""
+        if instances != 1:
+            raise ValueError(
+                f"{where}num_distributed_optimizer_instances={instances} is not supported with "
+                "GTP (seed §3.2): set num_distributed_optimizer_instances=1"
+            )
+
+    def with_world_size(self, world_size: int) -> GTPParallelDims:
+        """These sizes on a world of ``world_size`` ranks, fully validated.
+
+        Example::
+
+            GTPParallelDims(num_weight_shards=2).with_world_size(3)  # ValueError: not divisible
+        """
+        return replace(self, world_size=world_size)
+
+    @property
+    def has_world_size(self) -> bool:
+        """True once the world size is known (``dp``, ``edp`` and the rank grid are defined)."""
+        return self.world_size is not None
+
+    @property
+    def _dense_model_size(self) -> int:
+        return (self.num_weight_shards * self.context_parallel_size
+                * self.pipeline_model_parallel_size)
+
+    @property
+    def _expert_model_size(self) -> int:
+        return (self.expert_num_weight_shards * self.expert_model_parallel_size
+                * self.pipeline_model_parallel_size)
+
+    def _world(self, what: str) -> int:
+        if self.world_size is None:
+            raise RuntimeError(
+                f"GTPParallelDims.{what} needs the world size: use dims.with_world_size(n)"
+            )
+        return self.world_size
+
+    @property
+    def dp(self) -> int:
+        """Replicas of every dense GTP shard (DP without GTP); needs the world size."""
+        return self._world("dp") // self._dense_model_size
+
+    @property
+    def edp(self) -> int:
+        """Replicas of every expert GTP shard; needs the world size."""
+        return self._world("edp") // self._expert_model_size
 
     @property
     def gtp_enabled(self) -> bool:
@@ -148,19 +218,19 @@ class GTPParallelDims:
         return self.dp * self.gtp
 
     def dense_sizes(self) -> dict[str, int]:
-        """Dense axis sizes in rank order (fastest first)."""
+        """Dense axis sizes in rank order (fastest first); needs the world size."""
         return dict(zip(_DENSE_AXES, (self.tensor_model_parallel_size, self.gtp,
                                       self.context_parallel_size, self.dp,
                                       self.pipeline_model_parallel_size)))
 
     def expert_sizes(self) -> dict[str, int]:
-        """Expert axis sizes in rank order (fastest first)."""
+        """Expert axis sizes in rank order (fastest first); needs the world size."""
         return dict(zip(_EXPERT_AXES, (self.etp, self.expert_model_parallel_size, self.egtp,
                                        self.edp, self.pipeline_model_parallel_size)))
 
     def coords(self, rank: int) -> dict[str, int]:
         """Dense coordinates of ``rank``: ``{'tp': 1, 'gtp': 0, 'cp': 0, 'dp': 1, 'pp': 0}``."""
-        if not 0 <= rank < self.world_size:
+        if not 0 <= rank < self._world("coords"):
             raise ValueError(f"rank {rank} outside world_size={self.world_size}")
         out = {}
         for axis, size in self.dense_sizes().items():
@@ -190,7 +260,7 @@ class GTPParallelDims:
         """
         if not dist.is_initialized():
             raise RuntimeError("GTPParallelDims.build() needs torch.distributed initialized first")
-        if dist.get_world_size() != self.world_size:
+        if dist.get_world_size() != self._world("build()"):
             raise ValueError(
                 f"GTPParallelDims.world_size={self.world_size} but torch.distributed has "
                 f"{dist.get_world_size()} ranks"

@@ -19,7 +19,7 @@ param-to-key map) and hands it to ``MegatronCheckpointIO``. Under GTP three piec
 [Note: what a NeMo checkpoint directory holds]
 ``<name>/weights/`` is megatron's distributed checkpoint (committed atomically here: written
 as ``<name>/.weights.saving`` and renamed), ``<name>/context/`` is NeMo's IO dump written by
-``ModelCheckpoint`` after the save. ``python -m nemo_gtp.checkpoint.inspect <name>/weights``
+``ModelCheckpoint`` after the save. ``python -m nemo_gtp.checkpoint.show <name>/weights``
 shows the layout it was saved with.
 """
 

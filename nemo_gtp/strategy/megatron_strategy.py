@@ -63,8 +63,6 @@ from nemo_gtp.strategy.ddp import gtp_ddp_class, nemo_ddp_class
 from nemo_gtp.strategy.model_transform import convert_then_shard, shard_model_chunk
 from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
 from nemo_gtp.strategy.validation import (
-    expert_gtp_size_from,
-    gtp_size_from,
     validate_ddp_config,
     validate_gtp_config,
     validate_strategy_args,
@@ -96,6 +94,13 @@ class GTPMegatronStrategy(MegatronStrategy):
             ``calculate_per_token_loss`` is mirrored from the model config.
         *args, **kwargs: every ``MegatronStrategy`` argument, unchanged.
 
+    Attributes:
+        gtp_dims: the :class:`GTPParallelDims` of this run, the one source of every GTP size
+            (``gtp_size``, ``num_weight_shards``, ``gtp_enabled`` are read from it): built and
+            checked at construction without a world size, completed with it (and checked again)
+            in ``setup_distributed``.
+        gtp_groups: this rank's GTP process groups, from ``setup_distributed`` on.
+
     Example::
 
         strategy = GTPMegatronStrategy(
@@ -122,29 +127,34 @@ class GTPMegatronStrategy(MegatronStrategy):
         bound = _MEGATRON_SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         margs = dict(bound.arguments)
-        tp = margs["tensor_model_parallel_size"]
-        gtp = gtp_size_from(num_weight_shards, tp)
-        egtp = expert_gtp_size_from(
-            expert_num_weight_shards, margs["expert_tensor_parallel_size"], tp
+        # Every size is derived and checked by the grid, statically: no world exists yet.
+        # setup_distributed completes it with the world size.
+        dims = GTPParallelDims(
+            world_size=None,
+            tensor_model_parallel_size=margs["tensor_model_parallel_size"],
+            num_weight_shards=num_weight_shards,
+            context_parallel_size=margs["context_parallel_size"],
+            pipeline_model_parallel_size=margs["pipeline_model_parallel_size"],
+            expert_model_parallel_size=margs["expert_model_parallel_size"],
+            expert_tensor_parallel_size=margs["expert_tensor_parallel_size"],
+            expert_num_weight_shards=expert_num_weight_shards,
+            num_distributed_optimizer_instances=margs["num_distributed_optimizer_instances"],
         )
-        if egtp > 1:
+        if dims.egtp > 1:
             raise ValueError(
-                f"expert_num_weight_shards={expert_num_weight_shards} (expert GTP={egtp}) is not "
-                "supported yet: leave it None or equal to expert_tensor_parallel_size"
+                f"expert_num_weight_shards={expert_num_weight_shards} (expert GTP={dims.egtp}) is "
+                "not supported yet: leave it None or equal to expert_tensor_parallel_size"
             )
         if gtp_config is not None and not isinstance(gtp_config, GTPConfig):
             raise ValueError(f"gtp_config must be a GTPConfig or None, got {type(gtp_config)}")
-        validate_strategy_args(margs, gtp)
-        validate_gtp_config(gtp_config, margs, gtp)
+        validate_strategy_args(margs, dims.gtp)
+        validate_gtp_config(gtp_config, margs, dims.gtp)
         io = getattr(self, "__io__", None)
         super().__init__(*args, **kwargs)
         if io is not None:  # the parent's IOMixin wrapper re-recorded only its own arguments
             self.__io__ = io
-        self.num_weight_shards = tp * gtp
-        self.expert_num_weight_shards = expert_num_weight_shards
+        self.gtp_dims = dims
         self.gtp_config = gtp_config
-        self.gtp_size = gtp
-        self.gtp_dims: GTPParallelDims | None = None
         self.gtp_groups: GTPGroups | None = None
         self.gtp_runtimes: list[GTPRuntime] = []
         self._gtp_pgs: ProcessGroupCollection | None = None
@@ -171,10 +181,26 @@ class GTPMegatronStrategy(MegatronStrategy):
         )
         return _io_transform_args(self, recorded, **flat)  # NeMo's value conversion
 
+    # Derived from the one dims object, never stored twice.
+    @property
+    def gtp_size(self) -> int:
+        """The GTP degree, ``num_weight_shards / tensor_model_parallel_size``."""
+        return self.gtp_dims.gtp
+
+    @property
+    def num_weight_shards(self) -> int:
+        """Shards per dense linear weight, TP x GTP (``tensor_model_parallel_size`` if unset)."""
+        return self.gtp_dims.num_weight_shards
+
+    @property
+    def expert_num_weight_shards(self) -> int:
+        """Shards per expert linear weight, ETP x EGTP (ETP if unset)."""
+        return self.gtp_dims.expert_num_weight_shards
+
     @property
     def gtp_enabled(self) -> bool:
         """True when weights are sharded over a GTP axis of size > 1."""
-        return self.gtp_size > 1
+        return self.gtp_dims.gtp_enabled
 
     # ------------------------------------------------------------------ before the model exists
     def connect(self, model: pl.LightningModule) -> None:
@@ -193,16 +219,7 @@ class GTPMegatronStrategy(MegatronStrategy):
             nemo_logging.info(note)
         dims = None
         if self.gtp_enabled:  # pure arithmetic: every size error before any collective
-            dims = GTPParallelDims(
-                world_size=self.num_nodes * self.num_processes,
-                tensor_model_parallel_size=self.tensor_model_parallel_size,
-                num_weight_shards=self.num_weight_shards,
-                context_parallel_size=self.context_parallel_size,
-                pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-                expert_model_parallel_size=self.expert_model_parallel_size,
-                expert_tensor_parallel_size=self.expert_tensor_parallel_size,
-                num_distributed_optimizer_instances=self.num_distributed_optimizer_instances,
-            )
+            dims = self.gtp_dims.with_world_size(self.num_nodes * self.num_processes)
         super().setup_distributed()
         if dims is None:
             return
@@ -298,7 +315,8 @@ class GTPMegatronStrategy(MegatronStrategy):
     @property
     def checkpoint_io(self) -> Any:
         """NeMo's checkpoint IO; under GTP a :class:`GTPCheckpointIO` (atomic commit, layout)."""
-        if self._checkpoint_io is None and getattr(self, "gtp_size", 1) > 1:
+        dims = getattr(self, "gtp_dims", None)  # MegatronStrategy.__init__ runs before ours
+        if self._checkpoint_io is None and dims is not None and dims.gtp_enabled:
             io = GTPCheckpointIO(
                 lambda: self.gtp_groups, save_ckpt_format=self.save_ckpt_format,
                 async_save=self.async_save, torch_dist_multiproc=self.torch_dist_multiproc,

@@ -9,27 +9,12 @@ training dtype) -> GTP sharding -> DDP wrap.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPRuntime, runtimes_of
-from nemo_gtp.integrations.megatron import shard_model
-
-
-def mirror_model_config(config: GTPConfig | None, model_config: Any) -> GTPConfig:
-    """``config`` (or the defaults) with ``calculate_per_token_loss`` copied from the model.
-
-    The seed's ``calculate_per_token_loss`` knob must mirror the model config (§2.4, §3.2 table);
-    the strategy sets it instead of making the user repeat it.
-    """
-    per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
-    config = config or GTPConfig()
-    if config.calculate_per_token_loss != per_token:
-        config = dataclasses.replace(config, calculate_per_token_loss=per_token)
-    return config
+from nemo_gtp.integrations.megatron import mirror_per_token_loss, shard_model
 
 
 def shard_model_chunk(
@@ -46,7 +31,9 @@ def shard_model_chunk(
     existing = runtimes_of(module)
     if existing:
         return existing[0]
-    config = mirror_model_config(config, getattr(module, "config", None))
+    # The strategy owns both configs, so the model's per-token-loss setting wins (the user need
+    # not repeat it in GTPConfig); plain shard_model refuses a mismatch instead.
+    config = mirror_per_token_loss(config, getattr(module, "config", None), adopt=True)
     return shard_model(module, groups, config)
 
 

@@ -2,7 +2,10 @@
 
 Every check raises ``ValueError`` naming the setting to change. The checks only apply when GTP is
 active (``num_weight_shards > tensor_model_parallel_size``): with GTP off the strategy is plain
-``MegatronStrategy`` and accepts whatever it accepts.
+``MegatronStrategy`` and accepts whatever it accepts. Sizes (``num_weight_shards`` vs TP, CP with
+GTP, distributed-optimizer instances, the world size) are not checked here but by
+:class:`~nemo_gtp.engine.grid.GTPParallelDims`, the one place that derives them; this module
+checks the other ``MegatronStrategy`` arguments and the ``GTPConfig``.
 """
 
 from __future__ import annotations
@@ -10,50 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_gtp.integrations.megatron.ddp import validate_ddp_config_for_gtp
-
-
-def gtp_size_from(num_weight_shards: int | None, tensor_model_parallel_size: int) -> int:
-    """The GTP degree ``num_weight_shards / TP`` (seed §2.1), validated.
-
-    Example::
-
-        gtp_size_from(8, 2)   # 4
-        gtp_size_from(None, 2)  # 1: GTP off
-    """
-    tp = tensor_model_parallel_size
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_model_parallel_size must be a positive integer, got {tp!r}")
-    if num_weight_shards is None:
-        return 1
-    if not isinstance(num_weight_shards, int) or isinstance(num_weight_shards, bool) or (
-        num_weight_shards < 1 or num_weight_shards % tp != 0
-    ):
-        raise ValueError(
-            f"num_weight_shards={num_weight_shards!r} must be a positive multiple of "
-            f"tensor_model_parallel_size={tp} (num_weight_shards = TP x GTP, e.g. {2 * tp} for "
-            "GTP=2)"
-        )
-    return num_weight_shards // tp
-
-
-def expert_gtp_size_from(
-    expert_num_weight_shards: int | None, expert_tensor_parallel_size: int | None,
-    tensor_model_parallel_size: int,
-) -> int:
-    """The expert GTP degree ``expert_num_weight_shards / ETP`` (ETP defaults to TP), validated."""
-    etp = tensor_model_parallel_size if expert_tensor_parallel_size is None else (
-        expert_tensor_parallel_size
-    )
-    if expert_num_weight_shards is None:
-        return 1
-    if not isinstance(expert_num_weight_shards, int) or isinstance(
-        expert_num_weight_shards, bool
-    ) or expert_num_weight_shards < 1 or expert_num_weight_shards % etp != 0:
-        raise ValueError(
-            f"expert_num_weight_shards={expert_num_weight_shards!r} must be a positive multiple of "
-            f"expert_tensor_parallel_size={etp}"
-        )
-    return expert_num_weight_shards // etp
 
 
 def validate_ddp_config(ddp_config: Any) -> None:
@@ -67,6 +26,9 @@ def validate_ddp_config(ddp_config: Any) -> None:
 
 def validate_strategy_args(args: dict[str, Any], gtp_size: int) -> None:
     """Check ``MegatronStrategy`` arguments (all of them, defaults applied) against GTP.
+
+    Sizes are :class:`~nemo_gtp.engine.grid.GTPParallelDims`'s; this checks DDP, FSDP and the
+    rank-order mapping.
 
     Example::
 
@@ -92,19 +54,6 @@ def validate_strategy_args(args: dict[str, Any], gtp_size: int) -> None:
         raise ValueError(
             "use_tp_pp_dp_mapping=True is not supported with GTP: GTP needs megatron's default "
             "'tp-cp-ep-dp-pp' rank order so that megatron's data-parallel group is DP x GTP"
-        )
-    instances = args.get("num_distributed_optimizer_instances", 1)
-    if instances != 1:
-        raise ValueError(
-            f"num_distributed_optimizer_instances={instances} is not supported with GTP "
-            "(seed §3.2): set num_distributed_optimizer_instances=1"
-        )
-    cp = args.get("context_parallel_size", 1)
-    if cp != 1:
-        raise ValueError(
-            f"context_parallel_size={cp} with GTP is not supported yet: megatron's CP axis would "
-            "land on the GTP peers. Set context_parallel_size=1 or num_weight_shards="
-            "tensor_model_parallel_size"
         )
 
 

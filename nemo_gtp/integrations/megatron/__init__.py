@@ -6,7 +6,9 @@ The four touch points of the seed (§3.1, §3.2), on megatron-core 0.15 which ha
   plus our GTP groups, and the ``ProcessGroupCollection`` DDP and the optimizer must use
   (data-parallel = the GTP-excluded replicate group; model-parallel includes GTP).
 - :func:`shard_model`: shards eligible linears in place and returns the model's runtime;
-  :func:`gtp_layer_spec` makes a layer spec build its parallel linears (TE or local) as shards.
+  :func:`gtp_layer_spec` makes a layer spec build its parallel linears (TE or local) as shards
+  (both in :mod:`~nemo_gtp.integrations.megatron.sharding`);
+  :func:`mirror_per_token_loss` pairs a ``GTPConfig`` with a model config.
 - :class:`GTPDistributedDataParallel`: grad-ready hooks of GTP params fired by the runtime.
 - :func:`make_finalize_model_grads`: drains GTP reduce-scatters, runs megatron's finalize, then
   completes the GTP axis for replicated params.
@@ -23,20 +25,27 @@ from nemo_gtp.integrations.megatron.finalize import (
     allreduce_replicated_grads,
     make_finalize_model_grads,
 )
+from nemo_gtp.integrations.megatron.model_config import (
+    mirror_per_token_loss,
+    validate_model_config_for_gtp,
+)
 from nemo_gtp.integrations.megatron.parallel import gtp_process_groups, initialize_gtp_parallel
-from nemo_gtp.integrations.megatron.presharded import GTPShardPlan, validate_model_config_for_gtp
-from nemo_gtp.integrations.megatron.spec_rewrite import (
+from nemo_gtp.integrations.megatron.sharding import (
+    GTPShardPlan,
+    default_should_shard,
     gtp_layer_spec,
     preshard_config_layer_spec,
+    presharded_class,
+    presharded_classes,
     replace_modules_in_spec,
+    shard_model,
 )
-from nemo_gtp.integrations.megatron.transform import default_should_shard, shard_model
 
 __all__ = [
     "GTPDDPMixin", "GTPDistributedDataParallel", "GTPShardPlan", "allreduce_replicated_grads",
     "default_should_shard", "gtp_layer_spec", "gtp_process_groups", "gtp_sharded_state_dict",
     "initialize_gtp_parallel", "load_gtp_checkpoint", "make_finalize_model_grads",
-    "make_gtp_sharded_state_dict", "preshard_config_layer_spec", "replace_modules_in_spec",
-    "save_gtp_checkpoint",
+    "make_gtp_sharded_state_dict", "mirror_per_token_loss", "preshard_config_layer_spec",
+    "presharded_class", "presharded_classes", "replace_modules_in_spec", "save_gtp_checkpoint",
     "shard_model", "validate_model_config_for_gtp",
 ]

@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.cuda_graphs import is_graph_capturing
 
+from nemo_gtp.engine.grid import GTPParallelDims
 from nemo_gtp.engine.param import is_gtp_param
 
 
@@ -42,11 +43,10 @@ def validate_ddp_config_for_gtp(ddp_config: object) -> None:
             "GTP: DDP's forward pre-hook param all-gather can race GTP's prefetch of the next "
             "weight's shard. Set overlap_param_gather=False"
         )
-    if getattr(ddp_config, "num_distributed_optimizer_instances", 1) != 1:
-        raise ValueError(
-            "num_distributed_optimizer_instances must be 1 with GTP (seed §3.2), got "
-            f"{ddp_config.num_distributed_optimizer_instances}"
-        )
+    GTPParallelDims.check_distributed_optimizer_instances(
+        getattr(ddp_config, "num_distributed_optimizer_instances", 1),
+        where="ddp: DistributedDataParallelConfig.",
+    )
 
 
 def check_data_group(runtime: object, pg_collection: object | None) -> None:

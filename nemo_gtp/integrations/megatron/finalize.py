@@ -22,6 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.param import is_gtp_param
 from nemo_gtp.engine.runtime import runtimes_of
+from nemo_gtp.integrations.megatron.model_config import mirror_per_token_loss
 
 
 def _replicated_grads(model_chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
@@ -85,15 +86,10 @@ def make_finalize_model_grads(
             runtimes = runtimes_of(*model)
             ddp_reduces_over_gtp = any(
                 rt.config.shard_replicated_params_over_gtp for rt in runtimes)
-            per_token = bool(getattr(getattr(model[0], "config", None),
-                                     "calculate_per_token_loss", False))
-            mismatched = [rt.name for rt in runtimes
-                          if rt.config.calculate_per_token_loss != per_token]
-            if mismatched:
-                raise ValueError(
-                    f"GTPConfig.calculate_per_token_loss of {mismatched} differs from the model "
-                    f"config's calculate_per_token_loss={per_token}: they must match (seed §3.2)"
-                )
+            model_config = getattr(model[0], "config", None)
+            for runtime in runtimes:  # runtimes built without shard_model were never checked
+                mirror_per_token_loss(runtime.config, model_config, owner=runtime.name)
+            per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
         for runtime in runtimes:
             runtime.drain()
         base(model, *args, **kwargs)

@@ -3,7 +3,7 @@
 Opt-in is by linear class (§1.5): :func:`gtp_layer_spec` swaps megatron's column/row-parallel
 linear classes — the TE wrappers ``TEColumnParallelLinear``, ``TERowParallelLinear``,
 ``TELayerNormColumnParallelLinear`` and the megatron-local ``ColumnParallelLinear`` /
-``RowParallelLinear`` — for their :mod:`~nemo_gtp.integrations.megatron.presharded`
+``RowParallelLinear`` — for their :mod:`~nemo_gtp.integrations.megatron.sharding.built`
 subclasses, which build only this rank's shard. Nothing else in the spec changes: base
 ``TELinear`` (``parallel_mode="duplicated"``), norms, attention, TE's ``LayerNormMLP`` and the
 op-fuser MLP stay as they are (and stay unsharded).
@@ -22,8 +22,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.grid import GTPGroups
-from nemo_gtp.integrations.megatron.presharded import GTPShardPlan, presharded_class
-from nemo_gtp.integrations.megatron.transform_te import te_parallel_linear_kinds
+from nemo_gtp.integrations.megatron.sharding.built import GTPShardPlan, presharded_class
+from nemo_gtp.integrations.megatron.sharding.te import te_parallel_linear_kinds
 
 
 def replace_modules_in_spec(

@@ -3,9 +3,11 @@
 A megatron linear class (TE wrapper or megatron-local) is subclassed so that its constructor is
 handed a pre-sharded ``output_size``: the base class then allocates and initializes only this
 rank's ``padded_dim0 / GTP`` rows, and no full weight ever exists. The built weight becomes an
-(unregistered) :class:`GTPShardedParam` whose :class:`ShardSpec` describes the full padded
-TP-local weight; :func:`nemo_gtp.integrations.megatron.shard_model` later registers it with the
-model's runtime, exactly as it registers the weights it slices itself.
+(unregistered) :class:`GTPShardedParam` whose :class:`ShardSpec` (made by the layer's
+:class:`GTPShardPlan`) describes the full padded TP-local weight;
+:func:`~nemo_gtp.integrations.megatron.sharding.sliced.shard_model` later registers it with the
+model's runtime, exactly as it registers the weights it slices itself. The layer spec that
+selects these classes is :mod:`~nemo_gtp.integrations.megatron.sharding.spec`.
 
 Subclasses are made on demand by :func:`presharded_class`, so this module needs neither TE nor a
 CUDA device; the TE classes are created only when ``transformer_engine`` is importable.
@@ -22,15 +24,21 @@ import torch
 
 from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.param import GTPShardedParam, ShardSpec, carry_param_attributes
+from nemo_gtp.integrations.megatron.model_config import validate_model_config_for_gtp
 
 
 @dataclass(frozen=True)
 class GTPShardPlan:
-    """What a pre-sharded linear needs at construction time: its GTP coordinates and padding.
+    """How this rank cuts every weight it builds: its GTP coordinates and padding rule (§1.3).
+
+    A :class:`ShardSpec` without the shape: it travels through the layer spec's params (the
+    shapes are known only inside each linear's constructor), where :meth:`spec_for` turns it
+    into the weight's spec.
 
     Example::
 
-        plan = GTPShardPlan.from_groups(groups, GTPConfig(pad_for_alignment=16))
+        plan = GTPShardPlan.from_groups(groups, pad_for_alignment=16)
+        plan.spec_for((72, 64))     # ShardSpec(logical_shape=(72, 64), ..., padded_dim0=96)
     """
 
     gtp_size: int
@@ -39,23 +47,12 @@ class GTPShardPlan:
 
     @classmethod
     def from_groups(cls, groups: GTPGroups, pad_for_alignment: int = 16) -> GTPShardPlan:
-        """The plan for this rank of ``groups``."""
+        """The plan for this rank of ``groups`` (size and rank from the groups' dims)."""
         return cls(groups.gtp_size, groups.gtp_rank, pad_for_alignment)
 
-
-def validate_model_config_for_gtp(config: object) -> None:
-    """Reject model-config settings GTP cannot honour (raised before any weight is built).
-
-    ``delay_wgrad_compute``: TE's delayed wgrad stores the wgrad GEMM for a later
-    ``backward_dw()`` and skips the DistributedWeight ``finalize_group_grads`` call, so a GTP
-    weight's gradient would never be reduce-scattered into ``main_grad`` (seed §3.1 "The bridge").
-    """
-    if getattr(config, "delay_wgrad_compute", False):
-        raise ValueError(
-            "TransformerConfig.delay_wgrad_compute=True is incompatible with GTP: TE's delayed "
-            "wgrad skips the DistributedWeight finalize_group_grads call, so GTP weight "
-            "gradients would never reach main_grad. Set delay_wgrad_compute=False"
-        )
+    def spec_for(self, shape: tuple[int, ...] | torch.Size) -> ShardSpec:
+        """This rank's :class:`ShardSpec` of a TP-local weight of ``shape``."""
+        return ShardSpec.for_weight(shape, self.gtp_size, self.gtp_rank, self.pad_for_alignment)
 
 
 def _generator(device: torch.device) -> torch.Generator:
@@ -95,7 +92,7 @@ class PreShardedLinearMixin:
     its weight ``output_size / TP`` rows (column-parallel) or ``output_size`` rows
     (row-parallel), as megatron's TE wrappers and local linears do. ``gtp`` (a
     :class:`GTPShardPlan`) arrives through the layer spec's params (see
-    :func:`nemo_gtp.integrations.megatron.spec_rewrite.gtp_layer_spec`). With GTP size 1 the class
+    :func:`~nemo_gtp.integrations.megatron.sharding.spec.gtp_layer_spec`). With GTP size 1 the class
     builds exactly what its base builds.
     """
 
@@ -118,9 +115,7 @@ class PreShardedLinearMixin:
         tp = _tp_size(kwargs.get("tp_group"))
         logical_out = output_size // tp if self.gtp_column else output_size
         in_local = input_size if self.gtp_column else input_size // tp
-        spec = ShardSpec.for_weight(
-            (logical_out, in_local), gtp.gtp_size, gtp.gtp_rank, gtp.pad_for_alignment
-        )
+        spec = gtp.spec_for((logical_out, in_local))
         built_out = spec.shard_dim0 * tp if self.gtp_column else spec.shard_dim0
         super().__init__(input_size, built_out, *args, config=config,
                          init_method=per_peer_init(init_method, gtp.gtp_rank), **kwargs)

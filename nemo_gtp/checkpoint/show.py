@@ -1,4 +1,4 @@
-"""Print what a checkpoint holds: ``python -m nemo_gtp.checkpoint.inspect <dir>`` (seed §1.8).
+"""Print what a checkpoint holds: ``python -m nemo_gtp.checkpoint.show <dir>`` (seed §1.8).
 
 Shows the layout it was saved with (:mod:`nemo_gtp.checkpoint.layout`; "not recorded" for a
 checkpoint nemo_gtp did not write), then every tensor key with its global shape and dtype, and
@@ -6,7 +6,7 @@ the sharded objects. Reads only the checkpoint's metadata files; no process grou
 
 Example::
 
-    $ python -m nemo_gtp.checkpoint.inspect ckpt/step100 --filter linear_fc1
+    $ python -m nemo_gtp.checkpoint.show ckpt/step100 --filter linear_fc1
     checkpoint: /abs/ckpt/step100
     layout: TP2 x GTP2 x DP1 (PP1, CP1; world 4), pad_for_alignment=16
     GTP padding (TP-local rows -> padded rows):
@@ -74,7 +74,7 @@ def render(info: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code."""
     parser = argparse.ArgumentParser(
-        prog="python -m nemo_gtp.checkpoint.inspect", description=__doc__.splitlines()[0]
+        prog="python -m nemo_gtp.checkpoint.show", description=__doc__.splitlines()[0]
     )
     parser.add_argument("checkpoint_dir", help="a megatron torch_dist checkpoint directory")
     parser.add_argument("--filter", default="", help="only keys containing this substring")

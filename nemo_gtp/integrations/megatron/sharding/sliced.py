@@ -1,16 +1,18 @@
-"""The model transform: shard a built megatron-core model's linears in place (seed §1.5, §3.1).
+"""``shard_model``: make a built megatron-core model's linears GTP shards, in place (§1.5, §3.1).
 
-Megatron-local linears (``ColumnParallelLinear``/``RowParallelLinear``, the local layer spec) are
-built full and sliced here, as the seed's ``wrap_module_params_gtp`` does, so a GTP model starts
-bit-identical to its non-GTP twin. ``torch.nn.Linear`` shards the same way. The embedding, the
-output layer, norms and biases stay replicated (their gathers would not amortize, §1.5).
+The one entry point for a built model, whichever way its linears were built:
 
-TransformerEngine linears (megatron's ``TEColumnParallelLinear`` / ``TERowParallelLinear`` /
-``TELayerNormColumnParallelLinear``) are driven by TE itself through its DistributedWeight
-protocol (:mod:`~nemo_gtp.integrations.megatron.transform_te`). Built from a layer spec passed
-through :func:`~nemo_gtp.integrations.megatron.spec_rewrite.gtp_layer_spec` they already hold
-their shard (no full weight materialized, seed §3.1 "One init path") and are only registered
-here; built full (megatron's stock TE spec) they are sliced like local linears.
+- built full (megatron-local ``ColumnParallelLinear``/``RowParallelLinear`` from the local layer
+  spec, ``torch.nn.Linear``, TE wrappers from megatron's stock TE spec): sliced here, as the
+  seed's ``wrap_module_params_gtp`` does, so a GTP model starts bit-identical to its non-GTP
+  twin;
+- built as their shard (:mod:`~nemo_gtp.integrations.megatron.sharding.built`, selected by the
+  layer spec of :mod:`~nemo_gtp.integrations.megatron.sharding.spec`): only registered with the
+  model's runtime.
+
+The embedding, the output layer, norms and biases stay replicated (their gathers would not
+amortize, §1.5). TransformerEngine linears are driven by TE itself through its DistributedWeight
+protocol (:mod:`~nemo_gtp.integrations.megatron.sharding.te`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,12 @@ from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
 from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
 from nemo_gtp.engine.runtime import GTPRuntime
-from nemo_gtp.integrations.megatron.presharded import is_presharded, validate_model_config_for_gtp
-from nemo_gtp.integrations.megatron.transform_te import (
+from nemo_gtp.integrations.megatron.model_config import (
+    mirror_per_token_loss,
+    validate_model_config_for_gtp,
+)
+from nemo_gtp.integrations.megatron.sharding.built import is_presharded
+from nemo_gtp.integrations.megatron.sharding.te import (
     record_grad_mode,
     te_parallel_linear_kinds,
     warn_unsharded_te_modules,
@@ -107,14 +113,7 @@ def shard_model(
     if groups.gtp_size == 1:
         return None
     model_config = getattr(model, "config", None)
-    per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
-    if config is None:
-        config = GTPConfig(calculate_per_token_loss=per_token)
-    elif model_config is not None and config.calculate_per_token_loss != per_token:
-        raise ValueError(
-            f"GTPConfig.calculate_per_token_loss={config.calculate_per_token_loss} but the model "
-            f"config has calculate_per_token_loss={per_token}: set them equal (seed §3.2)"
-        )
+    config = mirror_per_token_loss(config, model_config)
     if getattr(model_config, "num_moe_experts", None):
         raise ValueError(
             "GTP on MoE models is not supported yet (num_moe_experts is set): use "
