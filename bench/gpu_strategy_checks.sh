@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of the NeMo-level paths on 2 GPUs (results under $OUT):
+# GPU checks of the NeMo-level paths on 2 GPUs (results under $OUT), run on every GPU round:
 #  1. the ~1B recipe, GTP2 vs DP2 in one launch (run.py --compare-baseline), 20 steps;
 #  2. the ~125M recipe through GTPMegatronStrategy checkpoints: 20 steps with a ModelCheckpoint
 #     every 10, resume from step 10 at GTP2 (optimizer + data position restored), and the same
@@ -23,6 +23,10 @@ run() {  # name, timeout, command...
   echo "exit $? after $((SECONDS - start)) s" | tee -a "$OUT/commands.txt"
   tail -40 "$OUT/$name.out"
 }
+# 0. NeMo's default (TransformerEngine) layer spec through nl.Trainer + GTPMegatronStrategy, GTP2
+#    vs DP2 (the path most GPU users take; it once crashed in the strategy's setup). Needs TE.
+python3 -c "import transformer_engine.pytorch" 2>/dev/null && run te_spec_compare 300 \
+  python3 -m nemo_gtp.run configs/gpt_1b_te.yaml trainer.max_steps=10 model.num_layers=4 --compare-baseline
 [ "$SKIP_1B" = 1 ] || [ "${COMPACT:-0}" = 1 ] || run gpt1b_compare 300 python3 -m nemo_gtp.run configs/gpt_1b.yaml trainer.max_steps=20 --compare-baseline
 [ "${COMPACT:-0}" = 1 ] || run gpt125m_full 150 python3 -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=20 \
   +checkpoint.dir=$CK +checkpoint.every_n_train_steps=10 $PS --loss-log "$OUT/full.jsonl"
