@@ -12,14 +12,12 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from gpt_harness import Run, assert_parity, train  # noqa: E402
+from nemo_gtp.testing.gpt_harness import Run, assert_parity, train
 
 CASES = {
     2: [Run(gtp=2), Run(gtp=2, per_token=True), Run(gtp=2, ffn=72, hidden=48),

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_harness import Layout, assert_same_state, build, full_state, run_ranks, train
 
 from nemo_gtp.checkpoint import (
     CheckpointShapeMismatchError,
@@ -38,6 +37,14 @@ from nemo_gtp.checkpoint.boxes import flat_range_boxes
 from nemo_gtp.checkpoint.inspect import main as inspect_main
 from nemo_gtp.checkpoint.io import previous_dir, staging_dir
 from nemo_gtp.checkpoint.pieces import RowMap, RowSegment
+from nemo_gtp.testing.ckpt_harness import (
+    Layout,
+    assert_same_state,
+    build,
+    full_state,
+    run_ranks,
+    train,
+)
 
 WORLD = 4
 FSMS, RESHARDABLE, DP_ONLY = "fully_sharded_model_space", "fully_reshardable", "dp_reshardable"

@@ -11,12 +11,12 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
 from nemo_gtp.engine.copy_engine import decide_copy_engine
 from nemo_gtp.engine.runtime import GatherBackend
 from nemo_gtp.engine.timing import ExposedWaitTimer
+from nemo_gtp.testing.spawn import run_distributed
 
 
 def _mlp(seed: int) -> torch.nn.Sequential:

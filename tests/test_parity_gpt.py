@@ -11,10 +11,9 @@ import dataclasses
 import gc
 import weakref
 
-from dist_utils import run_distributed
-from gpt_harness import Run, _groups, assert_parity, train
-
-from nemo_gtp.cpu_compat import enable_cpu_compat
+from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+from nemo_gtp.testing.gpt_harness import Run, assert_parity, gtp_groups, train
+from nemo_gtp.testing.spawn import run_distributed
 
 
 def _worker(rank: int, world: int, cases: list[Run]) -> None:
@@ -80,7 +79,7 @@ def _wrong_data_group_worker(rank: int, world: int) -> None:
     from nemo_gtp.integrations.megatron import GTPDistributedDataParallel, gtp_process_groups
 
     enable_cpu_compat()
-    groups = _groups(Run(gtp=2))
+    groups = gtp_groups(Run(gtp=2))
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
     for over_gtp in (False, True):
         config = GTPConfig(shard_replicated_params_over_gtp=over_gtp)

@@ -15,9 +15,9 @@ import types
 from typing import Any
 
 import pytest
-from strategy_harness import BANNER_PREFIX, GBS, MBS, STEPS, Fit, run_fits
 
 from nemo_gtp.engine import GTPConfig
+from nemo_gtp.testing.strategy_harness import BANNER_PREFIX, GBS, MBS, STEPS, Fit, run_fits
 
 TOL = 1e-5
 

@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 import torch
-from strategy_harness import Fit, run_fits
+
+from nemo_gtp.testing.strategy_harness import Fit, run_fits
 
 WORLD = 4
 

@@ -158,7 +158,7 @@ def full_weights(strategy: Any) -> dict[str, torch.Tensor]:
     GTP shards are gathered over the GTP group (pad rows dropped), then TP pieces concatenated
     along their partition dim, so runs of any layout compare bit for bit.
     """
-    from ckpt_harness import gather_logical
+    from nemo_gtp.testing.ckpt_harness import gather_logical
 
     model = strategy.megatron_parallel[0].module.module  # lightning module -> DDP -> GPTModel
     groups = getattr(strategy, "gtp_groups", None)  # plain MegatronStrategy has none
@@ -181,7 +181,7 @@ def _gpt_config(tp: int) -> Any:
     from nemo.collections import llm
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
-    from nemo_gtp.cpu_compat import cpu_gpt_data_step
+    from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
 
     return llm.GPTConfig(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
@@ -300,8 +300,8 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
-    from nemo_gtp.cpu_compat import enable_cpu_compat
     from nemo_gtp.recipes.launch import teardown_fit
+    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
 
     torch.set_num_threads(1)
     enable_cpu_compat()
