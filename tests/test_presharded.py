@@ -128,7 +128,7 @@ def _unit_checks(groups) -> None:  # noqa: ANN001
 
 
 def _worker(rank: int, world: int) -> None:
-    enable_cpu_compat()
+    enable_cpu_compat(nemo=False)  # megatron only (importing NeMo costs ~7 s CPU per rank)
     run = Run(gtp=2, presharded=True, steps=4)
     _unit_checks(gtp_groups(run))
     for case in (run, dataclasses.replace(run, ffn=72, hidden=48)):

@@ -140,10 +140,11 @@ def build(run: Run) -> dict:
     on_gpu = dist.get_backend() == "nccl"
     device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
     if not on_gpu:
-        # Imported here: GPU runs (the NCCL benchmarks) never load the CPU patches.
+        # Imported here: GPU runs (the NCCL benchmarks) never load the CPU patches. megatron
+        # only: importing NeMo for its patches would cost ~7 s CPU per rank.
         from nemo_gtp.testing.cpu_compat import enable_cpu_compat
 
-        enable_cpu_compat()
+        enable_cpu_compat(nemo=False)
     groups = gtp_groups(run)
     if on_gpu:
         model_parallel_cuda_manual_seed(1234)
