@@ -34,7 +34,7 @@ from nemo_gtp.integrations.megatron import (
 )
 from nemo_gtp.testing.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
 from nemo_gtp.testing.gpt_harness import Run, gtp_groups
-from nemo_gtp.testing.spawn import run_distributed
+from nemo_gtp.testing.spawn import DistributedJob, run_distributed, start_distributed
 
 VOCAB, SEQ, MBS, MICROBATCHES = 128, 16, 2, 2
 STATE_KINDS = ("fp32_param", "exp_avg", "exp_avg_sq")
@@ -44,6 +44,11 @@ COLLECTIVE_TIMEOUT_S = 240  # a rank stuck in a collective fails the spawn inste
 def run_ranks(fn: Callable, world: int, *args: object) -> None:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks with a bounded collective timeout."""
     run_distributed(fn, world, *args, timeout_s=COLLECTIVE_TIMEOUT_S)
+
+
+def start_ranks(fn: Callable, world: int, *args: object) -> DistributedJob:
+    """:func:`run_ranks` without waiting: the caller joins the returned job."""
+    return start_distributed(fn, world, *args, timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
