@@ -16,7 +16,7 @@ from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
 from nemo_gtp.engine.copy_engine import decide_copy_engine
 from nemo_gtp.engine.runtime import GatherBackend
 from nemo_gtp.engine.timing import ExposedWaitTimer
-from nemo_gtp.testing.spawn import run_distributed
+from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
 
 
 def _mlp(seed: int) -> torch.nn.Sequential:
@@ -110,13 +110,30 @@ def _parity_worker(rank: int, world: int, per_token: bool, options: dict) -> Non
     assert runtime.tokens_per_gemm == 8
 
 
-@pytest.mark.parametrize("per_token, options", [
+PARITY_OPTIONS = [
     (False, {}),
     (True, {}),
     (False, {"gather_backend": "auto", "separate_reduce_scatter_group": True}),
-])
-def test_linear_parity_gtp2(per_token: bool, options: dict) -> None:
-    run_distributed(_parity_worker, 2, per_token, options)
+]
+
+
+def _parity_case(per_token: bool, options: dict) -> str:
+    return f"parity per_token={per_token} {options}"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
+    """Every 2-rank case of this module in one spawn (process start dominates the cost)."""
+    cases = [(_parity_case(per_token, options), _parity_worker, (per_token, options))
+             for per_token, options in PARITY_OPTIONS]
+    cases.append(("behaviour", _behaviour_worker, ()))
+    return run_cases(cases, 2, tmp_path_factory.mktemp("engine_linear"))
+
+
+@pytest.mark.parametrize("per_token, options", PARITY_OPTIONS)
+def test_linear_parity_gtp2(two_ranks: dict[str, list[Outcome]], per_token: bool,
+                            options: dict) -> None:
+    case_values(two_ranks[_parity_case(per_token, options)])
 
 
 def test_copy_engine_decision() -> None:
@@ -202,5 +219,5 @@ def _behaviour_worker(rank: int, world: int) -> None:
     assert dead() is None
 
 
-def test_prefetch_order_buffers_and_isolation() -> None:
-    run_distributed(_behaviour_worker, 2)
+def test_prefetch_order_buffers_and_isolation(two_ranks: dict[str, list[Outcome]]) -> None:
+    case_values(two_ranks["behaviour"])
