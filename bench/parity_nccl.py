@@ -1,7 +1,7 @@
 """The parity oracle on GPUs with NCCL (issue: engine "Done when").
 
-Runs the CPU test suite's GPT parity cases (tests/gpt_harness.py) on CUDA devices with NCCL,
-fp32, TF32 off, and writes one JSON line per case with the largest relative error.
+Runs the CPU test suite's GPT parity cases (``nemo_gtp.testing.gpt_harness``) on CUDA devices
+with NCCL, fp32, TF32 off, and writes one JSON line per case with the largest relative error.
 
     torchrun --nproc-per-node 2 bench/parity_nccl.py --out parity_nccl.json
 """
