@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from nemo_gtp.testing.spawn import COLLECTIVE_TIMEOUT_S
+
 VOCAB, SEQ, MBS, GBS, STEPS = 128, 16, 2, 8, 10
 BANNER_PREFIX = "GTP enabled."
 
@@ -313,6 +315,9 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
     from nemo_gtp.testing.cpu_compat import enable_cpu_compat
 
     torch.set_num_threads(1)
+    # NeMo's MegatronStrategy reads its process-group timeout from this variable (whatever the
+    # backend): a rank stuck in a collective fails the fit instead of hanging for gloo's 30 min.
+    os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(COLLECTIVE_TIMEOUT_S))
     enable_cpu_compat()
     results = []
     for index, fit in enumerate(fits):
