@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from gpt_harness import Run, build, full_tensor, train_built  # noqa: E402
-
-from nemo_gtp.integrations.megatron import load_gtp_checkpoint, save_gtp_checkpoint  # noqa: E402
+from nemo_gtp.integrations.megatron import load_gtp_checkpoint, save_gtp_checkpoint
+from nemo_gtp.testing.gpt_harness import Run, build, full_tensor, train_built
 
 
 def full_weights(setup: dict) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """The parity oracle on GPUs with NCCL (issue: engine "Done when").
 
-Runs the CPU test suite's GPT parity cases (tests/gpt_harness.py) on CUDA devices with NCCL,
-fp32, TF32 off, and writes one JSON line per case with the largest relative error.
+Runs the CPU test suite's GPT parity cases (``nemo_gtp.testing.gpt_harness``) on CUDA devices
+with NCCL, fp32, TF32 off, and writes one JSON line per case with the largest relative error.
 
     torchrun --nproc-per-node 2 bench/parity_nccl.py --out parity_nccl.json
 """
@@ -12,14 +12,12 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from gpt_harness import Run, assert_parity, train  # noqa: E402
+from nemo_gtp.testing.gpt_harness import Run, assert_parity, train
 
 CASES = {
     2: [Run(gtp=2), Run(gtp=2, per_token=True), Run(gtp=2, ffn=72, hidden=48),

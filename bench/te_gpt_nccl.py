@@ -32,13 +32,13 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 import traceback
 import warnings
 
 import torch
 import torch.distributed as dist
+from host_profile import write_host_profile
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
@@ -52,13 +52,8 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from gpt_harness import Run, _groups, load_full_weights  # noqa: E402
-from host_profile import write_host_profile  # noqa: E402
-
-from nemo_gtp.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed  # noqa: E402
-from nemo_gtp.engine import GTPConfig, GTPShardedParam, is_gtp_param  # noqa: E402
-from nemo_gtp.integrations.megatron import (  # noqa: E402
+from nemo_gtp.engine import GTPConfig, GTPShardedParam, is_gtp_param
+from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
     GTPShardPlan,
     gtp_layer_spec,
@@ -66,6 +61,7 @@ from nemo_gtp.integrations.megatron import (  # noqa: E402
     make_finalize_model_grads,
     shard_model,
 )
+from nemo_gtp.testing.gpt_harness import Run, gtp_groups, load_full_weights
 
 # mode -> (spec, gtp, pre-sharded, fused wgrad, bias)
 MODES = {
@@ -105,7 +101,12 @@ def _peak(reset: bool = False) -> int:
 
 
 def _seed(seed: int) -> None:
-    (model_parallel_cuda_manual_seed if CUDA else model_parallel_cpu_manual_seed)(seed)
+    if CUDA:
+        model_parallel_cuda_manual_seed(seed)
+    else:  # the CPU smoke test only: a GPU run never imports the CPU compatibility layer
+        from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
+
+        model_parallel_cpu_manual_seed(seed)
 
 
 def _count(name: str) -> None:
@@ -179,7 +180,7 @@ def forward_step(data_iterator, model):  # noqa: ANN001, ANN201
 def run_mode(args: argparse.Namespace, mode: str) -> dict:
     kind, gtp, presharded, fused, bias = MODES[mode]
     steps = args.bias_steps if bias else args.steps
-    groups = _groups(Run(gtp=gtp))
+    groups = gtp_groups(Run(gtp=gtp))
     config = model_config(args, bias)
     reference = reference_weights(args, kind, bias)
     gtp_config = GTPConfig()
@@ -316,7 +317,7 @@ def checks(args: argparse.Namespace) -> dict:
     from nemo_gtp.integrations.megatron.sharding.spec import presharded_classes
 
     out: dict = {"te_version": transformer_engine.__version__}
-    groups = _groups(Run(gtp=2))
+    groups = gtp_groups(Run(gtp=2))
     classes = presharded_classes()
     out["presharded_classes"] = sorted(c.__name__ for c in classes.values())
     config = copy.copy(model_config(args, False))
@@ -358,7 +359,9 @@ def main() -> None:
     args = parser.parse_args()
     if CUDA:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    else:
+    else:  # CPU smoke test of the local modes
+        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+
         enable_cpu_compat()
     dist.init_process_group("nccl" if CUDA else "gloo")
     rank = dist.get_rank()

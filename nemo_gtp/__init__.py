@@ -19,7 +19,7 @@ _LAZY = {
     "GTPDrainCallback": "nemo_gtp.strategy",
     "GTPMetricsCallback": "nemo_gtp.strategy",
     "GTPProgressBar": "nemo_gtp.strategy",
-    "SyntheticGPTDataModule": "nemo_gtp.strategy",
+    "SyntheticGPTDataModule": "nemo_gtp.recipes.data",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,5 +1,6 @@
-import os
-import sys
+"""Test-session settings shared by every test module."""
 
-sys.path.insert(0, os.path.dirname(__file__))
+import os
+
+# One BLAS thread per process: the tests spawn several ranks on a machine with few cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

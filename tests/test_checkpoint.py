@@ -1,9 +1,10 @@
 """GTP distributed checkpoints (seed §1.8, §3.3): reshard matrix, crash safety, errors, CLI.
 
 Real multi-process megatron GPTModel + DDP + optimizer on CPU/gloo, no mocks. A spawn costs
-~8 s of imports per rank on two cores, so the rank work runs in three spawns shared by the tests
-(module fixture ``run``): every save (4 ranks), one save killed mid-way (2 ranks), every load
-(4 ranks). Each test then checks its own recorded outcome.
+~8 s of imports per rank on two cores, so the rank work runs in two spawns shared by the tests
+(module fixture ``run``): one of 4 ranks makes every save, then waits while a second one of 2
+ranks makes a save that is killed mid-way, then makes every load. Each test then checks its own
+recorded outcome.
 
 Reshard matrix: after two Adam steps at layout A the full logical weights, fp32 master weights
 and Adam moments (gathered: GTP pad stripped, TP concatenated, distributed-optimizer ranges
@@ -25,7 +26,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from ckpt_harness import Layout, assert_same_state, build, full_state, run_ranks, train
 
 from nemo_gtp.checkpoint import (
     CheckpointShapeMismatchError,
@@ -38,6 +38,15 @@ from nemo_gtp.checkpoint.boxes import flat_range_boxes
 from nemo_gtp.checkpoint.io import previous_dir, staging_dir
 from nemo_gtp.checkpoint.pieces import RowMap, RowSegment
 from nemo_gtp.checkpoint.show import main as inspect_main
+from nemo_gtp.testing.ckpt_harness import (
+    Layout,
+    assert_same_state,
+    build,
+    full_state,
+    run_ranks,
+    start_ranks,
+    train,
+)
 
 WORLD = 4
 FSMS, RESHARDABLE, DP_ONLY = "fully_sharded_model_space", "fully_reshardable", "dp_reshardable"
@@ -269,28 +278,53 @@ def _load_worker(rank: int, world: int, root: str) -> None:
     dist.barrier()
 
 
+SAVED, CRASHED = "saves.done", "crash.done"  # flag files between the spawns and the fixture
+CRASH_WAIT_S = 900  # the crash spawn's imports on a loaded two-core machine, with a wide margin
+
+
+def _save_then_load_worker(rank: int, world: int, root: str) -> None:
+    """Every save; then, once the fixture ran the crash spawn, every load (one process start)."""
+    _save_worker(rank, world, root)
+    dist.barrier()
+    if rank == 0:
+        Path(root, SAVED).touch()
+    deadline = time.monotonic() + CRASH_WAIT_S
+    while not Path(root, CRASHED).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {CRASHED} after {CRASH_WAIT_S} s")
+        time.sleep(0.2)
+    _load_worker(rank, world, root)
+
+
 # ----------------------------------------------------------------------------------- fixture
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Run the three spawns once; returns the root dir, crash observations and per-rank results."""
+    """Run the two spawns once; returns the root dir, crash observations and per-rank results."""
     root = tmp_path_factory.mktemp("ckpt")
-    run_ranks(_save_worker, WORLD, str(root))
+    job = start_ranks(_save_then_load_worker, WORLD, str(root))
+    while not (root / SAVED).exists():
+        if job.poll():
+            raise AssertionError("the save/load spawn ended before its saves were done")
+        time.sleep(0.2)
     target = root / CRASH_TARGET
-    before = sorted(p.name for p in target.iterdir())
-    crash_error = None
     try:
-        run_ranks(_crash_worker, 2, str(root))
-    except Exception as err:  # noqa: BLE001 - the expected outcome, inspected by the test
-        crash_error = f"{type(err).__name__}: {err}"
-    staging = staging_dir(target)
-    crash = {
-        "error": crash_error,
-        "target_files_unchanged": sorted(p.name for p in target.iterdir()) == before,
-        "target_layout": read_layout(target).describe(),
-        "staging_has_common": (staging / "common.pt").exists(),
-        "staging_complete": (staging / "metadata.json").exists(),
-    }
-    run_ranks(_load_worker, WORLD, str(root))
+        before = sorted(p.name for p in target.iterdir())
+        crash_error = None
+        try:
+            run_ranks(_crash_worker, 2, str(root))
+        except Exception as err:  # noqa: BLE001 - the expected outcome, inspected by the test
+            crash_error = f"{type(err).__name__}: {err}"
+        staging = staging_dir(target)
+        crash = {
+            "error": crash_error,
+            "target_files_unchanged": sorted(p.name for p in target.iterdir()) == before,
+            "target_layout": read_layout(target).describe(),
+            "staging_has_common": (staging / "common.pt").exists(),
+            "staging_complete": (staging / "metadata.json").exists(),
+        }
+    finally:  # the waiting ranks go on to the loads (and end) whatever happened here
+        (root / CRASHED).touch()
+        job.join()
     results = [json.loads((root / f"results.{r}.json").read_text()) for r in range(WORLD)]
     crash["staging_after_resave"] = staging.exists()
     crash["previous_after_resave"] = previous_dir(target).exists()

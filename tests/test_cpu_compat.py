@@ -1,5 +1,5 @@
-"""Tests for nemo_gtp.cpu_compat: patch bookkeeping, the CPU RNG tracker, and real 2-process
-gloo training of a tiny megatron GPTModel (DDP + distributed optimizer + schedule)."""
+"""Tests for nemo_gtp.testing.cpu_compat: patch bookkeeping, the CPU RNG tracker, and real
+2-process gloo training of a tiny megatron GPTModel (DDP + distributed optimizer + schedule)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nemo_gtp import cpu_compat
-from nemo_gtp.cpu_compat import (
+from nemo_gtp.testing import cpu_compat
+from nemo_gtp.testing.cpu_compat import (
     CpuRNGStatesTracker,
     disable_cpu_compat,
     enable_cpu_compat,
     enabled_patches,
     model_parallel_cpu_manual_seed,
 )
-from nemo_gtp.cpu_compat import (
+from nemo_gtp.testing.cpu_compat import (
     cpu_compat as cpu_compat_ctx,
 )
 
@@ -86,14 +86,14 @@ def test_enable_disable_restore_originals() -> None:
     active = enabled_patches()
     assert len(active) == len(set(active))
     for name in (
-        "r2_cuda_stream_shims",
-        "r3_current_device_cpu",
-        "r5_optimizer_cuda_tensors",
-        "r8_schedule_token_counter",
-        "r9_cpu_rng_tracker",
-        "r10_grad_norm_cuda_tensors",
-        "r11_clip_grad_type_check",
-        "r14_distopt_type_dispatch",
+        "cuda_stream_shims",
+        "current_device_cpu",
+        "optimizer_cuda_tensors",
+        "schedule_token_counter",
+        "cpu_rng_tracker",
+        "grad_norm_cuda_tensors",
+        "clip_grad_type_check",
+        "distopt_type_dispatch",
     ):
         assert name in active
     assert not any(info.nemo and info.name in active for info in cpu_compat.all_patches())
@@ -188,7 +188,7 @@ def test_nemo_patches_restore_originals(monkeypatch: pytest.MonkeyPatch) -> None
 
     before = (megatron_init._set_random_seed, data_sampler.torch, megatron_strategy.torch)
     enable_cpu_compat(nemo=True)
-    for name in ("r9_nemo_random_seed", "r12_nemo_strategy_logging", "r13_nemo_sampler_logging"):
+    for name in ("nemo_random_seed", "nemo_strategy_logging", "nemo_sampler_logging"):
         assert name in enabled_patches()
     during = (megatron_init._set_random_seed, data_sampler.torch, megatron_strategy.torch)
     assert all(d is not b for d, b in zip(during, before, strict=True))
@@ -383,7 +383,7 @@ def test_dp2_distributed_optimizer_trains(
         assert all(math.isfinite(x) for x in result["losses"] + result["grad_norms"])
         assert result["losses"] == dp_results[0]["losses"]
         assert result["grad_norms"] == dp_results[0]["grad_norms"]
-        assert "r14_distopt_type_dispatch" in result["patches"]
+        assert "distopt_type_dispatch" in result["patches"]
     losses = dp_results[0]["losses"]
     assert abs(losses[0] - math.log(VOCAB)) < 0.5  # random init
     assert losses[-1] < losses[0]

@@ -3,6 +3,9 @@
 megatron-core GPTModel (local spec), megatron DDP and optimizer, fp32, same global batch:
 losses, every gradient (gathered to full), grad norms and the weights after 10 optimizer steps
 agree within 1e-5 relative.
+
+One spawn per world size (process start + imports dominate on CPU); every case of a world size,
+and the DDP group check, runs in it (module fixtures ``two_ranks`` / ``four_ranks``).
 """
 
 from __future__ import annotations
@@ -11,37 +14,58 @@ import dataclasses
 import gc
 import weakref
 
-from dist_utils import run_distributed
-from gpt_harness import Run, _groups, assert_parity, train
+import pytest
 
-from nemo_gtp.cpu_compat import enable_cpu_compat
+from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+from nemo_gtp.testing.gpt_harness import Run, assert_parity, gtp_groups, train
+from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
+
+# GTPConfig knobs that only act on GTP shards: a run without GTP (the reference) ignores them.
+_GTP_ONLY = {"pad": Run.pad, "fp32_accum": Run.fp32_accum, "gather_backend": Run.gather_backend,
+             "ce_min_tokens": Run.ce_min_tokens, "separate_rs": Run.separate_rs}
 
 
-def _worker(rank: int, world: int, cases: list[Run]) -> None:
-    # First here, not inside the first train(): NeMo's import keeps a frame chain alive, and
-    # with it the locals of whoever called the import (the first model, otherwise).
-    enable_cpu_compat()
-    for case in cases:
-        reference = train(dataclasses.replace(case, gtp=1))
-        result = train(case)
-        runtime = result["runtime"]
-        assert runtime is not None and len(runtime.params) == 8  # qkv, proj, fc1, fc2 x 2
-        assert runtime.stats.fallback_allocations == 0
-        assert runtime.stats.prefetches > 0
-        assert max(runtime.max_live_buffers.values()) <= 2  # live gathered buffers per chain
-        try:
-            worst = assert_parity(result, reference)
-        except AssertionError as err:
-            raise AssertionError(f"{case}: {err}") from None
-        print(f"[parity] rank {rank} {case}: max rel err {worst:.2e}", flush=True)
-        if case.shard_replicated:
-            _check_replicated_state_sharded(case, result, reference)
-        # Nothing outlives the model: weights, grad buffers and optimizer state are freed once
-        # the training objects are dropped (DDP's GTP grad-ready hook holds only weak refs).
-        runtime_ref = weakref.ref(runtime)
-        del result, runtime, reference
-        gc.collect()
-        assert runtime_ref() is None, f"{case}: the GTP model outlived every reference to it"
+def _reference_run(case: Run) -> Run:
+    """The non-GTP run ``case`` must reproduce (GTP-only knobs at their defaults)."""
+    return dataclasses.replace(case, gtp=1, **_GTP_ONLY)
+
+
+def _setup(rank: int, world: int) -> None:
+    # First, not inside the first train(): an import there keeps a frame chain alive, and with
+    # it the locals of whoever called the import (the first model, otherwise). megatron only:
+    # these tests never need NeMo's patches (importing NeMo costs ~7 s CPU per rank).
+    enable_cpu_compat(nemo=False)
+
+
+_REFERENCES: dict[Run, dict] = {}
+
+
+def _parity_case(rank: int, world: int, case: Run) -> float:
+    """Train ``case`` and its reference (each reference once per process); check parity."""
+    reference_run = _reference_run(case)
+    if reference_run not in _REFERENCES:
+        _REFERENCES[reference_run] = train(reference_run)
+    reference = _REFERENCES[reference_run]
+    result = train(case)
+    runtime = result["runtime"]
+    assert runtime is not None and len(runtime.params) == 8  # qkv, proj, fc1, fc2 x 2
+    assert runtime.stats.fallback_allocations == 0
+    assert runtime.stats.prefetches > 0
+    assert max(runtime.max_live_buffers.values()) <= 2  # live gathered buffers per chain
+    try:
+        worst = assert_parity(result, reference)
+    except AssertionError as err:
+        raise AssertionError(f"{case}: {err}") from None
+    print(f"[parity] rank {rank} {case}: max rel err {worst:.2e}", flush=True)
+    if case.shard_replicated:
+        _check_replicated_state_sharded(case, result, reference)
+    # Nothing outlives the model: weights, grad buffers and optimizer state are freed once
+    # the training objects are dropped (DDP's GTP grad-ready hook holds only weak refs).
+    runtime_ref = weakref.ref(runtime)
+    del result, runtime
+    gc.collect()
+    assert runtime_ref() is None, f"{case}: the GTP model outlived every reference to it"
+    return worst
 
 
 def _check_replicated_state_sharded(case: Run, result: dict, reference: dict) -> None:
@@ -52,7 +76,6 @@ def _check_replicated_state_sharded(case: Run, result: dict, reference: dict) ->
         f"{case}: {held} Adam elements per rank vs {ref_held} without GTP")
 
 
-# One spawn per world size (process start + imports dominate on CPU); each case says which it is.
 CASES_2 = [
     Run(gtp=2),                                               # TP1·GTP2
     Run(gtp=2, per_token=True),                               # per-token loss (SUM)
@@ -79,8 +102,7 @@ def _wrong_data_group_worker(rank: int, world: int) -> None:
     from nemo_gtp.engine import GTPConfig, GTPRuntime, shard_linear
     from nemo_gtp.integrations.megatron import GTPDistributedDataParallel, gtp_process_groups
 
-    enable_cpu_compat()
-    groups = _groups(Run(gtp=2))
+    groups = gtp_groups(Run(gtp=2))
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
     for over_gtp in (False, True):
         config = GTPConfig(shard_replicated_params_over_gtp=over_gtp)
@@ -95,13 +117,37 @@ def _wrong_data_group_worker(rank: int, world: int) -> None:
                 GTPDistributedDataParallel(None, ddp_config, model)
 
 
-def test_parity_two_ranks() -> None:
-    run_distributed(_worker, 2, CASES_2)
+def _cases(runs: list[Run]) -> list:
+    return [("setup", _setup, ()),
+            *((f"parity {run}", _parity_case, (run,)) for run in runs)]
 
 
-def test_ddp_refuses_groups_that_do_not_match_the_gtp_config() -> None:
-    run_distributed(_wrong_data_group_worker, 2)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
+    cases = _cases(CASES_2) + [("wrong data group", _wrong_data_group_worker, ())]
+    return run_cases(cases, 2, tmp_path_factory.mktemp("parity2"))
 
 
-def test_parity_four_ranks() -> None:
-    run_distributed(_worker, 4, CASES_4)
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
+    return run_cases(_cases(CASES_4), 4, tmp_path_factory.mktemp("parity4"))
+
+
+def _check_all(outcomes: dict[str, list[Outcome]], runs: list[Run]) -> None:
+    case_values(outcomes["setup"])
+    for run in runs:
+        case_values(outcomes[f"parity {run}"])
+
+
+def test_parity_two_ranks(two_ranks: dict[str, list[Outcome]]) -> None:
+    _check_all(two_ranks, CASES_2)
+
+
+def test_ddp_refuses_groups_that_do_not_match_the_gtp_config(
+    two_ranks: dict[str, list[Outcome]],
+) -> None:
+    case_values(two_ranks["wrong data group"])
+
+
+def test_parity_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:
+    _check_all(four_ranks, CASES_4)

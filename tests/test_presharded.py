@@ -13,15 +13,12 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
-from gpt_harness import Run, _groups, assert_parity, build, train, train_built
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from nemo_gtp.cpu_compat import enable_cpu_compat
 from nemo_gtp.engine import GTPConfig
 from nemo_gtp.integrations.megatron import (
     GTPShardPlan,
@@ -31,6 +28,9 @@ from nemo_gtp.integrations.megatron import (
 )
 from nemo_gtp.integrations.megatron.sharding.built import PreShardedLinearMixin, presharded_class
 from nemo_gtp.integrations.megatron.sharding.spec import presharded_classes
+from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+from nemo_gtp.testing.gpt_harness import Run, assert_parity, build, gtp_groups, train, train_built
+from nemo_gtp.testing.spawn import run_distributed
 
 
 def _config(**overrides: object) -> TransformerConfig:
@@ -128,9 +128,9 @@ def _unit_checks(groups) -> None:  # noqa: ANN001
 
 
 def _worker(rank: int, world: int) -> None:
-    enable_cpu_compat()
+    enable_cpu_compat(nemo=False)  # megatron only (importing NeMo costs ~7 s CPU per rank)
     run = Run(gtp=2, presharded=True, steps=4)
-    _unit_checks(_groups(run))
+    _unit_checks(gtp_groups(run))
     for case in (run, dataclasses.replace(run, ffn=72, hidden=48)):
         setup = build(case)
         layer = setup["model"].decoder.layers[0]

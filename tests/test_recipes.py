@@ -40,7 +40,7 @@ def test_main_job_gtp_matches_baseline_in_one_launch() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         [sys.executable, "-m", "nemo_gtp.run", TINY, "trainer.max_steps=5", "--compare-baseline"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     rows = re.findall(r"^\s+(\d+) \|\s+([\d.]+) \|\s+([\d.]+) \| ([\d.e+-]+)$", result.stdout,

@@ -3,8 +3,8 @@
 Parity oracle: GTP at (TP=t, GTP=g, DP=d) reproduces plain ``MegatronStrategy`` at (TP=t,
 DP=g*d) at the same global batch: per-step loss and grad norm within 1e-5 relative (fp32), for
 10 steps of NeMo's llm.GPTModel (local spec), megatron DDP + distributed Adam, clip_grad=1.0, a
-cosine LR schedule with warmup. The fits of one world size share one spawn (see
-``strategy_harness``).
+cosine LR schedule with warmup. The 2-rank fits share one spawn; the 4-rank ones share theirs
+with ``test_strategy_checkpoint.py``'s first launch (``strategy_harness.shared_launch``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,17 @@ import types
 from typing import Any
 
 import pytest
-from strategy_harness import BANNER_PREFIX, GBS, MBS, STEPS, Fit, run_fits
 
 from nemo_gtp.engine import GTPConfig
+from nemo_gtp.testing.strategy_harness import (
+    BANNER_PREFIX,
+    GBS,
+    MBS,
+    STEPS,
+    Fit,
+    run_fits,
+    shared_launch,
+)
 
 TOL = 1e-5
 
@@ -43,11 +51,15 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
     return _by_name(run_fits(fits, 2, tmp_path_factory.mktemp("two")))
 
 
+FOUR_RANK_FITS = [Fit("base_tp1_dp4"), Fit("tp1_gtp2_dp2", gtp=2),
+                  Fit("base_tp2_dp2", tp=2), Fit("tp2_gtp2", tp=2, gtp=2)]
+shared_launch(4).add(FOUR_RANK_FITS)  # one 4-rank spawn with test_strategy_checkpoint's first
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    fits = [Fit("base_tp1_dp4"), Fit("tp1_gtp2_dp2", gtp=2),
-            Fit("base_tp2_dp2", tp=2), Fit("tp2_gtp2", tp=2, gtp=2)]
-    return _by_name(run_fits(fits, 4, tmp_path_factory.mktemp("four")))
+    results = shared_launch(4).results(tmp_path_factory)
+    return {fit.name: results[fit.name] for fit in FOUR_RANK_FITS}
 
 
 def _assert_parity(gtp: list[dict[str, Any]], base: list[dict[str, Any]], tol: float = TOL,

@@ -1,7 +1,8 @@
 """Checkpoints through ``GTPMegatronStrategy`` (issue 4 item 3): NeMo's ``torch_dist`` path.
 
 Real ``nl.Trainer`` fits on 4 CPU/gloo ranks, in two launches so the resume really starts in
-fresh processes (the first launch is the job that gets killed):
+fresh processes (the first launch is the job that gets killed; it shares its spawn with
+``test_strategy.py``'s 4-rank fits):
 
 launch 1
   ``gtp_20``      TP1·GTP2·DP2, 20 steps uninterrupted (the reference curve)
@@ -29,7 +30,8 @@ from typing import Any
 
 import pytest
 import torch
-from strategy_harness import Fit, run_fits
+
+from nemo_gtp.testing.strategy_harness import Fit, run_fits, shared_launch
 
 WORLD = 4
 
@@ -38,24 +40,28 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
+# Launch 1 needs no fresh processes: it shares its spawn with test_strategy.py's 4-rank fits.
+# Paths are relative to the shared launch's directory.
+FIRST_LAUNCH = [
+    Fit("gtp_20", gtp=2, steps=20),
+    Fit("gtp_killed", gtp=2, steps=20, stop_after=10, checkpoint_every=10,
+        checkpoint_dir="gtp_ckpts", weights_to="gtp_killed.pt"),
+    Fit("plain_tp1", steps=10, checkpoint_every=10, checkpoint_dir="plain_ckpts",
+        weights_to="plain.pt", strategy_kwargs={"ckpt_save_optimizer": False}),
+]
+shared_launch(WORLD).add(FIRST_LAUNCH)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("strategy_ckpt")
+    launch = shared_launch(WORLD)
+    out1 = launch.results(tmp_path_factory)
+    root: Path = launch.out_dir
     ckpts, plain_ckpts = root / "gtp_ckpts", root / "plain_ckpts"
-    for sub in ("launch1", "launch2"):
-        (root / sub).mkdir()
-    first = [
-        Fit("gtp_20", gtp=2, steps=20),
-        Fit("gtp_killed", gtp=2, steps=20, stop_after=10, checkpoint_every=10,
-            checkpoint_dir=str(ckpts), weights_to=str(root / "gtp_killed.pt")),
-        Fit("plain_tp1", steps=10, checkpoint_every=10, checkpoint_dir=str(plain_ckpts),
-            weights_to=str(root / "plain.pt"), strategy_kwargs={"ckpt_save_optimizer": False}),
-    ]
-    out1 = run_fits(first, WORLD, root / "launch1")
     saved = sorted(p for p in ckpts.iterdir() if not p.name.startswith("."))
     assert len(saved) == 1, saved  # one ModelCheckpoint save, at step 10
     plain_ckpt = max(plain_ckpts.iterdir())
-    second = [
+    second = [  # fresh processes: the resumed job does not share the killed job's
         Fit("gtp_resume", gtp=2, steps=20, resume_from=str(saved[0])),
         Fit("gtp4_resume", gtp=4, steps=20, resume_from=str(saved[0])),
         Fit("gtp_from_plain", gtp=2, steps=10, resume_from=str(plain_ckpt),
@@ -65,8 +71,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             weights_to=str(root / "plain_from_gtp.pt"),
             strategy_kwargs={"ckpt_load_optimizer": False}),
     ]
+    (root / "launch2").mkdir()
     out2 = run_fits(second, WORLD, root / "launch2")
-    results = {fit["name"]: fit for fit in out1[0] + out2[0]}  # rank 0's view
+    results = {fit.name: out1[fit.name][0] for fit in FIRST_LAUNCH}  # rank 0's view
+    results.update({fit["name"]: fit for fit in out2[0]})
     return {"root": root, "saved": saved[0], "plain_ckpt": plain_ckpt, **results}
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
+from nemo_gtp.testing.spawn import run_distributed
 
 
 def _as_list(value: object) -> list:

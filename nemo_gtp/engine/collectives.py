@@ -149,7 +149,8 @@ def quiet_flight_recorder() -> str | None:
     step, and under NeMo's call depth each capture cost ~150 µs of host time (2xH200, 1B
     recipe at 2k tokens per GPU: 288 collectives, ~40 ms per step, the GPU idle meanwhile;
     ``bench/results``). The recorder is a process-wide singleton that reads its size once, when
-    the first NCCL process group is created: so this sets ``TORCH_FR_BUFFER_SIZE=0`` only if
+    the first NCCL process group is created: so this sets ``TORCH_FR_BUFFER_SIZE=0`` (and its
+    older name ``TORCH_NCCL_TRACE_BUFFER_SIZE``, which ProcessGroupNCCL reads itself) only if
     neither variable is set and ``torch.distributed`` is not initialized yet; otherwise it
     returns advice. An explicit setting always wins (set it to keep the recorder for hang
     debugging).
@@ -166,6 +167,7 @@ def quiet_flight_recorder() -> str | None:
         return ("GTP: torch's NCCL flight recorder is on and records a Python stack for each of "
                 "GTP's ~3 collectives per weight per step (host-bound small steps); set "
                 "TORCH_FR_BUFFER_SIZE=0 before torch.distributed initializes to turn it off")
-    os.environ["TORCH_FR_BUFFER_SIZE"] = "0"
+    for key in FLIGHT_RECORDER_ENV:  # the recorder reads the new name, ProcessGroupNCCL the old
+        os.environ[key] = "0"
     return ("GTP: TORCH_FR_BUFFER_SIZE=0 (torch's NCCL flight recorder off: it records a Python "
             "stack per collective, ~3 per weight per step under GTP); set it to keep the recorder")

@@ -5,6 +5,8 @@ Example::
     python -m nemo_gtp.run configs/tiny_cpu.yaml trainer.max_steps=50 strategy.num_weight_shards=4
 """
 
+from typing import Any
+
 from nemo_gtp.recipes.config import load_recipe
 
 
@@ -14,4 +16,14 @@ def build_fit(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
 
     return _build_fit(*args, **kwargs)
 
-__all__ = ["build_fit", "load_recipe"]
+
+def __getattr__(name: str) -> Any:
+    """``SyntheticGPTDataModule`` / ``ArithmeticGPTDataModule``, imported on first use (NeMo)."""
+    if name in ("ArithmeticGPTDataModule", "SyntheticGPTDataModule"):
+        from nemo_gtp.recipes import data
+
+        return getattr(data, name)
+    raise AttributeError(f"module 'nemo_gtp.recipes' has no attribute {name!r}")
+
+
+__all__ = ["ArithmeticGPTDataModule", "SyntheticGPTDataModule", "build_fit", "load_recipe"]

@@ -1,8 +1,20 @@
-"""A learnable synthetic GPT dataset, so a demo's loss visibly goes down (random tokens cannot).
+"""The recipes' synthetic GPT data: NeMo's mock data with its bugs fixed, and a learnable variant.
 
-Sample ``i`` is an arithmetic token sequence ``(start + stride * t) mod V`` with ``start`` and
-``stride`` drawn from ``numpy.random.default_rng(seed + i)``: a model learns to infer the stride
-from the context and predict the next token.
+``SyntheticGPTDataModule``
+    ``nemo.collections.llm.gpt.data.mock.MockDataModule.setup`` (NeMo 2.7.3) passes
+    ``create_attention_mask`` positionally into ``_MockGPTDataset``'s ``seed`` slot. The datasets
+    therefore never emit an ``attention_mask`` (and use seed ``int(flag)``), so without
+    TransformerEngine ``gpt_forward_step`` fails with "dataloader did not provide an attention
+    mask". The subclass passes both by keyword. ``MockDataModule`` also keeps no data position
+    in checkpoints, so a resumed fit restarts at sample 0; the subclass saves and restores the
+    consumed-sample count with NeMo's ``PreTrainingDataModule`` methods, so a resumed run sees
+    exactly the samples the uninterrupted run would have. Everything else is
+    ``MockDataModule``'s.
+``ArithmeticGPTDataModule``
+    A learnable synthetic dataset, so a demo's loss visibly goes down (random tokens cannot).
+    Sample ``i`` is an arithmetic token sequence ``(start + stride * t) mod V`` with ``start``
+    and ``stride`` drawn from ``numpy.random.default_rng(seed + i)``: a model learns to infer the
+    stride from the context and predict the next token.
 """
 
 from __future__ import annotations
@@ -11,9 +23,53 @@ from typing import Any
 
 import numpy as np
 import torch
-from nemo.collections.llm.gpt.data.mock import _MockGPTDataset
+from nemo.collections.llm.gpt.data.mock import MockDataModule, _MockGPTDataset
+from nemo.collections.llm.gpt.data.pre_training import PreTrainingDataModule
 
-from nemo_gtp.strategy.nemo_compat import SyntheticGPTDataModule
+__all__ = ["ArithmeticGPTDataModule", "SyntheticGPTDataModule"]
+
+
+class SyntheticGPTDataModule(MockDataModule):
+    """NeMo's random-token ``MockDataModule`` with the attention-mask / seed bug fixed.
+
+    Sample ``i`` of a split is ``numpy.random.default_rng(seed + i)`` tokens, so every data
+    rank's samples are reproducible and distinct (the Megatron sampler hands out indices).
+
+    Example::
+
+        data = SyntheticGPTDataModule(seq_length=32, tokenizer=NullTokenizer(255),
+                                      micro_batch_size=2, global_batch_size=8,
+                                      num_workers=0, pin_memory=False)
+    """
+
+    def __init__(self, *args: Any, seed: int = 42, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seed = seed
+        self.init_global_step = 0
+
+    def _create_dataloader(self, dataset: Any, **kwargs: Any) -> Any:
+        # The step this fit's data stream starts at (after any restore): consumed samples are
+        # counted from here on top of the restored count.
+        self.init_global_step = self.trainer.global_step
+        self.data_sampler.init_global_step = self.init_global_step
+        return super()._create_dataloader(dataset, **kwargs)
+
+    # The consumed-sample position in checkpoints, exactly as NeMo's pre-training data module
+    # keeps it (both read ``data_sampler``, ``trainer`` and ``init_global_step``).
+    state_dict = PreTrainingDataModule.state_dict
+    load_state_dict = PreTrainingDataModule.load_state_dict
+
+    def setup(self, stage: str = "") -> None:
+        """Build the three splits with ``seed`` and ``create_attention_mask`` by keyword."""
+        for attr, name, num in (
+            ("_train_ds", "train", self.num_train_samples),
+            ("_validation_ds", "valid", self.num_val_samples),
+            ("_test_ds", "test", self.num_test_samples),
+        ):
+            setattr(self, attr, _MockGPTDataset(
+                self.tokenizer, name, num, self.seq_length, seed=self.seed,
+                create_attention_mask=self.create_attention_mask,
+            ))
 
 
 class _ArithmeticGPTDataset(_MockGPTDataset):

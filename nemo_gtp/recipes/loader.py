@@ -55,7 +55,7 @@ def _plain(section: Any) -> dict[str, Any]:
 def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
     """Build trainer, GPT model and data module from a loaded recipe."""
     if cfg.get("cpu_compat", False):
-        from nemo_gtp.cpu_compat import enable_cpu_compat
+        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
 
         enable_cpu_compat(nemo=True)
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -66,8 +66,8 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
     from nemo_gtp.engine import GTPConfig
-    from nemo_gtp.recipes.data import ArithmeticGPTDataModule
-    from nemo_gtp.strategy import GTPDrainCallback, GTPMegatronStrategy, SyntheticGPTDataModule
+    from nemo_gtp.recipes.data import ArithmeticGPTDataModule, SyntheticGPTDataModule
+    from nemo_gtp.strategy import GTPDrainCallback, GTPMegatronStrategy
 
     data_cfg = _plain(cfg.data)
     vocab = data_cfg.pop("vocab_size")
@@ -77,7 +77,7 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
         if key in model_cfg:
             model_cfg[key] = _DTYPES[model_cfg[key]]
     if cfg.get("cpu_compat", False):
-        from nemo_gtp.cpu_compat import cpu_gpt_data_step
+        from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
 
         model_cfg.setdefault("use_cpu_initialization", True)
         model_cfg["data_step_fn"] = cpu_gpt_data_step

@@ -3,6 +3,8 @@
 Importing this package imports NeMo and Lightning; ``nemo_gtp.engine`` never does.
 """
 
+# SyntheticGPTDataModule lives with the recipes' data; re-exported where it was public before.
+from nemo_gtp.recipes.data import SyntheticGPTDataModule
 from nemo_gtp.strategy.accounting import MemoryFootprint, memory_footprint
 from nemo_gtp.strategy.callbacks import (
     GTPDrainCallback,
@@ -12,7 +14,6 @@ from nemo_gtp.strategy.callbacks import (
 )
 from nemo_gtp.strategy.cuda_graphs import cuda_graphs_enabled, enforce_cuda_graph_warmup
 from nemo_gtp.strategy.megatron_strategy import GTPMegatronStrategy, gtp_banner
-from nemo_gtp.strategy.nemo_compat import SyntheticGPTDataModule
 
 __all__ = [
     "GTPDrainCallback", "GTPMegatronStrategy", "GTPMetricsCallback", "GTPProgressBar",

@@ -2,13 +2,13 @@
 
 What it is for
 --------------
-Only for the tests and the CPU demo. megatron-core and NeMo assume a CUDA device in a
-handful of places. This module patches exactly those places so that these run on a
-CPU-only torch with the gloo backend: megatron's ``GPTModel`` (local layer spec),
-megatron's ``DistributedDataParallel``, ``get_megatron_optimizer`` (including the distributed
-optimizer and gradient clipping), the ``forward_backward_no_pipelining`` schedule, and NeMo's
-``MegatronStrategy`` with ``nl.Trainer(accelerator="cpu")``. Nothing here is meant for a
-GPU run.
+Only for the tests and the CPU recipes (``cpu_compat: true``, e.g. the README's main job).
+megatron-core and NeMo assume a CUDA device in a handful of places. This module patches exactly
+those places so that these run on a CPU-only torch with the gloo backend: megatron's
+``GPTModel`` (local layer spec), megatron's ``DistributedDataParallel``,
+``get_megatron_optimizer`` (including the distributed optimizer and gradient clipping), the
+``forward_backward_no_pipelining`` schedule, and NeMo's ``MegatronStrategy`` with
+``nl.Trainer(accelerator="cpu")``. Nothing here is meant for a GPU run.
 
 How to switch it on
 -------------------
@@ -17,75 +17,83 @@ Nothing is patched on import. Call :func:`enable_cpu_compat` (idempotent) and
 manager. Enabling raises ``RuntimeError`` when ``torch.cuda.is_available()`` is True.
 After ``parallel_state.initialize_model_parallel`` call :func:`model_parallel_cpu_manual_seed`
 (the CPU counterpart of megatron's ``model_parallel_cuda_manual_seed``). With NeMo the seeding
-happens inside the strategy (patch ``r9_nemo_random_seed``). Pass
-``GPTConfig(data_step_fn=cpu_gpt_data_step)`` for R6. Also set
-``TransformerConfig(use_cpu_initialization=True)`` (R1, a setting, not a patch).
+happens inside the strategy (patch ``nemo_random_seed``). With NeMo's ``llm.GPTModel`` also pass
+``GPTConfig(data_step_fn=cpu_gpt_data_step)`` (a function, not a patch: see the table). Also set
+``TransformerConfig(use_cpu_initialization=True)``: megatron's default initializes weights on
+the GPU (a setting, not a patch).
 
 Patches (``all_patches()`` lists them, ``enabled_patches()`` lists the active ones)
 -------------------------------------------------------------------------------------
-Obstacle numbers refer to ``shared/notes/nemo_cpu.md``; sites are package-relative.
+Each patch is named by what it does; sites are package-relative. The NeMo ones are applied only
+with ``enable_cpu_compat(nemo=True)`` (or ``None`` when NeMo imports).
 
-====  ==========================  =============================================================
-R     patch                       site -> fix
-====  ==========================  =============================================================
-R2    r2_cuda_stream_shims        nemo/lightning/megatron_parallel.py:MegatronParallel.
-                                  init_model_parallel (and mcore DDP's communication_stream)
-                                  -> torch.cuda.Stream/stream/current_stream/default_stream/
-                                  synchronize become no-op stand-ins
-R3    r3_current_device_cpu       megatron/core/distributed/param_and_grad_buffer.py:
-                                  _ParamAndGradBuffer.__init__, utils.py:GlobalMemoryBuffer,
-                                  tensor_parallel/mappings.py -> torch.cuda.current_device()
-                                  returns torch.device("cpu") (megatron only uses it as device=)
-R5    r5_optimizer_cuda_tensors   megatron/core/optimizer/optimizer.py:FP32Optimizer/
-                                  MixedPrecisionOptimizer.__init__ -> module-local ``torch``
-                                  whose factories map cuda devices to cpu
-R8    r8_schedule_token_counter   megatron/core/pipeline_parallel/schedules.py:
-                                  forward_backward_no_pipelining -> same, total_num_tokens
-R9    r9_cpu_rng_tracker          megatron/core/tensor_parallel/random.py:
-                                  _CUDA_RNG_STATE_TRACKER (forked by DotProductAttention) ->
-                                  CpuRNGStatesTracker installed; model_parallel_cuda_manual_seed
-                                  redirected to model_parallel_cpu_manual_seed
-R9    r9_nemo_random_seed         nemo/lightning/megatron_init.py:_set_random_seed (skips the
-                                  tracker without GPUs) -> also seeds the CPU tracker
-R10   r10_grad_norm_cuda_tensors  megatron/core/optimizer/clip_grads.py:get_grad_norm_fp32/
-                                  count_zeros_fp32, megatron/core/utils.py:
-                                  local_multi_tensor_l2_norm -> module-local ``torch``
-R11   r11_clip_grad_type_check    megatron/core/optimizer/clip_grads.py:
-                                  clip_grad_by_total_norm_fp32 (``.type()`` assert) -> runs
-                                  while Tensor.type() reports torch.cuda.* names (see below)
-R12   r12_nemo_strategy_logging   nemo/lightning/pytorch/strategies/megatron_strategy.py:
-                                  MegatronStrategy.training_step/optimizer_step ->
-                                  module-local ``torch``: pin_memory dropped, .to("cuda") on cpu
-R13   r13_nemo_sampler_logging    nemo/lightning/pytorch/plugins/data_sampler.py:
-                                  MegatronDataSampler.on_megatron_step_end -> same as R12
-R14   r14_distopt_type_dispatch   megatron/core/optimizer/distrib_optimizer.py:
-                                  DistributedOptimizer.__init__ (incl. _build_model_and_main_
-                                  param_groups); optimizer.py:Float16OptimizerWithFloat16Params
-                                  (bf16/fp16, untested) -> constructors run under CUDA names
-R15   r15_nemo_checkpoint_io      nemo/lightning/io/pl.py:MegatronCheckpointIO.__init__ ->
-                                  ``parallel_load`` off (megatron's fully-parallel load moves
-                                  shards between ranks through CUDA tensors);
-                                  _fix_tensors_device (asserts CUDA is initialized) -> identity
-R6    (function, not a patch)     nemo/collections/llm/gpt/model/base.py:gpt_data_step
-                                  (val.cuda()) -> :func:`cpu_gpt_data_step`
-====  ==========================  =============================================================
+==========================  ===================================================================
+patch                       site -> fix
+==========================  ===================================================================
+cuda_stream_shims           nemo/lightning/megatron_parallel.py:MegatronParallel.
+                            init_model_parallel (and mcore DDP's communication_stream)
+                            -> torch.cuda.Stream/stream/current_stream/default_stream/
+                            synchronize become no-op stand-ins
+current_device_cpu          megatron/core/distributed/param_and_grad_buffer.py:
+                            _ParamAndGradBuffer.__init__, utils.py:GlobalMemoryBuffer,
+                            tensor_parallel/mappings.py -> torch.cuda.current_device()
+                            returns torch.device("cpu") (megatron only uses it as device=)
+optimizer_cuda_tensors      megatron/core/optimizer/optimizer.py:FP32Optimizer/
+                            MixedPrecisionOptimizer.__init__ -> module-local ``torch``
+                            whose factories map cuda devices to cpu
+schedule_token_counter      megatron/core/pipeline_parallel/schedules.py:
+                            forward_backward_no_pipelining -> same, total_num_tokens
+cpu_rng_tracker             megatron/core/tensor_parallel/random.py:
+                            _CUDA_RNG_STATE_TRACKER (forked by DotProductAttention) ->
+                            CpuRNGStatesTracker installed; model_parallel_cuda_manual_seed
+                            redirected to model_parallel_cpu_manual_seed
+grad_norm_cuda_tensors      megatron/core/optimizer/clip_grads.py:get_grad_norm_fp32/
+                            count_zeros_fp32, megatron/core/utils.py:
+                            local_multi_tensor_l2_norm -> module-local ``torch``
+clip_grad_type_check        megatron/core/optimizer/clip_grads.py:
+                            clip_grad_by_total_norm_fp32 (``.type()`` assert) -> runs
+                            while Tensor.type() reports torch.cuda.* names (see below)
+distopt_type_dispatch       megatron/core/optimizer/distrib_optimizer.py:
+                            DistributedOptimizer.__init__ (incl. _build_model_and_main_
+                            param_groups); optimizer.py:Float16OptimizerWithFloat16Params
+                            (bf16/fp16) -> constructors run under CUDA names
+nemo_random_seed (NeMo)     nemo/lightning/megatron_init.py:_set_random_seed (skips the
+                            tracker without GPUs) -> also seeds the CPU tracker
+nemo_strategy_logging       nemo/lightning/pytorch/strategies/megatron_strategy.py:
+(NeMo)                      MegatronStrategy.training_step/optimizer_step ->
+                            module-local ``torch``: pin_memory dropped, .to("cuda") on cpu
+nemo_sampler_logging        nemo/lightning/pytorch/plugins/data_sampler.py:
+(NeMo)                      MegatronDataSampler.on_megatron_step_end -> same as
+                            nemo_strategy_logging
+nemo_checkpoint_io (NeMo)   nemo/lightning/io/pl.py:MegatronCheckpointIO.__init__ ->
+                            ``parallel_load`` off (megatron's fully-parallel load moves
+                            shards between ranks through CUDA tensors);
+                            _fix_tensors_device (asserts CUDA is initialized) -> identity
+cpu_gpt_data_step           nemo/collections/llm/gpt/model/base.py:gpt_data_step
+(function, not a patch)     (val.cuda()) -> :func:`cpu_gpt_data_step`
+==========================  ===================================================================
 
-Not handled: R4 (does not apply to megatron-core 0.15.3) and R7 (``MockDataModule`` attention
-mask, handled elsewhere). Not covered either: activation recomputation (megatron's
-``CheckpointFunction`` saves CUDA RNG states), pipeline/context/sequence parallelism, MoE,
-asynchronous checkpoint save, the NeMo memory logging (``log_memory_usage``).
+Not here: NeMo's ``MockDataModule`` never emits an attention mask (it passes
+``create_attention_mask`` into the dataset's ``seed`` slot), which
+``nemo_gtp.recipes.data.SyntheticGPTDataModule`` fixes. Not covered either: activation
+recomputation (megatron's ``CheckpointFunction`` saves CUDA RNG states),
+pipeline/context/sequence parallelism, MoE, asynchronous checkpoint save, the NeMo memory
+logging (``log_memory_usage``).
 
 Why a module-local ``torch`` instead of a ``TorchFunctionMode``
 ---------------------------------------------------------------
-R5, R8, R10, R12 and R13 are hard-coded ``device="cuda"`` / ``pin_memory=True`` factory
-calls. Instead of a process-wide mode, the patch replaces the name ``torch`` in the globals of
-the one module that holds the call with a :class:`_CudaToCpuTorch` stand-in. It forwards every
+``optimizer_cuda_tensors``, ``schedule_token_counter``, ``grad_norm_cuda_tensors``,
+``nemo_strategy_logging`` and ``nemo_sampler_logging`` fix hard-coded ``device="cuda"`` /
+``pin_memory=True`` factory calls. Instead of a process-wide mode, the patch replaces the name
+``torch`` in the globals of the one module that holds the call with a :class:`_CudaToCpuTorch`
+stand-in. It forwards every
 attribute to the real ``torch``, except the factory functions (``tensor``, ``zeros``, ...),
 which map a cuda ``device=`` to cpu. A ``pin_memory=True`` request (NeMo's "stage a scalar to
 the GPU" idiom) is dropped, and the result's ``.to("cuda")``/``.cuda()`` stay on the CPU.
 Code outside those modules is not affected.
 
-R11 and R14 dispatch on ``param.type() == "torch.cuda.FloatTensor"``. The patches wrap the
+``clip_grad_type_check`` and ``distopt_type_dispatch`` fix code that dispatches on
+``param.type() == "torch.cuda.FloatTensor"``. The patches wrap the
 one function or constructor that does it. For the length of that call, ``torch.Tensor.type()``
 with no arguments reports a CPU tensor under its ``torch.cuda.*`` name. That is a
 process-wide change for the length of the call, so it is not thread-safe against other Python
@@ -161,11 +169,10 @@ class _Patcher:
 
 @dataclass(frozen=True)
 class PatchInfo:
-    """One registered patch: its name, the obstacle it addresses, the site, and whether it
+    """One registered patch: its name (what it does), the code it patches, and whether it
     needs NeMo."""
 
     name: str
-    obstacle: str
     site: str
     nemo: bool
     apply: Callable[[_Patcher], None]
@@ -181,11 +188,11 @@ _REGISTRY: dict[str, PatchInfo] = {}
 
 
 def _register(
-    obstacle: str, site: str, *, nemo: bool = False
+    site: str, *, nemo: bool = False
 ) -> Callable[[Callable[[_Patcher], None]], Callable[[_Patcher], None]]:
     def decorator(fn: Callable[[_Patcher], None]) -> Callable[[_Patcher], None]:
         name = fn.__name__.removeprefix("_patch_")
-        _REGISTRY[name] = PatchInfo(name=name, obstacle=obstacle, site=site, nemo=nemo, apply=fn)
+        _REGISTRY[name] = PatchInfo(name=name, site=site, nemo=nemo, apply=fn)
         return fn
 
     return decorator
@@ -218,10 +225,11 @@ def _host_device(device: Any) -> Any:
 class _StagedHostTensor(torch.Tensor):
     """A CPU tensor that stays on the CPU when code asks to move it to CUDA.
 
-    Returned in place of pinned staging tensors (R12, R13) and used for batch tensors in
-    :func:`cpu_gpt_data_step` (R6). ``.cuda()``, ``.to("cuda")`` and ``.pin_memory()`` return
-    a plain ``torch.Tensor`` on the CPU; every other operation returns plain tensors too,
-    because ``__torch_function__`` is disabled for this subclass.
+    Returned in place of pinned staging tensors (``nemo_strategy_logging``,
+    ``nemo_sampler_logging``) and used for batch tensors in :func:`cpu_gpt_data_step`.
+    ``.cuda()``, ``.to("cuda")`` and ``.pin_memory()`` return a plain ``torch.Tensor`` on the
+    CPU; every other operation returns plain tensors too, because ``__torch_function__`` is
+    disabled for this subclass.
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -263,14 +271,15 @@ def _host_factory(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.T
 
 
 class _CudaToCpuTorch(types.ModuleType):
-    """Stand-in for the ``torch`` module inside one patched module (R5, R8, R10, R12, R13).
+    """Stand-in for the ``torch`` module inside one patched module (the ``*_cuda_tensors``,
+    ``schedule_token_counter`` and ``nemo_*_logging`` patches).
 
     Every attribute is forwarded to the real ``torch``; only the factory functions in
     ``_FACTORY_NAMES`` are wrapped by :func:`_host_factory`.
     """
 
     def __init__(self, patched_module: str) -> None:
-        super().__init__("torch", f"torch as seen by {patched_module} (nemo_gtp.cpu_compat)")
+        super().__init__("torch", f"torch as seen by {patched_module} (cpu_compat)")
         for name in _FACTORY_NAMES:
             setattr(self, name, _host_factory(getattr(torch, name)))
 
@@ -303,7 +312,8 @@ def _type_with_cuda_names(self: torch.Tensor, dtype: Any = None, *args: Any, **k
 
 @contextlib.contextmanager
 def _cuda_type_names() -> Iterator[None]:
-    """For the duration of the block, ``Tensor.type()`` reports CUDA type names (R11, R14)."""
+    """For the duration of the block, ``Tensor.type()`` reports CUDA type names
+    (``clip_grad_type_check``, ``distopt_type_dispatch``)."""
     previous = torch.Tensor.__dict__.get("type", _MISSING)
     torch.Tensor.type = _type_with_cuda_names  # type: ignore[method-assign,assignment]
     try:
@@ -327,8 +337,8 @@ def _under_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _HostStream:
-    """Stand-in for ``torch.cuda.Stream`` (R2). CPU work is synchronous, so every method is a
-    no-op."""
+    """Stand-in for ``torch.cuda.Stream`` (``cuda_stream_shims``). CPU work is synchronous, so
+    every method is a no-op."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.device = _CPU
@@ -350,32 +360,32 @@ class _HostStream:
 
 
 def _host_stream_context(stream: Any = None) -> contextlib.AbstractContextManager[None]:
-    """Stand-in for ``torch.cuda.stream(s)`` (R2): a null context."""
+    """Stand-in for ``torch.cuda.stream(s)`` (``cuda_stream_shims``): a null context."""
     return contextlib.nullcontext()
 
 
 def _host_current_stream(device: Any = None) -> _HostStream:
-    """Stand-in for ``torch.cuda.current_stream``/``default_stream`` (R2)."""
+    """Stand-in for ``torch.cuda.current_stream``/``default_stream`` (``cuda_stream_shims``)."""
     return _HostStream()
 
 
 def _host_synchronize(device: Any = None) -> None:
-    """Stand-in for ``torch.cuda.synchronize`` (R2): nothing to wait for on the CPU."""
+    """Stand-in for ``torch.cuda.synchronize`` (``cuda_stream_shims``): nothing to wait for."""
     return None
 
 
 def _host_current_device() -> torch.device:
-    """Stand-in for ``torch.cuda.current_device`` (R3): the CPU device."""
+    """Stand-in for ``torch.cuda.current_device`` (``current_device_cpu``): the CPU device."""
     return _CPU
 
 
 # --------------------------------------------------------------------------------------------
-# R9: the CPU RNG tracker
+# The CPU RNG tracker (``cpu_rng_tracker``, ``nemo_random_seed``)
 # --------------------------------------------------------------------------------------------
 
 
 class CpuRNGStatesTracker(CudaRNGStatesTracker):
-    """megatron ``CudaRNGStatesTracker`` that keeps and swaps CPU generator states (R9).
+    """megatron ``CudaRNGStatesTracker`` that keeps and swaps CPU generator states.
 
     ``add(name, seed)`` records the state of ``torch.default_generator`` seeded with ``seed``;
     ``fork(name)`` swaps that state in for the block, stores the advanced state on exit and
@@ -421,7 +431,7 @@ def model_parallel_cpu_manual_seed(
     ep_rank: int | None = None,
     etp_rank: int | None = None,
 ) -> None:
-    """CPU counterpart of megatron's ``model_parallel_cuda_manual_seed`` (R9).
+    """CPU counterpart of megatron's ``model_parallel_cuda_manual_seed``.
 
     Same scheme as megatron-core 0.15.3: the default generator (here the CPU one, there the
     CUDA one) and the ``data-parallel-rng`` state get ``seed``; ``model-parallel-rng`` gets
@@ -433,10 +443,10 @@ def model_parallel_cpu_manual_seed(
     from megatron.core.tensor_parallel import random as mp_random
 
     tracker = mp_random._CUDA_RNG_STATE_TRACKER
-    if "r9_cpu_rng_tracker" not in _State.active or not isinstance(tracker, CpuRNGStatesTracker):
+    if "cpu_rng_tracker" not in _State.active or not isinstance(tracker, CpuRNGStatesTracker):
         raise RuntimeError(
             "model_parallel_cpu_manual_seed needs the CPU RNG tracker: call "
-            "nemo_gtp.cpu_compat.enable_cpu_compat() first"
+            "nemo_gtp.testing.cpu_compat.enable_cpu_compat() first"
         )
     if tp_rank is None:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -474,7 +484,7 @@ def _redirected_model_parallel_cuda_manual_seed(
 
 
 # --------------------------------------------------------------------------------------------
-# R6: NeMo data step
+# NeMo's data step on CPU (a function to pass, not a patch)
 # --------------------------------------------------------------------------------------------
 
 
@@ -489,7 +499,7 @@ def _stage(obj: Any) -> Any:
 
 
 class _StagingIterator:
-    """Iterator wrapper whose batches' CPU tensors ignore ``.cuda()`` (R6)."""
+    """Iterator wrapper whose batches' CPU tensors ignore ``.cuda()``."""
 
     def __init__(self, inner: Iterator[Any]) -> None:
         self._inner = inner
@@ -505,7 +515,7 @@ class _StagingIterator:
 
 
 def cpu_gpt_data_step(dataloader_iter: Iterator[Any], use_mtp: bool = False) -> dict[str, Any]:
-    """NeMo's ``gpt_data_step`` for CPU runs (R6).
+    """NeMo's ``gpt_data_step`` for CPU runs.
 
     ``nemo/collections/llm/gpt/model/base.py:gpt_data_step`` calls ``val.cuda(non_blocking=True)``
     on every batch tensor. This runs NeMo's own function on an iterator whose batch tensors
@@ -523,12 +533,11 @@ def cpu_gpt_data_step(dataloader_iter: Iterator[Any], use_mtp: bool = False) -> 
 
 
 @_register(
-    "R2",
     "nemo/lightning/megatron_parallel.py:MegatronParallel.init_model_parallel; "
     "megatron/core/distributed/param_and_grad_buffer.py (communication_stream)",
 )
-def _patch_r2_cuda_stream_shims(patcher: _Patcher) -> None:
-    """R2: ``torch.cuda.Stream``/``stream``/``current_stream``/``default_stream``/``synchronize``
+def _patch_cuda_stream_shims(patcher: _Patcher) -> None:
+    """``torch.cuda.Stream``/``stream``/``current_stream``/``default_stream``/``synchronize``
     become no-op stand-ins.
 
     NeMo's ``MegatronParallel.init_model_parallel`` runs ``init_ddp()`` inside
@@ -543,12 +552,11 @@ def _patch_r2_cuda_stream_shims(patcher: _Patcher) -> None:
 
 
 @_register(
-    "R3",
     "megatron/core/distributed/param_and_grad_buffer.py:_ParamAndGradBuffer.__init__, "
     "megatron/core/utils.py:GlobalMemoryBuffer.get_tensor, tensor_parallel/mappings.py",
 )
-def _patch_r3_current_device_cpu(patcher: _Patcher) -> None:
-    """R3: ``torch.cuda.current_device()`` returns ``torch.device("cpu")``.
+def _patch_current_device_cpu(patcher: _Patcher) -> None:
+    """``torch.cuda.current_device()`` returns ``torch.device("cpu")``.
 
     Megatron allocates the DDP grad/param buffers, the global memory buffer and the TP
     collective outputs with ``device=torch.cuda.current_device()`` (looked up on
@@ -558,9 +566,9 @@ def _patch_r3_current_device_cpu(patcher: _Patcher) -> None:
     patcher.set(torch.cuda, "current_device", _host_current_device)
 
 
-@_register("R5", "megatron/core/optimizer/optimizer.py:FP32Optimizer/MixedPrecisionOptimizer")
-def _patch_r5_optimizer_cuda_tensors(patcher: _Patcher) -> None:
-    """R5: hard-coded ``device='cuda'`` tensors in the optimizer constructors.
+@_register("megatron/core/optimizer/optimizer.py:FP32Optimizer/MixedPrecisionOptimizer")
+def _patch_optimizer_cuda_tensors(patcher: _Patcher) -> None:
+    """Hard-coded ``device='cuda'`` tensors in the optimizer constructors.
 
     ``FP32Optimizer.__init__`` (``self._scale``) and ``MixedPrecisionOptimizer.__init__``
     (``found_inf``, ``_dummy_overflow_buf``, ``_scale_one``) in
@@ -570,9 +578,9 @@ def _patch_r5_optimizer_cuda_tensors(patcher: _Patcher) -> None:
     _install_host_torch(patcher, "megatron.core.optimizer.optimizer")
 
 
-@_register("R8", "megatron/core/pipeline_parallel/schedules.py:forward_backward_no_pipelining")
-def _patch_r8_schedule_token_counter(patcher: _Patcher) -> None:
-    """R8: ``total_num_tokens = torch.zeros([], device="cuda")`` in the schedules.
+@_register("megatron/core/pipeline_parallel/schedules.py:forward_backward_no_pipelining")
+def _patch_schedule_token_counter(patcher: _Patcher) -> None:
+    """``total_num_tokens = torch.zeros([], device="cuda")`` in the schedules.
 
     Site: ``megatron.core.pipeline_parallel.schedules.forward_backward_no_pipelining`` (and the
     pipelined schedules, same line); that module's ``torch`` becomes a :class:`_CudaToCpuTorch`.
@@ -581,12 +589,11 @@ def _patch_r8_schedule_token_counter(patcher: _Patcher) -> None:
 
 
 @_register(
-    "R9",
     "megatron/core/tensor_parallel/random.py:_CUDA_RNG_STATE_TRACKER, "
     "model_parallel_cuda_manual_seed (fork() from DotProductAttention.forward)",
 )
-def _patch_r9_cpu_rng_tracker(patcher: _Patcher) -> None:
-    """R9: install :class:`CpuRNGStatesTracker` as megatron's RNG tracker.
+def _patch_cpu_rng_tracker(patcher: _Patcher) -> None:
+    """Install :class:`CpuRNGStatesTracker` as megatron's RNG tracker.
 
     ``DotProductAttention.forward`` forks ``model-parallel-rng`` around attention dropout;
     megatron's tracker keeps CUDA generator states. The patch sets
@@ -608,12 +615,11 @@ def _patch_r9_cpu_rng_tracker(patcher: _Patcher) -> None:
 
 
 @_register(
-    "R10",
     "megatron/core/optimizer/clip_grads.py:get_grad_norm_fp32/count_zeros_fp32, "
     "megatron/core/utils.py:local_multi_tensor_l2_norm",
 )
-def _patch_r10_grad_norm_cuda_tensors(patcher: _Patcher) -> None:
-    """R10: hard-coded ``device='cuda'`` tensors in the grad-norm path (every step).
+def _patch_grad_norm_cuda_tensors(patcher: _Patcher) -> None:
+    """Hard-coded ``device='cuda'`` tensors in the grad-norm path (every step).
 
     ``get_grad_norm_fp32`` (``dummy_overflow_buf``, ``total_norm_cuda``, ``grad_norm``) and
     ``count_zeros_fp32`` in ``megatron.core.optimizer.clip_grads``, and
@@ -625,15 +631,16 @@ def _patch_r10_grad_norm_cuda_tensors(patcher: _Patcher) -> None:
 
 
 @_register(
-    "R11", "megatron/core/optimizer/clip_grads.py:clip_grad_by_total_norm_fp32 (.type() assert)"
+    "megatron/core/optimizer/clip_grads.py:clip_grad_by_total_norm_fp32 (.type() assert)"
 )
-def _patch_r11_clip_grad_type_check(patcher: _Patcher) -> None:
-    """R11: ``assert param.grad.type() == 'torch.cuda.FloatTensor'`` when ``clip_grad > 0``.
+def _patch_clip_grad_type_check(patcher: _Patcher) -> None:
+    """``assert param.grad.type() == 'torch.cuda.FloatTensor'`` when ``clip_grad > 0``.
 
     ``clip_grad_by_total_norm_fp32`` is wrapped so that it runs under CUDA type names. Callers
     look it up as ``megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32`` (imported
     name, used by ``MegatronOptimizer.clip_grad_norm``/``ChainedOptimizer``); the definition in
-    ``clip_grads`` is replaced too. Its ``device='cuda'`` buffer is covered by R10.
+    ``clip_grads`` is replaced too. Its ``device='cuda'`` buffer is covered by
+    ``grad_norm_cuda_tensors``.
     """
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
@@ -645,12 +652,11 @@ def _patch_r11_clip_grad_type_check(patcher: _Patcher) -> None:
 
 
 @_register(
-    "R14",
     "megatron/core/optimizer/distrib_optimizer.py:DistributedOptimizer.__init__ "
     "(_build_model_and_main_param_groups), optimizer.py:Float16OptimizerWithFloat16Params",
 )
-def _patch_r14_distopt_type_dispatch(patcher: _Patcher) -> None:
-    """R14: the optimizers dispatch on ``param.type()`` (``'torch.cuda.FloatTensor'`` ...).
+def _patch_distopt_type_dispatch(patcher: _Patcher) -> None:
+    """The optimizers dispatch on ``param.type()`` (``'torch.cuda.FloatTensor'`` ...).
 
     ``DistributedOptimizer.__init__`` (directly and through the static
     ``_build_model_and_main_param_groups``) raises ``TypeError`` for ``torch.FloatTensor``;
@@ -668,13 +674,12 @@ def _patch_r14_distopt_type_dispatch(patcher: _Patcher) -> None:
 
 
 @_register(
-    "R9",
     "nemo/lightning/megatron_init.py:_set_random_seed (called by "
     "initialize_model_parallel_for_nemo)",
     nemo=True,
 )
-def _patch_r9_nemo_random_seed(patcher: _Patcher) -> None:
-    """R9 (NeMo): seed the CPU RNG tracker where NeMo seeds megatron.
+def _patch_nemo_random_seed(patcher: _Patcher) -> None:
+    """Seed the CPU RNG tracker where NeMo seeds megatron.
 
     ``nemo.lightning.megatron_init._set_random_seed`` calls ``model_parallel_cuda_manual_seed``
     only ``if torch.cuda.device_count() > 0``, so on CPU the tracker is never seeded and
@@ -698,13 +703,12 @@ def _patch_r9_nemo_random_seed(patcher: _Patcher) -> None:
 
 
 @_register(
-    "R12",
     "nemo/lightning/pytorch/strategies/megatron_strategy.py:"
     "MegatronStrategy.training_step/optimizer_step",
     nemo=True,
 )
-def _patch_r12_nemo_strategy_logging(patcher: _Patcher) -> None:
-    """R12: ``torch.tensor(x, pin_memory=True).to("cuda", non_blocking=True)`` before logging.
+def _patch_nemo_strategy_logging(patcher: _Patcher) -> None:
+    """``torch.tensor(x, pin_memory=True).to("cuda", non_blocking=True)`` before logging.
 
     ``MegatronStrategy.training_step`` (global_step, reduced_train_loss) and
     ``optimizer_step`` (grad_norm, num_zeros_in_grad); the module's ``torch`` becomes a
@@ -714,12 +718,11 @@ def _patch_r12_nemo_strategy_logging(patcher: _Patcher) -> None:
 
 
 @_register(
-    "R13",
     "nemo/lightning/pytorch/plugins/data_sampler.py:MegatronDataSampler.on_megatron_step_end",
     nemo=True,
 )
-def _patch_r13_nemo_sampler_logging(patcher: _Patcher) -> None:
-    """R13: same idiom as R12 for consumed_samples and global_batch_size.
+def _patch_nemo_sampler_logging(patcher: _Patcher) -> None:
+    """Same idiom as ``nemo_strategy_logging`` for consumed_samples and global_batch_size.
 
     Site: ``MegatronDataSampler.on_megatron_step_end``; the module's ``torch`` becomes a
     :class:`_CudaToCpuTorch`.
@@ -728,12 +731,11 @@ def _patch_r13_nemo_sampler_logging(patcher: _Patcher) -> None:
 
 
 @_register(
-    "R15",
     "nemo/lightning/io/pl.py:MegatronCheckpointIO.__init__, _fix_tensors_device",
     nemo=True,
 )
-def _patch_r15_nemo_checkpoint_io(patcher: _Patcher) -> None:
-    """R15: NeMo's checkpoint load assumes CUDA twice.
+def _patch_nemo_checkpoint_io(patcher: _Patcher) -> None:
+    """NeMo's checkpoint load assumes CUDA twice.
 
     - The default ``ckpt_parallel_load=True`` wraps megatron's load in
       ``FullyParallelLoadStrategyWrapper``, whose shard exchange
@@ -785,8 +787,8 @@ def _nemo_usable() -> bool:
         importlib.import_module("nemo.lightning")
     except ImportError as exc:
         warnings.warn(
-            f"nemo_gtp.cpu_compat: NeMo is installed but nemo.lightning does not import ({exc}); "
-            "skipping the NeMo patches",
+            f"nemo_gtp.testing.cpu_compat: NeMo is installed but nemo.lightning does not import "
+            f"({exc}); skipping the NeMo patches",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -798,7 +800,8 @@ def enable_cpu_compat(*, nemo: bool | None = None) -> None:
     """Apply the CPU patches (idempotent; a later call only adds patches not yet active).
 
     Args:
-        nemo: also apply the NeMo patches (R9 NeMo seeding, R12, R13, R15). ``None`` (default)
+        nemo: also apply the NeMo patches (``nemo_random_seed``, ``nemo_strategy_logging``,
+            ``nemo_sampler_logging``, ``nemo_checkpoint_io``). ``None`` (default)
             applies them when ``nemo.lightning`` imports (a few seconds when NeMo is not yet
             imported; a warning if it is installed but broken); ``True`` requires them;
             ``False`` skips them (a megatron-only run).
@@ -810,7 +813,7 @@ def enable_cpu_compat(*, nemo: bool | None = None) -> None:
     """
     if torch.cuda.is_available():
         raise RuntimeError(
-            "nemo_gtp.cpu_compat is for CPU-only runs (tests, CPU demo), but "
+            "nemo_gtp.testing.cpu_compat is for CPU-only runs (tests, CPU demo), but "
             "torch.cuda.is_available() is True; refusing to patch CUDA code paths"
         )
     pending = [info for info in _REGISTRY.values() if info.name not in _State.active]

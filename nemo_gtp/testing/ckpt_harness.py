@@ -3,7 +3,7 @@
 The same real stack as ``gpt_harness``: megatron ``parallel_state``, ``GPTModel`` (local spec),
 our GTP-aware megatron DDP, ``get_megatron_optimizer`` and ``forward_backward_no_pipelining``,
 on CPU/gloo. Layouts change inside one process: megatron's ``parallel_state`` is rebuilt when TP
-changes, each layout's GTP groups are built once (``gpt_harness._groups``).
+changes, each layout's GTP groups are built once (``gpt_harness.gtp_groups``).
 
 :func:`full_state` gathers every weight and every optimizer state tensor (fp32 master weight,
 Adam ``exp_avg`` / ``exp_avg_sq``) to the full logical tensor (GTP pad stripped, TP
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from gpt_harness import Run, _groups
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
@@ -26,7 +25,6 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 
-from nemo_gtp.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
 from nemo_gtp.engine import GTPConfig, GTPGroups, is_gtp_param
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
@@ -34,6 +32,9 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
     shard_model,
 )
+from nemo_gtp.testing.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
+from nemo_gtp.testing.gpt_harness import Run, gtp_groups
+from nemo_gtp.testing.spawn import DistributedJob, run_distributed, start_distributed
 
 VOCAB, SEQ, MBS, MICROBATCHES = 128, 16, 2, 2
 STATE_KINDS = ("fp32_param", "exp_avg", "exp_avg_sq")
@@ -42,9 +43,12 @@ COLLECTIVE_TIMEOUT_S = 240  # a rank stuck in a collective fails the spawn inste
 
 def run_ranks(fn: Callable, world: int, *args: object) -> None:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks with a bounded collective timeout."""
-    from dist_utils import run_distributed
-
     run_distributed(fn, world, *args, timeout_s=COLLECTIVE_TIMEOUT_S)
+
+
+def start_ranks(fn: Callable, world: int, *args: object) -> DistributedJob:
+    """:func:`run_ranks` without waiting: the caller joins the returned job."""
+    return start_distributed(fn, world, *args, timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ def build(layout: Layout, seed: int = 1234) -> Built:
     """(Re)initialize parallel state for ``layout`` and build model, DDP and optimizer."""
     enable_cpu_compat(nemo=False)  # megatron-only: importing NeMo costs ~7 s CPU per rank
     # megatron's state and this layout's GTP groups, built once per process (gpt_harness)
-    groups = _groups(Run(tp=layout.tp, gtp=layout.gtp))
+    groups = gtp_groups(Run(tp=layout.tp, gtp=layout.gtp))
     model_parallel_cpu_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(

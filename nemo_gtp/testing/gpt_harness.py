@@ -20,8 +20,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from nemo_gtp.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
-from nemo_gtp.engine import GTPConfig, GTPParallelDims, is_gtp_param
+from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, is_gtp_param
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
     gtp_layer_spec,
@@ -103,10 +102,10 @@ def load_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> 
             param.copy_(param.gtp_spec.shard(source) if is_gtp_param(param) else source)
 
 
-_GROUPS: dict[tuple[int, int, int], object] = {}
+_GROUPS: dict[tuple[int, int, int], GTPGroups] = {}
 
 
-def _groups(run: Run):  # noqa: ANN202
+def gtp_groups(run: Run) -> GTPGroups:
     """GTP groups for ``run``, built once per layout and process.
 
     Process groups are never freed before the process group itself is destroyed, and every
@@ -141,11 +140,17 @@ def build(run: Run) -> dict:
     on_gpu = dist.get_backend() == "nccl"
     device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
     if not on_gpu:
-        enable_cpu_compat()
-    groups = _groups(run)
+        # Imported here: GPU runs (the NCCL benchmarks) never load the CPU patches. megatron
+        # only: importing NeMo for its patches would cost ~7 s CPU per rank.
+        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat(nemo=False)
+    groups = gtp_groups(run)
     if on_gpu:
         model_parallel_cuda_manual_seed(1234)
     else:
+        from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
+
         model_parallel_cpu_manual_seed(1234)
     torch.manual_seed(1234)
     config = TransformerConfig(

@@ -12,6 +12,7 @@ down megatron / NeMo globals and the process group.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from nemo_gtp.testing.spawn import COLLECTIVE_TIMEOUT_S
 
 VOCAB, SEQ, MBS, GBS, STEPS = 128, 16, 2, 8, 10
 BANNER_PREFIX = "GTP enabled."
@@ -40,9 +43,9 @@ class Fit:
     bf16: bool = False  # NeMo's MegatronMixedPrecision("bf16-mixed") plugin
     distopt: bool = True  # False: NeMo's default ddp="megatron" and the non-distributed Adam
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
-    # checkpoints (absolute paths): NeMo ModelCheckpoint every n steps into ``checkpoint_dir``;
-    # stop (as if killed) after ``stop_after`` steps; ``trainer.fit(ckpt_path=resume_from)``;
-    # full weights to ``weights_to`` after the fit.
+    # checkpoints (relative paths are under the run's ``out_dir``): NeMo ModelCheckpoint every n
+    # steps into ``checkpoint_dir``; stop (as if killed) after ``stop_after`` steps;
+    # ``trainer.fit(ckpt_path=resume_from)``; full weights to ``weights_to`` after the fit.
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     stop_after: int | None = None
@@ -158,7 +161,7 @@ def full_weights(strategy: Any) -> dict[str, torch.Tensor]:
     GTP shards are gathered over the GTP group (pad rows dropped), then TP pieces concatenated
     along their partition dim, so runs of any layout compare bit for bit.
     """
-    from ckpt_harness import gather_logical
+    from nemo_gtp.testing.ckpt_harness import gather_logical
 
     model = strategy.megatron_parallel[0].module.module  # lightning module -> DDP -> GPTModel
     groups = getattr(strategy, "gtp_groups", None)  # plain MegatronStrategy has none
@@ -181,7 +184,7 @@ def _gpt_config(tp: int) -> Any:
     from nemo.collections import llm
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
-    from nemo_gtp.cpu_compat import cpu_gpt_data_step
+    from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
 
     return llm.GPTConfig(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
@@ -301,14 +304,26 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
     return out
 
 
+def _under(fit: Fit, out_dir: str) -> Fit:
+    """``fit`` with its relative checkpoint / weight paths made absolute under ``out_dir``."""
+    paths = {key: getattr(fit, key) for key in ("checkpoint_dir", "resume_from", "weights_to")}
+    return dataclasses.replace(fit, **{key: str(Path(out_dir, value))
+                                       for key, value in paths.items()
+                                       if value is not None and not Path(value).is_absolute()})
+
+
 def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
-    from nemo_gtp.cpu_compat import enable_cpu_compat
     from nemo_gtp.recipes.launch import teardown_fit
+    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
 
     torch.set_num_threads(1)
+    # NeMo's MegatronStrategy reads its process-group timeout from this variable (whatever the
+    # backend): a rank stuck in a collective fails the fit instead of hanging for gloo's 30 min.
+    os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(COLLECTIVE_TIMEOUT_S))
     enable_cpu_compat()
     results = []
     for index, fit in enumerate(fits):
+        fit = _under(fit, out_dir)
         os.environ.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(world), RANK=str(rank),
                           LOCAL_RANK=str(rank), NODE_RANK="0")
         try:
@@ -334,3 +349,57 @@ def run_fits(fits: list[Fit], world: int, out_dir: str | Path) -> list[list[dict
         raise RuntimeError(f"a rank failed; per-rank errors:\n{reports}") from err
     return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
 
+
+class SharedLaunch:
+    """The fits of several test modules, run in one spawn of ``world`` ranks.
+
+    A spawn costs far more than its fits (process start and ``import nemo`` on every rank: ~25 s
+    for 4 ranks on two cores, against ~1 s per 10-step fit), so test modules whose fits need no
+    fresh processes register them here at import (pytest imports every test module before the
+    first test runs). The first module that asks for results runs every registered fit, in
+    registration order; each module then reads its own fits by name. Relative checkpoint and
+    weight paths land under :attr:`out_dir`.
+
+    Example::
+
+        LAUNCH = shared_launch(4)
+        LAUNCH.add([Fit("base_tp1_dp4"), Fit("tp1_gtp2_dp2", gtp=2)])
+
+        @pytest.fixture(scope="module")
+        def four_ranks(tmp_path_factory):
+            return LAUNCH.results(tmp_path_factory)
+    """
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.fits: list[Fit] = []
+        self.out_dir: Path | None = None
+        self._by_name: dict[str, list[dict[str, Any]]] | None = None
+
+    def add(self, fits: list[Fit]) -> None:
+        """Register ``fits`` (names unique across every registering module)."""
+        if self._by_name is not None:
+            raise RuntimeError("fits added after the shared launch ran")
+        taken = {fit.name for fit in self.fits}
+        clashes = taken & {fit.name for fit in fits}
+        if clashes:
+            raise ValueError(f"fit names registered twice: {sorted(clashes)}")
+        self.fits.extend(fits)
+
+    def results(self, tmp_path_factory: Any) -> dict[str, list[dict[str, Any]]]:
+        """``{fit name: [rank 0 result, rank 1 result, ...]}`` of every registered fit (the
+        spawn runs on the first call)."""
+        if self._by_name is None:
+            self.out_dir = tmp_path_factory.mktemp(f"shared_launch{self.world}")
+            per_rank = run_fits(self.fits, self.world, self.out_dir)
+            self._by_name = {fit.name: [rank[i] for rank in per_rank]
+                             for i, fit in enumerate(self.fits)}
+        return self._by_name
+
+
+_SHARED: dict[int, SharedLaunch] = {}
+
+
+def shared_launch(world: int) -> SharedLaunch:
+    """The process-wide :class:`SharedLaunch` of ``world`` ranks."""
+    return _SHARED.setdefault(world, SharedLaunch(world))

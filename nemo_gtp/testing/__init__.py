@@ -1,0 +1,24 @@
+"""Tooling around GTP: what the tests, the benchmarks and the CPU recipes share.
+
+Nothing here is needed to train with GTP on GPUs; the product is ``nemo_gtp.engine``,
+``nemo_gtp.integrations``, ``nemo_gtp.strategy``, ``nemo_gtp.checkpoint`` and
+``nemo_gtp.recipes``. Importing this package imports nothing; each module is imported on its own:
+
+``cpu_compat``
+    Opt-in patches that let megatron-core and NeMo run on a CPU-only torch with gloo (the test
+    suite and the CPU recipes, ``cpu_compat: true`` in ``configs/tiny_cpu.yaml``).
+``spawn``
+    ``run_distributed``: a function on N spawned gloo ranks, failures re-raised;
+    ``run_cases``: many named cases in one spawn, each one's outcome per rank;
+    ``start_distributed``: a job joined later.
+``gpt_harness``
+    megatron-core's GPTModel trained with and without GTP at any layout (parity tests,
+    ``bench/parity_nccl.py``, ``bench/ckpt_nccl.py``, ``bench/te_gpt_nccl.py``).
+``ckpt_harness``
+    Build, train and fully gather (weights and optimizer state) a GPT at any layout
+    (checkpoint tests).
+``strategy_harness``
+    Real ``nl.Trainer`` fits with ``GTPMegatronStrategy`` or plain ``MegatronStrategy`` in
+    spawned CPU/gloo processes (strategy tests); ``shared_launch``: the fits of several test
+    modules in one spawn.
+"""

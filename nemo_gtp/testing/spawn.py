@@ -1,0 +1,150 @@
+"""Spawn real multi-process torch.distributed (gloo) jobs from a test.
+
+Process start and the imports of torch / megatron / NeMo cost far more than the tiny models the
+tests train (~10-20 s per 4-rank spawn on two cores), so a test module runs its cases in as few
+spawns as it can: :func:`run_cases` runs many named cases in one spawn and reports each one's
+outcome per rank; :func:`start_distributed` starts a job that the caller joins later (to run a
+second job while the first waits).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 300
+"""Default bound on every collective: a rank stuck in one fails the spawn instead of hanging the
+suite (gloo's own default is 30 minutes). Generous for the tests' tiny models, whose ranks can
+still be minutes apart in their imports on a loaded two-core machine."""
+
+
+def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple,
+           timeout_s: float | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    # Rendezvous through a file, not a TCP port chosen in advance: with jobs spawned back to
+    # back (or side by side) a free port can be taken by gloo's own connections before it binds.
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, **timeout)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+class DistributedJob:
+    """A spawned gloo job; :meth:`join` waits for it and re-raises a rank's failure."""
+
+    def __init__(self, context: mp.ProcessContext, store_dir: str) -> None:
+        self._context = context
+        self._store_dir = store_dir
+
+    def poll(self) -> bool:
+        """Whether every rank has exited (raises if one failed)."""
+        try:
+            done = self._context.join(timeout=0)
+        except BaseException:
+            self._cleanup()
+            raise
+        if done:
+            self._cleanup()
+        return done
+
+    def join(self) -> None:
+        """Wait for every rank; re-raise the first failure."""
+        while not self.poll():
+            time.sleep(0.2)
+
+    def _cleanup(self) -> None:
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
+def start_distributed(fn: Callable, world_size: int, *args: Any,
+                      timeout_s: float | None = COLLECTIVE_TIMEOUT_S) -> DistributedJob:
+    """Start ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; join it later."""
+    store_dir = tempfile.mkdtemp(prefix="nemo_gtp_store_")
+    context = mp.start_processes(
+        _entry, args=(world_size, os.path.join(store_dir, "store"), fn, args, timeout_s),
+        nprocs=world_size, join=False, start_method="spawn",
+    )
+    return DistributedJob(context, store_dir)
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any,
+                    timeout_s: float | None = COLLECTIVE_TIMEOUT_S) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise failures.
+
+    ``timeout_s`` bounds every collective (a stuck rank fails the spawn instead of hanging).
+    """
+    start_distributed(fn, world_size, *args, timeout_s=timeout_s).join()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One rank's outcome of one case of :func:`run_cases`."""
+
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+Case = tuple[str, Callable, tuple]
+"""``(name, fn, args)``: ``fn(rank, world_size, *args)``, its return value recorded."""
+
+
+def _cases_entry(rank: int, world_size: int, cases: Sequence[Case], out_dir: str) -> None:
+    outcomes: dict[str, Outcome] = {}
+    failed = None
+    for name, fn, args in cases:
+        if failed is not None:
+            # This rank's collectives are out of step with its peers' after a failure: stop
+            # here (the peers then fail fast on the closed connections instead of timing out
+            # once per remaining case).
+            outcomes[name] = Outcome(False, error=f"not run: case {failed!r} failed on this rank")
+            continue
+        try:
+            outcomes[name] = Outcome(True, fn(rank, world_size, *args))
+        except Exception as err:  # noqa: BLE001 - reported by the test that owns the case
+            outcomes[name] = Outcome(False, error=f"{type(err).__name__}: {err}\n"
+                                                  f"{traceback.format_exc()}")
+            failed = name
+    Path(out_dir, f"outcomes.{rank}.pkl").write_bytes(pickle.dumps(outcomes))
+
+
+def run_cases(cases: Sequence[Case], world_size: int, out_dir: str | Path,
+              timeout_s: float | None = COLLECTIVE_TIMEOUT_S) -> dict[str, list[Outcome]]:
+    """Run every case, in order, in one spawn of ``world_size`` ranks.
+
+    Returns ``{name: [outcome of rank 0, rank 1, ...]}``; a case that raised on a rank is
+    recorded there (the spawn itself succeeds), so each test checks its own case with
+    :func:`case_values`.
+    """
+    names = [name for name, _, _ in cases]
+    assert len(set(names)) == len(names), f"duplicate case names: {names}"
+    run_distributed(_cases_entry, world_size, list(cases), str(out_dir), timeout_s=timeout_s)
+    per_rank = [pickle.loads(Path(out_dir, f"outcomes.{r}.pkl").read_bytes())
+                for r in range(world_size)]
+    return {name: [ranks[name] for ranks in per_rank] for name in names}
+
+
+def case_values(outcomes: list[Outcome]) -> list[Any]:
+    """Every rank's return value of a case; ``AssertionError`` with each failing rank's error."""
+    errors = [f"--- rank {rank}: {o.error}" for rank, o in enumerate(outcomes) if not o.ok]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [o.value for o in outcomes]
