@@ -1,4 +1,4 @@
-"""One-invocation benchmark: replicated DDP vs torch FSDP2 vs GTP on the same GPT (issue 5).
+"""One-invocation benchmark: replicated DDP vs torch FSDP2 vs GTP on the same GPT.
 
 Builds megatron-core's GPTModel (local layer spec, bf16) and, in one process group, trains it
 three ways for every shape of a tokens-per-GPU sweep:
@@ -61,7 +61,7 @@ GTP_MODES = {
     "gtp_hiprio": GTPConfig(gather_backend="nccl"),
     "gtp_ctas8": GTPConfig(gather_backend="nccl"),
 }
-# ProcessGroupNCCL.Options of the GTP communicator per mode (issue 5: stream priority, channels).
+# ProcessGroupNCCL.Options of the GTP communicator per mode (stream priority, channels).
 GTP_PG_OPTIONS = {"gtp_hiprio": dict(is_high_priority_stream=True),
                   "gtp_ctas8": dict(max_ctas=8)}
 
@@ -231,7 +231,7 @@ def replicated_bytes(model: torch.nn.Module, shards: int) -> int:
 def gtp_shard_share(model: torch.nn.Module) -> float | None:
     """Elements this rank holds of the GTP-sharded weights / their logical elements.
 
-    The memory invariant (issue 5): 1/GTP within 5 % (padding). The weights' main_grad and
+    The memory invariant: 1/GTP within 5 % (padding). The weights' main_grad and
     optimizer state are shard-shaped, so they follow the same share.
     """
     held = logical = 0
@@ -428,7 +428,7 @@ def write_report(args: argparse.Namespace, records: list[dict], world: int) -> N
         ok = abs(share * world - 1.0) <= 0.05
         lines.append(f"\nGTP-sharded weights held per rank: {share:.4f} of the logical elements "
                      f"(1/GTP = {1 / world:.4f}): {'OK' if ok else 'FAILED'} (±5 %)")
-    # Issue 5's memory invariant over the whole model: weight + grad + optimizer bytes per rank
+    # The memory invariant over the whole model: weight + grad + optimizer bytes per rank
     # = 1/GTP of plain replicated training (±5 %).
     for mode in GTP_MODES:
         r = next((r for r in records if r["mode"] == mode and not r.get("oom")), None)

@@ -1,4 +1,4 @@
-"""Checkpoint interop on GPUs with NCCL: save at TP1·GTP2, load at TP2 and at DP2 (issue 4).
+"""Checkpoint interop on GPUs with NCCL: save at TP1·GTP2, load at TP2 and at DP2 (design §3.3).
 
     torchrun --nproc-per-node 2 bench/ckpt_nccl.py --dir /tmp/gtp_ckpt --out ckpt_nccl.json
 

@@ -1,4 +1,4 @@
-"""TransformerEngine layer spec under GTP on GPUs: GTP2 vs DP2, and the local spec alike (issue 7).
+"""TransformerEngine layer spec under GTP on GPUs: GTP2 vs DP2, and the local spec alike.
 
     torchrun --nproc-per-node 2 bench/te_gpt_nccl.py --out te_out
 

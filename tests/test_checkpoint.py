@@ -1,4 +1,4 @@
-"""GTP distributed checkpoints (seed §1.8, §3.3): reshard matrix, crash safety, errors, CLI.
+"""GTP distributed checkpoints (design §1.8, §3.3): reshard matrix, crash safety, errors, CLI.
 
 Real multi-process megatron GPTModel + DDP + optimizer on CPU/gloo, no mocks. A spawn costs
 ~8 s of imports per rank on two cores, so the rank work runs in two spawns shared by the tests

@@ -1,4 +1,4 @@
-"""Linears built as their GTP shard (seed §3.1 "One init path"), on megatron-local classes.
+"""Linears built as their GTP shard (design §3.1 "One init path"), on megatron-local classes.
 
 The pre-sharding mixin and the spec rewrite are the same for TE's wrappers (GPU only, see
 ``bench/te_gpt_nccl.py``) and megatron's local linears, so the local classes exercise them here

@@ -30,7 +30,7 @@ def test_overrides_apply_and_typos_are_errors() -> None:
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_loads_and_keeps_gtp_constraints(path: Path) -> None:
     cfg = load_recipe(str(path))
-    assert cfg.ddp.average_in_collective is False  # GTP forbids it (seed §3.2)
+    assert cfg.ddp.average_in_collective is False  # GTP forbids it (design §3.2)
     tp = cfg.strategy.get("tensor_model_parallel_size", 1)
     assert cfg.strategy.num_weight_shards % tp == 0
 

@@ -153,7 +153,7 @@ def test_wiring(request: pytest.FixtureRequest, fixture: str, name: str, dp: int
 ])
 def test_batch_and_lr_arithmetic(request: pytest.FixtureRequest, fixture: str, gtp_name: str,
                                  base_name: str, tp: int, gtp: int, dp: int) -> None:
-    """global batch = micro x DP x GTP x microbatches (seed §3.1); NeMo's bookkeeping agrees."""
+    """global batch = micro x DP x GTP x microbatches (design §3.1); NeMo's bookkeeping agrees."""
     runs = request.getfixturevalue(fixture)
     microbatches = GBS // (MBS * dp * gtp)
     for rank, base in zip(runs[gtp_name], runs[base_name], strict=True):

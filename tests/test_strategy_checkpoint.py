@@ -1,4 +1,4 @@
-"""Checkpoints through ``GTPMegatronStrategy`` (issue 4 item 3): NeMo's ``torch_dist`` path.
+"""Checkpoints through ``GTPMegatronStrategy`` : NeMo's ``torch_dist`` path.
 
 Real ``nl.Trainer`` fits on 4 CPU/gloo ranks, in two launches so the resume really starts in
 fresh processes (the first launch is the job that gets killed; it shares its spawn with

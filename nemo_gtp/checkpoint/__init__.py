@@ -1,4 +1,4 @@
-"""Distributed checkpoints of GTP models: layout-independent, atomic, inspectable (seed §1.8, §3.3).
+"""Distributed checkpoints of GTP models: layout-independent, atomic, inspectable (§1.8, §3.3).
 
 Format level (megatron ``dist_checkpointing`` objects; no model knowledge):
 

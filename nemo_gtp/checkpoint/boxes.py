@@ -1,4 +1,4 @@
-"""Cut a flat element range of an N-D tensor into rectangular boxes (seed §3.3 "Optimizer state").
+"""Cut a flat element range of an N-D tensor into rectangular boxes (design §3.3 "Optimizer state").
 
 megatron's distributed optimizer hands every rank a *flat* range of each parameter (its slice of
 the DDP bucket), which in general starts and ends mid-row. DCP stores rectangular chunks, so a

@@ -1,4 +1,4 @@
-"""Atomic save and shape-checked load of megatron distributed checkpoints (seed §1.8).
+"""Atomic save and shape-checked load of megatron distributed checkpoints (design §1.8).
 
 [Note: commit protocol]
 Every rank writes into a staging directory next to the target (``.<name>.saving``). Only after

@@ -1,4 +1,4 @@
-"""The layout a checkpoint was saved with, stored in its common state (seed §1.8, §3.3).
+"""The layout a checkpoint was saved with, stored in its common state (design §1.8, §3.3).
 
 The tensors of a nemo_gtp checkpoint do not depend on the layout (see
 :mod:`nemo_gtp.checkpoint.pieces`), so this record is informational: it tells a reader (the

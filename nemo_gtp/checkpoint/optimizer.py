@@ -1,4 +1,4 @@
-"""megatron optimizer state for GTP checkpoints (seed §3.3 "Optimizer state").
+"""megatron optimizer state for GTP checkpoints (design §3.3 "Optimizer state").
 
 Nothing here is GTP-specific: the model sharded state dict (made GTP-aware by
 :func:`nemo_gtp.integrations.megatron.checkpoint.make_gtp_sharded_state_dict`) already carries

@@ -1,7 +1,7 @@
-"""A local tensor described to DCP as rectangular pieces of its *unpadded* global (seed §3.3).
+"""A local tensor described to DCP as rectangular pieces of its *unpadded* global (design §3.3).
 
 [Note: why the unpadded global]
-The seed describes a GTP weight by its padded global plus ``allow_shape_mismatch``. With TP > 1
+Megatron-LM describes a GTP weight by its padded global plus ``allow_shape_mismatch``. With TP > 1
 that global is not the model's weight: every TP rank pads its own slice at the tail, so pad rows
 sit *between* TP slices and a run without GTP (no pad) or with another TP size reads shifted rows.
 Here every local tensor is mapped row by row onto the global the model has without GTP (megatron's

@@ -1,4 +1,4 @@
-"""Print what a checkpoint holds: ``python -m nemo_gtp.checkpoint.show <dir>`` (seed §1.8).
+"""Print what a checkpoint holds: ``python -m nemo_gtp.checkpoint.show <dir>`` (design §1.8).
 
 Shows the layout it was saved with (:mod:`nemo_gtp.checkpoint.layout`; "not recorded" for a
 checkpoint nemo_gtp did not write), then every tensor key with its global shape and dtype, and

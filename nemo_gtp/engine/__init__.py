@@ -1,4 +1,4 @@
-"""The GTP engine: pure torch, no NeMo or Lightning (seed §1.1, §3.1, §3.4).
+"""The GTP engine: pure torch, no NeMo or Lightning (design §1.1, §3.1, §3.4).
 
 Public surface: the rank grid (:class:`GTPParallelDims`, :class:`GTPGroups`), the sharded param
 (:class:`GTPShardedParam`, :class:`ShardSpec`), the per-model driver (:class:`GTPRuntime`), the

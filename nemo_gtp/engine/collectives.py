@@ -1,4 +1,4 @@
-"""The GTP collectives: weight all-gather and wgrad reduce-scatter (seed §1.1, §2.5).
+"""The GTP collectives: weight all-gather and wgrad reduce-scatter (design §1.1, §2.5).
 
 One code path for gloo (CPU) and NCCL (CUDA): ``torch.distributed`` ops issued with
 ``async_op=True`` run on the backend's own thread (gloo) or stream (NCCL) and overlap the
@@ -71,7 +71,7 @@ def reduce_scatter_wgrad(
 ) -> CommHandle:
     """Sum ``scratch`` over ``group`` and leave this rank's dim-0 slice in ``output``.
 
-    With ``fp32_recv`` (a buffer shaped like ``scratch``) the sum is the seed's FP32-accumulation
+    With ``fp32_recv`` (a buffer shaped like ``scratch``) the sum is the FP32-accumulation
     variant (§2.5): an all-to-all moves every peer's slice here, then one local FP32 sum and a
     single downcast replace the ring's per-hop roundings. Same bytes on the wire.
     ``average`` divides by the group size inside the collective (NCCL's AVG).

@@ -81,7 +81,7 @@ class GTPConfig:
 
     @property
     def sums_over_gtp(self) -> bool:
-        """Whether the wgrad reduce-scatter over GTP SUMs (else it averages; seed §3.2 table)."""
+        """Whether the wgrad reduce-scatter over GTP SUMs (else it averages; design §3.2 table)."""
         return self.calculate_per_token_loss or self.shard_replicated_params_over_gtp
 
     def __post_init__(self) -> None:

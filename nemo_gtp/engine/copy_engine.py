@@ -1,4 +1,5 @@
-"""SM-free all-gather: copy-engine pulls of peers' shards from symmetric memory (issue 5).
+"""SM-free all-gather: copy-engine pulls of peers' shards from symmetric memory (design §3.1
+"Overlap design").
 
 NCCL's all-gather kernels run on SMs and compete with the GEMMs they are meant to hide behind.
 Weights change only at the optimizer step, so every GTP shard of a runtime is mirrored once per

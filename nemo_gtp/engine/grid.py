@@ -1,11 +1,11 @@
-"""The rank grid with the GTP axis (seed §3.1 "Process groups", §1.4).
+"""The rank grid with the GTP axis (design §3.1 "Process groups", §1.4).
 
 One object derives and validates every size (:class:`GTPParallelDims`, pure arithmetic, no
 collectives; statically from a trainer's arguments, then against the world size with
 :meth:`GTPParallelDims.with_world_size`) and builds every process group
 (:meth:`GTPParallelDims.build` -> :class:`GTPGroups`, whose GTP size and rank come from it).
 
-Rank order, fastest-varying first (seed §3.1: ``tp-gtp_remat-cp-ep-dp-pp``)::
+Rank order, fastest-varying first (design §3.1: ``tp-gtp_remat-cp-ep-dp-pp``)::
 
     dense:  rank = tp + TP*(gtp + GTP*(cp + CP*(dp + DP*pp)))
     expert: rank = etp + ETP*(ep + EP*(egtp + EGTP*(edp + EDP*pp)))
@@ -56,9 +56,9 @@ def _check_positive(name: str, value: object, hint: str = "") -> None:
 
 @dataclass(frozen=True)
 class GTPParallelDims:
-    """Validated sizes of every parallel axis, GTP included (seed §2.1, §3.1).
+    """Validated sizes of every parallel axis, GTP included (design §2.1, §3.1).
 
-    The one place that derives and validates the GTP degree: ``num_weight_shards`` is the seed's
+    The one place that derives and validates the GTP degree: ``num_weight_shards`` is Megatron-LM's
     ``--tensor-parallel-num-weight-shards`` (= TP x GTP) and ``expert_num_weight_shards`` its
     expert twin (= ETP x EGTP). Every invalid combination raises ``ValueError`` naming the setting
     to change, before any collective runs.
@@ -158,12 +158,12 @@ class GTPParallelDims:
 
     @staticmethod
     def check_distributed_optimizer_instances(instances: int, where: str = "") -> None:
-        """GTP needs one distributed-optimizer instance (seed §3.2); ``where`` prefixes the
+        """GTP needs one distributed-optimizer instance (design §3.2); ``where`` prefixes the
         setting's name in the message (e.g. ``"ddp: DistributedDataParallelConfig."``)."""
         if instances != 1:
             raise ValueError(
                 f"{where}num_distributed_optimizer_instances={instances} is not supported with "
-                "GTP (seed §3.2): set num_distributed_optimizer_instances=1"
+                "GTP (design §3.2): set num_distributed_optimizer_instances=1"
             )
 
     def with_world_size(self, world_size: int) -> GTPParallelDims:
@@ -214,7 +214,7 @@ class GTPParallelDims:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that eat distinct microbatches: DP x GTP (seed §3.1 batch arithmetic)."""
+        """Ranks that eat distinct microbatches: DP x GTP (design §3.1 batch arithmetic)."""
         return self.dp * self.gtp
 
     def dense_sizes(self) -> dict[str, int]:
@@ -278,7 +278,7 @@ class GTPParallelDims:
 
 @dataclass(frozen=True)
 class GTPGroups:
-    """This rank's GTP process groups (seed §3.1). Built by :meth:`GTPParallelDims.build`.
+    """This rank's GTP process groups (design §3.1). Built by :meth:`GTPParallelDims.build`.
 
     Attributes:
         gtp: the GTP peers holding the other shards of every dense GTP weight.

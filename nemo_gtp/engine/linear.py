@@ -133,7 +133,7 @@ def gtp_linear(
     bias: torch.Tensor | None = None,
     tp: TPComm = TPComm(),
 ) -> torch.Tensor:
-    """``F.linear`` for a GTP-sharded weight (seed §1.1 per-weight materialization).
+    """``F.linear`` for a GTP-sharded weight (design §1.1 per-weight materialization).
 
     Example::
 

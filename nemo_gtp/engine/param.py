@@ -1,15 +1,15 @@
-"""``GTPShardedParam``: one GTP-sharded weight and its per-direction state machines (seed §1.1).
+"""``GTPShardedParam``: one GTP-sharded weight and its per-direction state machines (design §1.1).
 
 [Note: tensor roles]
 - *shard*: the param's own data, rows ``[r*s, (r+1)*s)`` of the TP-local weight padded at the
-  tail to ``padded_dim0`` rows (seed §1.3 "Padding"). The optimizer and DDP see only this.
+  tail to ``padded_dim0`` rows (design §1.3 "Padding"). The optimizer and DDP see only this.
 - *gathered weight*: the full padded TP-local weight, all-gathered over the GTP group into a
   buffer of the runtime's weight cache just before a GEMM and released right after it;
   :meth:`ShardSpec.unpad` strips the pad rows before the GEMM sees it.
 - *wgrad scratch*: a full padded-shape buffer from the runtime's wgrad pool that the backward
   writes the unsharded weight gradient into; reduce-scattered down to the shard.
 - *main_grad*: megatron DDP's gradient-buffer view of this param (shard-shaped); the reduced
-  shard is added into it, then DDP's grad-ready hook fires (seed §3.2 ordering invariant).
+  shard is added into it, then DDP's grad-ready hook fires (design §3.2 ordering invariant).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class GatherState(enum.Enum):
 
 
 class ReduceScatterState(enum.Enum):
-    """Weight-gradient reduce-scatter state of one weight (seed §1.1 ``rs_state``)."""
+    """Weight-gradient reduce-scatter state of one weight (design §1.1 ``rs_state``)."""
 
     NONE = "none"
     """Nothing in flight; main_grad holds every finalized contribution."""
@@ -61,7 +61,7 @@ class ReduceScatterState(enum.Enum):
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How a TP-local weight is cut along dim 0 over the GTP group (seed §1.3, §1.4).
+    """How a TP-local weight is cut along dim 0 over the GTP group (design §1.3, §1.4).
 
     Example::
 
@@ -255,7 +255,7 @@ class GTPParamState:
 
 
 class GTPShardedParam(torch.nn.Parameter):
-    """The dim-0 GTP shard of a TP-local weight, as an ``nn.Parameter`` (seed §1.1, §3.1).
+    """The dim-0 GTP shard of a TP-local weight, as an ``nn.Parameter`` (design §1.1, §3.1).
 
     Built by the model transform (``nemo_gtp.integrations.megatron.shard_model``) or
     :func:`nemo_gtp.engine.linear.shard_linear`; owned by one :class:`GTPRuntime`, which drives
@@ -319,10 +319,10 @@ class GTPShardedParam(torch.nn.Parameter):
         return runtime
 
     def register_grad_accum_hook(self, hook: Callable[[], None]) -> None:
-        """Store DDP's grad-ready hook; fired after each finalize into main_grad (seed §3.2)."""
+        """Store DDP's grad-ready hook; fired after each finalize into main_grad (design §3.2)."""
         self.gtp_state.grad_ready_hook = hook
 
-    # [Note: TransformerEngine DistributedWeight protocol] (seed §3.1 "The bridge")
+    # [Note: TransformerEngine DistributedWeight protocol] (design §3.1 "The bridge")
     # TE >= 2.19 gates on ``is_distributed_weight`` and calls these on the leader of a weight
     # group (``weights[0]``; a te.Linear has a group of one). TE never tells us when its GEMM is
     # done, so a protocol-materialized buffer is released at the next protocol materialize of
@@ -368,5 +368,5 @@ def carry_param_attributes(old: torch.Tensor, new: torch.Tensor) -> None:
 
 
 def is_gtp_param(tensor: object) -> bool:
-    """True for a :class:`GTPShardedParam` (the seed's ``is_gtp_param``)."""
+    """True for a :class:`GTPShardedParam` (Megatron-LM's ``is_gtp_param``)."""
     return isinstance(tensor, GTPShardedParam)

@@ -1,6 +1,6 @@
 """``GTPRuntime``: the one object per model that drives every GTP weight (design §1.1, §3.1, §3.4).
 
-It owns what the seed keeps in process-global state — chain cursors and link tables, the
+It owns what Megatron-LM's GTP keeps in process-global state — chain cursors and link tables, the
 gathered-weight cache, the wgrad pool, the pending reduce-scatters, statistics — so several GTP
 models can live (and die) in one process without ever linking to each other (the §3.4 hazard
 table, designed away). Params refer back to it weakly; the model holds it strongly.

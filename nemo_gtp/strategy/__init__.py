@@ -1,4 +1,4 @@
-"""The NeMo / Lightning layer of GTP (seed §2.1, §2.3): strategy, callbacks, NeMo fixes.
+"""The NeMo / Lightning layer of GTP (design §2.1, §2.3): strategy, callbacks, NeMo fixes.
 
 Importing this package imports NeMo and Lightning; ``nemo_gtp.engine`` never does.
 """

@@ -1,4 +1,4 @@
-"""Per-rank bytes of weights, gradients and optimizer state, with and without GTP (seed §1.7).
+"""Per-rank bytes of weights, gradients and optimizer state, with and without GTP (design §1.7).
 
 "Unsharded" means the same rank without the GTP cut: each GTP weight counted at its TP-local
 logical shape, everything else as is (TP, and the distributed optimizer's sharding over the

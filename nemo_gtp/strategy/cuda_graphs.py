@@ -1,4 +1,4 @@
-"""CUDA-graph warmup under GTP (seed §2.4 "CUDA-graph warmup under GTP_remat").
+"""CUDA-graph warmup under GTP (design §2.4 "CUDA-graph warmup under GTP_remat").
 
 The first warmup iteration builds the weight-prefetch chain (chains are observed on the first
 forward, §3.4) and the second exercises the prefetch path, so capture must not start before two
@@ -51,5 +51,5 @@ def enforce_cuda_graph_warmup(config: Any) -> str | None:
     return (
         f"GTP: cuda_graph_warmup_steps raised from {steps} to "
         f"{MIN_GTP_CUDA_GRAPH_WARMUP_STEPS} (the first warmup builds the weight-prefetch chain, "
-        "the second exercises the prefetch path; seed §2.4)"
+        "the second exercises the prefetch path; design §2.4)"
     )

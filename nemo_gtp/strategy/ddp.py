@@ -4,7 +4,7 @@
 ``nemo.lightning.megatron_parallel.DDP`` and passes no ``pg_collection``, so megatron DDP would
 reduce over megatron's data-parallel group (DP x GTP) and route GTP weights' grad-ready hooks
 through autograd. :func:`nemo_ddp_class` swaps that name for the duration of one ``init_ddp``
-call with a subclass that mixes in :class:`GTPDDPMixin` (seed §3.2 point 3) and injects the GTP
+call with a subclass that mixes in :class:`GTPDDPMixin` (design §3.2 point 3) and injects the GTP
 ``ProcessGroupCollection`` (DDP reduces over the GTP-excluded replicate group). Everything else
 NeMo does around the wrap (side stream, bucketing rules, getattr proxy, no_sync funcs) stays
 NeMo's. The subclass is a subclass of NeMo's ``DDP``, so NeMo's later ``isinstance(..., DDP)``

@@ -1,25 +1,25 @@
 """``GTPMegatronStrategy``: NeMo's ``MegatronStrategy`` with Generalized Tensor Parallelism.
 
-GTP is switched on by ``num_weight_shards`` (seed §2.1 ``--tensor-parallel-num-weight-shards``,
+GTP is switched on by ``num_weight_shards`` (design §2.1 ``--tensor-parallel-num-weight-shards``,
 = TP x GTP). With ``num_weight_shards == tensor_model_parallel_size`` (the default) every hook
-below returns to plain ``MegatronStrategy`` behaviour (seed §1.5: off is a no-op).
+below returns to plain ``MegatronStrategy`` behaviour (design §1.5: off is a no-op).
 
 Hooks, in the order NeMo / Lightning run them:
 
 ===========================  =====================================================================
 ``__init__``                 validate every GTP-relevant argument (no collectives yet)
-``connect``                  CUDA-graph warmup >= 2 on the model config (seed §2.4)
-``setup_distributed``        NeMo's process groups, then the GTP groups (seed §3.1); TE linears
+``connect``                  CUDA-graph warmup >= 2 on the model config (design §2.4)
+``setup_distributed``        NeMo's process groups, then the GTP groups (design §3.1); TE linears
                              of the config's layer spec set to build as their shard
 ``setup``                    NeMo's setup (fit only); adds :class:`GTPDrainCallback`
 ``init_model_parallel``      precision conversion -> ``shard_model`` -> GTP-aware megatron DDP
-``setup_optimizers``         megatron optimizer over the GTP process groups (seed §3.2)
+``setup_optimizers``         megatron optimizer over the GTP process groups (design §3.2)
 ``on_train_start``           GTP-aware ``finalize_model_grads``; the one-line config log (§2.3)
 ``save_checkpoint`` / load   GTP-aware sharded state dict, atomic ``torch_dist`` commit, layout-
                              independent optimizer format (:mod:`nemo_gtp.strategy.checkpoint_io`)
 ===========================  =====================================================================
 
-Batch arithmetic (seed §3.1): every GTP peer eats its own microbatch, so
+Batch arithmetic (design §3.1): every GTP peer eats its own microbatch, so
 ``global_batch = micro x DP x GTP x num_microbatches``. megatron's data-parallel group is
 DP x GTP with our rank order, so NeMo's sampler, microbatch calculator, consumed-samples and
 logged batch size need no change.
@@ -73,7 +73,7 @@ _GTP_ARGS = ("num_weight_shards", "expert_num_weight_shards", "gtp_config")
 
 
 def gtp_banner(config: GTPConfig, dims: GTPParallelDims) -> str:
-    """The iteration-0 line (seed §2.3 style), e.g.
+    """The iteration-0 line (design §2.3 style), e.g.
     ``GTP enabled. GTPConfig(pad_for_alignment=16, ...) tp=2 gtp=2 dp=1 (...)``."""
     return (
         f"GTP enabled. {config!r} tp={dims.tensor_model_parallel_size} gtp={dims.gtp} "
@@ -83,14 +83,14 @@ def gtp_banner(config: GTPConfig, dims: GTPParallelDims) -> str:
 
 
 class GTPMegatronStrategy(MegatronStrategy):
-    """``MegatronStrategy`` that shards linear weights over a GTP axis (seed §2.1, §2.3).
+    """``MegatronStrategy`` that shards linear weights over a GTP axis (design §2.1, §2.3).
 
     Args:
         num_weight_shards: shards per dense linear weight, = TP x GTP; ``None`` means TP (GTP
             off). Must be a positive multiple of ``tensor_model_parallel_size``.
         expert_num_weight_shards: the expert twin (= ETP x EGTP). Only ETP (expert GTP off) is
             supported yet.
-        gtp_config: GTP knobs (seed §2.4); ``None`` uses the defaults.
+        gtp_config: GTP knobs (design §2.4); ``None`` uses the defaults.
             ``calculate_per_token_loss`` is mirrored from the model config.
         *args, **kwargs: every ``MegatronStrategy`` argument, unchanged.
 
@@ -204,7 +204,7 @@ class GTPMegatronStrategy(MegatronStrategy):
 
     # ------------------------------------------------------------------ before the model exists
     def connect(self, model: pl.LightningModule) -> None:
-        """NeMo's connect, then CUDA-graph warmup >= 2 under GTP (seed §2.4)."""
+        """NeMo's connect, then CUDA-graph warmup >= 2 under GTP (design §2.4)."""
         super().connect(model)
         config = getattr(model, "config", None)
         if self.gtp_enabled and config is not None:
@@ -237,7 +237,7 @@ class GTPMegatronStrategy(MegatronStrategy):
                 f"NeMo AppState.data_parallel_size={app_state.data_parallel_size}, but GTP needs "
                 f"the data-parallel ranks to be DP x GTP = {dims.data_parallel_size}"
             )
-        # TE linears are built as their shard (seed §3.1 "One init path"): the groups exist now
+        # TE linears are built as their shard (design §3.1 "One init path"): the groups exist now
         # and NeMo's configure_model, which builds the model from this config, runs next.
         config = getattr(self.model, "config", None)
         if config is not None and hasattr(config, "transformer_layer_spec"):
@@ -282,7 +282,7 @@ class GTPMegatronStrategy(MegatronStrategy):
             self.gtp_runtimes.append(runtime)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """NeMo's optimizer setup with the GTP ``ProcessGroupCollection`` (seed §3.2)."""
+        """NeMo's optimizer setup with the GTP ``ProcessGroupCollection`` (design §3.2)."""
         if not self.gtp_enabled:
             super().setup_optimizers(trainer)
             return
@@ -352,7 +352,7 @@ class GTPMegatronStrategy(MegatronStrategy):
 
     def optimizer_sharded_state_dict(self, is_loading: bool = False,
                                      metadata: dict | None = None) -> dict[str, Any]:
-        """The optimizer state keyed like the GTP-aware model state (seed §3.3)."""
+        """The optimizer state keyed like the GTP-aware model state (design §3.3)."""
         if not self.gtp_enabled:
             return super().optimizer_sharded_state_dict(is_loading=is_loading, metadata=metadata)
         return gtp_optimizer_sharded_state_dict(

@@ -1,4 +1,4 @@
-"""The GTP model transform inside NeMo's model setup (seed §1.5, §3.1; lifecycle in docs).
+"""The GTP model transform inside NeMo's model setup (design §1.5, §3.1; lifecycle in docs).
 
 ``MegatronParallel.init_model_parallel`` applies ``convert_module_fn`` (the precision plugin's
 ``convert_module``: bf16/fp16 ``Float16Module`` wrapping) to every model chunk right before

@@ -4,7 +4,7 @@ NeMo 2.7.3's ``nemo.lightning._strategy_lib.setup_megatron_optimizer`` calls
 ``megatron.core.optimizer.get_megatron_optimizer(config, chunks, ..., use_gloo_process_groups=...)``
 without ``pg_collection``, so the distributed optimizer would shard its state over megatron's
 data-parallel group (DP x GTP) and compute the grad norm over TP x PP only. Under GTP both must
-come from :func:`nemo_gtp.integrations.megatron.gtp_process_groups` (seed §3.2: the optimizer
+come from :func:`nemo_gtp.integrations.megatron.gtp_process_groups` (design §3.2: the optimizer
 shards over the GTP-excluded replicate group; the model-parallel group includes GTP).
 
 NeMo imports the function from ``megatron.core.optimizer`` at call time, so

@@ -1,4 +1,4 @@
-"""Strategy-level argument checks for GTP (seed §2.1, §3.2), run before any collective.
+"""Strategy-level argument checks for GTP (design §2.1, §3.2), run before any collective.
 
 Every check raises ``ValueError`` naming the setting to change. The checks only apply when GTP is
 active (``num_weight_shards > tensor_model_parallel_size``): with GTP off the strategy is plain

@@ -1,6 +1,6 @@
 """megatron-core integration: process groups, model transform, DDP routing, finalize grads.
 
-The four touch points of the seed (§3.1, §3.2), on megatron-core 0.15 which has no GTP:
+The touch points of design §3.1 and §3.2, on megatron-core 0.15 which has no GTP:
 
 - :func:`initialize_gtp_parallel` / :func:`gtp_process_groups`: megatron's ``parallel_state``
   plus our GTP groups, and the ``ProcessGroupCollection`` DDP and the optimizer must use

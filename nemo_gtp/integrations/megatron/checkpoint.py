@@ -1,4 +1,4 @@
-"""GTP-aware sharded state dicts for megatron models and optimizers (seed §1.8, §3.3).
+"""GTP-aware sharded state dicts for megatron models and optimizers (design §1.8, §3.3).
 
 megatron builds ``model.sharded_state_dict()`` as if every GTP shard were the whole TP-local
 weight. :func:`make_gtp_sharded_state_dict` post-processes it:
@@ -6,7 +6,7 @@ weight. :func:`make_gtp_sharded_state_dict` post-processes it:
 - every parameter entry becomes a :class:`~nemo_gtp.checkpoint.pieces.RowMap` factory that
   describes the local tensor as pieces of megatron's own *unpadded* global (the note in
   :mod:`nemo_gtp.checkpoint.pieces` says why unpadded). For a GTP shard of rank ``g`` that is the
-  seed's offsets table in unpadded rows: column-parallel rows start at ``tp_rank·rows_tp +
+  offsets table of design §3.3 in unpadded rows: column-parallel rows start at ``tp_rank·rows_tp +
   g·shard_rows``, row-parallel rows at ``g·shard_rows`` with the TP offset on axis 1, no-TP rows at
   ``g·shard_rows``; pad rows are left out;
 - ``replica_id`` takes its DP coordinate from the GTP-excluded replicate group (GTP peers hold

@@ -1,9 +1,9 @@
-"""megatron DDP with grad-ready hooks routed through the GTP runtime (seed §3.2, point 3).
+"""megatron DDP with grad-ready hooks routed through the GTP runtime (design §3.2, point 3).
 
 A GTP weight's gradient reaches ``main_grad`` through the runtime's deferred reduce-scatter, not
 through autograd's AccumulateGrad (its autograd wgrad is ``None``). DDP's hook for such a param
 must therefore fire only after ``{reduce-scatter -> main_grad add}``, so a bucket's collective
-never reads a stale ``main_grad`` (the seed's ordering invariant).
+never reads a stale ``main_grad`` (the ordering invariant of design §3.2).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def validate_ddp_config_for_gtp(ddp_config: object) -> None:
     if getattr(ddp_config, "average_in_collective", False):
         raise ValueError(
             "ddp: DistributedDataParallelConfig.average_in_collective=True is incompatible with "
-            "GTP (seed §3.2: the mean is a pre-scale before a SUM collective). Set "
+            "GTP (design §3.2: the mean is a pre-scale before a SUM collective). Set "
             "DistributedDataParallelConfig(average_in_collective=False); NeMo's stock recipes "
             "set it True"
         )
@@ -140,7 +140,7 @@ class GTPDDPMixin:
 
 
 class GTPDistributedDataParallel(GTPDDPMixin, DistributedDataParallel):
-    """megatron-core DDP aware of GTP weights (seed §3.2).
+    """megatron-core DDP aware of GTP weights (design §3.2).
 
     Example::
 

@@ -1,10 +1,10 @@
-"""``finalize_model_grads`` with the GTP axis completed (seed §3.2 touch points 1 and the fence).
+"""``finalize_model_grads`` with the GTP axis completed (design §3.2 touch points 1 and the fence).
 
 Order: (1) drain every runtime — the fence after which no GTP reduce-scatter is in flight and
 every GTP ``main_grad`` is final; (2) megatron's own finalize (DDP reduce over the replicate
 group, TP/PP all-reduces, per-token scaling over the DP x GTP data group); (3) all-reduce the
 replicated params' grads over the GTP group — AVG (1/GTP pre-scale then SUM) by default, SUM
-under ``calculate_per_token_loss`` (the seed's §3.2 table). All three are linear, so running (3)
+under ``calculate_per_token_loss`` (the design §3.2 table). All three are linear, so running (3)
 after megatron's reduction gives the same sum, and it stays correct when DDP overlapped its
 bucket reductions with the backward. With ``GTPConfig.shard_replicated_params_over_gtp`` DDP
 reduces the replicated params over DP x GTP itself and (3) is skipped.

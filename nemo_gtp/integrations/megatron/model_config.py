@@ -16,7 +16,7 @@ from nemo_gtp.engine.config import GTPConfig
 def mirror_per_token_loss(
     config: GTPConfig | None, model_config: object, *, adopt: bool = False, owner: str = ""
 ) -> GTPConfig:
-    """The ``GTPConfig`` to use with a model whose config is ``model_config`` (seed §2.4, §3.2).
+    """The ``GTPConfig`` to use with a model whose config is ``model_config`` (design §2.4, §3.2).
 
     ``GTPConfig.calculate_per_token_loss`` must equal the model config's: it decides whether
     GTP's reduce-scatters and the replicated-grad all-reduce pre-scale by 1/GTP (mean) or SUM
@@ -43,7 +43,7 @@ def mirror_per_token_loss(
     of = f" of {owner}" if owner else ""
     raise ValueError(
         f"GTPConfig.calculate_per_token_loss={config.calculate_per_token_loss}{of} but the model "
-        f"config has calculate_per_token_loss={per_token}: set them equal (seed §3.2)"
+        f"config has calculate_per_token_loss={per_token}: set them equal (design §3.2)"
     )
 
 
@@ -52,7 +52,7 @@ def validate_model_config_for_gtp(config: object) -> None:
 
     ``delay_wgrad_compute``: TE's delayed wgrad stores the wgrad GEMM for a later
     ``backward_dw()`` and skips the DistributedWeight ``finalize_group_grads`` call, so a GTP
-    weight's gradient would never be reduce-scattered into ``main_grad`` (seed §3.1 "The bridge").
+    weight's gradient would never be reduce-scattered into ``main_grad`` (design §3.1 "The bridge").
 
     Example::
 

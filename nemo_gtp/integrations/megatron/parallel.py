@@ -1,4 +1,4 @@
-"""megatron ``parallel_state`` alongside the GTP rank grid (seed §3.1 "Process groups").
+"""megatron ``parallel_state`` alongside the GTP rank grid (design §3.1 "Process groups").
 
 megatron-core 0.15 knows no GTP axis. With the GTP axis placed right after TP, megatron's default
 ``tp-cp-ep-dp-pp`` order sees GTP x DP as its data-parallel axis, so its TP/PP/embedding groups
@@ -79,10 +79,10 @@ def gtp_process_groups(
 ) -> ProcessGroupCollection:
     """The ``ProcessGroupCollection`` megatron DDP and ``get_megatron_optimizer`` must use.
 
-    Default (seed §3.2): the data-parallel fields are the replicate group (DDP and the
+    Default (design §3.2): the data-parallel fields are the replicate group (DDP and the
     distributed optimizer reduce over it); ``mp`` is TP x GTP x PP, so the non-distributed
     optimizer's grad norm sums every GTP shard, and ``DistributedOptimizer`` keys state by a rank
-    unique per GTP peer (seed §3.3 "Optimizer state").
+    unique per GTP peer (design §3.3 "Optimizer state").
 
     With ``config.shard_replicated_params_over_gtp`` (GTP shards tagged ``allreduce=False`` by
     :class:`GTPDDPMixin`): the replicated params take megatron's first buffer and optimizer over

@@ -1,4 +1,4 @@
-"""Make a megatron-core model's linears GTP shards (seed §1.5, §3.1): one package, two paths.
+"""Make a megatron-core model's linears GTP shards (design §1.5, §3.1): one package, two paths.
 
 =====================  =========================================================================
 module                 what

@@ -1,4 +1,4 @@
-"""Linears built directly as their GTP shard: the seed's "one init path" (§3.1, §1.5).
+"""Linears built directly as their GTP shard: design §3.1 "One init path", §1.5.
 
 A megatron linear class (TE wrapper or megatron-local) is subclassed so that its constructor is
 handed a pre-sharded ``output_size``: the base class then allocates and initializes only this
@@ -64,7 +64,7 @@ def _generator(device: torch.device) -> torch.Generator:
 
 
 def per_peer_init(init_method: Callable[[torch.Tensor], Any], gtp_rank: int) -> Callable:
-    """``init_method`` drawing from a stream of its own on each GTP peer (seed §3.1).
+    """``init_method`` drawing from a stream of its own on each GTP peer (design §3.1).
 
     Every GTP peer builds its own shard, with the same (TP-rank dependent) RNG state; without
     this the gathered weight would be GTP identical blocks. The peer seed is drawn from the
@@ -103,7 +103,7 @@ class PreShardedLinearMixin:
         self, input_size: int, output_size: int, *args: Any, gtp: GTPShardPlan,
         config: Any, init_method: Callable, **kwargs: Any,
     ) -> None:
-        if gtp.gtp_size == 1:  # off is a byte-for-byte no-op (seed §1.5)
+        if gtp.gtp_size == 1:  # off is a byte-for-byte no-op (design §1.5)
             super().__init__(input_size, output_size, *args, config=config,
                              init_method=init_method, **kwargs)
             return
@@ -138,7 +138,7 @@ def _tp_size(tp_group: object) -> int:
 def attach_presharded_weight(module: torch.nn.Module, spec: ShardSpec) -> GTPShardedParam:
     """Turn ``module.weight`` (already shard-shaped) into an unregistered GTP shard.
 
-    The base class initialized every row, pad rows included; those are zeroed (seed §1.3: pad
+    The base class initialized every row, pad rows included; those are zeroed (design §1.3: pad
     rows hold zeros and never receive gradient). A bias the base class built shard-sized is
     re-registered at the logical width (zeros, as megatron initializes biases): it adds onto the
     gathered GEMM output and stays replicated over GTP (§1.5).
@@ -195,5 +195,5 @@ def presharded_class(base: type, column: bool) -> type:
     return type(
         f"GTP{base.__name__}", (PreShardedLinearMixin, base),
         {"gtp_column": column, "__module__": __name__,
-         "__doc__": f"{base.__name__} built as its GTP shard (seed §3.1 'One init path')."},
+         "__doc__": f"{base.__name__} built as its GTP shard (design §3.1 'One init path')."},
     )

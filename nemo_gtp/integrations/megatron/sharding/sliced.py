@@ -4,7 +4,7 @@ The one entry point for a built model, whichever way its linears were built:
 
 - built full (megatron-local ``ColumnParallelLinear``/``RowParallelLinear`` from the local layer
   spec, ``torch.nn.Linear``, TE wrappers from megatron's stock TE spec): sliced here, as the
-  seed's ``wrap_module_params_gtp`` does, so a GTP model starts bit-identical to its non-GTP
+  Megatron-LM's ``wrap_module_params_gtp`` does, so a GTP model starts bit-identical to its non-GTP
   twin;
 - built as their shard (:mod:`~nemo_gtp.integrations.megatron.sharding.built`, selected by the
   layer spec of :mod:`~nemo_gtp.integrations.megatron.sharding.spec`): only registered with the
@@ -85,7 +85,7 @@ def shard_model(
     Call after the model is built and before DDP wraps it. With GTP size 1 nothing is touched
     and ``None`` is returned (off is a byte-for-byte no-op, §1.5). Params replicated across the
     GTP group are marked ``shared`` on GTP ranks other than 0: megatron's grad-norm filter then
-    counts them once (seed §3.2 point 2); megatron propagates the mark to every optimizer's
+    counts them once (design §3.2 point 2); megatron propagates the mark to every optimizer's
     main params.
 
     Example::

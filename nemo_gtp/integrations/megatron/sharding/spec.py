@@ -1,4 +1,4 @@
-"""Rewrite a megatron layer spec so its parallel linears are built pre-sharded (seed §1.5, §3.1).
+"""Rewrite a megatron layer spec so its parallel linears are built pre-sharded (design §1.5, §3.1).
 
 Opt-in is by linear class (§1.5): :func:`gtp_layer_spec` swaps megatron's column/row-parallel
 linear classes — the TE wrappers ``TEColumnParallelLinear``, ``TERowParallelLinear``,
@@ -89,7 +89,7 @@ def presharded_classes() -> dict[type, type]:
 
 
 def gtp_layer_spec(spec: Any, groups: GTPGroups, config: GTPConfig | None = None) -> Any:
-    """``spec`` with its parallel linears built as GTP shards (seed §3.1 "One init path").
+    """``spec`` with its parallel linears built as GTP shards (design §3.1 "One init path").
 
     Pass the result to the model constructor, then call ``shard_model`` on the built model (it
     registers the pre-built shards with the model's runtime and shards whatever else is

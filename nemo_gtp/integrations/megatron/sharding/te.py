@@ -1,4 +1,4 @@
-"""TransformerEngine linears under GTP, through TE's DistributedWeight protocol (seed §1.5, §3.1).
+"""TransformerEngine linears under GTP, through TE's DistributedWeight protocol (design §1.5, §3.1).
 
 TE (>= 2.19) stays GTP-agnostic: a TE linear whose weight is a :class:`GTPShardedParam` asks it
 for the full weight before each GEMM (``materialize_group_for_forward/_backward``) and hands it
@@ -32,7 +32,7 @@ def te_parallel_linear_kinds(*, import_te: bool = False) -> dict[type, bool]:
 
     Empty when TransformerEngine is not installed (or, with ``import_te=False``, not loaded).
     Base ``TELinear`` (``parallel_mode="duplicated"``) is deliberately absent: it stays full
-    (seed §1.5).
+    (design §1.5).
     """
     if not import_te and "transformer_engine" not in sys.modules:
         return {}
