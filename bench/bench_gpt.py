@@ -62,8 +62,7 @@ GTP_MODES = {
     "gtp_ctas8": GTPConfig(gather_backend="nccl"),
 }
 # ProcessGroupNCCL.Options of the GTP communicator per mode (stream priority, channels).
-GTP_PG_OPTIONS = {"gtp_hiprio": dict(is_high_priority_stream=True),
-                  "gtp_ctas8": dict(max_ctas=8)}
+GTP_PG_OPTIONS = {"gtp_hiprio": dict(is_high_priority_stream=True), "gtp_ctas8": dict(max_ctas=8)}
 
 
 def gtp_pg_options(mode: str) -> object | None:
@@ -72,7 +71,8 @@ def gtp_pg_options(mode: str) -> object | None:
     if spec is None:
         return None
     options = dist.ProcessGroupNCCL.Options(
-        is_high_priority_stream=spec.get("is_high_priority_stream", False))
+        is_high_priority_stream=spec.get("is_high_priority_stream", False)
+    )
     if "max_ctas" in spec:
         options.config.max_ctas = spec["max_ctas"]
     return options
@@ -80,12 +80,23 @@ def gtp_pg_options(mode: str) -> object | None:
 
 def model_config(args: argparse.Namespace) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
-        num_attention_heads=args.heads, bf16=True, params_dtype=torch.bfloat16,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        masked_softmax_fusion=False, bias_activation_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-        cross_entropy_loss_fusion=False, pipeline_dtype=torch.bfloat16,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=4 * args.hidden,
+        num_attention_heads=args.heads,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        cross_entropy_loss_fusion=False,
+        pipeline_dtype=torch.bfloat16,
     )
 
 
@@ -94,8 +105,10 @@ def build(args: argparse.Namespace, mode: str, world: int):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     gtp = world if mode.startswith("gtp") else 1
-    groups = initialize_gtp_parallel(GTPParallelDims(world_size=world, num_weight_shards=gtp),
-                                     gtp_pg_options=gtp_pg_options(mode))
+    groups = initialize_gtp_parallel(
+        GTPParallelDims(world_size=world, num_weight_shards=gtp),
+        gtp_pg_options=gtp_pg_options(mode),
+    )
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     config = model_config(args)
@@ -130,13 +143,23 @@ def build(args: argparse.Namespace, mode: str, world: int):
         runtime = shard_model(model, groups, GTP_MODES[mode])
     pgs = gtp_process_groups(groups, GTP_MODES.get(mode))
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        grad_reduce_in_fp32=True,
     )
     ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, bf16=True,
-                        use_distributed_optimizer=True, clip_grad=1.0),
-        [ddp], use_gloo_process_groups=False, pg_collection=pgs,
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-4,
+            weight_decay=0.01,
+            bf16=True,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+        ),
+        [ddp],
+        use_gloo_process_groups=False,
+        pg_collection=pgs,
     )
     if args.optimizer_kernels == "torch_fused":
         install_torch_kernels()
@@ -178,8 +201,11 @@ def forward_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 def make_batch(args: argparse.Namespace, mbs: int, seq: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(dist.get_rank())
     tokens = torch.randint(0, args.vocab, (mbs, seq + 1), device="cuda", generator=gen)
-    return dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
-                position_ids=torch.arange(seq, device="cuda").expand(mbs, seq))
+    return dict(
+        tokens=tokens[:, :-1].contiguous(),
+        labels=tokens[:, 1:].contiguous(),
+        position_ids=torch.arange(seq, device="cuda").expand(mbs, seq),
+    )
 
 
 def state_bytes(model: torch.nn.Module, optimizer: object) -> int:
@@ -207,8 +233,11 @@ def state_bytes(model: torch.nn.Module, optimizer: object) -> int:
             for value in state.values():
                 add(value)
         # megatron's fp32 master copies (mixed precision: distributed and non-distributed)
-        for name in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups",
-                     "shard_fp32_groups"):
+        for name in (
+            "shard_fp32_from_float16_groups",
+            "fp32_from_float16_groups",
+            "shard_fp32_groups",
+        ):
             for group in getattr(opt, name, None) or []:
                 for p in group:
                     add(p)
@@ -257,12 +286,17 @@ def profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None:  # 
     events = prof.key_averages()
     total = sum(e.device_time_total for e in events)
     nccl = sum(e.device_time_total for e in events if "nccl" in e.key.lower())
-    gemm = sum(e.device_time_total for e in events
-               if any(k in e.key.lower() for k in ("gemm", "nvjet", "sm90", "cutlass")))
+    gemm = sum(
+        e.device_time_total
+        for e in events
+        if any(k in e.key.lower() for k in ("gemm", "nvjet", "sm90", "cutlass"))
+    )
     with open(os.path.join(args.out, f"profile_{mode}_{args.profile_shape}.txt"), "w") as f:
         f.write(f"mode={mode} shape={args.profile_shape} steps=3\n")
-        f.write(f"kernel time ms per step: total {total / 3e3:.1f}, gemm {gemm / 3e3:.1f}, "
-                f"nccl {nccl / 3e3:.1f}, other {(total - gemm - nccl) / 3e3:.1f}\n\n")
+        f.write(
+            f"kernel time ms per step: total {total / 3e3:.1f}, gemm {gemm / 3e3:.1f}, "
+            f"nccl {nccl / 3e3:.1f}, other {(total - gemm - nccl) / 3e3:.1f}\n\n"
+        )
         f.write(events.table(sort_by="device_time_total", row_limit=30))
 
 
@@ -287,18 +321,23 @@ def host_profile(args: argparse.Namespace, mode: str, step, batch: dict) -> None
     write_host_profile(
         os.path.join(args.out, f"host_profile_{mode}_{args.profile_shape}.txt"),
         f"mode={mode} shape={args.profile_shape}: 5 steps, host {1000 * host / 5:.1f} ms/step "
-        "under cProfile", prof)
+        "under cProfile",
+        prof,
+    )
 
 
-def write_per_weight_exposed(args: argparse.Namespace, mode: str, shape: str,
-                             per_weight: dict[tuple[str, str], float]) -> None:
+def write_per_weight_exposed(
+    args: argparse.Namespace, mode: str, shape: str, per_weight: dict[tuple[str, str], float]
+) -> None:
     """The per-layer exposed-communication profile: ms per step each weight's gather / RS kept
     the compute stream waiting, in model order (rank 0, appended to ``exposed_<mode>.txt``)."""
     if dist.get_rank() != 0 or not per_weight:
         return
     names = list(dict.fromkeys(name for _, name in per_weight))
-    lines = [f"\n## mode={mode} shape={shape}: exposed ms per step ({EXPOSED_STEPS} steps), "
-             "weight | gather | reduce-scatter"]
+    lines = [
+        f"\n## mode={mode} shape={shape}: exposed ms per step ({EXPOSED_STEPS} steps), "
+        "weight | gather | reduce-scatter"
+    ]
     for name in names:
         ag = 1000 * per_weight.get(("gather", name), 0.0) / EXPOSED_STEPS
         rs = 1000 * per_weight.get(("reduce_scatter", name), 0.0) / EXPOSED_STEPS
@@ -343,31 +382,40 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
             for _ in range(EXPOSED_STEPS):
                 step(batch)
             exposed = runtime.wait_timer.collect()
-            write_per_weight_exposed(args, mode, f"{mbs}x{seq}",
-                                     runtime.wait_timer.take_per_weight())
+            write_per_weight_exposed(
+                args, mode, f"{mbs}x{seq}", runtime.wait_timer.take_per_weight()
+            )
             runtime.wait_timer.enable(False)
         median = statistics.median(times)
         if args.profile and f"{mbs}x{seq}" == args.profile_shape:
             profile(args, mode, step, batch)
         if args.host_profile and f"{mbs}x{seq}" == args.profile_shape:
             host_profile(args, mode, step, batch)
-        records.append(dict(
-            mode=mode, mbs=mbs, seq=seq, tokens_per_gpu=mbs * seq, step_ms=1000 * median,
-            tokens_per_s=world * mbs * seq / median,
-            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-            exposed_gather_ms=1000 * exposed.get("gather", 0.0) / EXPOSED_STEPS
-            if runtime else None,
-            exposed_rs_ms=1000 * exposed.get("reduce_scatter", 0.0) / EXPOSED_STEPS
-            if runtime else None,
-            state_gib=state_bytes(model, optimizer) / 2**30,
-            replicated_state_gib=replicated_bytes(model, 1) / 2**30,
-            gtp_shard_share=gtp_shard_share(model),
-            built_gib=built_gib,
-            gather_backend=runtime.gather_backend.value if runtime is not None else None,
-            device_used_gib=(lambda fr, tot: (tot - fr) / 2**30)(*torch.cuda.mem_get_info()),
-            reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
-            **{f"{name}_ms": statistics.median(v) for name, v in phases.items()},
-        ))
+        records.append(
+            dict(
+                mode=mode,
+                mbs=mbs,
+                seq=seq,
+                tokens_per_gpu=mbs * seq,
+                step_ms=1000 * median,
+                tokens_per_s=world * mbs * seq / median,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                exposed_gather_ms=1000 * exposed.get("gather", 0.0) / EXPOSED_STEPS
+                if runtime
+                else None,
+                exposed_rs_ms=1000 * exposed.get("reduce_scatter", 0.0) / EXPOSED_STEPS
+                if runtime
+                else None,
+                state_gib=state_bytes(model, optimizer) / 2**30,
+                replicated_state_gib=replicated_bytes(model, 1) / 2**30,
+                gtp_shard_share=gtp_shard_share(model),
+                built_gib=built_gib,
+                gather_backend=runtime.gather_backend.value if runtime is not None else None,
+                device_used_gib=(lambda fr, tot: (tot - fr) / 2**30)(*torch.cuda.mem_get_info()),
+                reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+                **{f"{name}_ms": statistics.median(v) for name, v in phases.items()},
+            )
+        )
         if dist.get_rank() == 0:
             print(json.dumps(records[-1]), flush=True)
     if args.memory_trace:
@@ -387,8 +435,17 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
 
 def write_report(args: argparse.Namespace, records: list[dict], world: int) -> None:
     with open(os.path.join(args.out, "bench_gpt.json"), "w") as f:
-        json.dump(dict(args=vars(args), world=world, device=torch.cuda.get_device_name(),
-                       torch=torch.__version__, records=records), f, indent=1)
+        json.dump(
+            dict(
+                args=vars(args),
+                world=world,
+                device=torch.cuda.get_device_name(),
+                torch=torch.__version__,
+                records=records,
+            ),
+            f,
+            indent=1,
+        )
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if not r.get("oom")}
     tokens = sorted({r["tokens_per_gpu"] for r in records})
     lines = [
@@ -414,8 +471,11 @@ def write_report(args: argparse.Namespace, records: list[dict], world: int) -> N
                 continue
             ratio = r["step_ms"] / base["step_ms"] if base else float("nan")
             vs_fsdp = r["step_ms"] / fsdp["step_ms"] if fsdp else float("nan")
-            exposed = "—" if r["exposed_gather_ms"] is None else (
-                f"{r['exposed_gather_ms']:.2f} / {r['exposed_rs_ms']:.2f}")
+            exposed = (
+                "—"
+                if r["exposed_gather_ms"] is None
+                else (f"{r['exposed_gather_ms']:.2f} / {r['exposed_rs_ms']:.2f}")
+            )
             lines.append(
                 f"| {t} | {mode} | {r.get('gather_backend') or '—'} | {r['step_ms']:.1f} | "
                 f"{ratio:.3f} | {vs_fsdp:.3f} | {r['forward_ms']:.1f} / {r['backward_ms']:.1f} / "
@@ -426,24 +486,29 @@ def write_report(args: argparse.Namespace, records: list[dict], world: int) -> N
     shares = {r["gtp_shard_share"] for r in records if r.get("gtp_shard_share")}
     for share in sorted(shares):
         ok = abs(share * world - 1.0) <= 0.05
-        lines.append(f"\nGTP-sharded weights held per rank: {share:.4f} of the logical elements "
-                     f"(1/GTP = {1 / world:.4f}): {'OK' if ok else 'FAILED'} (±5 %)")
+        lines.append(
+            f"\nGTP-sharded weights held per rank: {share:.4f} of the logical elements "
+            f"(1/GTP = {1 / world:.4f}): {'OK' if ok else 'FAILED'} (±5 %)"
+        )
     # The memory invariant over the whole model: weight + grad + optimizer bytes per rank
     # = 1/GTP of plain replicated training (±5 %).
     for mode in GTP_MODES:
         r = next((r for r in records if r["mode"] == mode and not r.get("oom")), None)
         if r is not None:
             share = r["state_gib"] / r["replicated_state_gib"] * world
-            lines.append(f"\n{mode}: weight+grad+optimizer per rank {r['state_gib']:.2f} GiB = "
-                         f"{share:.3f} x (replicated / GTP): "
-                         f"{'OK' if share <= 1.05 else 'FAILED'} (<= 1/GTP + 5 %)")
+            lines.append(
+                f"\n{mode}: weight+grad+optimizer per rank {r['state_gib']:.2f} GiB = "
+                f"{share:.3f} x (replicated / GTP): "
+                f"{'OK' if share <= 1.05 else 'FAILED'} (<= 1/GTP + 5 %)"
+            )
     with open(os.path.join(args.out, "bench_gpt.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
         from plot_ratio import plot_ratio
 
-        plot_ratio(os.path.join(args.out, "bench_gpt.json"),
-                   os.path.join(args.out, "bench_gpt_ratio.png"))
+        plot_ratio(
+            os.path.join(args.out, "bench_gpt.json"), os.path.join(args.out, "bench_gpt_ratio.png")
+        )
     except ImportError:  # matplotlib absent on the GPU machine: plot later from the JSON
         pass
     except ValueError as err:  # e.g. no ddp baseline among the modes: nothing to plot
@@ -464,14 +529,23 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-shape", default="4x2048")
-    parser.add_argument("--optimizer-kernels", choices=("torch_fused", "megatron"),
-                        default="torch_fused",
-                        help="megatron modes: torch fused AdamW + foreach norms like FSDP2 "
-                             "(torch_fused) or megatron's no-TE/no-apex fallbacks")
-    parser.add_argument("--host-profile", action="store_true",
-                        help="cProfile 5 steps at --profile-shape (host overhead)")
-    parser.add_argument("--memory-trace", action="store_true",
-                        help="write what is live at each mode's allocation peak")
+    parser.add_argument(
+        "--optimizer-kernels",
+        choices=("torch_fused", "megatron"),
+        default="torch_fused",
+        help="megatron modes: torch fused AdamW + foreach norms like FSDP2 "
+        "(torch_fused) or megatron's no-TE/no-apex fallbacks",
+    )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="cProfile 5 steps at --profile-shape (host overhead)",
+    )
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="write what is live at each mode's allocation peak",
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)  # every report below writes into it
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

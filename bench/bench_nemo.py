@@ -45,27 +45,46 @@ MODES = {
     "gtp2_te_sr": ("configs/gpt_1b_te.yaml", ["+gtp.shard_replicated_params_over_gtp=true"]),
     "gtp2_local_rs2": ("configs/gpt_1b.yaml", ["+gtp.separate_reduce_scatter_group=true"]),
     "gtp2_local_d2": ("configs/gpt_1b.yaml", ["+gtp.prefetch_depth=2"]),
-    "gtp2_local_d2_rs2": ("configs/gpt_1b.yaml", ["+gtp.prefetch_depth=2",
-                                                  "+gtp.separate_reduce_scatter_group=true"]),
+    "gtp2_local_d2_rs2": (
+        "configs/gpt_1b.yaml",
+        ["+gtp.prefetch_depth=2", "+gtp.separate_reduce_scatter_group=true"],
+    ),
     "gtp2_local_ce": ("configs/gpt_1b.yaml", ["+gtp.copy_engine_min_tokens=0"]),
-    "gtp2_local_ce_rs2": ("configs/gpt_1b.yaml", ["+gtp.copy_engine_min_tokens=0",
-                                                  "+gtp.separate_reduce_scatter_group=true"]),
-    "mfsdp_te": ("configs/gpt_1b_te.yaml", [
-        "strategy.num_weight_shards=1", "+strategy.fsdp=megatron",
-        "ddp.use_distributed_optimizer=true"]),
+    "gtp2_local_ce_rs2": (
+        "configs/gpt_1b.yaml",
+        ["+gtp.copy_engine_min_tokens=0", "+gtp.separate_reduce_scatter_group=true"],
+    ),
+    "mfsdp_te": (
+        "configs/gpt_1b_te.yaml",
+        [
+            "strategy.num_weight_shards=1",
+            "+strategy.fsdp=megatron",
+            "ddp.use_distributed_optimizer=true",
+        ],
+    ),
 }
-BASELINE = {"gtp2_local": "dp2_local", "gtp2_te": "dp2_te", "gtp2_te_sr": "dp2_te",
-            "gtp2_local_rs2": "dp2_local", "gtp2_local_ce": "dp2_local",
-            "gtp2_local_d2": "dp2_local", "gtp2_local_d2_rs2": "dp2_local",
-            "gtp2_local_ce_rs2": "dp2_local",
-            "dp2_local": "dp2_te", "mfsdp_te": "dp2_te"}
+BASELINE = {
+    "gtp2_local": "dp2_local",
+    "gtp2_te": "dp2_te",
+    "gtp2_te_sr": "dp2_te",
+    "gtp2_local_rs2": "dp2_local",
+    "gtp2_local_ce": "dp2_local",
+    "gtp2_local_d2": "dp2_local",
+    "gtp2_local_d2_rs2": "dp2_local",
+    "gtp2_local_ce_rs2": "dp2_local",
+    "dp2_local": "dp2_te",
+    "mfsdp_te": "dp2_te",
+}
 
 
 def _token_overrides(tokens: int) -> list[str]:
     seq = 1024 if tokens < 2048 else 2048
     mbs = max(1, tokens // seq)
-    return [f"data.seq_length={seq}", f"data.micro_batch_size={mbs}",
-            f"data.global_batch_size={2 * mbs}"]
+    return [
+        f"data.seq_length={seq}",
+        f"data.micro_batch_size={mbs}",
+        f"data.global_batch_size={2 * mbs}",
+    ]
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -91,9 +110,12 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
         def windows(self) -> dict[str, range]:
             """Step ranges: timed, exposed-communication, torch.profiler, cProfile."""
             t0 = self.warmup + self.timed
-            return {"timed": range(self.warmup, t0), "exposed": range(t0, t0 + 3),
-                    "torch": range(t0 + 3, t0 + 6) if self.profile else range(0),
-                    "host": range(t0 + 6, t0 + 9) if self.profile else range(0)}
+            return {
+                "timed": range(self.warmup, t0),
+                "exposed": range(t0, t0 + 3),
+                "torch": range(t0 + 3, t0 + 6) if self.profile else range(0),
+                "host": range(t0 + 6, t0 + 9) if self.profile else range(0),
+            }
 
         @property
         def total_steps(self) -> int:
@@ -113,8 +135,12 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
                 for runtime in gtp_runtimes(trainer):
                     runtime.wait_timer.enable(False)
             if w["torch"] and step == w["torch"].start:
-                self._torch_prof = torch.profiler.profile(activities=[
-                    torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                self._torch_prof = torch.profiler.profile(
+                    activities=[
+                        torch.profiler.ProfilerActivity.CPU,
+                        torch.profiler.ProfilerActivity.CUDA,
+                    ]
+                )
                 self._torch_prof.__enter__()
             if w["host"] and step == w["host"].start:
                 self._prof = cProfile.Profile()
@@ -131,16 +157,22 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             step, w = trainer.global_step - 1, self.windows
             ms = 1000 * (time.perf_counter() - self._start)
             loss = trainer.callback_metrics.get("reduced_train_loss")
-            self.records.append({"step": step, "ms": round(ms, 2),
-                                 "loss": float(loss) if loss is not None else None})
+            self.records.append(
+                {
+                    "step": step,
+                    "ms": round(ms, 2),
+                    "loss": float(loss) if loss is not None else None,
+                }
+            )
             if step == w["exposed"].stop - 1:
                 for runtime in gtp_runtimes(trainer):
                     for kind, seconds in runtime.wait_timer.collect().items():
                         self.exposed[kind] = self.exposed.get(kind, 0.0) + seconds / 3
             if w["torch"] and step == w["torch"].stop - 1:
                 self._torch_prof.__exit__(None, None, None)
-                self.torch_profile = _summarize_torch_profile(self._torch_prof, len(w["torch"]),
-                                                              [r["ms"] for r in self.records[-3:]])
+                self.torch_profile = _summarize_torch_profile(
+                    self._torch_prof, len(w["torch"]), [r["ms"] for r in self.records[-3:]]
+                )
             if w["host"] and step == w["host"].stop - 1:
                 self._prof.disable()
                 text = io.StringIO()
@@ -157,8 +189,11 @@ def _summarize_torch_profile(prof, steps: int, step_ms: list[float]) -> dict:
     against the step's wall time: idle = wall - busy is time the GPU waited for the host."""
     intervals = []
     for event in prof.events():
-        if getattr(event, "device_type", None) is not None and str(event.device_type).endswith(
-                "CUDA") and event.time_range.end > event.time_range.start:
+        if (
+            getattr(event, "device_type", None) is not None
+            and str(event.device_type).endswith("CUDA")
+            and event.time_range.end > event.time_range.start
+        ):
             intervals.append((event.time_range.start, event.time_range.end))
     intervals.sort()
     busy, current = 0.0, None
@@ -174,9 +209,12 @@ def _summarize_torch_profile(prof, steps: int, step_ms: list[float]) -> dict:
     busy_ms = busy / 1000 / steps
     wall_ms = statistics.mean(step_ms) if step_ms else float("nan")
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    return {"gpu_busy_ms_per_step": round(busy_ms, 2), "wall_ms_per_step": round(wall_ms, 2),
-            "gpu_idle_fraction": round(max(0.0, 1 - busy_ms / wall_ms), 3),
-            "top_cpu_ops": table}
+    return {
+        "gpu_busy_ms_per_step": round(busy_ms, 2),
+        "wall_ms_per_step": round(wall_ms, 2),
+        "gpu_idle_fraction": round(max(0.0, 1 - busy_ms / wall_ms), 3),
+        "top_cpu_ops": table,
+    }
 
 
 def _rank_main(spec_path: str) -> None:
@@ -193,30 +231,32 @@ def _rank_main(spec_path: str) -> None:
         record = {k: run[k] for k in ("mode", "tokens_per_gpu")}
         try:
             steps = _steps_callback(spec["warmup"], spec["timed"], run["profile"])
-            cfg = load_recipe(str(ROOT / run["config"]), [
-                *run["overrides"], f"trainer.max_steps={steps.total_steps}"])
+            cfg = load_recipe(
+                str(ROOT / run["config"]),
+                [*run["overrides"], f"trainer.max_steps={steps.total_steps}"],
+            )
             fit = build_fit(cfg, callbacks=[steps])
-            fit.trainer.strategy.store = dist.FileStore(str(Path(spec["dir"], f"store{i}")),
-                                                        world)
+            fit.trainer.strategy.store = dist.FileStore(str(Path(spec["dir"], f"store{i}")), world)
             torch.cuda.reset_peak_memory_stats()
             leftover = torch.cuda.memory_allocated()  # what earlier fits left allocated
             fit.run()
             timed = [r["ms"] for r in steps.records if r["step"] in steps.windows["timed"]]
             median = statistics.median(timed)
             record.update(
-                step_ms=round(median, 2), tokens_per_s_per_gpu=round(
-                    run["tokens_per_gpu"] / median * 1000),
+                step_ms=round(median, 2),
+                tokens_per_s_per_gpu=round(run["tokens_per_gpu"] / median * 1000),
                 peak_gib=round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2),
                 leftover_gib=round(leftover / 2**30, 2),
                 losses=[r["loss"] for r in steps.records],
                 exposed_ms={k: round(v * 1000, 3) for k, v in steps.exposed.items()},
-                torch_profile={k: v for k, v in steps.torch_profile.items()
-                               if k != "top_cpu_ops"})
+                torch_profile={k: v for k, v in steps.torch_profile.items() if k != "top_cpu_ops"},
+            )
             if rank == 0 and run["profile"]:
                 name = f"{run['mode']}_{run['tokens_per_gpu']}"
                 Path(spec["out"], f"host_profile_{name}.txt").write_text(steps.host_profile)
                 Path(spec["out"], f"torch_profile_{name}.txt").write_text(
-                    steps.torch_profile.get("top_cpu_ops", ""))
+                    steps.torch_profile.get("top_cpu_ops", "")
+                )
             del fit
         except Exception as err:  # record and go on: one broken mode must not hide the rest
             record["error"] = f"{type(err).__name__}: {err}"[:2000]
@@ -234,20 +274,26 @@ def _rank_main(spec_path: str) -> None:
 # ----------------------------------------------------------------------------- parent
 def _report(records: list[dict], out: Path) -> str:
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records}
-    lines = ["| mode | tokens/GPU | step ms | vs baseline | tokens/s/GPU | peak GiB | "
-             "exposed gather / RS ms | GPU idle | max loss rel diff vs baseline |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | tokens/GPU | step ms | vs baseline | tokens/s/GPU | peak GiB | "
+        "exposed gather / RS ms | GPU idle | max loss rel diff vs baseline |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in records:
         if "error" in r:
-            lines.append(f"| {r['mode']} | {r['tokens_per_gpu']} | failed: "
-                         f"{r['error'][:160]} | | | | | | |")
+            lines.append(
+                f"| {r['mode']} | {r['tokens_per_gpu']} | failed: {r['error'][:160]} | | | | | | |"
+            )
             continue
         base = by.get((BASELINE.get(r["mode"], ""), r["tokens_per_gpu"]))
         ratio, diff = "", ""
         if base and "error" not in base:
             ratio = f"{r['step_ms'] / base['step_ms']:.3f}× {BASELINE[r['mode']]}"
-            pairs = [(a, b) for a, b in zip(r["losses"], base["losses"])
-                     if a is not None and b is not None]
+            pairs = [
+                (a, b)
+                for a, b in zip(r["losses"], base["losses"])
+                if a is not None and b is not None
+            ]
             diff = f"{max(abs(a - b) / abs(b) for a, b in pairs):.1e}" if pairs else ""
         exposed = r.get("exposed_ms", {})
         idle = r.get("torch_profile", {}).get("gpu_idle_fraction")
@@ -255,7 +301,8 @@ def _report(records: list[dict], out: Path) -> str:
             f"| {r['mode']} | {r['tokens_per_gpu']} | {r['step_ms']:.1f} | {ratio} | "
             f"{r['tokens_per_s_per_gpu']} | {r['peak_gib']} | "
             f"{exposed.get('gather', 0):.2f} / {exposed.get('reduce_scatter', 0):.2f} | "
-            f"{'' if idle is None else f'{idle:.0%}'} | {diff} |")
+            f"{'' if idle is None else f'{idle:.0%}'} | {diff} |"
+        )
     table = "\n".join(lines)
     (out / "bench_nemo.md").write_text(table + "\n")
     try:
@@ -276,8 +323,12 @@ def _plot(records: list[dict], png: Path) -> None:
     for mode, base in BASELINE.items():
         xs = sorted(t for m, t in by if m == mode and (base, t) in by)
         if xs:
-            ax.plot(xs, [by[(mode, t)]["step_ms"] / by[(base, t)]["step_ms"] for t in xs],
-                    marker="o", label=f"{mode} / {base}")
+            ax.plot(
+                xs,
+                [by[(mode, t)]["step_ms"] / by[(base, t)]["step_ms"] for t in xs],
+                marker="o",
+                label=f"{mode} / {base}",
+            )
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per GPU")
@@ -305,21 +356,51 @@ def main() -> int:
     for tokens in (int(t) for t in args.tokens.split(",")):
         for mode in args.modes.split(","):
             config, overrides = MODES[mode]
-            runs.append({"mode": mode, "tokens_per_gpu": tokens, "config": config,
-                         "overrides": [*overrides, *_token_overrides(tokens)],
-                         "profile": tokens in profile})
+            runs.append(
+                {
+                    "mode": mode,
+                    "tokens_per_gpu": tokens,
+                    "config": config,
+                    "overrides": [*overrides, *_token_overrides(tokens)],
+                    "profile": tokens in profile,
+                }
+            )
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
-        spec.write_text(json.dumps({"runs": runs, "dir": tmp, "out": str(out.resolve()),
-                                    "warmup": args.warmup, "timed": args.timed}))
+        spec.write_text(
+            json.dumps(
+                {
+                    "runs": runs,
+                    "dir": tmp,
+                    "out": str(out.resolve()),
+                    "warmup": args.warmup,
+                    "timed": args.timed,
+                }
+            )
+        )
         procs = []
         for rank in range(args.devices):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
-                   "WORLD_SIZE": str(args.devices), "MASTER_ADDR": "127.0.0.1",
-                   "OMP_NUM_THREADS": "1"}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "NODE_RANK": "0",
+                "WORLD_SIZE": str(args.devices),
+                "MASTER_ADDR": "127.0.0.1",
+                "OMP_NUM_THREADS": "1",
+            }
             log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
-            procs.append((subprocess.Popen([sys.executable, __file__, "--rank-main", str(spec)],
-                                           env=env, stdout=log, stderr=subprocess.STDOUT), log))
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [sys.executable, __file__, "--rank-main", str(spec)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    ),
+                    log,
+                )
+            )
         codes = []
         for proc, log in procs:
             codes.append(proc.wait())

@@ -49,22 +49,36 @@ def main() -> None:
     save_gtp_checkpoint(args.dir, setup["ddp"], setup["optimizer"], setup["groups"])
     want = full_weights(setup)
     records = []
-    for name, run in (("TP2", Run(tp=2, steps=0, distopt=True)),
-                      ("DP2", Run(steps=0, distopt=True))):
+    for name, run in (
+        ("TP2", Run(tp=2, steps=0, distopt=True)),
+        ("DP2", Run(steps=0, distopt=True)),
+    ):
         target = build(run)
         load_gtp_checkpoint(args.dir, target["ddp"], target["optimizer"], target["groups"])
         got = full_weights(target)
         mismatched = [k for k in want if not torch.equal(want[k], got[k])]
-        records.append(dict(saved="TP1·GTP2", loaded=name, tensors=len(want),
-                            bit_identical=not mismatched, mismatched=mismatched[:5]))
+        records.append(
+            dict(
+                saved="TP1·GTP2",
+                loaded=name,
+                tensors=len(want),
+                bit_identical=not mismatched,
+                mismatched=mismatched[:5],
+            )
+        )
         if dist.get_rank() == 0:
-            print(f"[ckpt-nccl] save TP1·GTP2 -> load {name}: {len(want)} weights, "
-                  f"{'bit-identical' if not mismatched else f'MISMATCH {mismatched[:5]}'}",
-                  flush=True)
+            print(
+                f"[ckpt-nccl] save TP1·GTP2 -> load {name}: {len(want)} weights, "
+                f"{'bit-identical' if not mismatched else f'MISMATCH {mismatched[:5]}'}",
+                flush=True,
+            )
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           records=records), f, indent=1)
+            json.dump(
+                dict(device=torch.cuda.get_device_name(), torch=torch.__version__, records=records),
+                f,
+                indent=1,
+            )
     dist.destroy_process_group()
 
 

@@ -34,8 +34,9 @@ from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
 
 def _chain(n: int, hidden: int, device: torch.device) -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        *[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(n)]).to(device)
+    return torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(n)]).to(
+        device
+    )
 
 
 def _plain(n: int, hidden: int, device: torch.device) -> tuple[torch.nn.Module, None]:
@@ -53,8 +54,9 @@ def _plain(n: int, hidden: int, device: torch.device) -> tuple[torch.nn.Module, 
 
 def _gtp(n: int, hidden: int, device: torch.device, backend: str) -> tuple[torch.nn.Module, object]:
     model = _chain(n, hidden, device)
-    groups = GTPParallelDims(world_size=dist.get_world_size(),
-                             num_weight_shards=dist.get_world_size()).build()
+    groups = GTPParallelDims(
+        world_size=dist.get_world_size(), num_weight_shards=dist.get_world_size()
+    ).build()
     try:
         runtime = GTPRuntime(groups, GTPConfig(gather_backend=backend))
     except (AttributeError, TypeError, ValueError):  # the engine before GTPRuntime took
@@ -83,8 +85,9 @@ def _step(model: torch.nn.Module, runtime: object, x: torch.Tensor, depth: int =
         runtime.drain()
 
 
-def _collectives_only(n: int, hidden: int, device: torch.device, steps: int,
-                      warmup: int) -> tuple[float, float]:
+def _collectives_only(
+    n: int, hidden: int, device: torch.device, steps: int, warmup: int
+) -> tuple[float, float]:
     from nemo_gtp.engine.collectives import GroupCollectives
 
     ops = GroupCollectives(dist.group.WORLD)
@@ -113,8 +116,9 @@ def _collectives_only(n: int, hidden: int, device: torch.device, steps: int,
     return statistics.median(issue), statistics.median(wall)
 
 
-def _time(model: torch.nn.Module, runtime: object, x: torch.Tensor, steps: int,
-          warmup: int) -> tuple[float, float]:
+def _time(
+    model: torch.nn.Module, runtime: object, x: torch.Tensor, steps: int, warmup: int
+) -> tuple[float, float]:
     """(host seconds to issue one step, wall seconds of one step), medians.
 
     Each step starts on an idle GPU (synchronized before) and is timed until its last launch
@@ -155,8 +159,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--modes", default="plain,gtp,gtp_ce,collectives")
-    parser.add_argument("--stack-depth", type=int, default=0,
-                        help="run each step under this many extra Python frames")
+    parser.add_argument(
+        "--stack-depth",
+        type=int,
+        default=0,
+        help="run each step under this many extra Python frames",
+    )
     parser.add_argument("--profile", help="write a cProfile report of each GTP mode here (dir)")
     parser.add_argument("--out", help="JSON results (rank 0)")
     args = parser.parse_args()
@@ -172,7 +180,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         if mode == "collectives":
             seconds[mode], walls[mode] = _collectives_only(
-                args.weights, args.hidden, device, args.steps, args.warmup)
+                args.weights, args.hidden, device, args.steps, args.warmup
+            )
             continue
         if mode == "plain":
             model, runtime = _plain(args.weights, args.hidden, device)
@@ -189,18 +198,26 @@ def main() -> None:
         del model, runtime
     if dist.get_rank() == 0:
         n = args.weights
-        result = {"weights": n, "hidden": args.hidden, "tokens": args.tokens,
-                  "stack_depth": args.stack_depth,
-                  "flight_recorder_env": {k: os.environ.get(k) for k in (
-                      "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")},
-                  "note": "host issue time per step (GPU idle at step start), per weight below",
-                  "host_issue_us_per_step": {m: round(s * 1e6, 1) for m, s in seconds.items()},
-                  "wall_us_per_step": {m: round(s * 1e6, 1) for m, s in walls.items()},
-                  "us_per_weight": {m: round(s * 1e6 / n, 2) for m, s in seconds.items()}}
+        result = {
+            "weights": n,
+            "hidden": args.hidden,
+            "tokens": args.tokens,
+            "stack_depth": args.stack_depth,
+            "flight_recorder_env": {
+                k: os.environ.get(k)
+                for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+            },
+            "note": "host issue time per step (GPU idle at step start), per weight below",
+            "host_issue_us_per_step": {m: round(s * 1e6, 1) for m, s in seconds.items()},
+            "wall_us_per_step": {m: round(s * 1e6, 1) for m, s in walls.items()},
+            "us_per_weight": {m: round(s * 1e6 / n, 2) for m, s in seconds.items()},
+        }
         if "plain" in seconds:
             result["gtp_extra_us_per_weight"] = {
                 m: round((s - seconds["plain"]) * 1e6 / n, 2)
-                for m, s in seconds.items() if m.startswith("gtp")}
+                for m, s in seconds.items()
+                if m.startswith("gtp")
+            }
         print(json.dumps(result, indent=1), flush=True)
         if args.out:
             with open(args.out, "w") as f:

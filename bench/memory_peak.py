@@ -33,8 +33,11 @@ def peak_breakdown(snapshot: dict, device: int | None = None) -> tuple[int, list
     """(peak bytes, [(bytes, allocation site)] of the blocks live at the peak, largest first)."""
     traces = snapshot["device_traces"]
     trace = traces[device] if device is not None else max(traces, key=len)
-    frees = {"free_completed"} if any(e["action"] == "free_completed" for e in trace) else {
-        "free_requested"}
+    frees = (
+        {"free_completed"}
+        if any(e["action"] == "free_completed" for e in trace)
+        else {"free_requested"}
+    )
     live: dict[int, tuple[int, str]] = {}
     total = peak = 0
     peak_live: dict[int, tuple[int, str]] = {}

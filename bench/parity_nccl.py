@@ -20,11 +20,15 @@ import torch.distributed as dist
 from nemo_gtp.testing.gpt_harness import Run, assert_parity, train
 
 CASES = {
-    2: [Run(gtp=2), Run(gtp=2, per_token=True), Run(gtp=2, ffn=72, hidden=48),
-        Run(gtp=2, distopt=True), Run(gtp=2, gather_backend="copy_engine"),
+    2: [
+        Run(gtp=2),
+        Run(gtp=2, per_token=True),
+        Run(gtp=2, ffn=72, hidden=48),
+        Run(gtp=2, distopt=True),
+        Run(gtp=2, gather_backend="copy_engine"),
         Run(gtp=2, distopt=True, gather_backend="copy_engine"),
-        Run(gtp=2, gather_backend="auto"),                     # 32 tokens/GEMM: NCCL
-        Run(gtp=2, gather_backend="auto", ce_min_tokens=16),   # copy engine
+        Run(gtp=2, gather_backend="auto"),  # 32 tokens/GEMM: NCCL
+        Run(gtp=2, gather_backend="auto", ce_min_tokens=16),  # copy engine
         Run(gtp=2, separate_rs=True),
         # bf16 + megatron's mixed-precision optimizers: they write params through .data, which
         # moves no version counter; the copy-engine mirror must still see every step's weights.
@@ -33,11 +37,23 @@ CASES = {
         # replicated params reduced / optimizer-sharded over DP x GTP (two chained optimizers)
         Run(gtp=2, distopt=True, shard_replicated=True),
         Run(gtp=2, distopt=True, shard_replicated=True, per_token=True),
-        Run(gtp=2, bf16=True, distopt=True, shard_replicated=True, gather_backend="auto",
-            ce_min_tokens=16)],
-    4: [Run(gtp=2), Run(tp=2, gtp=2), Run(gtp=4), Run(gtp=4, fp32_accum=True),
+        Run(
+            gtp=2,
+            bf16=True,
+            distopt=True,
+            shard_replicated=True,
+            gather_backend="auto",
+            ce_min_tokens=16,
+        ),
+    ],
+    4: [
+        Run(gtp=2),
+        Run(tp=2, gtp=2),
+        Run(gtp=4),
+        Run(gtp=4, fp32_accum=True),
         Run(tp=2, gtp=2, per_token=True, distopt=True),
-        Run(gtp=2, distopt=True, shard_replicated=True)],
+        Run(gtp=2, distopt=True, shard_replicated=True),
+    ],
 }
 
 
@@ -71,11 +87,19 @@ def main() -> None:
                 assert torch.equal(weight, result["weights"][name]), name
             if dist.get_rank() == 0:
                 print(f"[parity-nccl] {case}: bit-identical to the NCCL gather run", flush=True)
-        records.append(dict(case=dataclasses.asdict(case), world=world, max_rel_err=worst,
-                            passed=True, seconds=round(time.perf_counter() - start, 1),
-                            device=torch.cuda.get_device_name(), backend="nccl",
-                            gather_backend=backend,
-                            torch=torch.__version__))
+        records.append(
+            dict(
+                case=dataclasses.asdict(case),
+                world=world,
+                max_rel_err=worst,
+                passed=True,
+                seconds=round(time.perf_counter() - start, 1),
+                device=torch.cuda.get_device_name(),
+                backend="nccl",
+                gather_backend=backend,
+                torch=torch.__version__,
+            )
+        )
         if dist.get_rank() == 0:
             print(f"[parity-nccl] {case}: max rel err {worst:.2e}", flush=True)
     if dist.get_rank() == 0:

@@ -1,6 +1,6 @@
 """Plot step-time ratio vs tokens per GPU from ``bench_gpt.json`` (needs matplotlib).
 
-    python bench/plot_ratio.py bench/results/<run>/bench_gpt.json out.png
+python bench/plot_ratio.py bench/results/<run>/bench_gpt.json out.png
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ def plot_ratio(json_path: str, png_path: str) -> None:
     modes = sorted({m for m, _ in by if m != "ddp"}, key=lambda m: (m != "fsdp2", m))
     for mode in modes:
         xs = [t for t in tokens if (mode, t) in by and ("ddp", t) in by]
-        ax.plot(xs, [by[(mode, t)]["step_ms"] / by[("ddp", t)]["step_ms"] for t in xs],
-                marker="o", label=f"{mode} / ddp")
+        ax.plot(
+            xs,
+            [by[(mode, t)]["step_ms"] / by[("ddp", t)]["step_ms"] for t in xs],
+            marker="o",
+            label=f"{mode} / ddp",
+        )
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per GPU")

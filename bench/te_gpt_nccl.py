@@ -74,8 +74,13 @@ MODES = {
     "te_bias_dp2": ("te", 1, False, True, True),
     "te_bias_gtp2": ("te", 2, True, True, True),
 }
-PAIRS = [("te_gtp2", "te_dp2"), ("te_gtp2_unfused", "te_dp2"), ("te_gtp2_sliced", "te_dp2"),
-         ("local_gtp2", "local_dp2"), ("te_bias_gtp2", "te_bias_dp2")]
+PAIRS = [
+    ("te_gtp2", "te_dp2"),
+    ("te_gtp2_unfused", "te_dp2"),
+    ("te_gtp2_sliced", "te_dp2"),
+    ("local_gtp2", "local_dp2"),
+    ("te_bias_gtp2", "te_bias_dp2"),
+]
 EXPOSED_STEPS = 5  # the last steps of each mode, timed for exposed communication only
 CALLS = {"grad_buffer": 0, "finalize_group_grads": 0}
 # CUDA + NCCL on the GPU machine; CPU + gloo (local modes only) to smoke-test the script.
@@ -121,18 +126,32 @@ def _count(name: str) -> None:
 
 def model_config(args: argparse.Namespace, bias: bool) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
-        num_attention_heads=args.heads, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, add_bias_linear=bias, hidden_dropout=0.0,
-        attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-        bias_dropout_fusion=False, cross_entropy_loss_fusion=False,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=4 * args.hidden,
+        num_attention_heads=args.heads,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        add_bias_linear=bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        cross_entropy_loss_fusion=False,
     )
 
 
 def layer_spec(kind: str):  # noqa: ANN201
-    return get_gpt_layer_with_transformer_engine_spec() if kind == "te" else (
-        get_gpt_layer_local_spec())
+    return (
+        get_gpt_layer_with_transformer_engine_spec()
+        if kind == "te"
+        else (get_gpt_layer_local_spec())
+    )
 
 
 _REFERENCE: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}
@@ -158,15 +177,17 @@ def batch(args: argparse.Namespace, step: int, microbatch: int, data_rank: int) 
     tokens = ((start + stride * torch.arange(args.seq + 1)) % args.vocab).to(DEVICE)
     # causal mask: implied on CUDA (TE's causal attention; megatron's default mask is on "cuda")
     mask = None if CUDA else torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool).triu(1)
-    return dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
-                position_ids=torch.arange(args.seq, device=DEVICE).expand(args.mbs, args.seq),
-                attention_mask=mask)
+    return dict(
+        tokens=tokens[:, :-1].contiguous(),
+        labels=tokens[:, 1:].contiguous(),
+        position_ids=torch.arange(args.seq, device=DEVICE).expand(args.mbs, args.seq),
+        attention_mask=mask,
+    )
 
 
 def forward_step(data_iterator, model):  # noqa: ANN001, ANN201
     data = next(data_iterator)
-    out = model(data["tokens"], data["position_ids"], data["attention_mask"],
-                labels=data["labels"])
+    out = model(data["tokens"], data["position_ids"], data["attention_mask"], labels=data["labels"])
 
     def loss_func(output: torch.Tensor):  # noqa: ANN202
         loss_sum = output.float().sum()
@@ -198,21 +219,35 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         runtime = shard_model(model, groups, gtp_config) if gtp > 1 else None
-    shard_warnings = [str(w.message) for w in caught if "GTP" in str(w.message)
-                      or "shard_model" in str(w.message)]
+    shard_warnings = [
+        str(w.message) for w in caught if "GTP" in str(w.message) or "shard_model" in str(w.message)
+    ]
     if fused:
         for module in model.modules():
             if hasattr(module, "fuse_wgrad_accumulation"):
                 module.fuse_wgrad_accumulation = True
     pgs = gtp_process_groups(groups)
     ddp = GTPDistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                              overlap_grad_reduce=True, grad_reduce_in_fp32=True),
-        model, pg_collection=pgs)
+        config,
+        DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True
+        ),
+        model,
+        pg_collection=pgs,
+    )
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, bf16=True,
-                        use_distributed_optimizer=True, clip_grad=1.0),
-        [ddp], use_gloo_process_groups=False, pg_collection=pgs)
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            weight_decay=0.01,
+            bf16=True,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+        ),
+        [ddp],
+        use_gloo_process_groups=False,
+        pg_collection=pgs,
+    )
     config.finalize_model_grads_func = make_finalize_model_grads(groups)
     config.no_sync_func = ddp.no_sync
     data_rank = parallel_state.get_data_parallel_rank()
@@ -243,9 +278,14 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         optimizer.zero_grad()
         data = iter([batch(args, step, m, data_rank) for m in range(args.microbatches)])
         reduced = forward_backward(
-            forward_step_func=forward_step, data_iterator=data, model=[ddp],
-            num_microbatches=args.microbatches, seq_length=args.seq, micro_batch_size=args.mbs,
-            forward_only=False)
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=[ddp],
+            num_microbatches=args.microbatches,
+            seq_length=args.seq,
+            micro_batch_size=args.mbs,
+            forward_only=False,
+        )
         dummy_grads += sum(p.grad is not None for p in model.parameters() if is_gtp_param(p))
         _, grad_norm, _ = optimizer.step()
         _sync()
@@ -265,22 +305,32 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
             per_weight.setdefault(kind, {})[name] = 1000 * seconds / EXPOSED_STEPS
         runtime.wait_timer.enable(False)
     record = dict(
-        mode=mode, spec=kind, gtp=gtp, presharded=presharded, fused_wgrad=fused, bias=bias,
-        steps=steps, losses=losses, grad_norms=grad_norms,
-        step_ms_median=1000 * statistics.median(
-            times[max(args.timing_from, profiled.stop):exposed_from] or times),
+        mode=mode,
+        spec=kind,
+        gtp=gtp,
+        presharded=presharded,
+        fused_wgrad=fused,
+        bias=bias,
+        steps=steps,
+        losses=losses,
+        grad_norms=grad_norms,
+        step_ms_median=1000
+        * statistics.median(times[max(args.timing_from, profiled.stop) : exposed_from] or times),
         peak_train_gib=_peak() / 2**30,
         build_peak_gib=build_peak_gib,
         gtp_params=0 if runtime is None else len(runtime.params),
         exposed_gather_ms_per_step=1000 * exposed.get("gather", 0.0) / EXPOSED_STEPS,
         exposed_rs_ms_per_step=1000 * exposed.get("reduce_scatter", 0.0) / EXPOSED_STEPS,
         exposed_ms_per_step_by_weight=per_weight,
-        stats_per_step=None if runtime is None else {
-            k: v / timed for k, v in vars(runtime.stats).items()},
+        stats_per_step=None
+        if runtime is None
+        else {k: v / timed for k, v in vars(runtime.stats).items()},
         protocol_calls_per_step={k: v / steps for k, v in CALLS.items()},
-        gtp_param_grads_left=dummy_grads, shard_warnings=shard_warnings,
-        gtp_weight_types=sorted({type(m).__name__ for m in model.modules()
-                                 if is_gtp_param(m._parameters.get("weight"))}),
+        gtp_param_grads_left=dummy_grads,
+        shard_warnings=shard_warnings,
+        gtp_weight_types=sorted(
+            {type(m).__name__ for m in model.modules() if is_gtp_param(m._parameters.get("weight"))}
+        ),
     )
     del model, ddp, optimizer, runtime
     config.finalize_model_grads_func = None
@@ -290,23 +340,32 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     return record
 
 
-def _write_host_profile(args: argparse.Namespace, mode: str, prof: cProfile.Profile,
-                        steps: int) -> None:
+def _write_host_profile(
+    args: argparse.Namespace, mode: str, prof: cProfile.Profile, steps: int
+) -> None:
     """cProfile of ``steps`` steps (rank 0): where a host-bound step's time goes."""
     if dist.get_rank() == 0:
-        write_host_profile(os.path.join(args.out, f"host_profile_{mode}.txt"),
-                           f"mode={mode}: {steps} steps under cProfile", prof,
-                           (("tottime", 30), ("cumulative", 40)))
+        write_host_profile(
+            os.path.join(args.out, f"host_profile_{mode}.txt"),
+            f"mode={mode}: {steps} steps under cProfile",
+            prof,
+            (("tottime", 30), ("cumulative", 40)),
+        )
 
 
 def compare(a: dict, b: dict) -> dict:
     n = min(len(a["losses"]), len(b["losses"]))
     loss_rel = [abs(x - y) / abs(y) for x, y in zip(a["losses"][:n], b["losses"][:n])]
     gn_rel = [abs(x - y) / abs(y) for x, y in zip(a["grad_norms"][:n], b["grad_norms"][:n])]
-    return dict(steps=n, max_loss_rel=max(loss_rel), step1_loss_rel=loss_rel[0],
-                max_grad_norm_rel=max(gn_rel), step1_grad_norm_rel=gn_rel[0],
-                first10_max_grad_norm_rel=max(gn_rel[:10]),
-                final_loss=(a["losses"][n - 1], b["losses"][n - 1]))
+    return dict(
+        steps=n,
+        max_loss_rel=max(loss_rel),
+        step1_loss_rel=loss_rel[0],
+        max_grad_norm_rel=max(gn_rel),
+        step1_grad_norm_rel=gn_rel[0],
+        first10_max_grad_norm_rel=max(gn_rel[:10]),
+        final_loss=(a["losses"][n - 1], b["losses"][n - 1]),
+    )
 
 
 def checks(args: argparse.Namespace) -> dict:
@@ -324,18 +383,31 @@ def checks(args: argparse.Namespace) -> dict:
     config.delay_wgrad_compute = True  # megatron's own check allows it only with MoE overlap
     cls = next(c for b, c in classes.items() if b.__name__ == "TEColumnParallelLinear")
     try:
-        cls(256, 1024, gtp=GTPShardPlan.from_groups(groups), config=config,
-            init_method=torch.nn.init.normal_, gather_output=False, bias=False,
-            skip_bias_add=True, is_expert=False)
+        cls(
+            256,
+            1024,
+            gtp=GTPShardPlan.from_groups(groups),
+            config=config,
+            init_method=torch.nn.init.normal_,
+            gather_output=False,
+            bias=False,
+            skip_bias_add=True,
+            is_expert=False,
+        )
         out["delay_wgrad_rejected"] = "NOT rejected"
     except ValueError as exc:
         out["delay_wgrad_rejected"] = str(exc)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        shard_model(torch.nn.ModuleDict({"ln_mlp": te.LayerNormMLP(
-            256, 1024, params_dtype=torch.bfloat16)}), groups)
-    out["layernorm_mlp_warnings"] = [str(w.message) for w in caught if "LayerNormMLP" in
-                                     str(w.message)]
+        shard_model(
+            torch.nn.ModuleDict(
+                {"ln_mlp": te.LayerNormMLP(256, 1024, params_dtype=torch.bfloat16)}
+            ),
+            groups,
+        )
+    out["layernorm_mlp_warnings"] = [
+        str(w.message) for w in caught if "LayerNormMLP" in str(w.message)
+    ]
     return out
 
 
@@ -354,8 +426,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default="te_out")
-    parser.add_argument("--host-profile", action="store_true",
-                        help="cProfile 5 steps from --timing-from (excluded from the median)")
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="cProfile 5 steps from --timing-from (excluded from the median)",
+    )
     args = parser.parse_args()
     if CUDA:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -368,8 +443,13 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     _count("grad_buffer")
     _count("finalize_group_grads")
-    result: dict = dict(args=vars(args), device=torch.cuda.get_device_name() if CUDA else "cpu",
-                        world=dist.get_world_size(), torch=torch.__version__, records={})
+    result: dict = dict(
+        args=vars(args),
+        device=torch.cuda.get_device_name() if CUDA else "cpu",
+        world=dist.get_world_size(),
+        torch=torch.__version__,
+        records={},
+    )
     try:
         result["checks"] = checks(args) if CUDA else {}
     except Exception:  # noqa: BLE001 - report and go on with the training comparison
@@ -383,9 +463,11 @@ def main() -> None:
             record = {"mode": mode, "error": traceback.format_exc()}
         result["records"][mode] = record
         if rank == 0:
-            print(f"[te-gtp] {mode}:", json.dumps({k: v for k, v in record.items()
-                                                   if k not in ("losses", "grad_norms")}),
-                  flush=True)
+            print(
+                f"[te-gtp] {mode}:",
+                json.dumps({k: v for k, v in record.items() if k not in ("losses", "grad_norms")}),
+                flush=True,
+            )
             with open(os.path.join(args.out, "te_gpt_nccl.json"), "w") as f:
                 json.dump(result, f, indent=1)
     result["comparisons"] = {}

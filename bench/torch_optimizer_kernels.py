@@ -54,8 +54,9 @@ def fuse_adam(optimizer: object) -> int:
     Must run before the first step (the per-param step counters are created then). Returns the
     number of param groups switched.
     """
-    inners = [getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers",
-                                                           [optimizer])]
+    inners = [
+        getattr(o, "optimizer", o) for o in getattr(optimizer, "chained_optimizers", [optimizer])
+    ]
     switched = 0
     for inner in inners:
         if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and not inner.state:

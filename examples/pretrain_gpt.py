@@ -20,8 +20,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--num-weight-shards", type=int, default=2, help="TP x GTP")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--cpu", action="store_true",
-                        help="CPU/gloo via nemo_gtp.testing.cpu_compat")
+    parser.add_argument(
+        "--cpu", action="store_true", help="CPU/gloo via nemo_gtp.testing.cpu_compat"
+    )
     args = parser.parse_args()
     if args.cpu:
         from nemo_gtp.testing.cpu_compat import enable_cpu_compat
@@ -46,36 +47,62 @@ def main() -> None:
 
         extra = dict(use_cpu_initialization=True, data_step_fn=cpu_gpt_data_step)
     config = llm.GPTConfig(
-        num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8,
-        seq_length=seq, vocab_size=vocab, transformer_layer_spec=local_layer_spec,
-        params_dtype=torch.float32, add_bias_linear=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, cross_entropy_loss_fusion=False,
-        gradient_accumulation_fusion=False, **extra,
+        num_layers=4,
+        hidden_size=256,
+        ffn_hidden_size=1024,
+        num_attention_heads=8,
+        seq_length=seq,
+        vocab_size=vocab,
+        transformer_layer_spec=local_layer_spec,
+        params_dtype=torch.float32,
+        add_bias_linear=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+        gradient_accumulation_fusion=False,
+        **extra,
     )
     tokenizer = NullTokenizer(vocab - 1)
-    optim = nl.MegatronOptimizerModule(config=OptimizerConfig(
-        optimizer="adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=True))
+    optim = nl.MegatronOptimizerModule(
+        config=OptimizerConfig(
+            optimizer="adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=True
+        )
+    )
     model = llm.GPTModel(config, tokenizer=tokenizer, optim=optim)
     data_parallel = args.devices // args.tp  # DP x GTP: every GTP peer eats its own microbatch
     data = ArithmeticGPTDataModule(
-        seq_length=seq, tokenizer=tokenizer, micro_batch_size=4,
-        global_batch_size=4 * data_parallel, num_workers=0, pin_memory=False,
+        seq_length=seq,
+        tokenizer=tokenizer,
+        micro_batch_size=4,
+        global_batch_size=4 * data_parallel,
+        num_workers=0,
+        pin_memory=False,
         create_attention_mask=True,
     )
     strategy = GTPMegatronStrategy(
         tensor_model_parallel_size=args.tp,
         num_weight_shards=args.num_weight_shards,
         gtp_config=GTPConfig(pad_for_alignment=16),
-        ddp=DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                          overlap_grad_reduce=True, grad_reduce_in_fp32=True),
+        ddp=DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True
+        ),
         ckpt_async_save=False,
         **({"process_group_backend": "gloo"} if args.cpu else {}),
     )
     trainer = nl.Trainer(
-        accelerator="cpu" if args.cpu else "gpu", devices=args.devices, max_steps=args.steps,
-        strategy=strategy, log_every_n_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
-        enable_checkpointing=False, logger=False, use_distributed_sampler=False,
+        accelerator="cpu" if args.cpu else "gpu",
+        devices=args.devices,
+        max_steps=args.steps,
+        strategy=strategy,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        logger=False,
+        use_distributed_sampler=False,
     )
     trainer.fit(model, datamodule=data)
 

@@ -28,8 +28,10 @@ def _compare(config: str, overrides: list[str]) -> int:
     cfg = load_recipe(config, overrides)
     tp = int(cfg.strategy.get("tensor_model_parallel_size", 1))
     shards = int(cfg.strategy.get("num_weight_shards") or tp)
-    runs = {f"GTP (TP{tp}·GTP{shards // tp})": overrides,
-            f"baseline (TP{tp}, no GTP)": [*overrides, f"strategy.num_weight_shards={tp}"]}
+    runs = {
+        f"GTP (TP{tp}·GTP{shards // tp})": overrides,
+        f"baseline (TP{tp}, no GTP)": [*overrides, f"strategy.num_weight_shards={tp}"],
+    }
     start = time.perf_counter()
     for name, args in runs.items():
         print(f"=== {name}: python -m nemo_gtp.run {config} {' '.join(args)}", flush=True)
@@ -47,11 +49,16 @@ def _compare(config: str, overrides: list[str]) -> int:
     for name in names:
         times = sorted(r["ms"] for r in logs[name][5:]) or [float("nan")]
         peak = max((r.get("peak_gib", 0.0) for r in logs[name]), default=0.0)
-        print(f"{name}: median step {times[len(times) // 2]:.1f} ms"
-              + (f", peak memory {peak:.2f} GiB" if peak else ""))
+        print(
+            f"{name}: median step {times[len(times) // 2]:.1f} ms"
+            + (f", peak memory {peak:.2f} GiB" if peak else "")
+        )
     first, last = logs[names[0]][0]["loss"], logs[names[0]][-1]["loss"]
-    print(f"\nGTP loss {first:.3f} -> {last:.3f} over {len(logs[names[0]])} steps; "
-          f"both runs took {time.perf_counter() - start:.0f} s", flush=True)
+    print(
+        f"\nGTP loss {first:.3f} -> {last:.3f} over {len(logs[names[0]])} steps; "
+        f"both runs took {time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
     return 0
 
 

@@ -51,8 +51,11 @@ from nemo_gtp.testing.ckpt_harness import (
 WORLD = 4
 FSMS, RESHARDABLE, DP_ONLY = "fully_sharded_model_space", "fully_reshardable", "dp_reshardable"
 # megatron's default fully_reshardable exchange calls .cuda(); its memory-efficient one uses gloo.
-OPTIM_METADATA = {FSMS: {}, DP_ONLY: {},
-                  RESHARDABLE: {"distrib_optim_fully_reshardable_mem_efficient": True}}
+OPTIM_METADATA = {
+    FSMS: {},
+    DP_ONLY: {},
+    RESHARDABLE: {"distrib_optim_fully_reshardable_mem_efficient": True},
+}
 
 
 @dataclass(frozen=True)
@@ -102,24 +105,26 @@ LOADS = {
     "padded-tp1gtp2dp2->tp1gtp4": Load("tp1gtp2dp2-ffn72", Layout(gtp=4, ffn=72)),
     "padded-tp1gtp2dp2->tp2gtp2-pad8": Load("tp1gtp2dp2-ffn72", Layout(tp=2, gtp=2, ffn=72, pad=8)),
     "tp2gtp2->nogtp-tp4": Load("tp2gtp2", Layout(tp=4)),
-    "reshardable-tp2gtp2->tp1gtp4": Load("tp2gtp2-reshardable",
-                                         Layout(gtp=4, bucket_size=None)),
-    "reshardable-tp2gtp2->stock-megatron-dp4": Load("tp2gtp2-reshardable",
-                                                    Layout(bucket_size=None), stock=True),
-    "stock-megatron-tp2dp2->tp2gtp2": Load("tp2dp2-stock-reshardable",
-                                           Layout(tp=2, gtp=2, bucket_size=None)),
-    "nodistopt-tp1gtp2dp2->tp2gtp2": Load("tp1gtp2dp2-nodistopt", Layout(tp=2, gtp=2,
-                                                                          distopt=False)),
+    "reshardable-tp2gtp2->tp1gtp4": Load("tp2gtp2-reshardable", Layout(gtp=4, bucket_size=None)),
+    "reshardable-tp2gtp2->stock-megatron-dp4": Load(
+        "tp2gtp2-reshardable", Layout(bucket_size=None), stock=True
+    ),
+    "stock-megatron-tp2dp2->tp2gtp2": Load(
+        "tp2dp2-stock-reshardable", Layout(tp=2, gtp=2, bucket_size=None)
+    ),
+    "nodistopt-tp1gtp2dp2->tp2gtp2": Load(
+        "tp1gtp2dp2-nodistopt", Layout(tp=2, gtp=2, distopt=False)
+    ),
     "glu-tp2gtp2->tp1gtp4": Load("tp2gtp2-glu", Layout(gtp=4, glu=True)),
     "glu-tp2gtp2->nogtp-tp4": Load("tp2gtp2-glu", Layout(tp=4, glu=True)),
     # NeMo's default format only reshards DP; GTP peers must still get distinct keys (§3.3).
     "dp-reshardable-tp1gtp2dp2->same": Load("tp1gtp2dp2-dp-reshardable", Layout(gtp=2)),
     # Replicated params' optimizer state over DP x GTP (two chained optimizers) <-> one optimizer.
-    "shard-replicated-tp1gtp2dp2->nogtp-tp2dp2": Load("tp1gtp2dp2-shard-replicated",
-                                                      Layout(tp=2)),
+    "shard-replicated-tp1gtp2dp2->nogtp-tp2dp2": Load("tp1gtp2dp2-shard-replicated", Layout(tp=2)),
     "tp2gtp2->shard-replicated-tp1gtp4": Load("tp2gtp2", Layout(gtp=4, shard_replicated=True)),
-    "shard-replicated-tp1gtp2dp2->same-tp2gtp2": Load("tp1gtp2dp2-shard-replicated",
-                                                      Layout(tp=2, gtp=2, shard_replicated=True)),
+    "shard-replicated-tp1gtp2dp2->same-tp2gtp2": Load(
+        "tp1gtp2dp2-shard-replicated", Layout(tp=2, gtp=2, shard_replicated=True)
+    ),
 }
 
 
@@ -129,10 +134,15 @@ def _stock_request(built, sharding: str, is_loading: bool) -> dict:  # noqa: ANN
     model_sd = built.ddp.module.sharded_state_dict()
     if is_loading:
         allocate_state(built.optimizer)  # torch Adam needs its step allocated (CPU only)
-    meta = {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True,
-            **OPTIM_METADATA[sharding]}
-    return {"model": model_sd,
-            "optimizer": built.optimizer.sharded_state_dict(model_sd, is_loading, metadata=meta)}
+    meta = {
+        "distrib_optim_sharding_type": sharding,
+        "chained_optim_avoid_prefix": True,
+        **OPTIM_METADATA[sharding],
+    }
+    return {
+        "model": model_sd,
+        "optimizer": built.optimizer.sharded_state_dict(model_sd, is_loading, metadata=meta),
+    }
 
 
 def _save_worker(rank: int, world: int, root: str) -> None:
@@ -154,16 +164,20 @@ def _save_worker(rank: int, world: int, root: str) -> None:
             os.makedirs(path, exist_ok=True)
             dist_checkpointing.save(_stock_request(built, save.sharding, False), path)
         else:
-            request = save_gtp_checkpoint(path, built.ddp, built.optimizer, built.groups,
-                                          sharding_type=save.sharding,
-                                          optimizer_metadata=OPTIM_METADATA[save.sharding],
-                                          async_save=save.async_save)
+            request = save_gtp_checkpoint(
+                path,
+                built.ddp,
+                built.optimizer,
+                built.groups,
+                sharding_type=save.sharding,
+                optimizer_metadata=OPTIM_METADATA[save.sharding],
+                async_save=save.async_save,
+            )
             if save.async_save:
                 assert not os.path.exists(path)  # nothing committed before the request ran
                 request.execute_sync()
         if name == "tp2gtp2":
-            save_gtp_checkpoint(f"{root}/{CRASH_TARGET}", built.ddp, built.optimizer,
-                                built.groups)
+            save_gtp_checkpoint(f"{root}/{CRASH_TARGET}", built.ddp, built.optimizer, built.groups)
         if name == RESUME_FROM:  # keep training: the losses a resumed run must reproduce
             losses = train(built, 2, first_step=2)
             with open(f"{root}/resume.{rank}.json", "w") as f:
@@ -199,11 +213,14 @@ def _crash_worker(rank: int, world: int, root: str) -> None:
     train(built, 3)
     target = f"{root}/{CRASH_TARGET}"
     model_sd = gtp_sharded_state_dict(built.ddp.module, built.groups)
-    state = {"model": model_sd,
-             "optimizer": optimizer_sharded_state_dict(built.optimizer, model_sd)}
+    state = {
+        "model": model_sd,
+        "optimizer": optimizer_sharded_state_dict(built.optimizer, model_sd),
+    }
     if rank == 1:
-        state["die"] = ShardedObject("test.die", _DieWhenPickled(str(staging_dir(target))),
-                                     (1,), (0,), replica_id=0)
+        state["die"] = ShardedObject(
+            "test.die", _DieWhenPickled(str(staging_dir(target))), (1,), (0,), replica_id=0
+        )
     save_checkpoint(state, target)
     raise AssertionError("the interrupted save must not complete")
 
@@ -221,8 +238,14 @@ def _load_case(case: Load, root: str) -> int:
         built.ddp.module.load_state_dict(loaded["model"])
         load_optimizer_state(built.optimizer, loaded["optimizer"])
     else:
-        load_gtp_checkpoint(path, built.ddp, built.optimizer, built.groups,
-                            sharding_type=sharding, optimizer_metadata=OPTIM_METADATA[sharding])
+        load_gtp_checkpoint(
+            path,
+            built.ddp,
+            built.optimizer,
+            built.groups,
+            sharding_type=sharding,
+            optimizer_metadata=OPTIM_METADATA[sharding],
+        )
     return assert_same_state(full_state(built), torch.load(f"{root}/{case.save}.ref.pt"))
 
 
@@ -238,8 +261,11 @@ def _load_worker(rank: int, world: int, root: str) -> None:
         try:
             results[name] = {"ok": True, "value": fn()}
         except Exception as err:  # noqa: BLE001 - reported by the test that owns `name`
-            results[name] = {"ok": False, "error": f"{type(err).__name__}: {err}",
-                             "traceback": traceback.format_exc()}
+            results[name] = {
+                "ok": False,
+                "error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc(),
+            }
 
     # same TP adjacent: megatron's parallel_state is rebuilt only when TP changes
     for name, case in sorted(LOADS.items(), key=lambda item: item[1].layout.tp):
@@ -368,8 +394,9 @@ def test_resume_continues_training(run: dict) -> None:
 
 def test_shape_mismatch_names_key_and_shapes(run: dict) -> None:
     message = _outcome(run, "mismatch")[0]
-    assert "decoder.layers.mlp.linear_fc1.weight: checkpoint (2, 80, 64), model (2, 96, 64)" \
-        in message, message
+    assert (
+        "decoder.layers.mlp.linear_fc1.weight: checkpoint (2, 80, 64), model (2, 96, 64)" in message
+    ), message
 
 
 def test_inspect_cli(run: dict, capsys: pytest.CaptureFixture) -> None:
@@ -379,8 +406,11 @@ def test_inspect_cli(run: dict, capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert "layout: TP2 x GTP2 x DP1 (PP1, CP1; world 4), pad_for_alignment=16" in out, out
     assert re.search(r"decoder\.layers\.mlp\.linear_fc1\.weight +40 -> 64\n", out), out
-    assert re.search(r"\n  optimizer\.state\.exp_avg\.decoder\.layers\.mlp\.linear_fc1\.weight +"
-                     r"\(2, 80, 64\) +torch\.float32\n", out), out
+    assert re.search(
+        r"\n  optimizer\.state\.exp_avg\.decoder\.layers\.mlp\.linear_fc1\.weight +"
+        r"\(2, 80, 64\) +torch\.float32\n",
+        out,
+    ), out
     assert "linear_qkv" not in out, out  # --filter
     assert inspect_main([str(run["root"] / "missing")]) == 2
 
@@ -403,15 +433,16 @@ def test_flat_range_boxes_tile_every_range() -> None:
 
 def test_row_map_pieces_skip_pad_and_merge_back() -> None:
     # GTP rank 1 of 2 of TP rank 1 of 2: TP-local 40 rows padded to 64 -> rows 32..63, 8 real.
-    row_map = RowMap((32, 3), first_row=32,
-                     segments=(RowSegment(0, 40, "", (80, 3), (40, 0)),))
+    row_map = RowMap((32, 3), first_row=32, segments=(RowSegment(0, 40, "", (80, 3), (40, 0)),))
     shard = torch.arange(96.0).view(32, 3)
     built = row_map.factory("w", shard, (0, 0, 0)).build()
     (piece,) = built["pieces"].values()
     assert piece.global_offset == (72, 0) and piece.local_shape == (8, 3)
     assert torch.equal(piece.data, shard[:8])
-    loaded = {"pieces": {k: v.data.clone() for k, v in built["pieces"].items()},
-              "plan": built["plan"].unwrap()}
+    loaded = {
+        "pieces": {k: v.data.clone() for k, v in built["pieces"].items()},
+        "plan": built["plan"].unwrap(),
+    }
     merged = row_map.factory("w", shard, 0).merge_fn(loaded)
     assert torch.equal(merged[:8], shard[:8]) and not merged[8:].any()
     # A flat range straddling the pad boundary (elements 20..40 = rows 6.67..13.33).

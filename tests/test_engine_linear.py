@@ -23,7 +23,10 @@ from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
 def _mlp(seed: int) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(16, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24), torch.nn.Tanh(),
+        torch.nn.Linear(16, 40),
+        torch.nn.Tanh(),
+        torch.nn.Linear(40, 24),
+        torch.nn.Tanh(),
         torch.nn.Linear(24, 16),
     )
 
@@ -48,13 +51,12 @@ def _parity_worker(rank: int, world: int, per_token: bool, options: dict) -> Non
     groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
     reference = _mlp(0)
     model = copy.deepcopy(reference)
-    runtime = _shard_mlp(
-        model, groups, GTPConfig(calculate_per_token_loss=per_token, **options)
-    )
+    runtime = _shard_mlp(model, groups, GTPConfig(calculate_per_token_loss=per_token, **options))
     if options.get("separate_reduce_scatter_group"):
         assert runtime._rs_group is not groups.gtp
-        assert dist.get_process_group_ranks(runtime._rs_group) == \
-            dist.get_process_group_ranks(groups.gtp)
+        assert dist.get_process_group_ranks(runtime._rs_group) == dist.get_process_group_ranks(
+            groups.gtp
+        )
     for step in range(3):
         torch.manual_seed(100 + 10 * step + rank)
         x, target = torch.randn(8, 16), torch.randn(8, 16)
@@ -78,11 +80,12 @@ def _parity_worker(rank: int, world: int, per_token: bool, options: dict) -> Non
                 # the logical dim 0; none on a rank whose shard is all real rows) and in the
                 # whole gathered pad, checked on every rank. Every weight here is padded (16
                 # rows per rank), so the pad is never empty.
-                real_rows = min(spec.shard_dim0,
-                                max(0, spec.logical_shape[0] - spec.gtp_rank * spec.shard_dim0))
+                real_rows = min(
+                    spec.shard_dim0, max(0, spec.logical_shape[0] - spec.gtp_rank * spec.shard_dim0)
+                )
                 assert not p.grad[real_rows:].any(), (step, name, rank)
                 assert spec.pad_length > 0, name
-                assert not grad[spec.logical_shape[0]:].any(), (step, name)
+                assert not grad[spec.logical_shape[0] :].any(), (step, name)
                 grad = spec.unpad(grad)
             else:  # replicated bias: the engine leaves its all-reduce to the integration layer
                 grad = p.grad.clone()
@@ -131,15 +134,18 @@ def _parity_case(per_token: bool, options: dict) -> str:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
     """Every 2-rank case of this module in one spawn (process start dominates the cost)."""
-    cases = [(_parity_case(per_token, options), _parity_worker, (per_token, options))
-             for per_token, options in PARITY_OPTIONS]
+    cases = [
+        (_parity_case(per_token, options), _parity_worker, (per_token, options))
+        for per_token, options in PARITY_OPTIONS
+    ]
     cases.append(("behaviour", _behaviour_worker, ()))
     return run_cases(cases, 2, tmp_path_factory.mktemp("engine_linear"))
 
 
 @pytest.mark.parametrize("per_token, options", PARITY_OPTIONS)
-def test_linear_parity_gtp2(two_ranks: dict[str, list[Outcome]], per_token: bool,
-                            options: dict) -> None:
+def test_linear_parity_gtp2(
+    two_ranks: dict[str, list[Outcome]], per_token: bool, options: dict
+) -> None:
     case_values(two_ranks[_parity_case(per_token, options)])
 
 
@@ -166,8 +172,10 @@ def test_exposed_wait_timer_per_weight() -> None:
     timer.timed_wait(lambda: time.sleep(0.01), "reduce_scatter", cpu, "b")
     totals, per_weight = timer.collect(), timer.take_per_weight()
     assert totals["gather"] >= 0.02 and totals["reduce_scatter"] >= 0.01
-    assert per_weight == {("gather", "a"): totals["gather"],
-                          ("reduce_scatter", "b"): totals["reduce_scatter"]}
+    assert per_weight == {
+        ("gather", "a"): totals["gather"],
+        ("reduce_scatter", "b"): totals["reduce_scatter"],
+    }
     assert timer.take_per_weight() == {}
     timer.enable()  # per kind only
     timer.timed_wait(lambda: None, "gather", cpu, "a")
@@ -204,9 +212,14 @@ def _behaviour_worker(rank: int, world: int) -> None:
         assert [n for e, n, d in events if e == "ag_issue_sync"] == [names[0]], events
         # reduce-scatters: async with one-step deferral, head synchronous
         rs = [(e, n) for e, n, d in events if e.startswith("rs_issue") or e == "finalize"]
-        assert rs == [("rs_issue_async", names[2]), ("rs_issue_async", names[1]),
-                      ("finalize", names[2]), ("rs_issue_sync", names[0]),
-                      ("finalize", names[1]), ("finalize", names[0])], rs
+        assert rs == [
+            ("rs_issue_async", names[2]),
+            ("rs_issue_async", names[1]),
+            ("finalize", names[2]),
+            ("rs_issue_sync", names[0]),
+            ("finalize", names[1]),
+            ("finalize", names[0]),
+        ], rs
     for runtime in (runtime_a, runtime_b):
         assert max(runtime.max_live_buffers.values()) <= 2, runtime.max_live_buffers
         assert runtime.stats.fallback_allocations == 0

@@ -32,19 +32,31 @@ def test_expert_axes() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(world_size=8, tensor_model_parallel_size=4, num_weight_shards=6),
-         "num_weight_shards=6 must be a multiple of tensor_model_parallel_size=4"),
-        (dict(world_size=6, num_weight_shards=4),
-         "world_size=6 is not divisible by num_weight_shards"),
+        (
+            dict(world_size=8, tensor_model_parallel_size=4, num_weight_shards=6),
+            "num_weight_shards=6 must be a multiple of tensor_model_parallel_size=4",
+        ),
+        (
+            dict(world_size=6, num_weight_shards=4),
+            "world_size=6 is not divisible by num_weight_shards",
+        ),
         (dict(world_size=8, num_weight_shards=0), "num_weight_shards must be a positive integer"),
-        (dict(world_size=8, num_weight_shards=2, context_parallel_size=2),
-         "context_parallel_size=2 with GTP=2 is not supported yet"),
-        (dict(world_size=8, expert_tensor_parallel_size=2, expert_num_weight_shards=3),
-         "expert_num_weight_shards=3 must be a multiple of expert_tensor_parallel_size=2"),
-        (dict(world_size=8, expert_model_parallel_size=4, expert_num_weight_shards=4),
-         "world_size=8 is not divisible by expert_num_weight_shards"),
-        (dict(world_size=8, num_weight_shards=2, num_distributed_optimizer_instances=2),
-         "num_distributed_optimizer_instances=2 is not supported with GTP"),
+        (
+            dict(world_size=8, num_weight_shards=2, context_parallel_size=2),
+            "context_parallel_size=2 with GTP=2 is not supported yet",
+        ),
+        (
+            dict(world_size=8, expert_tensor_parallel_size=2, expert_num_weight_shards=3),
+            "expert_num_weight_shards=3 must be a multiple of expert_tensor_parallel_size=2",
+        ),
+        (
+            dict(world_size=8, expert_model_parallel_size=4, expert_num_weight_shards=4),
+            "world_size=8 is not divisible by expert_num_weight_shards",
+        ),
+        (
+            dict(world_size=8, num_weight_shards=2, num_distributed_optimizer_instances=2),
+            "num_distributed_optimizer_instances=2 is not supported with GTP",
+        ),
         (dict(world_size=0), "world_size must be a positive integer"),
         (dict(world_size=4, tensor_model_parallel_size=3), "world_size=4 is not divisible"),
     ],
@@ -56,9 +68,11 @@ def test_invalid_configurations(kwargs: dict, message: str) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [(dict(pad_for_alignment=0), "pad_for_alignment must be >= 1"),
-     (dict(gather_backend="nvlink"), "gather_backend must be 'process_group', 'copy_engine'"),
-     (dict(preshard_linears="local"), "preshard_linears must be 'te' or 'all'")],
+    [
+        (dict(pad_for_alignment=0), "pad_for_alignment must be >= 1"),
+        (dict(gather_backend="nvlink"), "gather_backend must be 'process_group', 'copy_engine'"),
+        (dict(preshard_linears="local"), "preshard_linears must be 'te' or 'all'"),
+    ],
 )
 def test_invalid_gtp_config(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

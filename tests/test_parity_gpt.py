@@ -21,8 +21,13 @@ from nemo_gtp.testing.gpt_harness import Run, assert_parity, gtp_groups, train
 from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
 
 # GTPConfig knobs that only act on GTP shards: a run without GTP (the reference) ignores them.
-_GTP_ONLY = {"pad": Run.pad, "fp32_accum": Run.fp32_accum, "gather_backend": Run.gather_backend,
-             "ce_min_tokens": Run.ce_min_tokens, "separate_rs": Run.separate_rs}
+_GTP_ONLY = {
+    "pad": Run.pad,
+    "fp32_accum": Run.fp32_accum,
+    "gather_backend": Run.gather_backend,
+    "ce_min_tokens": Run.ce_min_tokens,
+    "separate_rs": Run.separate_rs,
+}
 
 
 def _reference_run(case: Run) -> Run:
@@ -73,22 +78,27 @@ def _check_replicated_state_sharded(case: Run, result: dict, reference: dict) ->
     the run without GTP at DP x GTP (bucket padding aside), not the replicated params in full."""
     held, ref_held = result["optimizer_state_numel"], reference["optimizer_state_numel"]
     assert abs(held / ref_held - 1) < 0.05, (
-        f"{case}: {held} Adam elements per rank vs {ref_held} without GTP")
+        f"{case}: {held} Adam elements per rank vs {ref_held} without GTP"
+    )
 
 
 CASES_2 = [
-    Run(gtp=2),                                               # TP1·GTP2
-    Run(gtp=2, per_token=True),                               # per-token loss (SUM)
-    Run(gtp=2, ffn=72, hidden=48, pad=16),                    # padded shapes
-    Run(gtp=2, distopt=True, overlap_grad_reduce=False),      # distributed optimizer, sync DDP
-    Run(gtp=2, distopt=True, shard_replicated=True),          # replicated params over DP x GTP
+    Run(gtp=2),  # TP1·GTP2
+    Run(gtp=2, per_token=True),  # per-token loss (SUM)
+    Run(gtp=2, ffn=72, hidden=48, pad=16),  # padded shapes
+    Run(gtp=2, distopt=True, overlap_grad_reduce=False),  # distributed optimizer, sync DDP
+    Run(gtp=2, distopt=True, shard_replicated=True),  # replicated params over DP x GTP
 ]
 CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when TP changes
-    Run(gtp=2), Run(gtp=2, distopt=True, per_token=True),     # TP1·GTP2·DP2
-    Run(gtp=2, distopt=True, shard_replicated=True),          # ... replicated over DP x GTP
-    Run(gtp=4), Run(gtp=4, fp32_accum=True), Run(gtp=4, ffn=72, pad=1),  # TP1·GTP4
+    Run(gtp=2),
+    Run(gtp=2, distopt=True, per_token=True),  # TP1·GTP2·DP2
+    Run(gtp=2, distopt=True, shard_replicated=True),  # ... replicated over DP x GTP
+    Run(gtp=4),
+    Run(gtp=4, fp32_accum=True),
+    Run(gtp=4, ffn=72, pad=1),  # TP1·GTP4
     Run(gtp=4, distopt=True, fp32_accum=True, shard_replicated=True),
-    Run(tp=2, gtp=2), Run(tp=2, gtp=2, per_token=True, distopt=True),  # TP2·GTP2
+    Run(tp=2, gtp=2),
+    Run(tp=2, gtp=2, per_token=True, distopt=True),  # TP2·GTP2
     Run(tp=2, gtp=2, per_token=True, distopt=True, shard_replicated=True),
 ]
 
@@ -118,8 +128,7 @@ def _wrong_data_group_worker(rank: int, world: int) -> None:
 
 
 def _cases(runs: list[Run]) -> list:
-    return [("setup", _setup, ()),
-            *((f"parity {run}", _parity_case, (run,)) for run in runs)]
+    return [("setup", _setup, ()), *((f"parity {run}", _parity_case, (run,)) for run in runs)]
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,13 @@ from nemo_gtp.testing.spawn import run_distributed
 
 def _config(**overrides: object) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
-        params_dtype=torch.float32, add_bias_linear=True, gradient_accumulation_fusion=False,
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        add_bias_linear=True,
+        gradient_accumulation_fusion=False,
         **overrides,
     )
 
@@ -46,9 +51,12 @@ def test_spec_rewrite_swaps_parallel_linears_only() -> None:
     spec = get_gpt_layer_local_spec()
     new = replace_modules_in_spec(spec, presharded_classes(), {"gtp": plan})
     attn, mlp = new.submodules.self_attention.submodules, new.submodules.mlp.submodules
-    for entry, base in ((attn.linear_qkv, ColumnParallelLinear), (attn.linear_proj,
-                        RowParallelLinear), (mlp.linear_fc1, ColumnParallelLinear),
-                        (mlp.linear_fc2, RowParallelLinear)):
+    for entry, base in (
+        (attn.linear_qkv, ColumnParallelLinear),
+        (attn.linear_proj, RowParallelLinear),
+        (mlp.linear_fc1, ColumnParallelLinear),
+        (mlp.linear_fc2, RowParallelLinear),
+    ):
         assert isinstance(entry, ModuleSpec) and entry.params == {"gtp": plan}
         assert issubclass(entry.module, base) and entry.module is not base
     # the input spec is untouched; parts without linears are shared, not copied
@@ -56,8 +64,9 @@ def test_spec_rewrite_swaps_parallel_linears_only() -> None:
     assert new.submodules.input_layernorm is spec.submodules.input_layernorm
     assert attn.core_attention is spec.submodules.self_attention.submodules.core_attention
     # a ModuleSpec of a swapped class keeps its own params; block specs are walked too
-    block = TransformerBlockSubmodules(layer_specs=[
-        spec, ModuleSpec(module=ColumnParallelLinear, params={"gather_output": False})])
+    block = TransformerBlockSubmodules(
+        layer_specs=[spec, ModuleSpec(module=ColumnParallelLinear, params={"gather_output": False})]
+    )
     new_block = replace_modules_in_spec(block, presharded_classes(), {"gtp": plan})
     assert new_block.layer_specs[1].params == {"gather_output": False, "gtp": plan}
     assert block.layer_specs[1].module is ColumnParallelLinear
@@ -70,8 +79,15 @@ def test_delay_wgrad_compute_is_rejected() -> None:
         validate_model_config_for_gtp(config)
     cls = presharded_class(ColumnParallelLinear, column=True)
     with pytest.raises(ValueError, match="delay_wgrad_compute"):
-        cls(16, 72, gtp=GTPShardPlan(2, 0), config=config, init_method=torch.nn.init.normal_,
-            bias=False, gather_output=False)
+        cls(
+            16,
+            72,
+            gtp=GTPShardPlan(2, 0),
+            config=config,
+            init_method=torch.nn.init.normal_,
+            bias=False,
+            gather_output=False,
+        )
 
 
 def _gather(param: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -85,11 +101,25 @@ def _unit_checks(groups) -> None:  # noqa: ANN001
     config = _config()
     plan = GTPShardPlan.from_groups(groups, pad_for_alignment=16)
     column = presharded_class(ColumnParallelLinear, column=True)(
-        16, 72, gtp=plan, config=config, init_method=torch.nn.init.normal_, bias=True,
-        gather_output=False, skip_bias_add=False)
+        16,
+        72,
+        gtp=plan,
+        config=config,
+        init_method=torch.nn.init.normal_,
+        bias=True,
+        gather_output=False,
+        skip_bias_add=False,
+    )
     row = presharded_class(RowParallelLinear, column=False)(
-        72, 40, gtp=plan, config=config, init_method=torch.nn.init.normal_, bias=True,
-        input_is_parallel=True, skip_bias_add=False)
+        72,
+        40,
+        gtp=plan,
+        config=config,
+        init_method=torch.nn.init.normal_,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+    )
     # 72 rows padded to a multiple of 16 x 2 = 96: shards of 48, rank 1 holds 24 zero pad rows
     assert column.weight.shape == (48, 16) and column.weight.gtp_spec.logical_shape == (72, 16)
     assert column.bias.shape == (72,) and not column.bias.any()
@@ -182,8 +212,9 @@ def test_strategy_config_spec_rewrite() -> None:
     from nemo_gtp.integrations.megatron import preshard_config_layer_spec
 
     groups = _fake_rank_groups(2)
-    config = llm.GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
-                           transformer_layer_spec=local_layer_spec)
+    config = llm.GPTConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=2, transformer_layer_spec=local_layer_spec
+    )
     # Default classes = the loaded TE wrappers; without TE nothing changes (local linears keep
     # the build-full-then-slice path that starts bit-identical to the non-GTP run).
     assert "transformer_engine" not in __import__("sys").modules
@@ -203,6 +234,8 @@ def test_strategy_config_spec_rewrite() -> None:
     assert ColumnParallelLinear not in _linear_classes(config.transformer_layer_spec)
     # GTP size 1: untouched.
     config.transformer_layer_spec = local_layer_spec
-    assert preshard_config_layer_spec(config, _fake_rank_groups(1),
-                                      classes=presharded_classes()) is False
+    assert (
+        preshard_config_layer_spec(config, _fake_rank_groups(1), classes=presharded_classes())
+        is False
+    )
     assert config.transformer_layer_spec is local_layer_spec

@@ -17,8 +17,9 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 
 def test_overrides_apply_and_typos_are_errors() -> None:
-    cfg = load_recipe(TINY, ["trainer.max_steps=7", "strategy.num_weight_shards=4",
-                             "+trainer.seed=3"])
+    cfg = load_recipe(
+        TINY, ["trainer.max_steps=7", "strategy.num_weight_shards=4", "+trainer.seed=3"]
+    )
     assert cfg.trainer.max_steps == 7 and cfg.strategy.num_weight_shards == 4
     assert cfg.trainer.seed == 3
     with pytest.raises(ValueError, match=r"trainer.max_step.*use \+trainer.max_step"):
@@ -40,11 +41,16 @@ def test_main_job_gtp_matches_baseline_in_one_launch() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         [sys.executable, "-m", "nemo_gtp.run", TINY, "trainer.max_steps=5", "--compare-baseline"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    rows = re.findall(r"^\s+(\d+) \|\s+([\d.]+) \|\s+([\d.]+) \| ([\d.e+-]+)$", result.stdout,
-                      flags=re.M)
+    rows = re.findall(
+        r"^\s+(\d+) \|\s+([\d.]+) \|\s+([\d.]+) \| ([\d.e+-]+)$", result.stdout, flags=re.M
+    )
     assert [int(r[0]) for r in rows] == [1, 2, 3, 4, 5], result.stdout
     assert max(float(r[3]) for r in rows) <= 1e-5, result.stdout
     assert float(rows[-1][1]) < float(rows[0][1])  # the loss goes down

@@ -39,20 +39,35 @@ def _by_name(results: list[list[dict[str, Any]]]) -> dict[str, list[dict[str, An
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    fits = [Fit("base_tp1_dp2"), Fit("tp1_gtp2", gtp=2, metrics=True),
-            Fit("gtp_off", gtp_strategy=True),
-            Fit("base_bf16", steps=4, bf16=True), Fit("tp1_gtp2_bf16", gtp=2, steps=4, bf16=True),
-            Fit("base_plain_adam", steps=5, distopt=False),
-            Fit("tp1_gtp2_plain_adam", gtp=2, steps=5, distopt=False),
-            Fit("tp1_gtp2_shard_replicated", gtp=2, strategy_kwargs={
-                "gtp_config": GTPConfig(shard_replicated_params_over_gtp=True)}),
-            Fit("tp1_gtp2_presharded", gtp=2, steps=5, strategy_kwargs={
-                "gtp_config": GTPConfig(preshard_linears="all")})]
+    fits = [
+        Fit("base_tp1_dp2"),
+        Fit("tp1_gtp2", gtp=2, metrics=True),
+        Fit("gtp_off", gtp_strategy=True),
+        Fit("base_bf16", steps=4, bf16=True),
+        Fit("tp1_gtp2_bf16", gtp=2, steps=4, bf16=True),
+        Fit("base_plain_adam", steps=5, distopt=False),
+        Fit("tp1_gtp2_plain_adam", gtp=2, steps=5, distopt=False),
+        Fit(
+            "tp1_gtp2_shard_replicated",
+            gtp=2,
+            strategy_kwargs={"gtp_config": GTPConfig(shard_replicated_params_over_gtp=True)},
+        ),
+        Fit(
+            "tp1_gtp2_presharded",
+            gtp=2,
+            steps=5,
+            strategy_kwargs={"gtp_config": GTPConfig(preshard_linears="all")},
+        ),
+    ]
     return _by_name(run_fits(fits, 2, tmp_path_factory.mktemp("two")))
 
 
-FOUR_RANK_FITS = [Fit("base_tp1_dp4"), Fit("tp1_gtp2_dp2", gtp=2),
-                  Fit("base_tp2_dp2", tp=2), Fit("tp2_gtp2", tp=2, gtp=2)]
+FOUR_RANK_FITS = [
+    Fit("base_tp1_dp4"),
+    Fit("tp1_gtp2_dp2", gtp=2),
+    Fit("base_tp2_dp2", tp=2),
+    Fit("tp2_gtp2", tp=2, gtp=2),
+]
 shared_launch(4).add(FOUR_RANK_FITS)  # one 4-rank spawn with test_strategy_checkpoint's first
 
 
@@ -62,8 +77,9 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[
     return {fit.name: results[fit.name] for fit in FOUR_RANK_FITS}
 
 
-def _assert_parity(gtp: list[dict[str, Any]], base: list[dict[str, Any]], tol: float = TOL,
-                   steps: int = STEPS) -> float:
+def _assert_parity(
+    gtp: list[dict[str, Any]], base: list[dict[str, Any]], tol: float = TOL, steps: int = STEPS
+) -> float:
     worst = 0.0
     for g, b in zip(gtp, base, strict=True):
         assert len(g["losses"]) == len(b["losses"]) == steps
@@ -130,10 +146,14 @@ def test_gtp_off_is_plain_megatron_strategy(two_ranks: dict) -> None:
         assert not off["gtp_finalize"] and not off["drain_callback"]
 
 
-@pytest.mark.parametrize("fixture, name, dp", [
-    ("two_ranks", "tp1_gtp2", 1), ("four_ranks", "tp1_gtp2_dp2", 2),
-    ("four_ranks", "tp2_gtp2", 1),
-])
+@pytest.mark.parametrize(
+    "fixture, name, dp",
+    [
+        ("two_ranks", "tp1_gtp2", 1),
+        ("four_ranks", "tp1_gtp2_dp2", 2),
+        ("four_ranks", "tp2_gtp2", 1),
+    ],
+)
 def test_wiring(request: pytest.FixtureRequest, fixture: str, name: str, dp: int) -> None:
     """DDP and the distributed optimizer reduce over the replicate group (DP, not DP x GTP)."""
     for rank in request.getfixturevalue(fixture)[name]:
@@ -146,13 +166,23 @@ def test_wiring(request: pytest.FixtureRequest, fixture: str, name: str, dp: int
         assert rank["fallback_allocations"] == 0
 
 
-@pytest.mark.parametrize("fixture, gtp_name, base_name, tp, gtp, dp", [
-    ("two_ranks", "tp1_gtp2", "base_tp1_dp2", 1, 2, 1),
-    ("four_ranks", "tp1_gtp2_dp2", "base_tp1_dp4", 1, 2, 2),
-    ("four_ranks", "tp2_gtp2", "base_tp2_dp2", 2, 2, 1),
-])
-def test_batch_and_lr_arithmetic(request: pytest.FixtureRequest, fixture: str, gtp_name: str,
-                                 base_name: str, tp: int, gtp: int, dp: int) -> None:
+@pytest.mark.parametrize(
+    "fixture, gtp_name, base_name, tp, gtp, dp",
+    [
+        ("two_ranks", "tp1_gtp2", "base_tp1_dp2", 1, 2, 1),
+        ("four_ranks", "tp1_gtp2_dp2", "base_tp1_dp4", 1, 2, 2),
+        ("four_ranks", "tp2_gtp2", "base_tp2_dp2", 2, 2, 1),
+    ],
+)
+def test_batch_and_lr_arithmetic(
+    request: pytest.FixtureRequest,
+    fixture: str,
+    gtp_name: str,
+    base_name: str,
+    tp: int,
+    gtp: int,
+    dp: int,
+) -> None:
     """global batch = micro x DP x GTP x microbatches (design §3.1); NeMo's bookkeeping agrees."""
     runs = request.getfixturevalue(fixture)
     microbatches = GBS // (MBS * dp * gtp)
@@ -174,8 +204,11 @@ def test_batch_and_lr_arithmetic(request: pytest.FixtureRequest, fixture: str, g
 
 
 def test_iteration0_log_line(two_ranks: dict, four_ranks: dict) -> None:
-    expected = {"tp1_gtp2": "tp=1 gtp=2 dp=1", "tp1_gtp2_dp2": "tp=1 gtp=2 dp=2",
-                "tp2_gtp2": "tp=2 gtp=2 dp=1"}
+    expected = {
+        "tp1_gtp2": "tp=1 gtp=2 dp=1",
+        "tp1_gtp2_dp2": "tp=1 gtp=2 dp=2",
+        "tp2_gtp2": "tp=2 gtp=2 dp=1",
+    }
     for name, sizes in expected.items():
         ranks = (two_ranks if name in two_ranks else four_ranks)[name]
         assert len(ranks[0]["banners"]) == 1
@@ -200,7 +233,8 @@ def test_metrics_callback(two_ranks: dict) -> None:
         assert m["gtp/gathers"] == 2 * microbatches * rank["gtp_params"]
         assert m["gtp/prefetches"] > 0 and m["gtp/prefetch_skipped"] == 0
         assert m["gtp/exposed_comm_s"] == pytest.approx(
-            m["gtp/exposed_gather_s"] + m["gtp/exposed_reduce_scatter_s"])
+            m["gtp/exposed_gather_s"] + m["gtp/exposed_reduce_scatter_s"]
+        )
         assert m["gtp/exposed_gather_s"] > 0.0  # the chain head's gather is synchronous
         assert 0.0 < m["gtp/exposed_comm_fraction"] <= 1.0
         for kind in ("weight", "grad", "optimizer"):
@@ -216,8 +250,9 @@ def nemo_env() -> types.SimpleNamespace:
 
     from nemo_gtp import GTPMegatronStrategy
 
-    return types.SimpleNamespace(DDPConfig=DistributedDataParallelConfig, nl=nl,
-                                 Strategy=GTPMegatronStrategy)
+    return types.SimpleNamespace(
+        DDPConfig=DistributedDataParallelConfig, nl=nl, Strategy=GTPMegatronStrategy
+    )
 
 
 INVALID = [
@@ -226,14 +261,18 @@ INVALID = [
     (dict(num_weight_shards=2, ddp="pytorch"), "ddp='pytorch'"),
     (dict(num_weight_shards=2, fsdp="megatron"), "fsdp="),
     (dict(num_weight_shards=2, use_tp_pp_dp_mapping=True), "use_tp_pp_dp_mapping"),
-    (dict(num_weight_shards=2, num_distributed_optimizer_instances=2),
-     "num_distributed_optimizer_instances"),
+    (
+        dict(num_weight_shards=2, num_distributed_optimizer_instances=2),
+        "num_distributed_optimizer_instances",
+    ),
     (dict(num_weight_shards=2, context_parallel_size=2), "context_parallel_size"),
     (dict(num_weight_shards=2, expert_num_weight_shards=2), "expert_num_weight_shards"),
     (dict(expert_tensor_parallel_size=2, expert_num_weight_shards=3), "expert_num_weight_shards=3"),
     (dict(num_weight_shards=2, gtp_config="pad16"), "gtp_config"),
-    (dict(num_weight_shards=2, gtp_config=GTPConfig(shard_replicated_params_over_gtp=True)),
-     "use_distributed_optimizer=True"),
+    (
+        dict(num_weight_shards=2, gtp_config=GTPConfig(shard_replicated_params_over_gtp=True)),
+        "use_distributed_optimizer=True",
+    ),
 ]
 INVALID_DDP = [
     (dict(average_in_collective=True), "average_in_collective=False"),
@@ -257,15 +296,21 @@ def test_invalid_ddp_config(nemo_env: Any, ddp_kwargs: dict, match: str) -> None
 
 def test_average_in_collective_message(nemo_env: Any) -> None:
     with pytest.raises(ValueError) as err:
-        nemo_env.Strategy(num_weight_shards=4, tensor_model_parallel_size=2,
-                          ddp=nemo_env.DDPConfig(average_in_collective=True))
+        nemo_env.Strategy(
+            num_weight_shards=4,
+            tensor_model_parallel_size=2,
+            ddp=nemo_env.DDPConfig(average_in_collective=True),
+        )
     assert "DistributedDataParallelConfig(average_in_collective=False)" in str(err.value)
     assert "NeMo's stock recipes set it True" in str(err.value)
 
 
 def test_gtp_off_accepts_megatron_settings(nemo_env: Any) -> None:
-    strategy = nemo_env.Strategy(ddp=nemo_env.DDPConfig(average_in_collective=True),
-                                 use_tp_pp_dp_mapping=True, tensor_model_parallel_size=2)
+    strategy = nemo_env.Strategy(
+        ddp=nemo_env.DDPConfig(average_in_collective=True),
+        use_tp_pp_dp_mapping=True,
+        tensor_model_parallel_size=2,
+    )
     assert not strategy.gtp_enabled and strategy.num_weight_shards == 2
 
 
@@ -280,8 +325,9 @@ def test_non_fit_entry_points_rejected(nemo_env: Any) -> None:
     from lightning.pytorch.trainer.states import TrainerFn
 
     strategy = nemo_env.Strategy(num_weight_shards=2)
-    trainer = types.SimpleNamespace(state=types.SimpleNamespace(fn=TrainerFn.VALIDATING),
-                                    callbacks=[])
+    trainer = types.SimpleNamespace(
+        state=types.SimpleNamespace(fn=TrainerFn.VALIDATING), callbacks=[]
+    )
     with pytest.raises(NotImplementedError, match=r"trainer.validate\(\) with GTP"):
         strategy.setup(trainer)
 
@@ -302,8 +348,12 @@ def test_io_records_gtp_arguments(nemo_env: Any) -> None:
     from nemo_gtp.engine import GTPConfig
 
     nemo_env.nl.MegatronStrategy()  # the parent's IOMixin wrapper exists before ours
-    strategy = nemo_env.Strategy(2, num_weight_shards=4, gtp_config=GTPConfig(pad_for_alignment=8),
-                                 process_group_backend="gloo")
+    strategy = nemo_env.Strategy(
+        2,
+        num_weight_shards=4,
+        gtp_config=GTPConfig(pad_for_alignment=8),
+        process_group_backend="gloo",
+    )
     rebuilt = fdl.build(strategy.__io__)
     assert type(rebuilt) is type(strategy)
     assert (rebuilt.num_weight_shards, rebuilt.tensor_model_parallel_size) == (4, 2)
@@ -317,15 +367,24 @@ def test_cuda_graph_warmup_bump(nemo_env: Any) -> None:
     from nemo_gtp.strategy import cuda_graphs_enabled, enforce_cuda_graph_warmup
 
     def config(**kw: Any) -> types.SimpleNamespace:
-        base = dict(enable_cuda_graph=False, external_cuda_graph=False, cuda_graph_impl="none",
-                    cuda_graph_scope="full", cuda_graph_warmup_steps=0)
+        base = dict(
+            enable_cuda_graph=False,
+            external_cuda_graph=False,
+            cuda_graph_impl="none",
+            cuda_graph_scope="full",
+            cuda_graph_warmup_steps=0,
+        )
         return types.SimpleNamespace(**{**base, **kw})
 
     assert not cuda_graphs_enabled(config())
     off = config()
     assert enforce_cuda_graph_warmup(off) is None and off.cuda_graph_warmup_steps == 0
-    for kw in (dict(cuda_graph_impl="local"), dict(enable_cuda_graph=True),
-               dict(external_cuda_graph=True), dict(cuda_graph_scope="full_iteration")):
+    for kw in (
+        dict(cuda_graph_impl="local"),
+        dict(enable_cuda_graph=True),
+        dict(external_cuda_graph=True),
+        dict(cuda_graph_scope="full_iteration"),
+    ):
         cfg = config(**kw)
         note = enforce_cuda_graph_warmup(cfg)
         assert cfg.cuda_graph_warmup_steps == 2 and "raised from 0 to 2" in note
@@ -334,10 +393,16 @@ def test_cuda_graph_warmup_bump(nemo_env: Any) -> None:
 
     # Through the strategy, on a real NeMo model config (connect runs before the model exists).
     for shards, expected in ((2, 2), (None, 1)):
-        gpt = llm.GPTModel(llm.GPTConfig(
-            num_layers=2, hidden_size=64, num_attention_heads=4,
-            transformer_layer_spec=local_layer_spec, cuda_graph_impl="local",
-            cuda_graph_warmup_steps=1))
+        gpt = llm.GPTModel(
+            llm.GPTConfig(
+                num_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                transformer_layer_spec=local_layer_spec,
+                cuda_graph_impl="local",
+                cuda_graph_warmup_steps=1,
+            )
+        )
         nemo_env.Strategy(num_weight_shards=shards).connect(gpt)
         assert gpt.config.cuda_graph_warmup_steps == expected
 
@@ -373,9 +438,15 @@ def test_synthetic_datamodule_emits_attention_mask(nemo_env: Any) -> None:
 
     from nemo_gtp import SyntheticGPTDataModule
 
-    data = SyntheticGPTDataModule(seq_length=8, tokenizer=NullTokenizer(31), micro_batch_size=1,
-                                  global_batch_size=2, num_workers=0, pin_memory=False,
-                                  num_train_samples=16)
+    data = SyntheticGPTDataModule(
+        seq_length=8,
+        tokenizer=NullTokenizer(31),
+        micro_batch_size=1,
+        global_batch_size=2,
+        num_workers=0,
+        pin_memory=False,
+        num_train_samples=16,
+    )
     data.setup()
     sample = data._train_ds[3]
     assert sample["attention_mask"].shape == (1, 8, 8) and data._train_ds.seed == 42
@@ -383,9 +454,11 @@ def test_synthetic_datamodule_emits_attention_mask(nemo_env: Any) -> None:
 
 
 def test_engine_import_stays_free_of_nemo() -> None:
-    code = ("import sys, nemo_gtp, nemo_gtp.engine; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('nemo', 'lightning')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, nemo_gtp, nemo_gtp.engine; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('nemo', 'lightning')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(_repo_root()))
 
 

@@ -44,10 +44,23 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 # Paths are relative to the shared launch's directory.
 FIRST_LAUNCH = [
     Fit("gtp_20", gtp=2, steps=20),
-    Fit("gtp_killed", gtp=2, steps=20, stop_after=10, checkpoint_every=10,
-        checkpoint_dir="gtp_ckpts", weights_to="gtp_killed.pt"),
-    Fit("plain_tp1", steps=10, checkpoint_every=10, checkpoint_dir="plain_ckpts",
-        weights_to="plain.pt", strategy_kwargs={"ckpt_save_optimizer": False}),
+    Fit(
+        "gtp_killed",
+        gtp=2,
+        steps=20,
+        stop_after=10,
+        checkpoint_every=10,
+        checkpoint_dir="gtp_ckpts",
+        weights_to="gtp_killed.pt",
+    ),
+    Fit(
+        "plain_tp1",
+        steps=10,
+        checkpoint_every=10,
+        checkpoint_dir="plain_ckpts",
+        weights_to="plain.pt",
+        strategy_kwargs={"ckpt_save_optimizer": False},
+    ),
 ]
 shared_launch(WORLD).add(FIRST_LAUNCH)
 
@@ -64,12 +77,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     second = [  # fresh processes: the resumed job does not share the killed job's
         Fit("gtp_resume", gtp=2, steps=20, resume_from=str(saved[0])),
         Fit("gtp4_resume", gtp=4, steps=20, resume_from=str(saved[0])),
-        Fit("gtp_from_plain", gtp=2, steps=10, resume_from=str(plain_ckpt),
+        Fit(
+            "gtp_from_plain",
+            gtp=2,
+            steps=10,
+            resume_from=str(plain_ckpt),
             weights_to=str(root / "gtp_from_plain.pt"),
-            strategy_kwargs={"ckpt_load_optimizer": False}),
-        Fit("plain_from_gtp", tp=2, steps=10, resume_from=str(saved[0]),
+            strategy_kwargs={"ckpt_load_optimizer": False},
+        ),
+        Fit(
+            "plain_from_gtp",
+            tp=2,
+            steps=10,
+            resume_from=str(saved[0]),
             weights_to=str(root / "plain_from_gtp.pt"),
-            strategy_kwargs={"ckpt_load_optimizer": False}),
+            strategy_kwargs={"ckpt_load_optimizer": False},
+        ),
     ]
     (root / "launch2").mkdir()
     out2 = run_fits(second, WORLD, root / "launch2")
@@ -103,15 +126,19 @@ def test_model_checkpoint_writes_a_committed_torch_dist_checkpoint(runs: dict[st
     assert not list(saved.glob(".weights.*"))  # staging committed, nothing set aside
     result = subprocess.run(
         [sys.executable, "-m", "nemo_gtp.checkpoint.show", str(saved / "weights")],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "layout: TP1 x GTP2 x DP2" in result.stdout, result.stdout
 
 
-@pytest.mark.parametrize("loader, saver", [("gtp_from_plain", "plain"),
-                                           ("plain_from_gtp", "gtp_killed")])
-def test_interop_with_plain_megatron_strategy(runs: dict[str, Any], loader: str,
-                                              saver: str) -> None:
+@pytest.mark.parametrize(
+    "loader, saver", [("gtp_from_plain", "plain"), ("plain_from_gtp", "gtp_killed")]
+)
+def test_interop_with_plain_megatron_strategy(
+    runs: dict[str, Any], loader: str, saver: str
+) -> None:
     root: Path = runs["root"]
     got, want = _weights(root / f"{loader}.pt"), _weights(root / f"{saver}.pt")
     assert got.keys() == want.keys()

@@ -32,8 +32,18 @@ from nemo_gtp.checkpoint.optimizer import (
 from nemo_gtp.checkpoint.pieces import RowMap, RowSegment
 
 __all__ = [
-    "DEFAULT_SHARDING_TYPE", "LAYOUT_KEY", "CheckpointLayout", "CheckpointShapeMismatchError",
-    "RowMap", "RowSegment", "allocate_state", "check_global_shapes", "load_checkpoint",
-    "load_optimizer_state", "optimizer_sharded_state_dict", "read_layout", "resolve_checkpoint",
+    "DEFAULT_SHARDING_TYPE",
+    "LAYOUT_KEY",
+    "CheckpointLayout",
+    "CheckpointShapeMismatchError",
+    "RowMap",
+    "RowSegment",
+    "allocate_state",
+    "check_global_shapes",
+    "load_checkpoint",
+    "load_optimizer_state",
+    "optimizer_sharded_state_dict",
+    "read_layout",
+    "resolve_checkpoint",
     "save_checkpoint",
 ]

@@ -98,8 +98,11 @@ def save_checkpoint(
     if layout is not None:
         state_dict[LAYOUT_KEY] = layout.to_dict()
     request = dist_checkpointing.save(
-        state_dict, str(staging), sharded_strategy=sharded_strategy,
-        validate_access_integrity=validate_access_integrity, async_sharded_save=async_save,
+        state_dict,
+        str(staging),
+        sharded_strategy=sharded_strategy,
+        validate_access_integrity=validate_access_integrity,
+        async_sharded_save=async_save,
         content_metadata=content_metadata,
     )
     if async_save:
@@ -170,8 +173,10 @@ def check_global_shapes(sharded_state_dict: dict[str, Any], checkpoint_dir: str 
     Collective (the verdict is agreed by all ranks, so none proceeds into a load the others
     abandoned). Keys missing from the checkpoint are left to megatron's strict-load handling.
     """
-    stored = {k: tuple(v.global_shape) for k, v in
-              dist_checkpointing.load_tensors_metadata(str(checkpoint_dir)).items()}
+    stored = {
+        k: tuple(v.global_shape)
+        for k, v in dist_checkpointing.load_tensors_metadata(str(checkpoint_dir)).items()
+    }
     problems = {}
     for tensor in _expected_tensors(sharded_state_dict):
         have = stored.get(tensor.key)
@@ -183,8 +188,10 @@ def check_global_shapes(sharded_state_dict: dict[str, Any], checkpoint_dir: str 
     for other in every:
         problems.update(other)
     if problems:
-        lines = [f"  {key}: checkpoint {have}, model {want}"
-                 for key, (have, want) in sorted(problems.items())]
+        lines = [
+            f"  {key}: checkpoint {have}, model {want}"
+            for key, (have, want) in sorted(problems.items())
+        ]
         raise CheckpointShapeMismatchError(
             f"checkpoint {checkpoint_dir} does not match the model ({len(problems)} tensors "
             "with a different global shape):\n" + "\n".join(lines)

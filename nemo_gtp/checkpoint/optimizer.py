@@ -29,8 +29,12 @@ DEFAULT_SHARDING_TYPE = "fully_sharded_model_space"
 
 
 def optimizer_sharded_state_dict(
-    optimizer: Any, model_sharded_state_dict: dict, *, is_loading: bool = False,
-    sharding_type: str = DEFAULT_SHARDING_TYPE, metadata: dict | None = None,
+    optimizer: Any,
+    model_sharded_state_dict: dict,
+    *,
+    is_loading: bool = False,
+    sharding_type: str = DEFAULT_SHARDING_TYPE,
+    metadata: dict | None = None,
 ) -> dict:
     """``optimizer.sharded_state_dict`` in ``sharding_type`` (used by distributed optimizers).
 
@@ -41,8 +45,11 @@ def optimizer_sharded_state_dict(
     """
     if is_loading:
         allocate_state(optimizer)
-    meta = {"chained_optim_avoid_prefix": True, **(metadata or {}),
-            "distrib_optim_sharding_type": sharding_type}
+    meta = {
+        "chained_optim_avoid_prefix": True,
+        **(metadata or {}),
+        "distrib_optim_sharding_type": sharding_type,
+    }
     with torch_adam_step_hidden(optimizer):
         return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, metadata=meta)
 
@@ -112,8 +119,11 @@ def rechain_loaded_state(optimizer: Any, loaded: dict) -> Any:
     mine = [loaded.get(i, {}) for i in range(len(subs))] if len(subs) > 1 else [top]
     if all("optimizer" in part for part in mine):
         return loaded
-    saved = [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))] \
-        if len(subs) == 1 else [top]
+    saved = (
+        [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
+        if len(subs) == 1
+        else [top]
+    )
     saved = [part for part in saved if isinstance(part, dict) and "optimizer" in part]
     if not saved:
         return loaded
@@ -133,8 +143,9 @@ def rechain_loaded_state(optimizer: Any, loaded: dict) -> Any:
                 )
             dealt.append({**match, "is_expert_parallel": own.get("is_expert_parallel", False)})
         common = {k: v for k, v in saved[0].items() if k not in part}
-        out.append({**common, **part,
-                    "optimizer": {**saved[0]["optimizer"], "param_groups": dealt}})
+        out.append(
+            {**common, **part, "optimizer": {**saved[0]["optimizer"], "param_groups": dealt}}
+        )
     return out[0] if len(subs) == 1 else dict(enumerate(out))
 
 
@@ -158,8 +169,12 @@ def torch_adam_step_hidden(optimizer: Any) -> Iterator[None]:
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         get = getattr(opt, "_get_main_param_and_optimizer_states", None)
         put = getattr(opt, "_set_main_param_and_optimizer_states", None)
-        if get is None or put is None or not isinstance(
-            getattr(opt, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW)
+        if (
+            get is None
+            or put is None
+            or not isinstance(
+                getattr(opt, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW)
+            )
         ):
             continue
 

@@ -116,8 +116,14 @@ class RowMap:
                 local = (1,) * prepend + shape
                 name = str(len(pieces))
                 pieces[name] = ShardedTensor(
-                    key + seg.key_suffix, flat[begin : begin + math.prod(shape)].view(local),
-                    flat.dtype, local, seg.global_shape, tuple(offset), None, replica_id,
+                    key + seg.key_suffix,
+                    flat[begin : begin + math.prod(shape)].view(local),
+                    flat.dtype,
+                    local,
+                    seg.global_shape,
+                    tuple(offset),
+                    None,
+                    replica_id,
                     allow_shape_mismatch=self.allow_shape_mismatch,
                 )
                 entries.append((name, begin, math.prod(shape)))
@@ -136,8 +142,14 @@ class RowMap:
         ones = (1,) * len(seg.global_shape)
         rid = (1, *replica_id) if isinstance(replica_id, tuple) else (1, replica_id)
         return ShardedTensor(
-            key + seg.key_suffix, torch.zeros(ones, dtype=flat.dtype, device=flat.device),
-            flat.dtype, ones, seg.global_shape, (0,) * len(ones), None, rid,
+            key + seg.key_suffix,
+            torch.zeros(ones, dtype=flat.dtype, device=flat.device),
+            flat.dtype,
+            ones,
+            seg.global_shape,
+            (0,) * len(ones),
+            None,
+            rid,
             allow_shape_mismatch=self.allow_shape_mismatch,
         )
 

@@ -54,8 +54,11 @@ def describe(checkpoint_dir: str | Path, key_filter: str = "") -> dict:
 def render(info: dict) -> str:
     """Human-readable form of :func:`describe`'s result."""
     lines = [f"checkpoint: {info['path']}", f"layout: {info['layout_line']}"]
-    padded = {k: v for k, v in ((info["layout"] or {}).get("padded_rows") or {}).items()
-              if info["filter"] in k}
+    padded = {
+        k: v
+        for k, v in ((info["layout"] or {}).get("padded_rows") or {}).items()
+        if info["filter"] in k
+    }
     if padded:
         lines.append("GTP padding (TP-local rows -> padded rows):")
         width = max(map(len, padded))
@@ -64,8 +67,9 @@ def render(info: dict) -> str:
     lines.append(f"tensors ({len(tensors)} of {info['num_tensors']}):")
     if tensors:
         width = max(map(len, tensors))
-        lines += [f"  {k:<{width}}  {str(shape):<14} {dtype}"
-                  for k, (shape, dtype) in tensors.items()]
+        lines += [
+            f"  {k:<{width}}  {str(shape):<14} {dtype}" for k, (shape, dtype) in tensors.items()
+        ]
     lines.append(f"objects ({len(info['objects'])}):")
     lines += [f"  {k}" for k in info["objects"]]
     return "\n".join(lines)

@@ -20,7 +20,21 @@ from nemo_gtp.engine.param import (
 from nemo_gtp.engine.runtime import ChainId, ChainPhase, CommStats, GTPRuntime, runtimes_of
 
 __all__ = [
-    "ChainId", "ChainPhase", "CommStats", "Direction", "GTPConfig", "GTPGroups",
-    "GTPParallelDims", "GTPRuntime", "GTPShardedParam", "GatherState", "ReduceScatterState",
-    "ShardSpec", "TPComm", "gtp_linear", "is_gtp_param", "runtimes_of", "shard_linear",
+    "ChainId",
+    "ChainPhase",
+    "CommStats",
+    "Direction",
+    "GTPConfig",
+    "GTPGroups",
+    "GTPParallelDims",
+    "GTPRuntime",
+    "GTPShardedParam",
+    "GatherState",
+    "ReduceScatterState",
+    "ShardSpec",
+    "TPComm",
+    "gtp_linear",
+    "is_gtp_param",
+    "runtimes_of",
+    "shard_linear",
 ]

@@ -88,7 +88,8 @@ class GTPWeightCache:
         """Bytes of allocated gathered-weight storage."""
         return sum(
             s.buffer.numel() * s.buffer.element_size()
-            for s in self._slots.values() if s.buffer is not None
+            for s in self._slots.values()
+            if s.buffer is not None
         )
 
     def clear(self) -> None:
@@ -108,8 +109,14 @@ class FreeList:
 
     __slots__ = ("shape", "dtype", "device", "zero_from", "free", "pool")
 
-    def __init__(self, pool: WgradPool, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, zero_from: int | None) -> None:
+    def __init__(
+        self,
+        pool: WgradPool,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        zero_from: int | None,
+    ) -> None:
         self.shape, self.dtype, self.device, self.zero_from = shape, dtype, device, zero_from
         self.free: list[torch.Tensor] = []
         self.pool = pool
@@ -144,8 +151,13 @@ class WgradPool:
         self._lists: dict[tuple, FreeList] = {}
         self.allocations = 0
 
-    def free_list(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                  zero_from: int | None = None) -> FreeList:
+    def free_list(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        zero_from: int | None = None,
+    ) -> FreeList:
         """The free list of ``(shape, dtype, device, zero_from)`` (created on first use)."""
         key = (tuple(shape), dtype, device, zero_from)
         found = self._lists.get(key)

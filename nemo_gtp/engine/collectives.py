@@ -17,9 +17,7 @@ from torch._C import _distributed_c10d as c10d
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases (the GPU machine's
 # 2.11) only have the old names. Same semantics either way.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CommHandle:
@@ -34,9 +32,7 @@ class CommHandle:
 
     __slots__ = ("_work", "_epilogue", "done")
 
-    def __init__(
-        self, work: dist.Work | None, epilogue: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, work: dist.Work | None, epilogue: Callable[[], None] | None = None) -> None:
         self._work = work
         self._epilogue = epilogue
         self.done = False
@@ -132,8 +128,9 @@ class GroupCollectives:
         """Async all-gather of every rank's dim-0 ``shard`` into ``output`` (rank order)."""
         return self._all_gather(output, shard, self._ag_options)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *,
-                       average: bool) -> dist.Work:
+    def reduce_scatter(
+        self, output: torch.Tensor, full: torch.Tensor, *, average: bool
+    ) -> dist.Work:
         """Async reduce-scatter (SUM, or the backend's AVG) of ``full`` into ``output``."""
         return self._reduce_scatter(output, full, self._rs_options[average])
 
@@ -164,10 +161,14 @@ def quiet_flight_recorder() -> str | None:
     if dist.is_available() and dist.is_initialized():
         if dist.get_backend() != "nccl":
             return None
-        return ("GTP: torch's NCCL flight recorder is on and records a Python stack for each of "
-                "GTP's ~3 collectives per weight per step (host-bound small steps); set "
-                "TORCH_FR_BUFFER_SIZE=0 before torch.distributed initializes to turn it off")
+        return (
+            "GTP: torch's NCCL flight recorder is on and records a Python stack for each of "
+            "GTP's ~3 collectives per weight per step (host-bound small steps); set "
+            "TORCH_FR_BUFFER_SIZE=0 before torch.distributed initializes to turn it off"
+        )
     for key in FLIGHT_RECORDER_ENV:  # the recorder reads the new name, ProcessGroupNCCL the old
         os.environ[key] = "0"
-    return ("GTP: TORCH_FR_BUFFER_SIZE=0 (torch's NCCL flight recorder off: it records a Python "
-            "stack per collective, ~3 per weight per step under GTP); set it to keep the recorder")
+    return (
+        "GTP: TORCH_FR_BUFFER_SIZE=0 (torch's NCCL flight recorder off: it records a Python "
+        "stack per collective, ~3 per weight per step under GTP); set it to keep the recorder"
+    )

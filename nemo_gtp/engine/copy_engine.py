@@ -78,7 +78,11 @@ def decide_copy_engine(
 
 
 def agree_on_copy_engine(
-    group: dist.ProcessGroup, device: torch.device, tokens: int, *, required: bool,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    tokens: int,
+    *,
+    required: bool,
     min_tokens: int,
 ) -> bool:
     """Collective over ``group``: every peer gets the same :func:`decide_copy_engine` answer.
@@ -117,13 +121,17 @@ class CudaStreamOps:
         stream = self._streams.get(stream_id)
         if stream is None:
             stream = self._streams[stream_id] = torch.cuda.Stream(
-                stream_id=stream_id, device_index=device_index, device_type=device_type)
+                stream_id=stream_id, device_index=device_index, device_type=device_type
+            )
         return stream
 
     def make_current(self, stream: torch.cuda.Stream) -> None:
         """``torch.cuda.set_stream(stream)`` without the wrapper."""
-        self._set_current(stream_id=stream.stream_id, device_index=stream.device_index,
-                          device_type=stream.device_type)
+        self._set_current(
+            stream_id=stream.stream_id,
+            device_index=stream.device_index,
+            device_type=stream.device_type,
+        )
 
 
 class EventWork:
@@ -174,7 +182,9 @@ class SymmetricShardMirror:
             assert offset % param.element_size() == 0
             views = [
                 self._handle.get_buffer(
-                    peer, tuple(param.shape), param.dtype,
+                    peer,
+                    tuple(param.shape),
+                    param.dtype,
                     storage_offset=offset // param.element_size(),
                 )
                 for peer in range(self.size)
@@ -184,8 +194,9 @@ class SymmetricShardMirror:
         self._versions: dict[int, int] = {id(p): -1 for p in params}
         self._stale = True
         self.stream = torch.cuda.Stream(device=device)
-        self._device_index = device.index if device.index is not None else (
-            torch.cuda.current_device())
+        self._device_index = (
+            device.index if device.index is not None else (torch.cuda.current_device())
+        )
         self.ops = CudaStreamOps(self._device_index)
         self._fence = torch.cuda.Event()  # "pulls start after what the compute stream issued"
         self.refreshes = 0
@@ -198,8 +209,9 @@ class SymmetricShardMirror:
         current = self.ops.current()
         current.wait_stream(self.stream)
         self._handle.barrier(channel=0)
-        torch._foreach_copy_([self._local[id(p)] for p in self._params],
-                             [p.detach() for p in self._params])
+        torch._foreach_copy_(
+            [self._local[id(p)] for p in self._params], [p.detach() for p in self._params]
+        )
         for p in self._params:
             self._versions[id(p)] = p._version
         self._stale = False
@@ -214,18 +226,22 @@ class SymmetricShardMirror:
         self._peers.clear()
         self._local.clear()
 
-    def pull_plan(self, output: torch.Tensor, param: torch.Tensor
-                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def pull_plan(
+        self, output: torch.Tensor, param: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(destination rows of output, source mirror)`` per GTP peer, in rank order.
 
         The local rows come from this rank's own mirror, which is current after the refresh.
         """
         rows = param.shape[0]
-        return [(output[peer * rows : (peer + 1) * rows], source)
-                for peer, source in enumerate(self._peers[id(param)])]
+        return [
+            (output[peer * rows : (peer + 1) * rows], source)
+            for peer, source in enumerate(self._peers[id(param)])
+        ]
 
-    def pull(self, plan: list[tuple[torch.Tensor, torch.Tensor]], param: torch.Tensor,
-             work: EventWork) -> EventWork:
+    def pull(
+        self, plan: list[tuple[torch.Tensor, torch.Tensor]], param: torch.Tensor, work: EventWork
+    ) -> EventWork:
         """Pull every peer's mirror per ``plan`` on the side stream; ``work.wait()`` orders the
         consumer after the pulls."""
         if self._stale or param._version != self._versions[id(param)]:

@@ -94,15 +94,20 @@ class GTPParallelDims:
 
     def __post_init__(self) -> None:
         tp = self.tensor_model_parallel_size
-        for name in ("tensor_model_parallel_size", "context_parallel_size",
-                     "pipeline_model_parallel_size", "expert_model_parallel_size",
-                     "num_distributed_optimizer_instances"):
+        for name in (
+            "tensor_model_parallel_size",
+            "context_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+            "num_distributed_optimizer_instances",
+        ):
             _check_positive(name, getattr(self, name))
         if self.world_size is not None:
             _check_positive("world_size", self.world_size)
         shards = tp if self.num_weight_shards is None else self.num_weight_shards
-        _check_positive("num_weight_shards", shards,
-                        "num_weight_shards = TP x GTP; None means TP, i.e. GTP off")
+        _check_positive(
+            "num_weight_shards", shards, "num_weight_shards = TP x GTP; None means TP, i.e. GTP off"
+        )
         if shards % tp != 0:
             raise ValueError(
                 f"num_weight_shards={shards} must be a multiple of tensor_model_parallel_size={tp}"
@@ -118,8 +123,11 @@ class GTPParallelDims:
         etp = tp if self.expert_tensor_parallel_size is None else self.expert_tensor_parallel_size
         _check_positive("expert_tensor_parallel_size", etp)
         eshards = etp if self.expert_num_weight_shards is None else self.expert_num_weight_shards
-        _check_positive("expert_num_weight_shards", eshards,
-                        "expert_num_weight_shards = ETP x EGTP; None means ETP, i.e. EGTP off")
+        _check_positive(
+            "expert_num_weight_shards",
+            eshards,
+            "expert_num_weight_shards = ETP x EGTP; None means ETP, i.e. EGTP off",
+        )
         if eshards % etp != 0:
             raise ValueError(
                 f"expert_num_weight_shards={eshards} must be a multiple of "
@@ -182,13 +190,17 @@ class GTPParallelDims:
 
     @property
     def _dense_model_size(self) -> int:
-        return (self.num_weight_shards * self.context_parallel_size
-                * self.pipeline_model_parallel_size)
+        return (
+            self.num_weight_shards * self.context_parallel_size * self.pipeline_model_parallel_size
+        )
 
     @property
     def _expert_model_size(self) -> int:
-        return (self.expert_num_weight_shards * self.expert_model_parallel_size
-                * self.pipeline_model_parallel_size)
+        return (
+            self.expert_num_weight_shards
+            * self.expert_model_parallel_size
+            * self.pipeline_model_parallel_size
+        )
 
     def _world(self, what: str) -> int:
         if self.world_size is None:
@@ -219,14 +231,33 @@ class GTPParallelDims:
 
     def dense_sizes(self) -> dict[str, int]:
         """Dense axis sizes in rank order (fastest first); needs the world size."""
-        return dict(zip(_DENSE_AXES, (self.tensor_model_parallel_size, self.gtp,
-                                      self.context_parallel_size, self.dp,
-                                      self.pipeline_model_parallel_size)))
+        return dict(
+            zip(
+                _DENSE_AXES,
+                (
+                    self.tensor_model_parallel_size,
+                    self.gtp,
+                    self.context_parallel_size,
+                    self.dp,
+                    self.pipeline_model_parallel_size,
+                ),
+            )
+        )
 
     def expert_sizes(self) -> dict[str, int]:
         """Expert axis sizes in rank order (fastest first); needs the world size."""
-        return dict(zip(_EXPERT_AXES, (self.etp, self.expert_model_parallel_size, self.egtp,
-                                       self.edp, self.pipeline_model_parallel_size)))
+        return dict(
+            zip(
+                _EXPERT_AXES,
+                (
+                    self.etp,
+                    self.expert_model_parallel_size,
+                    self.egtp,
+                    self.edp,
+                    self.pipeline_model_parallel_size,
+                ),
+            )
+        )
 
     def coords(self, rank: int) -> dict[str, int]:
         """Dense coordinates of ``rank``: ``{'tp': 1, 'gtp': 0, 'cp': 0, 'dp': 1, 'pp': 0}``."""

@@ -76,7 +76,10 @@ class ShardSpec:
 
     @classmethod
     def for_weight(
-        cls, shape: tuple[int, ...] | torch.Size, gtp_size: int, gtp_rank: int,
+        cls,
+        shape: tuple[int, ...] | torch.Size,
+        gtp_size: int,
+        gtp_rank: int,
         pad_for_alignment: int,
     ) -> ShardSpec:
         """Spec for a TP-local weight of ``shape``, padding dim 0 to ``pad * gtp`` rows."""
@@ -140,8 +143,21 @@ class GatherSlot:
       into, and that buffer's unpadded view.
     """
 
-    __slots__ = ("direction", "index", "state", "work", "buffer", "full", "cache",
-                 "cache_full", "ahead", "handover", "nbytes", "pull_plan", "pull_work")
+    __slots__ = (
+        "direction",
+        "index",
+        "state",
+        "work",
+        "buffer",
+        "full",
+        "cache",
+        "cache_full",
+        "ahead",
+        "handover",
+        "nbytes",
+        "pull_plan",
+        "pull_work",
+    )
 
     def __init__(self, direction: Direction, index: int = -1) -> None:
         self.direction = direction
@@ -186,8 +202,16 @@ class ReduceScatterSlot:
     found once (no per-step key lookups).
     """
 
-    __slots__ = ("state", "work", "scratch", "output", "recv", "scratch_pool", "output_pool",
-                 "recv_pool")
+    __slots__ = (
+        "state",
+        "work",
+        "scratch",
+        "output",
+        "recv",
+        "scratch_pool",
+        "output_pool",
+        "recv_pool",
+    )
 
     def __init__(self) -> None:
         self.state = ReduceScatterState.NONE
@@ -199,8 +223,9 @@ class ReduceScatterSlot:
         self.output_pool: Any = None
         self.recv_pool: Any = None
 
-    def issued(self, work: Any, scratch: torch.Tensor, output: torch.Tensor,
-               recv: torch.Tensor | None) -> None:
+    def issued(
+        self, work: Any, scratch: torch.Tensor, output: torch.Tensor, recv: torch.Tensor | None
+    ) -> None:
         """NONE → ASYNC_WAIT: the reduce-scatter of ``scratch`` into ``output`` is in flight."""
         if self.state is not ReduceScatterState.NONE:
             raise GTPStateError(f"reduce-scatter issued in state {self.state}")
@@ -223,15 +248,31 @@ class ReduceScatterSlot:
         if self.recv is not None:
             self.recv_pool.put(self.recv)
         self.state, self.scratch, self.output, self.recv = (
-            ReduceScatterState.NONE, None, None, None)
+            ReduceScatterState.NONE,
+            None,
+            None,
+            None,
+        )
 
 
 class GTPParamState:
     """Runtime bookkeeping the owning :class:`GTPRuntime` keeps on each param."""
 
-    __slots__ = ("name", "runtime", "chain_id", "chain", "fwd", "bwd", "rs", "parity",
-                 "is_head", "grad_ready_hook", "forward_grad_enabled", "protocol_scratch",
-                 "__weakref__")
+    __slots__ = (
+        "name",
+        "runtime",
+        "chain_id",
+        "chain",
+        "fwd",
+        "bwd",
+        "rs",
+        "parity",
+        "is_head",
+        "grad_ready_hook",
+        "forward_grad_enabled",
+        "protocol_scratch",
+        "__weakref__",
+    )
 
     def __init__(self) -> None:
         self.name = ""
@@ -275,7 +316,10 @@ class GTPShardedParam(torch.nn.Parameter):
     gtp_state: GTPParamState
 
     def __new__(
-        cls, data: torch.Tensor | None = None, requires_grad: bool = True, *,
+        cls,
+        data: torch.Tensor | None = None,
+        requires_grad: bool = True,
+        *,
         spec: ShardSpec | None = None,
     ) -> GTPShardedParam:
         if spec is None:

@@ -122,7 +122,8 @@ class Chain:
             # different parities (design §3.1), so a prefetch never lands in the buffer a GEMM
             # still reads. Greedy: the smallest parity no such earlier neighbour uses.
             taken = {
-                order[j].gtp_state.parity for j in range(max(0, i - depth), i)
+                order[j].gtp_state.parity
+                for j in range(max(0, i - depth), i)
                 if order[j].gtp_spec.gathered_shape == param.gtp_spec.gathered_shape
                 and order[j].dtype == param.dtype
             }
@@ -134,8 +135,9 @@ class Chain:
             state.bwd.ahead = tuple(order[j].gtp_state.bwd for j in earlier)
             # The forward tail hands over to the backward: its consume gathers the first ones.
             first_backward = range(n - 1, max(-1, n - 1 - depth), -1)
-            state.fwd.handover = tuple(
-                order[j].gtp_state.bwd for j in first_backward) if i == n - 1 else ()
+            state.fwd.handover = (
+                tuple(order[j].gtp_state.bwd for j in first_backward) if i == n - 1 else ()
+            )
             for slot in (state.fwd, state.bwd):  # parity may have changed the ticket
                 slot.cache, slot.cache_full = None, None
 
@@ -188,8 +190,9 @@ class GTPRuntime:
     nothing is allocated or looked up by key after the first step.
     """
 
-    def __init__(self, groups: GTPGroups, config: GTPConfig | None = None, *,
-                 name: str = "model") -> None:
+    def __init__(
+        self, groups: GTPGroups, config: GTPConfig | None = None, *, name: str = "model"
+    ) -> None:
         if not isinstance(groups, GTPGroups):
             raise TypeError(
                 "GTPRuntime takes the GTPGroups it shards over (GTPParallelDims(...).build() or "
@@ -211,17 +214,21 @@ class GTPRuntime:
         self._rs_group = self.group
         if self.config.separate_reduce_scatter_group and self.size > 1:
             self._rs_group = dist.new_group(
-                dist.get_process_group_ranks(self.group), backend=dist.get_backend(self.group),
+                dist.get_process_group_ranks(self.group),
+                backend=dist.get_backend(self.group),
                 use_local_synchronization=True,
             )
         self._rs_ops = GroupCollectives(self._rs_group)
         self._fp32_accumulation = (
-            self.config.reduce_scatter_with_fp32_accumulation and self.size > 2)
+            self.config.reduce_scatter_with_fp32_accumulation and self.size > 2
+        )
         # MEAN (design §3.2): NCCL averages inside the reduce-scatter; elsewhere a 1/GTP pre-scale.
         self._average_in_collective = (
-            not self.config.sums_over_gtp and self._nccl and not self._fp32_accumulation)
-        self._prescale = None if self.config.sums_over_gtp or self._average_in_collective \
-            else 1.0 / self.size
+            not self.config.sums_over_gtp and self._nccl and not self._fp32_accumulation
+        )
+        self._prescale = (
+            None if self.config.sums_over_gtp or self._average_in_collective else 1.0 / self.size
+        )
         self._prefetch_enabled = self.config.weight_prefetch
         self.params: list[GTPShardedParam] = []
         self.chains = {cid: Chain(cid, self.config.prefetch_depth) for cid in ChainId}
@@ -234,7 +241,10 @@ class GTPRuntime:
 
     # ----------------------------------------------------------------- construction
     def shard_parameter(
-        self, module: torch.nn.Module, attr: str, name: str,
+        self,
+        module: torch.nn.Module,
+        attr: str,
+        name: str,
         chain_id: ChainId = ChainId.UNGRAPHED,
     ) -> GTPShardedParam:
         """Replace ``module.<attr>`` by its GTP shard, registered with this runtime.
@@ -340,8 +350,14 @@ class GTPRuntime:
         state = param.gtp_state
         if not param.is_contiguous():
             raise ValueError(f"{state.name}: GTP shard is not contiguous")
-        key = BufferKey(param.gtp_spec.gathered_shape, param.dtype, param.device,
-                        state.chain_id.value, slot.direction.value, state.parity)
+        key = BufferKey(
+            param.gtp_spec.gathered_shape,
+            param.dtype,
+            param.device,
+            state.chain_id.value,
+            slot.direction.value,
+            state.parity,
+        )
         slot.cache = self.weight_cache.slot(key)
         slot.cache_full = param.gtp_spec.unpad(slot.cache.buffer)
         buffer = slot.cache.buffer
@@ -367,13 +383,15 @@ class GTPRuntime:
             if async_op:
                 return False
             # Only reachable when the observed order mispredicts; correctness first.
-            buffer = torch.empty(param.gtp_spec.gathered_shape, dtype=param.dtype,
-                                 device=param.device)
+            buffer = torch.empty(
+                param.gtp_spec.gathered_shape, dtype=param.dtype, device=param.device
+            )
             full = param.gtp_spec.unpad(buffer)
             self.stats.fallback_allocations += 1
             if self._use_mirror:
-                work = self._mirror.pull(self._mirror.pull_plan(buffer, param), param,
-                                         EventWork(self._mirror.ops))
+                work = self._mirror.pull(
+                    self._mirror.pull_plan(buffer, param), param, EventWork(self._mirror.ops)
+                )
             else:
                 work = self._ops.all_gather(buffer, param.detach())
         slot.issued(work, buffer, full)
@@ -415,7 +433,10 @@ class GTPRuntime:
                 )
             return GatherBackend.PROCESS_GROUP
         if not agree_on_copy_engine(
-            self.group, device, self.tokens_per_gemm, required=requested == "copy_engine",
+            self.group,
+            device,
+            self.tokens_per_gemm,
+            required=requested == "copy_engine",
             min_tokens=self.config.copy_engine_min_tokens,
         ):
             return GatherBackend.PROCESS_GROUP
@@ -457,7 +478,8 @@ class GTPRuntime:
     def _bind_pools(self, param: GTPShardedParam, dtype: torch.dtype) -> None:
         spec, rs = param.gtp_spec, param.gtp_state.rs
         rs.scratch_pool = self.wgrad_pool.free_list(
-            spec.gathered_shape, dtype, param.device, zero_from=spec.logical_shape[0])
+            spec.gathered_shape, dtype, param.device, zero_from=spec.logical_shape[0]
+        )
         rs.output_pool = self.wgrad_pool.free_list(spec.shard_shape, dtype, param.device)
         rs.recv_pool = self.wgrad_pool.free_list(spec.gathered_shape, dtype, param.device)
 
@@ -515,18 +537,19 @@ class GTPRuntime:
             scratch.mul_(self._prescale)
         if self._fp32_accumulation:
             recv = rs.recv_pool.get()
-            work = reduce_scatter_wgrad(output, scratch, self._rs_group, async_op=True,
-                                        fp32_recv=recv)
+            work = reduce_scatter_wgrad(
+                output, scratch, self._rs_group, async_op=True, fp32_recv=recv
+            )
         else:
             recv = None
-            work = self._rs_ops.reduce_scatter(output, scratch,
-                                               average=self._average_in_collective)
+            work = self._rs_ops.reduce_scatter(output, scratch, average=self._average_in_collective)
         rs.issued(work, scratch, output, recv)
         sync = state.is_head or not self.config.async_reduction
         stats = self.stats
         stats.reduce_scatters += 1
-        stats.reduce_scatter_bytes += scratch.numel() * scratch.element_size() * (
-            self.size - 1) // self.size
+        stats.reduce_scatter_bytes += (
+            scratch.numel() * scratch.element_size() * (self.size - 1) // self.size
+        )
         if self.trace is not None:
             self.record("rs_issue_sync" if sync else "rs_issue_async", param, _BWD)
         pending = self._pending_rs

@@ -66,8 +66,9 @@ class ExposedWaitTimer:
         wait()
         self._charge(kind, weight, time.perf_counter() - begin, self._host)
 
-    def _charge(self, kind: str, weight: str | None, seconds: float,
-                totals: dict[str, float]) -> None:
+    def _charge(
+        self, kind: str, weight: str | None, seconds: float, totals: dict[str, float]
+    ) -> None:
         totals[kind] = totals.get(kind, 0.0) + seconds
         if weight is not None:
             key = (kind, weight)

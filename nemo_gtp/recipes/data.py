@@ -66,10 +66,18 @@ class SyntheticGPTDataModule(MockDataModule):
             ("_validation_ds", "valid", self.num_val_samples),
             ("_test_ds", "test", self.num_test_samples),
         ):
-            setattr(self, attr, _MockGPTDataset(
-                self.tokenizer, name, num, self.seq_length, seed=self.seed,
-                create_attention_mask=self.create_attention_mask,
-            ))
+            setattr(
+                self,
+                attr,
+                _MockGPTDataset(
+                    self.tokenizer,
+                    name,
+                    num,
+                    self.seq_length,
+                    seed=self.seed,
+                    create_attention_mask=self.create_attention_mask,
+                ),
+            )
 
 
 class _ArithmeticGPTDataset(_MockGPTDataset):
@@ -79,8 +87,12 @@ class _ArithmeticGPTDataset(_MockGPTDataset):
         stride = int(rng.integers(1, 8))
         steps = np.arange(self.seq_length + 1, dtype=np.int64)
         tokens = torch.from_numpy((start + stride * steps) % self.vocab_size)
-        batch = {"tokens": tokens[:-1], "labels": tokens[1:], "loss_mask": self.loss_mask,
-                 "position_ids": self.position_ids}
+        batch = {
+            "tokens": tokens[:-1],
+            "labels": tokens[1:],
+            "loss_mask": self.loss_mask,
+            "position_ids": self.position_ids,
+        }
         if self.create_attention_mask:
             batch["attention_mask"] = self.attention_mask
         return batch
@@ -97,11 +109,15 @@ class ArithmeticGPTDataModule(SyntheticGPTDataModule):
 
     def setup(self, stage: str = "") -> None:
         """Build train/validation/test splits of arithmetic sequences."""
-        kwargs: dict[str, Any] = dict(seed=self.seed,
-                                      create_attention_mask=self.create_attention_mask)
+        kwargs: dict[str, Any] = dict(
+            seed=self.seed, create_attention_mask=self.create_attention_mask
+        )
         self._train_ds = _ArithmeticGPTDataset(
-            self.tokenizer, "train", self.num_train_samples, self.seq_length, **kwargs)
+            self.tokenizer, "train", self.num_train_samples, self.seq_length, **kwargs
+        )
         self._validation_ds = _ArithmeticGPTDataset(
-            self.tokenizer, "valid", self.num_val_samples, self.seq_length, **kwargs)
+            self.tokenizer, "valid", self.num_val_samples, self.seq_length, **kwargs
+        )
         self._test_ds = _ArithmeticGPTDataset(
-            self.tokenizer, "test", self.num_test_samples, self.seq_length, **kwargs)
+            self.tokenizer, "test", self.num_test_samples, self.seq_length, **kwargs
+        )

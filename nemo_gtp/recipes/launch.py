@@ -54,8 +54,9 @@ def _world_size(config: str, overrides: list[str]) -> int:
     return int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
 
 
-def launch_fits(config: str, runs: dict[str, list[str]], *,
-                stderr_tail: int = 4000) -> dict[str, list[dict]]:
+def launch_fits(
+    config: str, runs: dict[str, list[str]], *, stderr_tail: int = 4000
+) -> dict[str, list[dict]]:
     """Run ``config`` once per entry of ``runs`` (name -> overrides) in one launch.
 
     Every run must need the same number of processes. Returns rank 0's per-step loss log of
@@ -64,21 +65,36 @@ def launch_fits(config: str, runs: dict[str, list[str]], *,
     """
     worlds = {name: _world_size(config, args) for name, args in runs.items()}
     if len(set(worlds.values())) != 1:
-        raise ValueError(f"runs sharing one launch need the same trainer.devices x num_nodes, "
-                         f"got {worlds}")
+        raise ValueError(
+            f"runs sharing one launch need the same trainer.devices x num_nodes, got {worlds}"
+        )
     world = next(iter(worlds.values()))
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
         spec.write_text(json.dumps({"config": config, "runs": runs, "dir": tmp}))
         procs = []
         for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
-                   "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "NODE_RANK": "0",
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            }
             err = open(Path(tmp, f"stderr{rank}.txt"), "w")  # noqa: SIM115 (closed below)
-            procs.append((subprocess.Popen(
-                [sys.executable, "-m", "nemo_gtp.recipes.launch", str(spec)], env=env,
-                stdout=subprocess.DEVNULL, stderr=err), err))
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [sys.executable, "-m", "nemo_gtp.recipes.launch", str(spec)],
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=err,
+                    ),
+                    err,
+                )
+            )
         codes = []
         for proc, err in procs:
             codes.append(proc.wait())

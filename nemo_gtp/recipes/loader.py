@@ -91,8 +91,9 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
     optim = nl.MegatronOptimizerModule(config=OptimizerConfig(**_plain(cfg.optim)))
     model = llm.GPTModel(gpt_config, tokenizer=tokenizer, optim=optim)
     data_class = ArithmeticGPTDataModule if kind == "arithmetic" else SyntheticGPTDataModule
-    data = data_class(tokenizer=tokenizer, num_workers=0, pin_memory=False,
-                      create_attention_mask=True, **data_cfg)
+    data = data_class(
+        tokenizer=tokenizer, num_workers=0, pin_memory=False, create_attention_mask=True, **data_cfg
+    )
     strategy = GTPMegatronStrategy(
         ddp=DistributedDataParallelConfig(**_plain(cfg.ddp)),
         gtp_config=GTPConfig(**_plain(cfg.get("gtp"))),
@@ -106,8 +107,7 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
     plugins = []
     if cfg.get("precision", "32") == "bf16-mixed":
         plugins.append(nl.MegatronMixedPrecision(precision="bf16-mixed"))
-    trainer = nl.Trainer(strategy=strategy, plugins=plugins, callbacks=callbacks,
-                         **trainer_kwargs)
+    trainer = nl.Trainer(strategy=strategy, plugins=plugins, callbacks=callbacks, **trainer_kwargs)
     return Fit(trainer, model, data, ckpt_path=cfg.get("resume"))
 
 
@@ -145,10 +145,15 @@ def model_checkpoint(directory: str, every_n_train_steps: int, log_dir: str | No
     # NeMo's ModelCheckpoint writes its run logs to AppState().log_dir (NeMoLogger sets it).
     AppState().log_dir = path if log_dir is None else Path(log_dir)
     return nl.ModelCheckpoint(
-        dirpath=str(path), every_n_train_steps=every_n_train_steps, save_top_k=-1,
-        save_last=False, monitor="reduced_train_loss", filename="{step}",
+        dirpath=str(path),
+        every_n_train_steps=every_n_train_steps,
+        save_top_k=-1,
+        save_last=False,
+        monitor="reduced_train_loss",
+        filename="{step}",
         save_optim_on_train_end=True,  # else NeMo's train-end save is weights-only
-        always_save_context=False, save_context_on_train_end=False,
+        always_save_context=False,
+        save_context_on_train_end=False,
     )
 
 
@@ -177,8 +182,11 @@ class LossLog(pl.Callback):
         if trainer.global_rank != 0:
             return
         loss = trainer.callback_metrics.get("reduced_train_loss")
-        record = {"step": trainer.global_step, "loss": float(loss),
-                  "ms": round(1000 * (time.perf_counter() - self._start), 1)}
+        record = {
+            "step": trainer.global_step,
+            "loss": float(loss),
+            "ms": round(1000 * (time.perf_counter() - self._start), 1),
+        }
         if torch.cuda.is_available():
             record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         with open(self.path, "a") as f:

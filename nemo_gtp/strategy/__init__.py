@@ -16,8 +16,15 @@ from nemo_gtp.strategy.cuda_graphs import cuda_graphs_enabled, enforce_cuda_grap
 from nemo_gtp.strategy.megatron_strategy import GTPMegatronStrategy, gtp_banner
 
 __all__ = [
-    "GTPDrainCallback", "GTPMegatronStrategy", "GTPMetricsCallback", "GTPProgressBar",
+    "GTPDrainCallback",
+    "GTPMegatronStrategy",
+    "GTPMetricsCallback",
+    "GTPProgressBar",
     "MemoryFootprint",
-    "SyntheticGPTDataModule", "cuda_graphs_enabled", "enforce_cuda_graph_warmup", "gtp_banner",
-    "gtp_runtimes", "memory_footprint",
+    "SyntheticGPTDataModule",
+    "cuda_graphs_enabled",
+    "enforce_cuda_graph_warmup",
+    "gtp_banner",
+    "gtp_runtimes",
+    "memory_footprint",
 ]

@@ -107,7 +107,10 @@ def memory_footprint(
                 unsharded_numel += logical
     opt_bytes = _optimizer_state_bytes(optimizers, storages)
     return MemoryFootprint(
-        weight_bytes=weights, grad_bytes=grads, optimizer_bytes=opt_bytes,
-        unsharded_weight_bytes=unsharded_w, unsharded_grad_bytes=unsharded_g,
+        weight_bytes=weights,
+        grad_bytes=grads,
+        optimizer_bytes=opt_bytes,
+        unsharded_weight_bytes=unsharded_w,
+        unsharded_grad_bytes=unsharded_g,
         unsharded_optimizer_bytes=(opt_bytes * unsharded_numel // numel) if numel else opt_bytes,
     )

@@ -47,8 +47,9 @@ class GTPDrainCallback(pl.Callback):
         trainer = nl.Trainer(..., strategy=GTPMegatronStrategy(...), callbacks=[GTPDrainCallback()])
     """
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         drain_all(trainer)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -57,8 +58,9 @@ class GTPDrainCallback(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         drain_all(trainer)
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         try:  # best effort: never mask the exception that is already propagating
             drain_all(trainer)
         except Exception as err:
@@ -86,24 +88,36 @@ class GTPMetricsCallback(pl.Callback):
         self._footprint: MemoryFootprint | None = None
         self._step_start = 0.0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                             batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         for runtime in gtp_runtimes(trainer):
             runtime.stats.reset()
             runtime.wait_timer.enable()
             runtime.wait_timer.collect()  # drop what accumulated outside this step
         self._step_start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         runtimes = gtp_runtimes(trainer)
         if not runtimes:
             return
         if self._footprint is None:  # after the first optimizer step: optimizer state exists
             self._footprint = memory_footprint(trainer.strategy.model, trainer.strategy.optimizers)
         metrics: dict[str, float] = {}
-        for name in ("gather_bytes", "reduce_scatter_bytes", "gathers", "prefetches",
-                     "prefetch_skipped"):
+        for name in (
+            "gather_bytes",
+            "reduce_scatter_bytes",
+            "gathers",
+            "prefetches",
+            "prefetch_skipped",
+        ):
             metrics[f"gtp/{name}"] = float(sum(getattr(r.stats, name) for r in runtimes))
         exposed: dict[str, float] = {}
         for runtime in runtimes:

@@ -90,11 +90,15 @@ def gtp_optimizer_sharded_state_dict(
 
     ``optimizer`` is NeMo's wrapper (``McoreDistributedOptimizer``) or a megatron optimizer.
     """
-    model_sd = {key: value for key, value in
-                megatron_parallel.sharded_state_dict(metadata=metadata).items()
-                if not key.endswith("_extra_state")}  # as NeMo does: no optimizer state there
+    model_sd = {
+        key: value
+        for key, value in megatron_parallel.sharded_state_dict(metadata=metadata).items()
+        if not key.endswith("_extra_state")
+    }  # as NeMo does: no optimizer state there
     return optimizer_sharded_state_dict(
-        getattr(optimizer, "mcore_optimizer", optimizer), model_sd, is_loading=is_loading,
+        getattr(optimizer, "mcore_optimizer", optimizer),
+        model_sd,
+        is_loading=is_loading,
         sharding_type=metadata.get("distrib_optim_sharding_type", DEFAULT_SHARDING_TYPE),
         metadata=metadata,
     )
@@ -123,24 +127,36 @@ class GTPCheckpointIO(MegatronCheckpointIO):
         super().__init__(**kwargs)
         self._groups = groups
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
-                        storage_options: Any = None) -> Any:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> Any:
         """Save into ``<path>/weights`` through a staging directory, then commit (collective)."""
         if self.save_ckpt_format != "torch_dist":
-            raise ValueError(f"GTP checkpoints use save_ckpt_format='torch_dist', got "
-                             f"{self.save_ckpt_format!r}: set MegatronStrategy's save_ckpt_format")
+            raise ValueError(
+                f"GTP checkpoints use save_ckpt_format='torch_dist', got "
+                f"{self.save_ckpt_format!r}: set MegatronStrategy's save_ckpt_format"
+            )
         weights = ckpt_to_weights_subdir(path, is_saving=True)
         validate = not (self.validated_consistency and self.assume_constant_structure)
         self.validated_consistency = True
         layout = checkpoint_layout(checkpoint.get("sharded_state_dict", {}), self._groups())
         return save_checkpoint(
-            checkpoint, weights, layout=layout, sharded_strategy=self.save_sharded_strategy,
-            validate_access_integrity=validate, async_save=self.async_save,
+            checkpoint,
+            weights,
+            layout=layout,
+            sharded_strategy=self.save_sharded_strategy,
+            validate_access_integrity=validate,
+            async_save=self.async_save,
             content_metadata=(storage_options or {}).get("content_metadata"),
         )
 
-    def load_checkpoint(self, path: Any, sharded_state_dict: Any = None,
-                        map_location: Any = None, strict: Any = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self,
+        path: Any,
+        sharded_state_dict: Any = None,
+        map_location: Any = None,
+        strict: Any = None,
+    ) -> dict[str, Any]:
         """Shape-check, then NeMo's load; falls back to a checkpoint a crashed commit set aside."""
         path = _committed(Path(path))
         check_global_shapes(sharded_state_dict, ckpt_to_weights_subdir(path, is_saving=False))

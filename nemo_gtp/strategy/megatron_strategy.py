@@ -267,8 +267,10 @@ class GTPMegatronStrategy(MegatronStrategy):
         if self.ddp_config is not None:
             validate_ddp_config(self.ddp_config)  # callbacks may have edited it since __init__
         if self.gtp_groups is None:
-            raise RuntimeError("GTPMegatronStrategy.setup_distributed must run before the model "
-                               "is set up (it builds the GTP process groups)")
+            raise RuntimeError(
+                "GTPMegatronStrategy.setup_distributed must run before the model "
+                "is set up (it builds the GTP process groups)"
+            )
         mp = self.megatron_parallel
         if not getattr(mp.convert_module_fn, "gtp_composed", False):
             mp.convert_module_fn = convert_then_shard(mp.convert_module_fn, self._shard_chunk)
@@ -318,8 +320,10 @@ class GTPMegatronStrategy(MegatronStrategy):
         dims = getattr(self, "gtp_dims", None)  # MegatronStrategy.__init__ runs before ours
         if self._checkpoint_io is None and dims is not None and dims.gtp_enabled:
             io = GTPCheckpointIO(
-                lambda: self.gtp_groups, save_ckpt_format=self.save_ckpt_format,
-                async_save=self.async_save, torch_dist_multiproc=self.torch_dist_multiproc,
+                lambda: self.gtp_groups,
+                save_ckpt_format=self.save_ckpt_format,
+                async_save=self.async_save,
+                torch_dist_multiproc=self.torch_dist_multiproc,
                 assume_constant_structure=self.assume_constant_structure,
                 parallel_save=self.parallel_save,
                 parallel_save_within_dp=self.parallel_save_within_dp,
@@ -333,8 +337,9 @@ class GTPMegatronStrategy(MegatronStrategy):
     def checkpoint_io(self, io: Any) -> None:
         MegatronStrategy.checkpoint_io.fset(self, io)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
-                        storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
         """Drain GTP communication (every ``main_grad`` final), then NeMo's save (collective).
 
         ``GTPDrainCallback.on_save_checkpoint`` drains too; this covers saves that bypass the
@@ -350,13 +355,15 @@ class GTPMegatronStrategy(MegatronStrategy):
         metadata = super().sharded_state_dict_metadata
         return gtp_sharded_state_dict_metadata(metadata) if self.gtp_enabled else metadata
 
-    def optimizer_sharded_state_dict(self, is_loading: bool = False,
-                                     metadata: dict | None = None) -> dict[str, Any]:
+    def optimizer_sharded_state_dict(
+        self, is_loading: bool = False, metadata: dict | None = None
+    ) -> dict[str, Any]:
         """The optimizer state keyed like the GTP-aware model state (design §3.3)."""
         if not self.gtp_enabled:
             return super().optimizer_sharded_state_dict(is_loading=is_loading, metadata=metadata)
         return gtp_optimizer_sharded_state_dict(
-            self.megatron_parallel, self.lightning_module.optimizers(use_pl_optimizer=False),
+            self.megatron_parallel,
+            self.lightning_module.optimizers(use_pl_optimizer=False),
             is_loading=is_loading,
             metadata=self.sharded_state_dict_metadata if metadata is None else metadata,
         )

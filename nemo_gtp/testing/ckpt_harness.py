@@ -100,28 +100,45 @@ def build(layout: Layout, seed: int = 1234) -> Built:
     model_parallel_cpu_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(
-        num_layers=2, hidden_size=layout.hidden, ffn_hidden_size=layout.ffn,
-        num_attention_heads=4, tensor_model_parallel_size=layout.tp,
-        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
-        attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
-        bias_dropout_fusion=False, gated_linear_unit=layout.glu, add_bias_linear=layout.bias,
+        num_layers=2,
+        hidden_size=layout.hidden,
+        ffn_hidden_size=layout.ffn,
+        num_attention_heads=4,
+        tensor_model_parallel_size=layout.tp,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        gated_linear_unit=layout.glu,
+        add_bias_linear=layout.bias,
     )
     model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ)
-    gtp_config = GTPConfig(pad_for_alignment=layout.pad,
-                           shard_replicated_params_over_gtp=layout.shard_replicated)
+    gtp_config = GTPConfig(
+        pad_for_alignment=layout.pad, shard_replicated_params_over_gtp=layout.shard_replicated
+    )
     if layout.gtp > 1:
         shard_model(model, groups, gtp_config)
     pgs = gtp_process_groups(groups, gtp_config)
     ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=True, use_distributed_optimizer=layout.distopt,
-        bucket_size=layout.bucket_size, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=True,
+        use_distributed_optimizer=layout.distopt,
+        bucket_size=layout.bucket_size,
+        grad_reduce_in_fp32=True,
     )
     ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01,
-                        use_distributed_optimizer=layout.distopt),
-        [ddp], use_gloo_process_groups=False, pg_collection=pgs,
+        OptimizerConfig(
+            optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=layout.distopt
+        ),
+        [ddp],
+        use_gloo_process_groups=False,
+        pg_collection=pgs,
     )
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if hasattr(opt, "data_parallel_group_gloo"):
@@ -137,7 +154,9 @@ def _batch(step: int, microbatch: int, data_rank: int) -> dict[str, torch.Tensor
     gen = torch.Generator().manual_seed(10_000 * step + 100 * microbatch + data_rank)
     tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
     return dict(
-        tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(MBS, SEQ),
+        tokens=tokens[:, :-1],
+        labels=tokens[:, 1:],
+        loss_mask=torch.ones(MBS, SEQ),
         position_ids=torch.arange(SEQ).expand(MBS, SEQ),
         attention_mask=torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1),
     )
@@ -145,8 +164,9 @@ def _batch(step: int, microbatch: int, data_rank: int) -> dict[str, torch.Tensor
 
 def _forward_step(data_iterator, model):  # noqa: ANN001
     batch = next(data_iterator)
-    out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                labels=batch["labels"])
+    out = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
 
     def loss_func(output: torch.Tensor):
         loss = (output.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
@@ -164,8 +184,12 @@ def train(built: Built, steps: int, first_step: int = 0) -> list[float]:
         built.optimizer.zero_grad()
         data = iter([_batch(step, m, data_rank) for m in range(MICROBATCHES)])
         reduced = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=data, model=[built.ddp],
-            num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=MBS,
+            forward_step_func=_forward_step,
+            data_iterator=data,
+            model=[built.ddp],
+            num_microbatches=MICROBATCHES,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
             forward_only=False,
         )
         built.optimizer.step()
@@ -185,24 +209,36 @@ def _local_states(built: Built, param: torch.nn.Parameter) -> tuple[int, int, di
                 continue
             rng = opt._get_model_param_range_map(param)["param"]
             tensors = opt._get_main_param_and_optimizer_states(param)
-            return rng.start, rng.end, {
-                "fp32_param": tensors["param"], "exp_avg": tensors["exp_avg"],
-                "exp_avg_sq": tensors["exp_avg_sq"],
-            }
+            return (
+                rng.start,
+                rng.end,
+                {
+                    "fp32_param": tensors["param"],
+                    "exp_avg": tensors["exp_avg"],
+                    "exp_avg_sq": tensors["exp_avg_sq"],
+                },
+            )
         state = opt.optimizer.state.get(param)
         if state is not None:
-            return 0, param.numel(), {
-                "fp32_param": param.detach().view(-1), "exp_avg": state["exp_avg"].view(-1),
-                "exp_avg_sq": state["exp_avg_sq"].view(-1),
-            }
+            return (
+                0,
+                param.numel(),
+                {
+                    "fp32_param": param.detach().view(-1),
+                    "exp_avg": state["exp_avg"].view(-1),
+                    "exp_avg_sq": state["exp_avg_sq"].view(-1),
+                },
+            )
     return None
 
 
 def _assemble_replicate(built: Built, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
     """Each optimizer state of ``param``, shard-shaped (distributed-optimizer ranges joined)."""
     local = _local_states(built, param)
-    payload = None if local is None else (
-        local[0], local[1], {k: v.detach().clone() for k, v in local[2].items()}
+    payload = (
+        None
+        if local is None
+        else (local[0], local[1], {k: v.detach().clone() for k, v in local[2].items()})
     )
     # shard_replicated_params_over_gtp: the replicated params' state is spread over DP x GTP
     over_data = built.layout.shard_replicated and not is_gtp_param(param)
@@ -215,16 +251,20 @@ def _assemble_replicate(built: Built, param: torch.nn.Parameter) -> dict[str, to
         covered = torch.zeros(param.numel(), dtype=torch.bool)
         for part in parts:
             if part is not None:
-                flat[part[0]:part[1]] = part[2][kind]
-                covered[part[0]:part[1]] = True
+                flat[part[0] : part[1]] = part[2][kind]
+                covered[part[0] : part[1]] = True
         assert covered.all(), f"optimizer state of a {tuple(param.shape)} param not fully covered"
         out[kind] = flat.view(param.shape)
     return out
 
 
 def gather_logical(
-    name: str, param: torch.nn.Parameter, tensor: torch.Tensor, gtp_group: object,
-    *, glu: bool = False,
+    name: str,
+    param: torch.nn.Parameter,
+    tensor: torch.Tensor,
+    gtp_group: object,
+    *,
+    glu: bool = False,
 ) -> torch.Tensor:
     """``tensor`` (shaped like ``param``) gathered over GTP (pad stripped), then over TP.
 

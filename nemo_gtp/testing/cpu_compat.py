@@ -630,9 +630,7 @@ def _patch_grad_norm_cuda_tensors(patcher: _Patcher) -> None:
     _install_host_torch(patcher, "megatron.core.utils")
 
 
-@_register(
-    "megatron/core/optimizer/clip_grads.py:clip_grad_by_total_norm_fp32 (.type() assert)"
-)
+@_register("megatron/core/optimizer/clip_grads.py:clip_grad_by_total_norm_fp32 (.type() assert)")
 def _patch_clip_grad_type_check(patcher: _Patcher) -> None:
     """``assert param.grad.type() == 'torch.cuda.FloatTensor'`` when ``clip_grad > 0``.
 

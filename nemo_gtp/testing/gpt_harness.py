@@ -60,7 +60,9 @@ def _batch(step: int, microbatch: int, data_rank: int, device: str) -> dict[str,
     tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
     loss_mask = (torch.rand(MBS, SEQ, generator=gen) > 0.2).float()
     batch = dict(
-        tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=loss_mask,
+        tokens=tokens[:, :-1],
+        labels=tokens[:, 1:],
+        loss_mask=loss_mask,
         position_ids=torch.arange(SEQ).expand(MBS, SEQ),
         attention_mask=torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1),
     )
@@ -69,8 +71,9 @@ def _batch(step: int, microbatch: int, data_rank: int, device: str) -> dict[str,
 
 def _forward_step(data_iterator, model):  # noqa: ANN001
     batch = next(data_iterator)
-    per_token_loss = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                           labels=batch["labels"])
+    per_token_loss = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
     mask = batch["loss_mask"]
 
     def loss_func(output: torch.Tensor):
@@ -114,11 +117,14 @@ def gtp_groups(run: Run) -> GTPGroups:
     world = dist.get_world_size()
     key = (world, run.tp, run.gtp)
     if key not in _GROUPS:
-        if (parallel_state.model_parallel_is_initialized()
-                and parallel_state.get_tensor_model_parallel_world_size() != run.tp):
+        if (
+            parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_tensor_model_parallel_world_size() != run.tp
+        ):
             parallel_state.destroy_model_parallel()
-        dims = GTPParallelDims(world_size=world, tensor_model_parallel_size=run.tp,
-                               num_weight_shards=run.tp * run.gtp)
+        dims = GTPParallelDims(
+            world_size=world, tensor_model_parallel_size=run.tp, num_weight_shards=run.tp * run.gtp
+        )
         _GROUPS[key] = initialize_gtp_parallel(dims)
     elif parallel_state.get_tensor_model_parallel_world_size() != run.tp:
         parallel_state.destroy_model_parallel()
@@ -154,13 +160,23 @@ def build(run: Run) -> dict:
         model_parallel_cpu_manual_seed(1234)
     torch.manual_seed(1234)
     config = TransformerConfig(
-        num_layers=2, hidden_size=run.hidden, ffn_hidden_size=run.ffn, num_attention_heads=4,
-        tensor_model_parallel_size=run.tp, use_cpu_initialization=True,
-        params_dtype=torch.bfloat16 if run.bf16 else torch.float32, bf16=run.bf16,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        calculate_per_token_loss=run.per_token, bias_activation_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, bias_dropout_fusion=False,
+        num_layers=2,
+        hidden_size=run.hidden,
+        ffn_hidden_size=run.ffn,
+        num_attention_heads=4,
+        tensor_model_parallel_size=run.tp,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16 if run.bf16 else torch.float32,
+        bf16=run.bf16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        calculate_per_token_loss=run.per_token,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
         # No linear biases: the attention key bias has a mathematically zero gradient (softmax
         # shift invariance), so its grad is rounding noise (~1e-11) that Adam normalizes into
         # lr-sized steps of random sign; any two summation orders then diverge by O(lr).
@@ -169,16 +185,20 @@ def build(run: Run) -> dict:
         add_bias_linear=False,
     )
     gtp_config = GTPConfig(
-        calculate_per_token_loss=run.per_token, pad_for_alignment=run.pad,
-        reduce_scatter_with_fp32_accumulation=run.fp32_accum, gather_backend=run.gather_backend,
-        copy_engine_min_tokens=run.ce_min_tokens, separate_reduce_scatter_group=run.separate_rs,
+        calculate_per_token_loss=run.per_token,
+        pad_for_alignment=run.pad,
+        reduce_scatter_with_fp32_accumulation=run.fp32_accum,
+        gather_backend=run.gather_backend,
+        copy_engine_min_tokens=run.ce_min_tokens,
+        separate_reduce_scatter_group=run.separate_rs,
         shard_replicated_params_over_gtp=run.shard_replicated,
     )
     spec, reference = get_gpt_layer_local_spec(), None
     if run.presharded and run.gtp > 1:
         # The full twin this seed builds without GTP; the shards then start from its weights.
-        reference = {n: p.detach().clone()
-                     for n, p in GPTModel(config, spec, VOCAB, SEQ).named_parameters()}
+        reference = {
+            n: p.detach().clone() for n, p in GPTModel(config, spec, VOCAB, SEQ).named_parameters()
+        }
         spec = gtp_layer_spec(spec, groups, gtp_config)
     model = GPTModel(config, spec, VOCAB, SEQ).to(device)
     if reference is not None:
@@ -189,14 +209,24 @@ def build(run: Run) -> dict:
         shard_model(model, groups, gtp_config)
     pgs = gtp_process_groups(groups, gtp_config)
     ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=run.overlap_grad_reduce, use_distributed_optimizer=run.distopt,
-        bucket_size=20_000, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=run.overlap_grad_reduce,
+        use_distributed_optimizer=run.distopt,
+        bucket_size=20_000,
+        grad_reduce_in_fp32=True,
     )
     ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, weight_decay=0.01, bf16=run.bf16,
-                        use_distributed_optimizer=run.distopt),
-        [ddp], use_gloo_process_groups=False, pg_collection=pgs,
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            clip_grad=1.0,
+            weight_decay=0.01,
+            bf16=run.bf16,
+            use_distributed_optimizer=run.distopt,
+        ),
+        [ddp],
+        use_gloo_process_groups=False,
+        pg_collection=pgs,
     )
     config.finalize_model_grads_func = make_finalize_model_grads(groups)
     config.no_sync_func = ddp.no_sync
@@ -216,8 +246,12 @@ def train_built(setup: dict, run: Run) -> dict:
         optimizer.zero_grad()
         data = iter([_batch(step, m, data_rank, device) for m in range(MICROBATCHES)])
         reduced = forward_backward(
-            forward_step_func=_forward_step, data_iterator=data, model=[ddp],
-            num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=MBS,
+            forward_step_func=_forward_step,
+            data_iterator=data,
+            model=[ddp],
+            num_microbatches=MICROBATCHES,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
             forward_only=False,
         )
         out["losses"].append([float(r["lm loss"]) for r in reduced])

@@ -31,10 +31,12 @@ suite (gloo's own default is 30 minutes). Generous for the tests' tiny models, w
 still be minutes apart in their imports on a loaded two-core machine."""
 
 
-def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple,
-           timeout_s: float | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+def _entry(
+    rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, timeout_s: float | None
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     # Rendezvous through a file, not a TCP port chosen in advance: with jobs spawned back to
@@ -74,19 +76,24 @@ class DistributedJob:
         shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
-def start_distributed(fn: Callable, world_size: int, *args: Any,
-                      timeout_s: float | None = COLLECTIVE_TIMEOUT_S) -> DistributedJob:
+def start_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float | None = COLLECTIVE_TIMEOUT_S
+) -> DistributedJob:
     """Start ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; join it later."""
     store_dir = tempfile.mkdtemp(prefix="nemo_gtp_store_")
     context = mp.start_processes(
-        _entry, args=(world_size, os.path.join(store_dir, "store"), fn, args, timeout_s),
-        nprocs=world_size, join=False, start_method="spawn",
+        _entry,
+        args=(world_size, os.path.join(store_dir, "store"), fn, args, timeout_s),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
     )
     return DistributedJob(context, store_dir)
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any,
-                    timeout_s: float | None = COLLECTIVE_TIMEOUT_S) -> None:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout_s: float | None = COLLECTIVE_TIMEOUT_S
+) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise failures.
 
     ``timeout_s`` bounds every collective (a stuck rank fails the spawn instead of hanging).
@@ -120,14 +127,19 @@ def _cases_entry(rank: int, world_size: int, cases: Sequence[Case], out_dir: str
         try:
             outcomes[name] = Outcome(True, fn(rank, world_size, *args))
         except Exception as err:  # noqa: BLE001 - reported by the test that owns the case
-            outcomes[name] = Outcome(False, error=f"{type(err).__name__}: {err}\n"
-                                                  f"{traceback.format_exc()}")
+            outcomes[name] = Outcome(
+                False, error=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+            )
             failed = name
     Path(out_dir, f"outcomes.{rank}.pkl").write_bytes(pickle.dumps(outcomes))
 
 
-def run_cases(cases: Sequence[Case], world_size: int, out_dir: str | Path,
-              timeout_s: float | None = COLLECTIVE_TIMEOUT_S) -> dict[str, list[Outcome]]:
+def run_cases(
+    cases: Sequence[Case],
+    world_size: int,
+    out_dir: str | Path,
+    timeout_s: float | None = COLLECTIVE_TIMEOUT_S,
+) -> dict[str, list[Outcome]]:
     """Run every case, in order, in one spawn of ``world_size`` ranks.
 
     Returns ``{name: [outcome of rank 0, rank 1, ...]}``; a case that raised on a rank is
@@ -137,8 +149,9 @@ def run_cases(cases: Sequence[Case], world_size: int, out_dir: str | Path,
     names = [name for name, _, _ in cases]
     assert len(set(names)) == len(names), f"duplicate case names: {names}"
     run_distributed(_cases_entry, world_size, list(cases), str(out_dir), timeout_s=timeout_s)
-    per_rank = [pickle.loads(Path(out_dir, f"outcomes.{r}.pkl").read_bytes())
-                for r in range(world_size)]
+    per_rank = [
+        pickle.loads(Path(out_dir, f"outcomes.{r}.pkl").read_bytes()) for r in range(world_size)
+    ]
     return {name: [ranks[name] for ranks in per_rank] for name in names}
 
 

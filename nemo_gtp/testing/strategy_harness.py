@@ -166,8 +166,10 @@ def full_weights(strategy: Any) -> dict[str, torch.Tensor]:
     model = strategy.megatron_parallel[0].module.module  # lightning module -> DDP -> GPTModel
     groups = getattr(strategy, "gtp_groups", None)  # plain MegatronStrategy has none
     gtp_group = groups.gtp if groups is not None else None
-    return {name: gather_logical(name, param, param.data, gtp_group)
-            for name, param in model.named_parameters()}
+    return {
+        name: gather_logical(name, param, param.data, gtp_group)
+        for name, param in model.named_parameters()
+    }
 
 
 # ---------------------------------------------------------------------------------- one fit
@@ -175,8 +177,12 @@ def _ddp_config() -> Any:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True,
-        bucket_size=20_000, average_in_collective=False, check_for_nan_in_grad=True,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        grad_reduce_in_fp32=True,
+        bucket_size=20_000,
+        average_in_collective=False,
+        check_for_nan_in_grad=True,
     )
 
 
@@ -187,15 +193,29 @@ def _gpt_config(tp: int) -> Any:
     from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
 
     return llm.GPTConfig(
-        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-        seq_length=SEQ, transformer_layer_spec=local_layer_spec, use_cpu_initialization=True,
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        seq_length=SEQ,
+        transformer_layer_spec=local_layer_spec,
+        use_cpu_initialization=True,
         make_vocab_size_divisible_by=64,  # padded vocab 128 at TP1 and TP2: checkpoints interop
-        params_dtype=torch.float32, bf16=False, tensor_model_parallel_size=tp,
+        params_dtype=torch.float32,
+        bf16=False,
+        tensor_model_parallel_size=tp,
         # attention key bias: mathematically zero gradient whose rounding noise Adam amplifies
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, cross_entropy_loss_fusion=False,
-        gradient_accumulation_fusion=False, data_step_fn=cpu_gpt_data_step,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+        gradient_accumulation_fusion=False,
+        data_step_fn=cpu_gpt_data_step,
     )
 
 
@@ -212,15 +232,26 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
 
     tokenizer = NullTokenizer(VOCAB - 1)
     optim = nl.MegatronOptimizerModule(
-        OptimizerConfig(optimizer="adam", use_distributed_optimizer=fit.distopt, lr=1e-3,
-                        clip_grad=1.0, weight_decay=0.01),
+        OptimizerConfig(
+            optimizer="adam",
+            use_distributed_optimizer=fit.distopt,
+            lr=1e-3,
+            clip_grad=1.0,
+            weight_decay=0.01,
+        ),
         lr_scheduler=nl.lr_scheduler.CosineAnnealingScheduler(
-            warmup_steps=3, max_steps=fit.steps, min_lr=1e-4),
+            warmup_steps=3, max_steps=fit.steps, min_lr=1e-4
+        ),
     )
     model = llm.GPTModel(_gpt_config(fit.tp), tokenizer=tokenizer, optim=optim)
     data = SyntheticGPTDataModule(
-        seq_length=SEQ, tokenizer=tokenizer, micro_batch_size=MBS, global_batch_size=GBS,
-        num_workers=0, pin_memory=False, num_train_samples=100_000,
+        seq_length=SEQ,
+        tokenizer=tokenizer,
+        micro_batch_size=MBS,
+        global_batch_size=GBS,
+        num_workers=0,
+        pin_memory=False,
+        num_train_samples=100_000,
     )
     original_setup = data.setup
 
@@ -230,8 +261,13 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
 
     data.setup = recording_setup
     ddp = _ddp_config() if fit.distopt else "megatron"
-    kwargs = dict(tensor_model_parallel_size=fit.tp, ddp=ddp, process_group_backend="gloo",
-                  ckpt_async_save=False, **fit.strategy_kwargs)
+    kwargs = dict(
+        tensor_model_parallel_size=fit.tp,
+        ddp=ddp,
+        process_group_backend="gloo",
+        ckpt_async_save=False,
+        **fit.strategy_kwargs,
+    )
     if fit.gtp > 1 or fit.gtp_strategy:
         strategy = GTPMegatronStrategy(num_weight_shards=fit.tp * fit.gtp, **kwargs)
     else:
@@ -246,14 +282,25 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
         from nemo_gtp.recipes.loader import model_checkpoint
 
         memory_logger.directory = str(Path(fit.checkpoint_dir).parent)  # trainer.log_dir
-        callbacks.append(model_checkpoint(fit.checkpoint_dir, fit.checkpoint_every,
-                                          log_dir=memory_logger.directory))
+        callbacks.append(
+            model_checkpoint(
+                fit.checkpoint_dir, fit.checkpoint_every, log_dir=memory_logger.directory
+            )
+        )
     trainer = nl.Trainer(
-        accelerator="cpu", devices=world, num_nodes=1, max_steps=fit.steps, strategy=strategy,
-        logger=memory_logger, callbacks=callbacks,
+        accelerator="cpu",
+        devices=world,
+        num_nodes=1,
+        max_steps=fit.steps,
+        strategy=strategy,
+        logger=memory_logger,
+        callbacks=callbacks,
         enable_checkpointing=bool(fit.checkpoint_every),
-        enable_progress_bar=False, limit_val_batches=0, num_sanity_val_steps=0,
-        use_distributed_sampler=False, log_every_n_steps=1,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        log_every_n_steps=1,
         plugins=[nl.MegatronMixedPrecision(precision="bf16-mixed")] if fit.bf16 else None,
     )
     catcher = _LineCatcher()
@@ -272,16 +319,21 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     optimizer = chained[0]  # the dense one
     out = {
-        "name": fit.name, "losses": recorder.losses, "grad_norms": recorder.grad_norms,
-        "lrs": recorder.lrs, **recorder.end,
+        "name": fit.name,
+        "losses": recorder.losses,
+        "grad_norms": recorder.grad_norms,
+        "lrs": recorder.lrs,
+        **recorder.end,
         "data_rank": parallel_state.get_data_parallel_rank(),
         "data_size": parallel_state.get_data_parallel_world_size(),
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "indices": data._train_ds.indices,
         "banners": [line for line in catcher.lines if line.startswith(BANNER_PREFIX)],
         "gtp_params": sum(len(r.params) for r in runtimes),
-        "presharded_modules": sum(type(m).__name__.startswith("GTP") and hasattr(m, "gtp_column")
-                                  for m in strategy.megatron_parallel[0].modules()),
+        "presharded_modules": sum(
+            type(m).__name__.startswith("GTP") and hasattr(m, "gtp_column")
+            for m in strategy.megatron_parallel[0].modules()
+        ),
         "fallback_allocations": sum(r.stats.fallback_allocations for r in runtimes),
         "shard_dtypes": sorted({str(p.dtype) for r in runtimes for p in r.params}),
         "metrics": metrics_cb.last_metrics if metrics_cb else {},
@@ -290,9 +342,11 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
         "ddp_dp_size": dist.get_world_size(ddp.intra_dp_cp_group),
         "chained_optimizers": len(chained),
         "optimizer_dp_size": dist.get_world_size(optimizer.data_parallel_group)
-        if fit.distopt else None,
-        "gtp_finalize": bool(getattr(get_model_config(ddp).finalize_model_grads_func,
-                                     "gtp_finalize", False)),
+        if fit.distopt
+        else None,
+        "gtp_finalize": bool(
+            getattr(get_model_config(ddp).finalize_model_grads_func, "gtp_finalize", False)
+        ),
         "sampler_kwargs": strategy.distributed_sampler_kwargs,
         "drain_callback": any(type(c).__name__ == "GTPDrainCallback" for c in trainer.callbacks),
     }
@@ -307,9 +361,14 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
 def _under(fit: Fit, out_dir: str) -> Fit:
     """``fit`` with its relative checkpoint / weight paths made absolute under ``out_dir``."""
     paths = {key: getattr(fit, key) for key in ("checkpoint_dir", "resume_from", "weights_to")}
-    return dataclasses.replace(fit, **{key: str(Path(out_dir, value))
-                                       for key, value in paths.items()
-                                       if value is not None and not Path(value).is_absolute()})
+    return dataclasses.replace(
+        fit,
+        **{
+            key: str(Path(out_dir, value))
+            for key, value in paths.items()
+            if value is not None and not Path(value).is_absolute()
+        },
+    )
 
 
 def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
@@ -324,8 +383,13 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
     results = []
     for index, fit in enumerate(fits):
         fit = _under(fit, out_dir)
-        os.environ.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(world), RANK=str(rank),
-                          LOCAL_RANK=str(rank), NODE_RANK="0")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            WORLD_SIZE=str(world),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+        )
         try:
             results.append(_fit(fit, world, str(Path(out_dir, f"store{index}"))))
         except BaseException:
@@ -344,8 +408,11 @@ def run_fits(fits: list[Fit], world: int, out_dir: str | Path) -> list[list[dict
     try:
         mp.spawn(_worker, args=(world, fits, str(out_dir)), nprocs=world, join=True)
     except Exception as err:  # the first rank to die is often a victim: show every rank's error
-        reports = "\n".join(f"--- rank {r}: {Path(out_dir, f'error{r}.txt').read_text()[-3000:]}"
-                            for r in range(world) if Path(out_dir, f"error{r}.txt").exists())
+        reports = "\n".join(
+            f"--- rank {r}: {Path(out_dir, f'error{r}.txt').read_text()[-3000:]}"
+            for r in range(world)
+            if Path(out_dir, f"error{r}.txt").exists()
+        )
         raise RuntimeError(f"a rank failed; per-rank errors:\n{reports}") from err
     return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -392,8 +459,9 @@ class SharedLaunch:
         if self._by_name is None:
             self.out_dir = tmp_path_factory.mktemp(f"shared_launch{self.world}")
             per_rank = run_fits(self.fits, self.world, self.out_dir)
-            self._by_name = {fit.name: [rank[i] for rank in per_rank]
-                             for i, fit in enumerate(self.fits)}
+            self._by_name = {
+                fit.name: [rank[i] for rank in per_rank] for i, fit in enumerate(self.fits)
+            }
         return self._by_name
 
 

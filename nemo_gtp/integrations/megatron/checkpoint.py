@@ -53,7 +53,10 @@ from nemo_gtp.engine.param import is_gtp_param
 
 
 def gtp_sharded_state_dict(
-    model: torch.nn.Module, groups: GTPGroups | None, *, prefix: str = "",
+    model: torch.nn.Module,
+    groups: GTPGroups | None,
+    *,
+    prefix: str = "",
     metadata: dict | None = None,
 ) -> dict[str, Any]:
     """``model.sharded_state_dict()`` made GTP-aware (see the module docstring).
@@ -180,15 +183,26 @@ def _factory_segments(entry: ShardedTensorFactory) -> list[RowSegment] | None:
     row_numel = math.prod(logical[1:])
     segments = []
     for sub in nested_values(built):
-        if not (isinstance(sub, ShardedTensor) and sub.flattened_range is None
-                and sub.data is not None and sub.data.is_contiguous()
-                and tuple(sub.data.shape[1:]) == logical[1:]
-                and sub.data.storage_offset() % row_numel == 0
-                and sub.key.startswith(entry.key)):
+        if not (
+            isinstance(sub, ShardedTensor)
+            and sub.flattened_range is None
+            and sub.data is not None
+            and sub.data.is_contiguous()
+            and tuple(sub.data.shape[1:]) == logical[1:]
+            and sub.data.storage_offset() % row_numel == 0
+            and sub.key.startswith(entry.key)
+        ):
             return None
         start = sub.data.storage_offset() // row_numel
-        segments.append(RowSegment(start, start + sub.data.shape[0], sub.key[len(entry.key):],
-                                   tuple(sub.global_shape), tuple(sub.global_offset)))
+        segments.append(
+            RowSegment(
+                start,
+                start + sub.data.shape[0],
+                sub.key[len(entry.key) :],
+                tuple(sub.global_shape),
+                tuple(sub.global_offset),
+            )
+        )
     segments.sort(key=lambda seg: seg.local_start)
     covered = 0
     for seg in segments:
@@ -219,8 +233,11 @@ def checkpoint_layout(sharded_state_dict: dict, groups: GTPGroups | None) -> Che
     return CheckpointLayout(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         gtp_size=1 if dims is None else dims.gtp,
-        data_parallel_size=(parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-                            if dims is None else dims.dp),
+        data_parallel_size=(
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+            if dims is None
+            else dims.dp
+        ),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         world_size=dist.get_world_size(),
@@ -242,7 +259,7 @@ def load_model_state(model: torch.nn.Module, loaded: dict, *, strict: bool = Tru
             if is_gtp_param(param):
                 spec = param.gtp_spec
                 valid = spec.logical_shape[0] - spec.gtp_rank * spec.shard_dim0
-                param.data[max(valid, 0):].zero_()
+                param.data[max(valid, 0) :].zero_()
     return result
 
 
@@ -254,9 +271,15 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def save_gtp_checkpoint(
-    checkpoint_dir: str, model: torch.nn.Module, optimizer: Any, groups: GTPGroups | None, *,
-    sharding_type: str = DEFAULT_SHARDING_TYPE, optimizer_metadata: dict | None = None,
-    extra: dict | None = None, **save_kwargs: Any,
+    checkpoint_dir: str,
+    model: torch.nn.Module,
+    optimizer: Any,
+    groups: GTPGroups | None,
+    *,
+    sharding_type: str = DEFAULT_SHARDING_TYPE,
+    optimizer_metadata: dict | None = None,
+    extra: dict | None = None,
+    **save_kwargs: Any,
 ) -> Any:
     """Save model (+ optimizer) atomically as ``{"model": ..., "optimizer": ..., **extra}``.
 
@@ -274,13 +297,19 @@ def save_gtp_checkpoint(
         state["optimizer"] = optimizer_sharded_state_dict(
             optimizer, model_sd, sharding_type=sharding_type, metadata=optimizer_metadata
         )
-    return save_checkpoint(state, checkpoint_dir, layout=checkpoint_layout(model_sd, groups),
-                           **save_kwargs)
+    return save_checkpoint(
+        state, checkpoint_dir, layout=checkpoint_layout(model_sd, groups), **save_kwargs
+    )
 
 
 def load_gtp_checkpoint(
-    checkpoint_dir: str, model: torch.nn.Module, optimizer: Any, groups: GTPGroups | None, *,
-    sharding_type: str = DEFAULT_SHARDING_TYPE, optimizer_metadata: dict | None = None,
+    checkpoint_dir: str,
+    model: torch.nn.Module,
+    optimizer: Any,
+    groups: GTPGroups | None,
+    *,
+    sharding_type: str = DEFAULT_SHARDING_TYPE,
+    optimizer_metadata: dict | None = None,
 ) -> dict:
     """Load a checkpoint of any layout into ``model`` (+ ``optimizer``); returns the loaded dict.
 
@@ -292,7 +321,10 @@ def load_gtp_checkpoint(
     request = {"model": model_sd}
     if optimizer is not None:
         request["optimizer"] = optimizer_sharded_state_dict(
-            optimizer, model_sd, is_loading=True, sharding_type=sharding_type,
+            optimizer,
+            model_sd,
+            is_loading=True,
+            sharding_type=sharding_type,
             metadata=optimizer_metadata,
         )
     loaded = load_checkpoint(request, checkpoint_dir)

@@ -53,8 +53,11 @@ def check_data_group(runtime: object, pg_collection: object | None) -> None:
     """DDP's data-parallel group must span the GTP peers exactly when the model's
     ``GTPConfig.shard_replicated_params_over_gtp`` says so (else gradients are reduced twice,
     or GTP shards of different rows are summed). Raised before megatron's first collective."""
-    dp_cp = getattr(pg_collection, "dp_cp", None) if pg_collection is not None else \
-        parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dp_cp = (
+        getattr(pg_collection, "dp_cp", None)
+        if pg_collection is not None
+        else parallel_state.get_data_parallel_group(with_context_parallel=True)
+    )
     gtp_ranks = set(dist.get_process_group_ranks(runtime.group))
     spans_gtp = len(gtp_ranks & set(dist.get_process_group_ranks(dp_cp))) > 1
     wanted = runtime.config.shard_replicated_params_over_gtp
@@ -83,8 +86,11 @@ def route_gtp_params_to_second_buffer(
             "DistributedDataParallelConfig(use_distributed_optimizer=True) (and "
             "OptimizerConfig(use_distributed_optimizer=True)); or set it False"
         )
-    experts = [n for n, p in module.named_parameters()
-               if not is_gtp_param(p) and not getattr(p, "allreduce", True)]
+    experts = [
+        n
+        for n, p in module.named_parameters()
+        if not is_gtp_param(p) and not getattr(p, "allreduce", True)
+    ]
     if experts:
         raise ValueError(
             "GTPConfig.shard_replicated_params_over_gtp=True uses megatron's expert buffer for "

@@ -85,7 +85,8 @@ def make_finalize_model_grads(
         if runtimes is None:  # found once: no per-step walk over the parameters
             runtimes = runtimes_of(*model)
             ddp_reduces_over_gtp = any(
-                rt.config.shard_replicated_params_over_gtp for rt in runtimes)
+                rt.config.shard_replicated_params_over_gtp for rt in runtimes
+            )
             model_config = getattr(model[0], "config", None)
             for runtime in runtimes:  # runtimes built without shard_model were never checked
                 mirror_per_token_loss(runtime.config, model_config, owner=runtime.name)

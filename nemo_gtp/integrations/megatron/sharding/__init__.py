@@ -39,8 +39,16 @@ from nemo_gtp.integrations.megatron.sharding.te import (
 )
 
 __all__ = [
-    "GTPShardPlan", "PreShardedLinearMixin", "default_should_shard", "gtp_layer_spec",
-    "is_presharded", "preshard_config_layer_spec", "presharded_class", "presharded_classes",
-    "replace_modules_in_spec", "shard_model", "te_parallel_linear_kinds",
+    "GTPShardPlan",
+    "PreShardedLinearMixin",
+    "default_should_shard",
+    "gtp_layer_spec",
+    "is_presharded",
+    "preshard_config_layer_spec",
+    "presharded_class",
+    "presharded_classes",
+    "replace_modules_in_spec",
+    "shard_model",
+    "te_parallel_linear_kinds",
     "warn_unsharded_te_modules",
 ]

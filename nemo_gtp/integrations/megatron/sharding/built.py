@@ -100,12 +100,19 @@ class PreShardedLinearMixin:
     """True when TP splits ``output_size`` (column-parallel); False when it splits the input."""
 
     def __init__(
-        self, input_size: int, output_size: int, *args: Any, gtp: GTPShardPlan,
-        config: Any, init_method: Callable, **kwargs: Any,
+        self,
+        input_size: int,
+        output_size: int,
+        *args: Any,
+        gtp: GTPShardPlan,
+        config: Any,
+        init_method: Callable,
+        **kwargs: Any,
     ) -> None:
         if gtp.gtp_size == 1:  # off is a byte-for-byte no-op (design §1.5)
-            super().__init__(input_size, output_size, *args, config=config,
-                             init_method=init_method, **kwargs)
+            super().__init__(
+                input_size, output_size, *args, config=config, init_method=init_method, **kwargs
+            )
             return
         validate_model_config_for_gtp(config)
         if kwargs.get("is_expert"):
@@ -117,12 +124,21 @@ class PreShardedLinearMixin:
         in_local = input_size if self.gtp_column else input_size // tp
         spec = gtp.spec_for((logical_out, in_local))
         built_out = spec.shard_dim0 * tp if self.gtp_column else spec.shard_dim0
-        super().__init__(input_size, built_out, *args, config=config,
-                         init_method=per_peer_init(init_method, gtp.gtp_rank), **kwargs)
+        super().__init__(
+            input_size,
+            built_out,
+            *args,
+            config=config,
+            init_method=per_peer_init(init_method, gtp.gtp_rank),
+            **kwargs,
+        )
         attach_presharded_weight(self, spec)
         # The module computes logical-width outputs (the GEMM sees the gathered weight).
-        for attr, value in (("output_size", output_size), ("out_features", logical_out),
-                            ("output_size_per_partition", logical_out)):
+        for attr, value in (
+            ("output_size", output_size),
+            ("out_features", logical_out),
+            ("output_size_per_partition", logical_out),
+        ):
             if hasattr(self, attr):
                 setattr(self, attr, value)
 
@@ -193,7 +209,11 @@ def presharded_class(base: type, column: bool) -> type:
                     gather_output=False)
     """
     return type(
-        f"GTP{base.__name__}", (PreShardedLinearMixin, base),
-        {"gtp_column": column, "__module__": __name__,
-         "__doc__": f"{base.__name__} built as its GTP shard (design §3.1 'One init path')."},
+        f"GTP{base.__name__}",
+        (PreShardedLinearMixin, base),
+        {
+            "gtp_column": column,
+            "__module__": __name__,
+            "__doc__": f"{base.__name__} built as its GTP shard (design §3.1 'One init path').",
+        },
     )

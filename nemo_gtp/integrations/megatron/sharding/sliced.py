@@ -56,16 +56,30 @@ def default_should_shard(name: str, module: torch.nn.Module) -> bool:
     return True
 
 
-def _gtp_forward_impl(self: torch.nn.Module, input: torch.Tensor, weight: torch.Tensor,
-                      bias: torch.Tensor | None = None, *, allreduce_dgrad: bool = False,
-                      sequence_parallel: bool = False, grad_output_buffer: object = None,
-                      tp_group: object = None, **unused: object) -> torch.Tensor:
+def _gtp_forward_impl(
+    self: torch.nn.Module,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    allreduce_dgrad: bool = False,
+    sequence_parallel: bool = False,
+    grad_output_buffer: object = None,
+    tp_group: object = None,
+    **unused: object,
+) -> torch.Tensor:
     """Stands in for megatron's ``linear_with_grad_accumulation_and_async_allreduce``."""
     if not isinstance(weight, GTPShardedParam):  # a weight passed explicitly at call time
         return type(self)._forward_impl(
-            self, input, weight, bias, allreduce_dgrad=allreduce_dgrad,
-            sequence_parallel=sequence_parallel, grad_output_buffer=grad_output_buffer,
-            tp_group=tp_group, **unused,
+            self,
+            input,
+            weight,
+            bias,
+            allreduce_dgrad=allreduce_dgrad,
+            sequence_parallel=sequence_parallel,
+            grad_output_buffer=grad_output_buffer,
+            tp_group=tp_group,
+            **unused,
         )
     if grad_output_buffer is not None:
         raise NotImplementedError("defer_embedding_wgrad_compute is not supported for GTP weights")
@@ -155,5 +169,3 @@ def shard_model(
                 param.shared = True
     model.gtp_runtime = runtime
     return runtime
-
-

@@ -110,7 +110,9 @@ def gtp_layer_spec(spec: Any, groups: GTPGroups, config: GTPConfig | None = None
 
 
 def preshard_config_layer_spec(
-    model_config: Any, groups: GTPGroups, config: GTPConfig | None = None,
+    model_config: Any,
+    groups: GTPGroups,
+    config: GTPConfig | None = None,
     classes: Mapping[type, type] | None = None,
 ) -> bool:
     """Make a model config's ``transformer_layer_spec`` build the given linears pre-sharded.

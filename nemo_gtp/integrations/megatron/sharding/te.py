@@ -56,8 +56,9 @@ def _unsharded_te_types() -> tuple[type, ...]:
     import transformer_engine.pytorch as te
 
     types: list[type] = [te.LayerNormMLP]
-    fused = getattr(sys.modules.get("megatron.core.extensions.transformer_engine"),
-                    "TEFusedMLP", None)
+    fused = getattr(
+        sys.modules.get("megatron.core.extensions.transformer_engine"), "TEFusedMLP", None
+    )
     if isinstance(fused, type):
         types.append(fused)
     return tuple(types)
