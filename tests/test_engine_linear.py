@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
 from nemo_gtp.engine.copy_engine import decide_copy_engine
@@ -139,6 +140,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcom
         for per_token, options in PARITY_OPTIONS
     ]
     cases.append(("behaviour", _behaviour_worker, ()))
+    cases.append(("recompute", _recompute_worker, ()))
     return run_cases(cases, 2, tmp_path_factory.mktemp("engine_linear"))
 
 
@@ -259,3 +261,71 @@ def test_flight_recorder_quieted_only_when_unset(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")
     assert quiet_flight_recorder() is None and "TORCH_FR_BUFFER_SIZE" not in os.environ
+
+
+def _recompute_worker(rank: int, world: int) -> None:
+    """Activation recompute (reentrant checkpoint, as megatron's ``recompute_granularity=
+    "full"``): the forward re-run inside the backward gathers through its own chain, prefetched
+    (only its head synchronous), and gradients stay exact."""
+    groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Tanh(), torch.nn.Linear(40, 16))
+            for _ in range(3)
+        ]
+    )
+    model = copy.deepcopy(reference)
+    runtime = _shard_mlp(model, groups, GTPConfig(pad_for_alignment=4))
+
+    def run(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        for block in net:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+        return x
+
+    for step in range(3):
+        trace = runtime.enable_trace()
+        torch.manual_seed(100 * step + rank)
+        x = torch.randn(8, 16, requires_grad=True)
+        run(reference, x).square().mean().backward()
+        run(model, x).square().mean().backward()
+        runtime.drain()
+        for (name, ref_p), p in zip(reference.named_parameters(), model.parameters()):
+            ref_grad = ref_p.grad.clone()
+            dist.all_reduce(ref_grad)
+            ref_grad /= world
+            if hasattr(p, "gtp_spec"):
+                grad = torch.empty(p.gtp_spec.gathered_shape)
+                dist.all_gather_into_tensor(grad, p.grad.contiguous(), group=groups.gtp)
+                grad = p.gtp_spec.unpad(grad)
+            else:
+                grad = p.grad.clone()
+                dist.all_reduce(grad)
+                grad /= world
+            assert torch.allclose(grad, ref_grad, rtol=1e-5, atol=1e-7), (step, name)
+            ref_p.grad, p.grad = None, None
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
+        recompute = [(e, n) for e, n, d in trace if d == "rc" and e.startswith("ag_issue")]
+        # last block first: block 2 is re-run first, then 1, then 0 (6 weights, once each)
+        assert sorted(n for _, n in recompute) == sorted(runtime_names(runtime)), recompute
+        if step >= 1:  # linked at the first drain: only the recompute chain head is synchronous
+            assert [n for e, n in recompute if e == "ag_issue_sync"] == ["2.0.weight"], recompute
+    chain = runtime.chains[next(iter(runtime.chains))]
+    assert [p.gtp_state.name for p in chain.recompute_order] == [
+        "2.0.weight",
+        "2.2.weight",
+        "1.0.weight",
+        "1.2.weight",
+        "0.0.weight",
+        "0.2.weight",
+    ]
+    assert runtime.stats.fallback_allocations == 0
+
+
+def runtime_names(runtime: GTPRuntime) -> list[str]:
+    return [p.gtp_state.name for p in runtime.params]
+
+
+def test_recompute_forward_chain(two_ranks: dict[str, list[Outcome]]) -> None:
+    case_values(two_ranks["recompute"])

@@ -139,6 +139,8 @@ class GatherSlot:
     - ``ahead``: the slots whose gathers this consume prefetches, nearest first (the next
       ``GTPConfig.prefetch_depth`` weights of the chain in this direction, design §3.1 chains
       table); ``handover``: at the forward chain tail, the first backward slots;
+      ``recompute_ahead``: for a forward slot, the next weights in the recompute chain's order
+      (the forward re-run inside the backward by activation recompute, design §3.1);
     - ``cache`` / ``cache_full``: the cache slot whose stable buffer this direction gathers
       into, and that buffer's unpadded view.
     """
@@ -154,6 +156,7 @@ class GatherSlot:
         "cache_full",
         "ahead",
         "handover",
+        "recompute_ahead",
         "nbytes",
         "pull_plan",
         "pull_work",
@@ -170,6 +173,7 @@ class GatherSlot:
         self.cache_full: torch.Tensor | None = None
         self.ahead: tuple[GatherSlot, ...] = ()
         self.handover: tuple[GatherSlot, ...] = ()
+        self.recompute_ahead: tuple[GatherSlot, ...] = ()  # forward slots, recompute order
         self.nbytes = 0  # bytes this rank receives per gather
         self.pull_plan: Any = None  # copy-engine backend: (rows of cache buffer, peer mirror)
         self.pull_work: Any = None  # copy-engine backend: the slot's reusable event

@@ -51,6 +51,9 @@ from nemo_gtp.engine.param import (
 from nemo_gtp.engine.timing import ExposedWaitTimer
 
 _FWD, _BWD = Direction.FWD, Direction.BWD
+# -1 outside autograd's backward; a forward consume inside one is an activation-recompute
+# forward (megatron's CheckpointFunction, torch.utils.checkpoint), which has its own chain.
+_backward_task_id = torch._C._current_graph_task_id
 _NONE, _ASYNC, _READY = GatherState.NONE, GatherState.ASYNC_WAIT, GatherState.DATA_READY
 
 
@@ -94,6 +97,9 @@ class Chain:
         self.phase = ChainPhase.OBSERVING
         self.order: list[GTPShardedParam] = []
         self._seen: set[int] = set()
+        self.recompute_phase = ChainPhase.OBSERVING
+        self.recompute_order: list[GTPShardedParam] = []
+        self._recompute_seen: set[int] = set()
         self.live = 0  # gathered buffers currently held by this chain's weights
         self.max_live = 0
         self.protocol_last: list[GTPShardedParam | None] = [None, None]  # TE: per direction
@@ -140,6 +146,26 @@ class Chain:
             )
             for slot in (state.fwd, state.bwd):  # parity may have changed the ticket
                 slot.cache, slot.cache_full = None, None
+
+    def observe_recompute(self, param: GTPShardedParam) -> None:
+        """Record a recompute-forward consume of the first backward that has any (design §3.1
+        "Recompute-forward prefetch chain": membership is observed, not configured)."""
+        if id(param) not in self._recompute_seen:
+            self._recompute_seen.add(id(param))
+            self.recompute_order.append(param)
+
+    def commit_recompute(self) -> None:
+        """Link the observed recompute order (at the first drain after it was seen): each
+        recompute consume then prefetches the next ``depth`` recompute weights' forward slots,
+        across layers (the next layer recomputed runs after this layer's backward)."""
+        order, n = self.recompute_order, len(self.recompute_order)
+        if self.recompute_phase is not ChainPhase.OBSERVING or not n:
+            return
+        self.recompute_phase = ChainPhase.LINKED
+        for i, param in enumerate(order):
+            param.gtp_state.fwd.recompute_ahead = tuple(
+                order[j].gtp_state.fwd for j in range(i + 1, min(n, i + 1 + self.depth))
+            )
 
     def neighbour(self, param: GTPShardedParam, direction: Direction) -> GTPShardedParam | None:
         """``next_w`` (forward) or ``prev_w`` (backward) of ``param``; None at the ends."""
@@ -238,6 +264,7 @@ class GTPRuntime:
         self.wait_timer = ExposedWaitTimer()
         self.trace: list[tuple[str, str, str]] | None = None
         self._pending_rs: list[GTPShardedParam] = []
+        self._label: str | None = None  # trace label of the consume being served
 
     # ----------------------------------------------------------------- construction
     def shard_parameter(
@@ -299,10 +326,19 @@ class GTPRuntime:
         prefetching its own backward gather.
         """
         state = param.gtp_state
-        slot = state.fwd if direction is _FWD else state.bwd
         chain = state.chain
+        recompute = False
+        if direction is _FWD:
+            slot = state.fwd
+            recompute = _backward_task_id() != -1
+        else:
+            slot = state.bwd
         if chain.phase is ChainPhase.OBSERVING:
             chain.observe(param, direction)
+        if recompute:
+            self._label = "rc"  # trace only
+            if chain.recompute_phase is ChainPhase.OBSERVING:
+                chain.observe_recompute(param)
         if slot.state is _NONE:
             self._issue(param, slot, async_op=False)
         if slot.state is _ASYNC:
@@ -310,10 +346,17 @@ class GTPRuntime:
                 self.wait_timer.timed_wait(slot.complete, "gather", param.device, state.name)
             else:
                 slot.complete()
-        if self._prefetch_enabled and chain.phase is ChainPhase.LINKED:
-            for target in slot.ahead if slot.ahead or not will_backward else slot.handover:
-                if target.state is _NONE:
-                    self._prefetch(target)
+        if self._prefetch_enabled:
+            if recompute:  # the recompute chain, never the forward chain's next weight
+                if chain.recompute_phase is ChainPhase.LINKED:
+                    for target in slot.recompute_ahead:
+                        if target.state is _NONE:
+                            self._prefetch(target)
+            elif chain.phase is ChainPhase.LINKED:
+                for target in slot.ahead if slot.ahead or not will_backward else slot.handover:
+                    if target.state is _NONE:
+                        self._prefetch(target)
+        self._label = None
         return slot.full
 
     def prefetch_neighbour(
@@ -403,7 +446,11 @@ class GTPRuntime:
         stats.gathers += 1
         stats.gather_bytes += slot.nbytes
         if self.trace is not None:
-            self.record("ag_issue_async" if async_op else "ag_issue_sync", param, slot.direction)
+            self.record(
+                "ag_issue_async" if async_op else "ag_issue_sync",
+                param,
+                self._label or slot.direction,
+            )
         return True
 
     def _resolve_gather_backend(self, device: torch.device) -> None:
@@ -606,6 +653,8 @@ class GTPRuntime:
         """
         self.drain_reduce_scatters()
         self.drain_gathers()
+        for chain in self.chains.values():  # a recompute order seen in this step is now known
+            chain.commit_recompute()
         if self._mirror is not None:
             self._mirror.mark_stale()
 
@@ -615,10 +664,12 @@ class GTPRuntime:
         self.trace = []
         return self.trace
 
-    def record(self, event: str, param: GTPShardedParam, direction: Direction) -> None:
-        """Append ``(event, param name, direction)`` to the trace, when tracing."""
+    def record(self, event: str, param: GTPShardedParam, direction: Direction | str) -> None:
+        """Append ``(event, param name, direction)`` to the trace, when tracing (direction
+        ``"rc"``: a gather of the activation-recompute forward)."""
         if self.trace is not None:
-            self.trace.append((event, param.gtp_state.name, direction.value))
+            label = direction if isinstance(direction, str) else direction.value
+            self.trace.append((event, param.gtp_state.name, label))
 
 
 def runtimes_of(*modules: torch.nn.Module) -> list[GTPRuntime]:

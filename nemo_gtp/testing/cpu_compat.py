@@ -47,6 +47,9 @@ cpu_rng_tracker             megatron/core/tensor_parallel/random.py:
                             _CUDA_RNG_STATE_TRACKER (forked by DotProductAttention) ->
                             CpuRNGStatesTracker installed; model_parallel_cuda_manual_seed
                             redirected to model_parallel_cpu_manual_seed
+checkpoint_rng_states       megatron/core/tensor_parallel/random.py:_get_cuda_rng_state/
+                            _set_cuda_rng_state (activation recompute) -> the CPU
+                            generator's state
 grad_norm_cuda_tensors      megatron/core/optimizer/clip_grads.py:get_grad_norm_fp32/
                             count_zeros_fp32, megatron/core/utils.py:
                             local_multi_tensor_l2_norm -> module-local ``torch``
@@ -75,8 +78,7 @@ cpu_gpt_data_step           nemo/collections/llm/gpt/model/base.py:gpt_data_step
 
 Not here: NeMo's ``MockDataModule`` never emits an attention mask (it passes
 ``create_attention_mask`` into the dataset's ``seed`` slot), which
-``nemo_gtp.recipes.data.SyntheticGPTDataModule`` fixes. Not covered either: activation
-recomputation (megatron's ``CheckpointFunction`` saves CUDA RNG states),
+``nemo_gtp.recipes.data.SyntheticGPTDataModule`` fixes. Not covered either:
 pipeline/context/sequence parallelism, MoE, asynchronous checkpoint save, the NeMo memory
 logging (``log_memory_usage``).
 
@@ -612,6 +614,24 @@ def _patch_cpu_rng_tracker(patcher: _Patcher) -> None:
         patcher.set(
             module, "model_parallel_cuda_manual_seed", _redirected_model_parallel_cuda_manual_seed
         )
+
+
+@_register("megatron/core/tensor_parallel/random.py:_get_cuda_rng_state/_set_cuda_rng_state")
+def _patch_checkpoint_rng_states(patcher: _Patcher) -> None:
+    """Activation recompute saves and restores the CPU generator where it would the CUDA one.
+
+    megatron's ``CheckpointFunction`` (``recompute_granularity="full"``) and
+    ``CheckpointWithoutOutput`` record every RNG state before the first forward and restore them
+    for the recomputed one through ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``, read at
+    call time from the module. On CPU the state that matters is the default CPU generator's (the
+    tracker's states travel separately), so both functions map to it.
+    """
+    from megatron.core.tensor_parallel import random as mp_random
+
+    patcher.set(mp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    patcher.set(
+        mp_random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state)
+    )
 
 
 @_register(

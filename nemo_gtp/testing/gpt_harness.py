@@ -53,6 +53,17 @@ class Run:
     bf16: bool = False  # bf16 params + megatron's mixed-precision optimizer (fp32 main params)
     presharded: bool = False  # build the linears as shards (gtp_layer_spec), weights copied in
     shard_replicated: bool = False  # GTPConfig.shard_replicated_params_over_gtp (needs distopt)
+    recompute: str = ""  # "", "full_uniform", "full_block" or "selective" activation recompute
+
+
+_RECOMPUTE = {
+    "": {},
+    "full_uniform": dict(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=1),
+    "full_block": dict(recompute_granularity="full", recompute_method="block",
+                       recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),
+}
 
 
 def _batch(step: int, microbatch: int, data_rank: int, device: str) -> dict[str, torch.Tensor]:
@@ -183,6 +194,7 @@ def build(run: Run) -> dict:
         # Replicated-param handling stays covered by the norms and embeddings here and by the
         # biased nn.Linear engine tests.
         add_bias_linear=False,
+        **_RECOMPUTE[run.recompute],
     )
     gtp_config = GTPConfig(
         calculate_per_token_loss=run.per_token,
