@@ -58,10 +58,12 @@ class Run:
 
 _RECOMPUTE = {
     "": {},
-    "full_uniform": dict(recompute_granularity="full", recompute_method="uniform",
-                         recompute_num_layers=1),
-    "full_block": dict(recompute_granularity="full", recompute_method="block",
-                       recompute_num_layers=1),
+    "full_uniform": dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    ),
+    "full_block": dict(
+        recompute_granularity="full", recompute_method="block", recompute_num_layers=1
+    ),
     "selective": dict(recompute_granularity="selective"),
 }
 

@@ -1,0 +1,358 @@
+"""Which layout fits: per-GPU memory of a GPT under TP × GTP × DP, before launching anything.
+
+``python -m nemo_gtp.plan configs/gpt_1b.yaml --gpus 8 --gpu-memory-gib 80 --tokens-per-gpu 4096``
+lists every candidate layout (TP × GTP × DP, activation recompute on/off,
+``shard_replicated_params_over_gtp``) with its per-GPU bytes split into weights, gradients,
+optimizer state, GTP gather buffers and activations, marks which fit, and recommends the one
+expected fastest among those that fit: no activation recompute first (it re-runs the forward),
+then fewest weight shards (every shard costs three collectives per weight per step), then TP
+inside a node over GTP.
+
+The byte model (design §1.7, §3.1 "Buffer / memory management", §3.2) assumes megatron's
+mixed-precision distributed optimizer: bf16 (or fp32) model weights, a ``main_grad`` of the
+``grad_dtype``, fp32 master weights and two fp32 Adam moments sharded over the replicate group
+(DP) — for the params GTP leaves whole over DP × GTP with ``shard_replicated_params_over_gtp``.
+Activations follow megatron's per-layer estimate (sequence parallelism with TP > 1):
+``s·b·h·(34 + 5·a·s/h)`` bytes per layer (less without dropout, without the attention-score
+term under flash attention), divided by TP, or only the layer inputs (``2·s·b·h``)
+plus one layer's full activations under full recompute. It is an estimate, not a measurement:
+``overhead_gib`` stands for the CUDA context, NCCL buffers and allocator slack.
+
+Example::
+
+    model = ModelShape(layers=24, hidden=2048, ffn=8192, heads=16, vocab=32000, seq=2048)
+    plans = plan_layouts(model, gpus=2, gpu_memory_gib=141, tokens_per_gpu=4096)
+    best = recommend(plans)          # ValueError naming the shortfall when nothing fits
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that decide a GPT's memory (a recipe's ``model`` section, or NeMo's config)."""
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    vocab: int
+    seq: int
+    query_groups: int | None = None  # GQA: key/value heads; None = heads (MHA)
+    gated: bool = False  # SwiGLU-style fc1 (two weights in one)
+    tied_embeddings: bool = False
+    experts: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.experts:
+            raise ValueError(
+                "the planner does not model MoE experts yet (num_moe_experts is set): plan the "
+                "dense part, or leave the model's experts out"
+            )
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        """qkv + projection + fc1 + fc2 weights of one layer (what GTP shards, design §1.5)."""
+        kv = self.hidden * (self.query_groups or self.heads) // self.heads
+        qkv = self.hidden * (self.hidden + 2 * kv)
+        fc1 = self.hidden * self.ffn * (2 if self.gated else 1)
+        return qkv + self.hidden * self.hidden + fc1 + self.ffn * self.hidden
+
+    @property
+    def largest_linear(self) -> int:
+        """Elements of the largest linear weight (sizes the gathered buffers)."""
+        kv = self.hidden * (self.query_groups or self.heads) // self.heads
+        return max(
+            self.hidden * (self.hidden + 2 * kv), self.hidden * self.ffn * (2 if self.gated else 1)
+        )
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus output layer (one matrix when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def parameters(self) -> int:
+        """Every parameter (norms included), for reporting."""
+        norms = (2 * self.layers + 1) * self.hidden
+        return self.layers * self.linear_params_per_layer + self.embedding_params + norms
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: TP × GTP × DP and the memory options."""
+
+    tp: int
+    gtp: int
+    dp: int
+    recompute: bool = False
+    shard_replicated: bool = False
+
+    @property
+    def name(self) -> str:
+        """E.g. ``TP2·GTP4·DP1 +recompute``."""
+        extra = (" +recompute" if self.recompute else "") + (
+            " +shard_replicated" if self.shard_replicated else ""
+        )
+        return f"TP{self.tp}·GTP{self.gtp}·DP{self.dp}{extra}"
+
+
+@dataclass
+class Plan:
+    """Per-GPU bytes of one layout."""
+
+    layout: Layout
+    bytes: dict[str, float] = field(default_factory=dict)
+    budget: float = 0.0  # bytes of one GPU
+    fits: bool = False
+
+    @property
+    def total(self) -> float:
+        """Every counted byte, overhead included."""
+        return sum(self.bytes.values())
+
+
+def estimate(
+    model: ModelShape,
+    layout: Layout,
+    *,
+    tokens_per_gpu: int,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+    overhead_gib: float = 3.0,
+    prefetch_depth: int = 1,
+    dropout: bool = False,
+    flash_attention: bool = False,
+) -> dict[str, float]:
+    """Per-GPU bytes of ``model`` under ``layout`` (see the module docstring for the model).
+
+    Activations per layer and token: ``34·h`` bytes with dropout (its masks), ``32·h`` without;
+    plus the attention scores ``a·s`` times 5 bytes (scores, dropout mask and output) with
+    dropout, 2 without, none with flash / fused attention (TE's default spec).
+    """
+    tp, gtp, dp = layout.tp, layout.gtp, layout.dp
+    sharded = model.layers * model.linear_params_per_layer / (tp * gtp)
+    replicated = model.embedding_params / tp + (2 * model.layers + 1) * model.hidden
+    optimizer_bytes = 12  # fp32 master + Adam m and v
+    replicated_shards = dp * gtp if layout.shard_replicated else dp
+    weights = (sharded + replicated) * param_bytes
+    grads = (sharded + replicated) * grad_bytes
+    optimizer = sharded * optimizer_bytes / dp + replicated * optimizer_bytes / replicated_shards
+    gather = 0.0
+    if gtp > 1:  # live gathered weights (current + prefetched per direction, the tail's
+        # hand-over) and the wgrad scratch / reduce-scatter output of the in-flight RS
+        full = model.largest_linear / tp
+        gather = (2 + prefetch_depth) * full * param_bytes + 2 * full * grad_bytes
+    h, a, s = model.hidden, model.heads, model.seq
+    scores = 0 if flash_attention else (5 if dropout else 2)
+    per_layer = tokens_per_gpu * ((34 if dropout else 32) * h + scores * a * s) / tp
+    if layout.recompute:
+        activations = model.layers * 2 * tokens_per_gpu * h / tp + per_layer
+    else:
+        activations = model.layers * per_layer
+    activations += 2 * tokens_per_gpu * model.vocab / tp * 4  # fp32 logits and their grad
+    return {
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optimizer,
+        "gather": gather,
+        "activations": activations,
+        "overhead": overhead_gib * GIB,
+    }
+
+
+def candidate_layouts(gpus: int, *, gpus_per_node: int = 8, max_tp: int = 8) -> list[Layout]:
+    """Every TP × GTP × DP = ``gpus`` with TP ≤ ``max_tp`` inside a node, each with and without
+    recompute and (GTP > 1) with and without ``shard_replicated_params_over_gtp``."""
+    if gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    out = []
+    for tp in range(1, min(gpus, max_tp, gpus_per_node) + 1):
+        if gpus % tp:
+            continue
+        for gtp in range(1, gpus // tp + 1):
+            if (gpus // tp) % gtp:
+                continue
+            dp = gpus // (tp * gtp)
+            for recompute in (False, True):
+                for shard_replicated in (False, True) if gtp > 1 else (False,):
+                    out.append(Layout(tp, gtp, dp, recompute, shard_replicated))
+    return out
+
+
+def plan_layouts(
+    model: ModelShape,
+    *,
+    gpus: int,
+    gpu_memory_gib: float,
+    tokens_per_gpu: int,
+    gpus_per_node: int = 8,
+    **estimate_kwargs: float,
+) -> list[Plan]:
+    """A :class:`Plan` per candidate layout, ordered as :func:`recommend` prefers them."""
+    if tokens_per_gpu < 1:
+        raise ValueError(f"--tokens-per-gpu must be >= 1, got {tokens_per_gpu}")
+    budget = gpu_memory_gib * GIB
+    plans = []
+    for layout in candidate_layouts(gpus, gpus_per_node=gpus_per_node):
+        plan = Plan(
+            layout,
+            estimate(model, layout, tokens_per_gpu=tokens_per_gpu, **estimate_kwargs),
+            budget,
+        )
+        plan.fits = plan.total <= budget
+        plans.append(plan)
+    plans.sort(key=_preference)
+    return plans
+
+
+def _preference(plan: Plan) -> tuple:
+    layout = plan.layout
+    # No recompute first (it re-runs the forward: ~1/3 more compute, where GTP2 costs ~nothing
+    # at >= 4k tokens per GPU); then fewest shards; among equal shard counts TP (inside a node)
+    # before GTP; shard_replicated costs nothing measurable, so it sorts last and is picked when
+    # it is what makes a layout fit.
+    return (layout.recompute, layout.tp * layout.gtp, layout.gtp, layout.shard_replicated)
+
+
+def recommend(plans: list[Plan]) -> Plan:
+    """The preferred plan that fits; ``ValueError`` saying by how much the smallest misses."""
+    for plan in plans:
+        if plan.fits:
+            return plan
+    smallest = min(plans, key=lambda p: p.total)
+    raise ValueError(
+        f"no layout fits: the smallest, {smallest.layout.name}, needs "
+        f"{smallest.total / GIB:.1f} GiB per GPU, {(smallest.total - smallest.budget) / GIB:.1f} "
+        f"GiB more than the {smallest.budget / GIB:.1f} GiB available: add GPUs, shorten "
+        "--tokens-per-gpu, or shrink the model"
+    )
+
+
+def _table(plans: list[Plan], best: Plan | None) -> str:
+    rows = [
+        f"{'layout':<40} {'weights':>8} {'grads':>8} {'optim':>8} {'gather':>8} "
+        f"{'activ':>8} {'total':>8}  fits"
+    ]
+    for plan in plans:
+        b = {k: v / GIB for k, v in plan.bytes.items()}
+        mark = "yes" if plan.fits else "no"
+        if plan is best:
+            mark += "  <- recommended"
+        rows.append(
+            f"{plan.layout.name:<40} {b['weights']:8.2f} {b['grads']:8.2f} "
+            f"{b['optimizer']:8.2f} {b['gather']:8.2f} {b['activations']:8.2f} "
+            f"{plan.total / GIB:8.2f}  {mark}"
+        )
+    return "\n".join(rows)
+
+
+def model_from_recipe(path: str) -> tuple[ModelShape, int]:
+    """The :class:`ModelShape` and sequence length of a recipe YAML's ``model``/``data``."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(path)
+    m, d = cfg.get("model", {}), cfg.get("data", {})
+    vocab = int(d.get("vocab_size", m.get("vocab_size", 0)) or 0)
+    return ModelShape(
+        layers=int(m.num_layers),
+        hidden=int(m.hidden_size),
+        ffn=int(m.get("ffn_hidden_size") or 4 * m.hidden_size),
+        heads=int(m.num_attention_heads),
+        vocab=vocab,
+        seq=int(d.get("seq_length", 2048)),
+        query_groups=m.get("num_query_groups"),
+        gated=bool(m.get("gated_linear_unit", False)),
+        tied_embeddings=bool(m.get("share_embeddings_and_output_weights", False)),
+        experts=int(m.get("num_moe_experts") or 0),
+    ), int(d.get("seq_length", 2048))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m nemo_gtp.plan``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_gtp.plan", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("recipe", nargs="?", help="recipe YAML (model and data sections)")
+    for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq"):
+        parser.add_argument(f"--{name}", type=int, help=f"model {name} (overrides the recipe)")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu-memory-gib", type=float, required=True)
+    parser.add_argument(
+        "--tokens-per-gpu", type=int, required=True, help="micro-batch x sequence length"
+    )
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument(
+        "--grad-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="main_grad dtype (grad_reduce_in_fp32)",
+    )
+    parser.add_argument(
+        "--overhead-gib",
+        type=float,
+        default=3.0,
+        help="CUDA context, NCCL buffers, allocator slack per GPU",
+    )
+    parser.add_argument(
+        "--flash-attention",
+        action="store_true",
+        help="fused attention (TE spec): no s x s score activations",
+    )
+    parser.add_argument("--dropout", action="store_true", help="dropout masks are kept")
+    args = parser.parse_args(argv)
+    try:
+        fields = {}
+        if args.recipe:
+            shape, _ = model_from_recipe(args.recipe)
+            fields = {k: getattr(shape, k) for k in ModelShape.__dataclass_fields__}
+        for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq"):
+            if getattr(args, name) is not None:
+                fields[name] = getattr(args, name)
+        missing = [n for n in ("layers", "hidden", "heads", "vocab", "seq") if n not in fields]
+        if missing:
+            raise ValueError(f"give a recipe or --{' --'.join(missing)}")
+        fields.setdefault("ffn", 4 * fields["hidden"])
+        model = ModelShape(**fields)
+        plans = plan_layouts(
+            model,
+            gpus=args.gpus,
+            gpu_memory_gib=args.gpu_memory_gib,
+            tokens_per_gpu=args.tokens_per_gpu,
+            gpus_per_node=args.gpus_per_node,
+            param_bytes=2 if args.precision == "bf16" else 4,
+            grad_bytes=4 if args.grad_dtype == "fp32" else 2,
+            overhead_gib=args.overhead_gib,
+            flash_attention=args.flash_attention,
+            dropout=args.dropout,
+        )
+        print(
+            f"{model.parameters / 1e9:.2f} B parameters, {args.gpus} GPUs x "
+            f"{args.gpu_memory_gib:g} GiB, {args.tokens_per_gpu} tokens per GPU"
+        )
+        try:
+            best = recommend(plans)
+        except ValueError as err:
+            print(_table(plans, None))
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        print(_table(plans, best))
+        print(f"recommended: {best.layout.name} ({best.total / GIB:.1f} GiB per GPU)")
+        return 0
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

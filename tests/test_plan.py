@@ -1,0 +1,127 @@
+"""The memory planner (``python -m nemo_gtp.plan``): byte model, ranking, errors, CLI.
+
+Pure arithmetic, no processes. The last test holds the byte model to the peaks measured on
+2×H200 (``bench/results/2026-11-30_nemo_path_2xH200/final/bench_nemo.json``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_gtp.plan import GIB, Layout, ModelShape, estimate, main, plan_layouts, recommend
+
+MODEL_1B = ModelShape(layers=24, hidden=2048, ffn=8192, heads=16, vocab=32000, seq=2048)
+
+
+def test_linear_params_and_totals() -> None:
+    m = ModelShape(layers=2, hidden=64, ffn=256, heads=4, vocab=100, seq=16, query_groups=2)
+    # qkv: 64 x (64 + 2 * 32), proj 64 x 64, fc1 64 x 256, fc2 256 x 64
+    assert m.linear_params_per_layer == 64 * 128 + 64 * 64 + 2 * 64 * 256
+    gated = ModelShape(layers=2, hidden=64, ffn=256, heads=4, vocab=100, seq=16, gated=True)
+    assert gated.largest_linear == 64 * 512
+    assert m.parameters == 2 * m.linear_params_per_layer + 2 * 100 * 64 + 5 * 64
+
+
+def test_gtp_divides_sharded_bytes_and_options_do_what_they_say() -> None:
+    dp2 = estimate(MODEL_1B, Layout(1, 1, 2), tokens_per_gpu=4096)
+    gtp2 = estimate(MODEL_1B, Layout(1, 2, 1), tokens_per_gpu=4096)
+    linear = MODEL_1B.layers * MODEL_1B.linear_params_per_layer
+    assert dp2["weights"] - gtp2["weights"] == pytest.approx(linear / 2 * 2)  # bf16 halves
+    assert dp2["grads"] - gtp2["grads"] == pytest.approx(linear / 2 * 4)  # fp32 main_grad
+    assert dp2["gather"] == 0 and gtp2["gather"] > 0
+    assert dp2["activations"] == gtp2["activations"]  # GTP does not shard activations
+    sr = estimate(MODEL_1B, Layout(1, 2, 1, shard_replicated=True), tokens_per_gpu=4096)
+    replicated = MODEL_1B.embedding_params + (2 * MODEL_1B.layers + 1) * MODEL_1B.hidden
+    assert gtp2["optimizer"] - sr["optimizer"] == pytest.approx(replicated * 12 / 2)
+    rc = estimate(MODEL_1B, Layout(1, 2, 1, recompute=True), tokens_per_gpu=4096)
+    assert rc["activations"] < gtp2["activations"] / 5
+    tp2 = estimate(MODEL_1B, Layout(2, 1, 1), tokens_per_gpu=4096)
+    assert tp2["activations"] == pytest.approx(dp2["activations"] / 2)
+
+
+def test_recommendation_prefers_no_recompute_then_fewest_shards_then_tp() -> None:
+    roomy = plan_layouts(MODEL_1B, gpus=4, gpu_memory_gib=141, tokens_per_gpu=4096)
+    assert recommend(roomy).layout == Layout(1, 1, 4)
+    # 24 GiB: replicated training does not fit; the fewest-shard layout that does is TP2
+    tight = plan_layouts(MODEL_1B, gpus=4, gpu_memory_gib=24, tokens_per_gpu=4096)
+    best = recommend(tight)
+    assert best.fits and best.layout.tp * best.layout.gtp == 2 and best.layout.tp == 2
+    assert not next(p for p in tight if p.layout == Layout(1, 1, 4)).fits
+    with pytest.raises(ValueError, match=r"no layout fits: the smallest, .* GiB more than"):
+        recommend(plan_layouts(MODEL_1B, gpus=2, gpu_memory_gib=8, tokens_per_gpu=8192))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(gpus=0, gpu_memory_gib=80, tokens_per_gpu=1), "--gpus must be >= 1"),
+        (dict(gpus=2, gpu_memory_gib=80, tokens_per_gpu=0), "--tokens-per-gpu must be >= 1"),
+    ],
+)
+def test_bad_planner_inputs(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan_layouts(MODEL_1B, **kwargs)
+    with pytest.raises(ValueError, match="model.hidden must be >= 1"):
+        ModelShape(layers=1, hidden=0, ffn=1, heads=1, vocab=1, seq=1)
+    with pytest.raises(ValueError, match="num_moe_experts"):
+        ModelShape(layers=1, hidden=8, ffn=8, heads=1, vocab=8, seq=8, experts=8)
+
+
+def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["configs/gpt_1b.yaml", "--gpus", "2", "--gpu-memory-gib", "141"]
+    assert main([*argv, "--tokens-per-gpu", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: TP1·GTP1·DP2" in out and "TP1·GTP2·DP1 +shard_replicated" in out
+    assert (
+        main(["--layers", "2", "--gpus", "2", "--gpu-memory-gib", "1", "--tokens-per-gpu", "1"])
+        == 2
+    )
+    assert "--hidden --heads --vocab --seq" in capsys.readouterr().err
+    too_big = [
+        "--layers",
+        "200",
+        "--hidden",
+        "16384",
+        "--heads",
+        "128",
+        "--vocab",
+        "256000",
+        "--seq",
+        "8192",
+        "--gpus",
+        "2",
+        "--gpu-memory-gib",
+        "80",
+        "--tokens-per-gpu",
+        "8192",
+    ]
+    assert main(too_big) == 1
+    assert "no layout fits" in capsys.readouterr().err
+
+
+# Peak allocated memory measured on 2×H200 (1.2 B recipe, bf16, distributed optimizer, fp32
+# grads), GiB: (layout, tokens per GPU, flash attention) -> measured.
+MEASURED = {
+    (Layout(1, 1, 2), 2048, False): 20.90,
+    (Layout(1, 2, 1), 2048, False): 18.39,
+    (Layout(1, 1, 2), 4096, False): 27.38,
+    (Layout(1, 2, 1), 4096, False): 24.86,
+    (Layout(1, 1, 2), 8192, False): 40.41,
+    (Layout(1, 2, 1), 8192, False): 37.89,
+    (Layout(1, 1, 2), 2048, True): 17.77,
+    (Layout(1, 2, 1), 2048, True): 15.22,
+    (Layout(1, 1, 2), 4096, True): 21.13,
+    (Layout(1, 2, 1), 4096, True): 18.62,
+    (Layout(1, 1, 2), 8192, True): 27.92,
+    (Layout(1, 2, 1), 8192, True): 25.40,
+}
+
+
+@pytest.mark.parametrize(("key", "measured"), MEASURED.items(), ids=str)
+def test_prediction_within_10_percent_of_measured_peak(key: tuple, measured: float) -> None:
+    layout, tokens, flash = key
+    bytes_ = estimate(
+        MODEL_1B, layout, tokens_per_gpu=tokens, overhead_gib=0.0, flash_attention=flash
+    )
+    predicted = sum(bytes_.values()) / GIB
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
