@@ -51,15 +51,15 @@ from nemo_gtp.integrations.megatron import (
 
 # The GTP variants the benchmark knows (mode name -> engine config).
 GTP_MODES = {
-    "gtp": GTPConfig(gather_backend="nccl"),
+    "gtp": GTPConfig(gather_backend="process_group"),
     "gtp_ce": GTPConfig(gather_backend="copy_engine"),
     "gtp_auto": GTPConfig(gather_backend="auto"),
-    "gtp_rs2": GTPConfig(gather_backend="nccl", separate_reduce_scatter_group=True),
+    "gtp_rs2": GTPConfig(gather_backend="process_group", separate_reduce_scatter_group=True),
     # default gather + embeddings/output/norms reduced and optimizer-sharded over DP x GTP
     "gtp_sr": GTPConfig(gather_backend="auto", shard_replicated_params_over_gtp=True),
     # NCCL gather with the GTP communicator on a high-priority stream / limited to 8 CTAs
-    "gtp_hiprio": GTPConfig(gather_backend="nccl"),
-    "gtp_ctas8": GTPConfig(gather_backend="nccl"),
+    "gtp_hiprio": GTPConfig(gather_backend="process_group"),
+    "gtp_ctas8": GTPConfig(gather_backend="process_group"),
 }
 # ProcessGroupNCCL.Options of the GTP communicator per mode (stream priority, channels).
 GTP_PG_OPTIONS = {"gtp_hiprio": dict(is_high_priority_stream=True), "gtp_ctas8": dict(max_ctas=8)}

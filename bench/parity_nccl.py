@@ -76,12 +76,14 @@ def main() -> None:
         # run below must still be bit-identical to the NCCL-gather run.
         worst = assert_parity(result, reference, tol=5e-2 if case.bf16 else 1e-5)
         backend = result["runtime"].gather_backend.value
-        if case.gather_backend != "auto":
-            assert backend == case.gather_backend, (case, backend)
+        if case.gather_backend != "auto":  # "nccl" is the config alias of "process_group"
+            expected = "process_group" if case.gather_backend == "nccl" else case.gather_backend
+            assert backend == expected, (case, backend)
         elif dist.get_rank() == 0:
             print(f"[parity-nccl] {case}: auto chose {backend}", flush=True)
-        if case.gather_backend != "nccl":  # same bytes gathered: bit-identical to NCCL's run
-            nccl = train(dataclasses.replace(case, gather_backend="nccl"))
+        if case.gather_backend not in ("nccl", "process_group"):
+            # same bytes gathered: bit-identical to the run with NCCL's all-gather
+            nccl = train(dataclasses.replace(case, gather_backend="process_group"))
             assert nccl["losses"] == result["losses"], "copy-engine losses differ from NCCL's"
             for name, weight in nccl["weights"].items():
                 assert torch.equal(weight, result["weights"][name]), name

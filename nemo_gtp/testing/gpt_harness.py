@@ -47,7 +47,7 @@ class Run:
     ffn: int = 128
     pad: int = 16
     overlap_grad_reduce: bool = True
-    gather_backend: str = "nccl"
+    gather_backend: str = "process_group"
     ce_min_tokens: int = 4096  # GTPConfig.copy_engine_min_tokens (gather_backend="auto")
     separate_rs: bool = False  # GTPConfig.separate_reduce_scatter_group
     bf16: bool = False  # bf16 params + megatron's mixed-precision optimizer (fp32 main params)
