@@ -329,3 +329,31 @@ def runtime_names(runtime: GTPRuntime) -> list[str]:
 
 def test_recompute_forward_chain(two_ranks: dict[str, list[Outcome]]) -> None:
     case_values(two_ranks["recompute"])
+
+
+def test_state_machines_refuse_transitions_from_the_wrong_state() -> None:
+    """Each slot method checks the state it leaves (design §1.1)."""
+    from nemo_gtp.engine import Direction, GatherState, GTPStateError
+    from nemo_gtp.engine.param import GatherSlot, ReduceScatterSlot
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    slot, buffer = GatherSlot(Direction.FWD), torch.zeros(4)
+    with pytest.raises(GTPStateError, match="gather fwd waited in state"):
+        slot.complete()
+    with pytest.raises(GTPStateError, match="gather fwd released in state"):
+        slot.released()
+    slot.issued(Done(), buffer, buffer[:2])
+    with pytest.raises(GTPStateError, match="gather fwd issued in state"):
+        slot.issued(Done(), buffer, buffer)
+    slot.complete()
+    assert slot.state is GatherState.DATA_READY and slot.full.shape == (2,)
+    slot.released()
+    assert slot.state is GatherState.NONE and slot.buffer is None
+    rs = ReduceScatterSlot()
+    with pytest.raises(GTPStateError, match="reduce-scatter finalized in state"):
+        rs.finished()
+    with pytest.raises(GTPStateError, match="reduce-scatter waited in state"):
+        rs.complete()
