@@ -406,6 +406,19 @@ def test_cuda_graph_warmup_bump(nemo_env: Any) -> None:
         nemo_env.Strategy(num_weight_shards=shards).connect(gpt)
         assert gpt.config.cuda_graph_warmup_steps == expected
 
+    # Capture itself is not implemented: a GTP model with graphs on is refused before any
+    # process group exists (the warmup bump above is the part that exists).
+    from nemo_gtp.strategy.cuda_graphs import reject_cuda_graph_capture
+
+    reject_cuda_graph_capture(off)
+    for kw in (dict(cuda_graph_impl="local"), dict(cuda_graph_scope="full_iteration")):
+        with pytest.raises(ValueError, match="cuda_graph_impl='none'"):
+            reject_cuda_graph_capture(config(**kw))
+    strategy = nemo_env.Strategy(num_weight_shards=2)
+    strategy.connect(gpt)
+    with pytest.raises(ValueError, match="CUDA-graph capture of a GTP model is not supported"):
+        strategy.setup_distributed()
+
 
 def test_drain_callback_drains_every_runtime() -> None:
     from nemo_gtp.strategy import GTPDrainCallback

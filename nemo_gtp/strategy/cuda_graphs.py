@@ -53,3 +53,35 @@ def enforce_cuda_graph_warmup(config: Any) -> str | None:
         f"{MIN_GTP_CUDA_GRAPH_WARMUP_STEPS} (the first warmup builds the weight-prefetch chain, "
         "the second exercises the prefetch path; design §2.4)"
     )
+
+
+def reject_cuda_graph_capture(config: Any) -> None:
+    """``ValueError`` when a GTP model would be captured in CUDA graphs (not implemented yet).
+
+    Capture needs what design §3.5 lists — chains split at graph boundaries, gathers issued
+    inside the graph, the warmup's gradient guard, the DDP hook fired after replay, the
+    two-stage drain — and none of it exists yet: a captured GTP step would replay stale chain
+    state and skip DDP's grad-ready hooks. Raised before any process group is created. The
+    warmup bump (:func:`enforce_cuda_graph_warmup`) is the part that already exists.
+
+    Example::
+
+        reject_cuda_graph_capture(gpt_config)   # ValueError if cuda_graph_impl="local", ...
+    """
+    if not cuda_graphs_enabled(config):
+        return
+    settings = {
+        name: getattr(config, name, None)
+        for name in (
+            "cuda_graph_impl",
+            "enable_cuda_graph",
+            "external_cuda_graph",
+            "cuda_graph_scope",
+        )
+    }
+    raise ValueError(
+        f"CUDA-graph capture of a GTP model is not supported yet ({settings}): set "
+        "cuda_graph_impl='none', enable_cuda_graph=False, external_cuda_graph=False and "
+        "cuda_graph_scope other than 'full_iteration' on the model config, or turn GTP off "
+        "(num_weight_shards=tensor_model_parallel_size)"
+    )

@@ -58,7 +58,7 @@ from nemo_gtp.strategy.checkpoint_io import (
     gtp_sharded_state_dict_metadata,
     install_gtp_sharded_state_dict,
 )
-from nemo_gtp.strategy.cuda_graphs import enforce_cuda_graph_warmup
+from nemo_gtp.strategy.cuda_graphs import enforce_cuda_graph_warmup, reject_cuda_graph_capture
 from nemo_gtp.strategy.ddp import gtp_ddp_class, nemo_ddp_class
 from nemo_gtp.strategy.model_transform import convert_then_shard, shard_model_chunk
 from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
@@ -214,6 +214,8 @@ class GTPMegatronStrategy(MegatronStrategy):
 
     def setup_distributed(self) -> None:
         """NeMo's process groups (megatron ``parallel_state``), then the GTP groups."""
+        if self.gtp_enabled and getattr(self.model, "config", None) is not None:
+            reject_cuda_graph_capture(self.model.config)  # before any process group exists
         note = quiet_flight_recorder() if self.gtp_enabled else None
         if note:
             nemo_logging.info(note)
