@@ -158,18 +158,26 @@ def _stopper(steps: int) -> Any:
 def full_weights(strategy: Any) -> dict[str, torch.Tensor]:
     """Every parameter of the (single-chunk) model as the full logical tensor, on every rank.
 
-    GTP shards are gathered over the GTP group (pad rows dropped), then TP pieces concatenated
-    along their partition dim, so runs of any layout compare bit for bit.
+    :func:`nemo_gtp.full_state_dict` (GTP shards gathered, pad rows dropped), then TP pieces
+    concatenated along their partition dim, so runs of any layout compare bit for bit.
     """
-    from nemo_gtp.testing.ckpt_harness import gather_logical
+    import torch.distributed as dist
+    from megatron.core import parallel_state
 
-    model = strategy.megatron_parallel[0].module.module  # lightning module -> DDP -> GPTModel
-    groups = getattr(strategy, "gtp_groups", None)  # plain MegatronStrategy has none
-    gtp_group = groups.gtp if groups is not None else None
-    return {
-        name: gather_logical(name, param, param.data, gtp_group)
-        for name, param in model.named_parameters()
-    }
+    from nemo_gtp import full_state_dict
+    from nemo_gtp.integrations.megatron import unwrapped_module
+
+    full = full_state_dict(strategy)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, param in unwrapped_module(strategy).named_parameters():
+        tensor = full[name].contiguous()
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            parts = [torch.empty_like(tensor) for _ in range(tp)]
+            dist.all_gather(parts, tensor, group=parallel_state.get_tensor_model_parallel_group())
+            tensor = torch.cat(parts, dim=param.partition_dim)
+        out[name] = tensor.clone()
+    return out
 
 
 # ---------------------------------------------------------------------------------- one fit
