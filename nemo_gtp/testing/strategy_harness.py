@@ -45,12 +45,16 @@ class Fit:
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
     # checkpoints (relative paths are under the run's ``out_dir``): NeMo ModelCheckpoint every n
     # steps into ``checkpoint_dir``; stop (as if killed) after ``stop_after`` steps;
-    # ``trainer.fit(ckpt_path=resume_from)``; full weights to ``weights_to`` after the fit.
+    # ``trainer.fit(ckpt_path=resume_from)``; full weights to ``weights_to`` after the fit;
+    # ``trainer.save_checkpoint(save_to)`` after the fit. ``expect_error``: the fit must fail;
+    # its result is ``{"name", "error"}`` and the launch goes on with the next fit.
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     stop_after: int | None = None
     resume_from: str | None = None
     weights_to: str | None = None
+    save_to: str | None = None
+    expect_error: bool = False
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -227,7 +231,7 @@ def _gpt_config(tp: int) -> Any:
     )
 
 
-def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
+def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
@@ -280,7 +284,8 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
         strategy = GTPMegatronStrategy(num_weight_shards=fit.tp * fit.gtp, **kwargs)
     else:
         strategy = nl.MegatronStrategy(**kwargs)
-    strategy.store = dist.FileStore(store_path, world)  # rendezvous without a TCP port
+    if store_path is not None:  # rendezvous without a TCP port; None: the launcher's env://
+        strategy.store = dist.FileStore(store_path, world)
     recorder, memory_logger = _make_callbacks()
     metrics_cb = GTPMetricsCallback() if fit.metrics else None
     callbacks = [recorder] + ([metrics_cb] if metrics_cb else [])
@@ -317,6 +322,8 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
         trainer.fit(model, datamodule=data, ckpt_path=fit.resume_from)
     finally:
         logging.getLogger("nemo_logger").removeHandler(catcher)
+    if fit.save_to:
+        trainer.save_checkpoint(fit.save_to)
     if fit.weights_to:
         weights = full_weights(strategy)
         if dist.get_rank() == 0:
@@ -368,7 +375,8 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
 
 def _under(fit: Fit, out_dir: str) -> Fit:
     """``fit`` with its relative checkpoint / weight paths made absolute under ``out_dir``."""
-    paths = {key: getattr(fit, key) for key in ("checkpoint_dir", "resume_from", "weights_to")}
+    keys = ("checkpoint_dir", "resume_from", "weights_to", "save_to")
+    paths = {key: getattr(fit, key) for key in keys}
     return dataclasses.replace(
         fit,
         **{
@@ -377,6 +385,13 @@ def _under(fit: Fit, out_dir: str) -> Fit:
             if value is not None and not Path(value).is_absolute()
         },
     )
+
+
+def _report(fit: Fit, rank: int, out_dir: str) -> None:
+    import traceback
+
+    report = f"fit {fit.name}: {traceback.format_exc()}"
+    Path(out_dir, f"error{rank}.txt").write_text(report)
 
 
 def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
@@ -399,15 +414,20 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             NODE_RANK="0",
         )
         try:
-            results.append(_fit(fit, world, str(Path(out_dir, f"store{index}"))))
+            result = _fit(fit, world, str(Path(out_dir, f"store{index}")))
+        except Exception as err:
+            if not fit.expect_error:
+                _report(fit, rank, out_dir)
+                raise
+            result = {"name": fit.name, "error": f"{type(err).__name__}: {err}"}
         except BaseException:
-            import traceback
-
-            report = f"fit {fit.name}: {traceback.format_exc()}"
-            Path(out_dir, f"error{rank}.txt").write_text(report)
+            _report(fit, rank, out_dir)
             raise
         finally:
             teardown_fit()
+        if fit.expect_error and "error" not in result:
+            raise AssertionError(f"fit {fit.name} was expected to fail but succeeded")
+        results.append(result)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
