@@ -27,6 +27,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_gtp.checkpoint.layout import LAYOUT_KEY, CheckpointLayout
 
@@ -235,7 +236,7 @@ def load_checkpoint(
     kwargs = {} if strict is None else {"strict": strict}
     try:
         loaded = dist_checkpointing.load(sharded_state_dict, str(path), **kwargs)
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # the latter is no Exception
         raise_if_incomplete(path, err)
         raise
     loaded.pop(LAYOUT_KEY, None)

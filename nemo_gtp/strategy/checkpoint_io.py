@@ -33,6 +33,7 @@ from typing import Any
 
 from nemo.lightning.io.pl import MegatronCheckpointIO, ckpt_to_weights_subdir
 from nemo.lightning.megatron_parallel import getattr_proxy
+from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_gtp.checkpoint.io import (
     check_global_shapes,
@@ -195,7 +196,7 @@ class GTPCheckpointIO(MegatronCheckpointIO):
         check_global_shapes(sharded_state_dict, weights)
         try:
             loaded = super().load_checkpoint(path, sharded_state_dict, map_location, strict)
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # the latter is no Exception
             raise_if_incomplete(weights, err)
             raise
         loaded.pop(LAYOUT_KEY, None)
