@@ -3,9 +3,12 @@
 An external launcher sets ``RANK`` before NeMo is imported, which switches NeMo's one-logger
 telemetry on for rank 0; a plain ``trainer.fit`` then needs ``GTPMegatronStrategy`` to give it
 its training config (``configure_nemo_telemetry``) before the first ``ModelCheckpoint`` save.
-Each rank runs two fits of ``strategy_harness``'s tiny GPT at TP1·GTP2·DP(world/2), rendezvous
-through torchrun's ``env://``: 4 steps with a ``ModelCheckpoint`` every 2 steps, then a resume
-from the last checkpoint to step 6. Rank 0 writes ``<out_dir>/result.json``.
+Each rank runs two fits of ``strategy_harness``'s tiny GPT at TP1·GTP2·DP(world/2): 4 steps
+with a ``ModelCheckpoint`` every 2 steps (rendezvous through torchrun's ``env://``), then, after
+``teardown_fit``, a resume from the last checkpoint to step 6. The resume meets through a
+``FileStore``: a second ``init_process_group`` in one process on torchrun's agent store fails
+(gloo's full-mesh connect finds the first group's stale addresses), so two fits in one process
+under torchrun need a store of their own. Rank 0 writes ``<out_dir>/result.json``.
 
 Example::
 
@@ -39,7 +42,7 @@ def main(out_dir: str) -> None:
         key=lambda p: int(p.name.split("=")[1].split("-")[0]),
     )
     resume = Fit("resume", gtp=2, steps=6, resume_from=str(saved[-1]))
-    results.append(_fit(resume, world, None))
+    results.append(_fit(resume, world, str(out / "resume_store")))
     teardown_fit()
     if int(os.environ["RANK"]) == 0:
         summary = {r["name"]: {k: r[k] for k in ("losses", "global_step")} for r in results}
