@@ -7,6 +7,7 @@ nemo_gtp.engine`` stays free of NeMo / Lightning.
 Example::
 
     from nemo_gtp import GTPMegatronStrategy     # imports nemo_gtp.strategy (and NeMo) here
+    weights = nemo_gtp.full_state_dict(trainer.strategy)  # GTP shards gathered (collective)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ _LAZY = {
     "GTPMetricsCallback": "nemo_gtp.strategy",
     "GTPProgressBar": "nemo_gtp.strategy",
     "SyntheticGPTDataModule": "nemo_gtp.recipes.data",
+    # megatron-core only: usable without NeMo
+    "full_state_dict": "nemo_gtp.integrations.megatron.export",
 }
 
 __all__ = sorted(_LAZY)

@@ -128,6 +128,29 @@ def test_enable_disable_restore_originals() -> None:
     assert torch.cuda.current_device is before["cuda.current_device"]
 
 
+def test_pipeline_with_tied_embeddings_is_rejected() -> None:
+    """PP > 1 with tied embeddings would reach megatron's ``.cuda()``: a clear error instead."""
+    import types
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    def stage(pp: int, tied: bool) -> Any:
+        config = types.SimpleNamespace(pipeline_model_parallel_size=pp)
+        return types.SimpleNamespace(config=config, share_embeddings_and_output_weights=tied)
+
+    enable_cpu_compat(nemo=False)
+    assert "pipeline_tied_embeddings_rejected" in enabled_patches()
+    with pytest.raises(NotImplementedError) as err:
+        LanguageModule.setup_embeddings_and_output_layer(stage(2, tied=True))
+    assert "pipeline_model_parallel_size=2" in str(err.value)
+    assert "share_embeddings_and_output_weights=False" in str(err.value)
+    # untied, or one stage: megatron's own method runs (and trips over the stand-in's missing
+    # modules)
+    for allowed in (stage(2, tied=False), stage(1, tied=True)):
+        with pytest.raises(AttributeError, match="pre_process"):
+            LanguageModule.setup_embeddings_and_output_layer(allowed)
+
+
 def test_refuses_when_cuda_available(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="CPU-only"):

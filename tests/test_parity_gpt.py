@@ -17,7 +17,7 @@ import weakref
 import pytest
 
 from nemo_gtp.testing.cpu_compat import enable_cpu_compat
-from nemo_gtp.testing.gpt_harness import Run, assert_parity, gtp_groups, train
+from nemo_gtp.testing.gpt_harness import Run, assert_parity, gtp_groups, rel_err, train
 from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
 
 # GTPConfig knobs that only act on GTP shards: a run without GTP (the reference) ignores them.
@@ -138,6 +138,48 @@ def _wrong_data_group_worker(rank: int, world: int) -> None:
                 GTPDistributedDataParallel(None, ddp_config, model)
 
 
+def _full_state_dict_case(rank: int, world: int, case: Run) -> int:
+    """``nemo_gtp.full_state_dict`` of a GTP model equals ``state_dict()`` of the same model
+    built without GTP: bit for bit right after the build (identical init), within the parity
+    tolerance after training (same keys, shapes and dtypes throughout)."""
+    import torch
+
+    from nemo_gtp import full_state_dict
+    from nemo_gtp.integrations.megatron import unwrapped_module
+    from nemo_gtp.testing.gpt_harness import build, train_built
+
+    reference_run = _reference_run(case)
+    reference, sharded = build(reference_run), build(case)
+    assert len(sharded["model"].gtp_runtime.params) == 8
+
+    def compare(exact: bool) -> int:
+        want = unwrapped_module(reference["ddp"]).state_dict()
+        got = full_state_dict(sharded["ddp"])  # through the DDP (and Float16Module) wrappers
+        assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+        for key, value in want.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            assert got[key].shape == value.shape and got[key].dtype == value.dtype, key
+            if exact:
+                assert torch.equal(got[key], value), f"{case}: {key} differs after the build"
+            else:
+                err = rel_err(got[key], value)  # the parity metric (Adam amplifies single ulps)
+                assert err <= 1e-5, f"{case}: {key} after training: rel err {err:.2e}"
+        return len(want)
+
+    compare(exact=True)
+    train_built(reference, reference_run)
+    train_built(sharded, case)
+    return compare(exact=False)
+
+
+# TP2 first: the parity cases end at TP2 (megatron's state is rebuilt only when TP changes).
+FULL_STATE_DICT_CASES_4 = [
+    Run(tp=2, gtp=2, steps=3),  # TP2·GTP2
+    Run(gtp=2, steps=3),  # TP1·GTP2·DP2
+]
+
+
 def _cases(runs: list[Run]) -> list:
     return [("setup", _setup, ()), *((f"parity {run}", _parity_case, (run,)) for run in runs)]
 
@@ -150,7 +192,10 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcom
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
-    return run_cases(_cases(CASES_4), 4, tmp_path_factory.mktemp("parity4"))
+    cases = _cases(CASES_4) + [
+        (f"full_state_dict {run}", _full_state_dict_case, (run,)) for run in FULL_STATE_DICT_CASES_4
+    ]
+    return run_cases(cases, 4, tmp_path_factory.mktemp("parity4"))
 
 
 def _check_all(outcomes: dict[str, list[Outcome]], runs: list[Run]) -> None:
@@ -171,3 +216,8 @@ def test_ddp_refuses_groups_that_do_not_match_the_gtp_config(
 
 def test_parity_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:
     _check_all(four_ranks, CASES_4)
+
+
+def test_full_state_dict_equals_the_model_without_gtp(four_ranks: dict[str, list[Outcome]]) -> None:
+    for run in FULL_STATE_DICT_CASES_4:
+        assert all(n > 0 for n in case_values(four_ranks[f"full_state_dict {run}"]))

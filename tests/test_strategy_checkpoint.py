@@ -5,7 +5,8 @@ fresh processes (the first launch is the job that gets killed; it shares its spa
 ``test_strategy.py``'s 4-rank fits):
 
 launch 1
-  ``gtp_20``      TP1·GTP2·DP2, 20 steps uninterrupted (the reference curve)
+  ``gtp_20``      TP1·GTP2·DP2, 20 steps uninterrupted (the reference curve), then
+                  ``trainer.save_checkpoint`` after the fit
   ``gtp_killed``  the same run, NeMo ``ModelCheckpoint`` every 10 steps, stopped after 10
   ``plain_tp1``   plain ``MegatronStrategy`` TP1·DP4, 10 steps, ``ModelCheckpoint`` of the
                   weights (plain megatron cannot describe torch Adam's per-param
@@ -16,6 +17,9 @@ launch 2
                       steps 10..19 within 1e-5 of ``gtp_20``'s
   ``gtp_from_plain``  GTP loads ``plain_tp1``'s checkpoint (weights)
   ``plain_from_gtp``  plain ``MegatronStrategy`` at TP2·DP2 loads ``gtp_killed``'s checkpoint
+  ``gtp_from_save``   GTP resumes from ``gtp_20``'s ``trainer.save_checkpoint`` (weights + Adam)
+  ``gtp_truncated``   resuming from a copy of the step-10 checkpoint with one data file cut in
+                      half fails, naming the checkpoint and the file
 
 A fit whose ``max_steps`` equals the checkpoint's step restores and trains nothing, so its
 weights are exactly what was loaded.
@@ -23,6 +27,7 @@ weights are exactly what was loaded.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +48,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 # Launch 1 needs no fresh processes: it shares its spawn with test_strategy.py's 4-rank fits.
 # Paths are relative to the shared launch's directory.
 FIRST_LAUNCH = [
-    Fit("gtp_20", gtp=2, steps=20),
+    Fit("gtp_20", gtp=2, steps=20, save_to="gtp_20_saved", weights_to="gtp_20.pt"),
     Fit(
         "gtp_killed",
         gtp=2,
@@ -74,6 +79,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     saved = sorted(p for p in ckpts.iterdir() if not p.name.startswith("."))
     assert len(saved) == 1, saved  # one ModelCheckpoint save, at step 10
     plain_ckpt = max(plain_ckpts.iterdir())
+    truncated = root / "truncated" / saved[0].name
+    shutil.copytree(saved[0], truncated)
+    data_files = sorted((truncated / "weights").glob("*.distcp"))
+    cut = max(data_files, key=lambda f: f.stat().st_size)
+    with open(cut, "r+b") as f:
+        f.truncate(cut.stat().st_size // 2)
     second = [  # fresh processes: the resumed job does not share the killed job's
         Fit("gtp_resume", gtp=2, steps=20, resume_from=str(saved[0])),
         Fit("gtp4_resume", gtp=4, steps=20, resume_from=str(saved[0])),
@@ -93,12 +104,29 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             weights_to=str(root / "plain_from_gtp.pt"),
             strategy_kwargs={"ckpt_load_optimizer": False},
         ),
+        Fit(
+            "gtp_from_save",
+            gtp=2,
+            steps=20,
+            resume_from=str(root / "gtp_20_saved"),
+            weights_to=str(root / "gtp_from_save.pt"),
+        ),
+        # last: a failed fit leaves the launch going, but nothing after it is worth the risk
+        Fit("gtp_truncated", gtp=2, steps=20, resume_from=str(truncated), expect_error=True),
     ]
     (root / "launch2").mkdir()
     out2 = run_fits(second, WORLD, root / "launch2")
     results = {fit.name: out1[fit.name][0] for fit in FIRST_LAUNCH}  # rank 0's view
     results.update({fit["name"]: fit for fit in out2[0]})
-    return {"root": root, "saved": saved[0], "plain_ckpt": plain_ckpt, **results}
+    results["gtp_truncated_every_rank"] = [rank[-1] for rank in out2]
+    return {
+        "root": root,
+        "saved": saved[0],
+        "plain_ckpt": plain_ckpt,
+        "truncated": truncated,
+        "cut": cut,
+        **results,
+    }
 
 
 def test_resume_continues_the_uninterrupted_curve_exactly(runs: dict[str, Any]) -> None:
@@ -145,3 +173,23 @@ def test_interop_with_plain_megatron_strategy(
     for name in want:
         assert got[name].shape == want[name].shape, name
         assert torch.equal(got[name], want[name]), f"{loader}: {name} differs from {saver}'s"
+
+
+def test_save_checkpoint_after_fit_resumes(runs: dict[str, Any]) -> None:
+    """``trainer.save_checkpoint`` after ``trainer.fit`` (NeMo's teardown has run) writes the
+    keys of the saves during the fit: weights and Adam state load back unchanged."""
+    root: Path = runs["root"]
+    assert (root / "gtp_20_saved" / "weights" / "metadata.json").is_file()
+    got, want = _weights(root / "gtp_from_save.pt"), _weights(root / "gtp_20.pt")
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name} differs after the reload"
+
+
+def test_truncated_checkpoint_names_the_damaged_file(runs: dict[str, Any]) -> None:
+    cut: Path = runs["cut"]
+    for rank, result in enumerate(runs["gtp_truncated_every_rank"]):
+        error = result["error"]
+        assert error.startswith("CheckpointIncompleteError"), f"rank {rank}: {error[:2000]}"
+        assert str(runs["truncated"] / "weights") in error and "incomplete" in error
+        assert f"{cut.name}: {cut.stat().st_size} bytes" in error, error

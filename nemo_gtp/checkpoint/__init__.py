@@ -6,7 +6,8 @@ Format level (megatron ``dist_checkpointing`` objects; no model knowledge):
   optimizer slice) described as pieces of the unpadded global; :mod:`~nemo_gtp.checkpoint.boxes`
   cuts flat ranges into rectangles.
 - :mod:`~nemo_gtp.checkpoint.io`: :func:`save_checkpoint` (staging dir + commit rename) and
-  :func:`load_checkpoint` (global shapes checked first, :class:`CheckpointShapeMismatchError`).
+  :func:`load_checkpoint` (global shapes checked first, :class:`CheckpointShapeMismatchError`;
+  truncated data files named by :class:`CheckpointIncompleteError`).
 - :mod:`~nemo_gtp.checkpoint.optimizer`: distributed-optimizer format choice and load helpers.
 - :mod:`~nemo_gtp.checkpoint.layout`: :class:`CheckpointLayout`, stored in the common state.
 - ``python -m nemo_gtp.checkpoint.show <dir>``: print layout, keys and global shapes.
@@ -16,8 +17,10 @@ The model side (which entries are GTP shards, replica ids) is
 """
 
 from nemo_gtp.checkpoint.io import (
+    CheckpointIncompleteError,
     CheckpointShapeMismatchError,
     check_global_shapes,
+    damaged_files,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
@@ -34,12 +37,14 @@ from nemo_gtp.checkpoint.pieces import RowMap, RowSegment
 __all__ = [
     "DEFAULT_SHARDING_TYPE",
     "LAYOUT_KEY",
+    "CheckpointIncompleteError",
     "CheckpointLayout",
     "CheckpointShapeMismatchError",
     "RowMap",
     "RowSegment",
     "allocate_state",
     "check_global_shapes",
+    "damaged_files",
     "load_checkpoint",
     "load_optimizer_state",
     "optimizer_sharded_state_dict",

@@ -27,6 +27,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_gtp.checkpoint.layout import LAYOUT_KEY, CheckpointLayout
 
@@ -35,6 +36,75 @@ _COMPLETE_MARKER = "metadata.json"  # megatron writes it last
 
 class CheckpointShapeMismatchError(ValueError):
     """The model's tensors do not have the global shapes stored in the checkpoint."""
+
+
+class CheckpointIncompleteError(RuntimeError):
+    """A checkpoint's data files are shorter than (or missing from) what its metadata records.
+
+    Attributes:
+        checkpoint_dir: the checkpoint's weights directory.
+        damaged: ``{file name: (bytes on disk or None if missing, bytes the metadata needs)}``.
+    """
+
+    def __init__(
+        self, checkpoint_dir: str | Path, damaged: dict[str, tuple[int | None, int]]
+    ) -> None:
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.damaged = damaged
+        lines = [
+            f"  {name}: "
+            + ("missing" if have is None else f"{have} bytes")
+            + f", the metadata needs {need}"
+            for name, (have, need) in sorted(damaged.items())
+        ]
+        super().__init__(
+            f"checkpoint {self.checkpoint_dir} is incomplete (truncated or partly copied): "
+            f"{len(damaged)} data file(s) hold less than its metadata records:\n"
+            + "\n".join(lines)
+            + "\nResume from another checkpoint, or copy these files again; loading with "
+            "ckpt_load_strictness=False does not repair missing tensor data."
+        )
+
+
+def damaged_files(checkpoint_dir: str | Path) -> dict[str, tuple[int | None, int]]:
+    """Data files of a ``torch_dist`` checkpoint shorter than its metadata says (local, cheap).
+
+    Reads only torch DCP's ``.metadata`` (where each tensor's bytes lie: file, offset, length)
+    and the files' sizes. Returns ``{file name: (size on disk or None, size needed)}``, empty
+    for an intact checkpoint or a directory that is not a ``torch_dist`` checkpoint.
+
+    Example::
+
+        damaged_files("ckpts/step=10/weights")  # {"__1_0.distcp": (4096, 53248)}
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(checkpoint_dir)
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception:  # noqa: BLE001 - no readable metadata: nothing to compare against
+        return {}
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    damaged: dict[str, tuple[int | None, int]] = {}
+    for name, need in needed.items():
+        file = path / name
+        have = file.stat().st_size if file.is_file() else None
+        if have is None or have < need:
+            damaged[name] = (have, need)
+    return damaged
+
+
+def raise_if_incomplete(checkpoint_dir: str | Path, error: BaseException) -> None:
+    """Re-raise a failed load's ``error`` as :class:`CheckpointIncompleteError` when data files
+    of ``checkpoint_dir`` are truncated or missing (megatron's own error names neither the
+    checkpoint nor the file); return otherwise, so the caller re-raises ``error`` itself."""
+    damaged = damaged_files(checkpoint_dir)
+    if damaged:
+        raise CheckpointIncompleteError(checkpoint_dir, damaged) from error
 
 
 def staging_dir(checkpoint_dir: str | Path) -> Path:
@@ -156,13 +226,19 @@ def load_checkpoint(
     """Load ``sharded_state_dict`` from a committed checkpoint, checking global shapes first.
 
     Collective. Raises :class:`CheckpointShapeMismatchError` (on every rank) naming each key
-    whose global shape in the checkpoint differs from the model's. The stored layout is removed
+    whose global shape in the checkpoint differs from the model's, and
+    :class:`CheckpointIncompleteError` naming the truncated or missing data files when the load
+    fails on them. The stored layout is removed
     from the returned state dict (read it with :func:`~nemo_gtp.checkpoint.layout.read_layout`).
     """
     path = resolve_checkpoint(checkpoint_dir)
     check_global_shapes(sharded_state_dict, path)
     kwargs = {} if strict is None else {"strict": strict}
-    loaded = dist_checkpointing.load(sharded_state_dict, str(path), **kwargs)
+    try:
+        loaded = dist_checkpointing.load(sharded_state_dict, str(path), **kwargs)
+    except (Exception, CheckpointException) as err:  # the latter is no Exception
+        raise_if_incomplete(path, err)
+        raise
     loaded.pop(LAYOUT_KEY, None)
     return loaded
 

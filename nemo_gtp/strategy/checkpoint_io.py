@@ -25,17 +25,21 @@ shows the layout it was saved with.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from nemo.lightning.io.pl import MegatronCheckpointIO, ckpt_to_weights_subdir
+from nemo.lightning.megatron_parallel import getattr_proxy
+from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_gtp.checkpoint.io import (
     check_global_shapes,
     is_complete,
     previous_dir,
+    raise_if_incomplete,
     save_checkpoint,
 )
 from nemo_gtp.checkpoint.layout import LAYOUT_KEY
@@ -65,10 +69,34 @@ def install_gtp_sharded_state_dict(megatron_parallel: Any, groups: GTPGroups) ->
 
     @functools.wraps(current)
     def gtp_sharded_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        return make_gtp_sharded_state_dict(current(*args, **kwargs), groups)
+        with _ddp_attribute_forwarding(megatron_parallel):
+            return make_gtp_sharded_state_dict(current(*args, **kwargs), groups)
 
     gtp_sharded_state_dict.gtp_aware = True  # type: ignore[attr-defined]
     megatron_parallel.sharded_state_dict = gtp_sharded_state_dict
+
+
+@contextlib.contextmanager
+def _ddp_attribute_forwarding(megatron_parallel: Any) -> Iterator[None]:
+    """NeMo's attribute forwarding from each model chunk to its DDP, as during the fit.
+
+    ``MegatronParallel.sharded_state_dict`` finds the model's ``sharded_state_dict`` through
+    that forwarding; the strategy's teardown (end of ``trainer.fit``) removes it, and the method
+    then falls back to a ``module.`` prefix per wrapper level: ``trainer.save_checkpoint`` after
+    the fit wrote ``module.module.*`` keys no load finds. With the forwarding back for the call,
+    the keys are those of every save during the fit.
+    """
+    restored = []
+    for chunk in megatron_parallel:
+        cls = type(chunk)
+        if hasattr(chunk, "original_getattr") and cls.__getattr__ is not getattr_proxy:
+            restored.append((cls, cls.__getattr__))
+            cls.__getattr__ = getattr_proxy
+    try:
+        yield
+    finally:
+        for cls, original in reversed(restored):
+            cls.__getattr__ = original
 
 
 def gtp_sharded_state_dict_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -157,10 +185,20 @@ class GTPCheckpointIO(MegatronCheckpointIO):
         map_location: Any = None,
         strict: Any = None,
     ) -> dict[str, Any]:
-        """Shape-check, then NeMo's load; falls back to a checkpoint a crashed commit set aside."""
+        """Shape-check, then NeMo's load; falls back to a checkpoint a crashed commit set aside.
+
+        A load that fails on truncated or missing data files raises
+        :class:`~nemo_gtp.checkpoint.io.CheckpointIncompleteError` naming the checkpoint and
+        the files (megatron's ``CheckpointException`` names neither).
+        """
         path = _committed(Path(path))
-        check_global_shapes(sharded_state_dict, ckpt_to_weights_subdir(path, is_saving=False))
-        loaded = super().load_checkpoint(path, sharded_state_dict, map_location, strict)
+        weights = ckpt_to_weights_subdir(path, is_saving=False)
+        check_global_shapes(sharded_state_dict, weights)
+        try:
+            loaded = super().load_checkpoint(path, sharded_state_dict, map_location, strict)
+        except (Exception, CheckpointException) as err:  # the latter is no Exception
+            raise_if_incomplete(weights, err)
+            raise
         loaded.pop(LAYOUT_KEY, None)
         return loaded
 

@@ -11,7 +11,8 @@ Hooks, in the order NeMo / Lightning run them:
 ``connect``                  CUDA-graph warmup >= 2 on the model config (design §2.4)
 ``setup_distributed``        NeMo's process groups, then the GTP groups (design §3.1); TE linears
                              of the config's layer spec set to build as their shard
-``setup``                    NeMo's setup (fit only); adds :class:`GTPDrainCallback`
+``setup``                    NeMo's setup (fit only); adds :class:`GTPDrainCallback`; NeMo's
+                             telemetry configured as ``llm.train`` does (plain ``trainer.fit``)
 ``init_model_parallel``      precision conversion -> ``shard_model`` -> GTP-aware megatron DDP
 ``setup_optimizers``         megatron optimizer over the GTP process groups (design §3.2)
 ``on_train_start``           GTP-aware ``finalize_model_grads``; the one-line config log (§2.3)
@@ -80,6 +81,28 @@ def gtp_banner(config: GTPConfig, dims: GTPParallelDims) -> str:
         f"dp={dims.dp} (num_weight_shards={dims.num_weight_shards}, data-parallel ranks "
         f"DP x GTP={dims.data_parallel_size})"
     )
+
+
+def configure_nemo_telemetry(trainer: pl.Trainer) -> None:
+    """Give NeMo's one-logger telemetry the training config ``llm.train`` would have given it.
+
+    NeMo's telemetry is enabled on the process whose ``RANK`` is 0 when NeMo is imported (any
+    external launcher: torchrun, Slurm) and needs a training config before the first
+    ``ModelCheckpoint`` save; only ``llm.train`` sets it. A plain ``trainer.fit`` (the README's
+    pattern) then died at that save with ``OneLoggerError: Training telemetry config must be
+    set before the start of training`` on rank 0, the other ranks with ``Connection closed by
+    peer``. Sets it the way ``llm.train`` does (NeMo's ``CallbackGroup.update_config``, which
+    also attaches NeMo's telemetry callback to the trainer); a no-op once it is set.
+    """
+    from nemo.lightning.callback_group import CallbackGroup
+    from nv_one_logger.training_telemetry.api.training_telemetry_provider import (
+        TrainingTelemetryProvider,
+    )
+
+    group = CallbackGroup.get_instance()  # first: it configures the telemetry provider
+    if TrainingTelemetryProvider.instance().config.telemetry_config is not None:
+        return
+    group.update_config(nemo_version="v2", trainer=trainer, data=trainer.datamodule)
 
 
 class GTPMegatronStrategy(MegatronStrategy):
@@ -257,6 +280,7 @@ class GTPMegatronStrategy(MegatronStrategy):
                 f"{self.num_weight_shards}) is not supported yet: validate inside trainer.fit, "
                 "or use num_weight_shards=tensor_model_parallel_size"
             )
+        configure_nemo_telemetry(trainer)
         if self.gtp_enabled and not any(isinstance(c, GTPDrainCallback) for c in trainer.callbacks):
             trainer.callbacks.append(GTPDrainCallback())
         super().setup(trainer)

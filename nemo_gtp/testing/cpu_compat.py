@@ -60,6 +60,11 @@ distopt_type_dispatch       megatron/core/optimizer/distrib_optimizer.py:
                             DistributedOptimizer.__init__ (incl. _build_model_and_main_
                             param_groups); optimizer.py:Float16OptimizerWithFloat16Params
                             (bf16/fp16) -> constructors run under CUDA names
+pipeline_tied_embeddings_   megatron/core/models/common/language_module/language_module.py:
+rejected                    LanguageModule.setup_embeddings_and_output_layer (PP > 1 with
+                            tied embeddings: ``.cuda()``) -> ``NotImplementedError`` naming
+                            ``pipeline_model_parallel_size`` and
+                            ``share_embeddings_and_output_weights``
 nemo_random_seed (NeMo)     nemo/lightning/megatron_init.py:_set_random_seed (skips the
                             tracker without GPUs) -> also seeds the CPU tracker
 nemo_strategy_logging       nemo/lightning/pytorch/strategies/megatron_strategy.py:
@@ -689,6 +694,38 @@ def _patch_distopt_type_dispatch(patcher: _Patcher) -> None:
         mcore_optimizer.Float16OptimizerWithFloat16Params,
     ):
         patcher.set(cls, "__init__", _under_cuda_type_names(cls.__dict__["__init__"]))
+
+
+@_register(
+    "megatron/core/models/common/language_module/language_module.py:LanguageModule."
+    "setup_embeddings_and_output_layer (.cuda() of the tied embedding under PP)"
+)
+def _patch_pipeline_tied_embeddings_rejected(patcher: _Patcher) -> None:
+    """Pipeline parallelism with tied input/output embeddings: rejected with a clear error.
+
+    With ``pipeline_model_parallel_size > 1`` and ``share_embeddings_and_output_weights=True``
+    megatron copies the embedding to the last stage through ``weight.data.cuda()`` and an
+    all-reduce; on a CPU-only torch that dies inside torch's CUDA init. This names the two
+    settings instead (a check, not a CPU port: the embedding-grad all-reduce is CUDA-bound too).
+    """
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.__dict__["setup_embeddings_and_output_layer"]
+
+    @functools.wraps(original)
+    def setup_embeddings_and_output_layer(self: Any) -> None:
+        pp = self.config.pipeline_model_parallel_size  # what megatron's method branches on
+        if self.share_embeddings_and_output_weights and pp > 1:
+            raise NotImplementedError(
+                f"pipeline_model_parallel_size={pp} with share_embeddings_and_output_weights=True"
+                " does not run on CPU (megatron moves the tied embedding to CUDA to copy it to "
+                "the last pipeline stage): set share_embeddings_and_output_weights=False or "
+                "pipeline_model_parallel_size=1"
+            )
+        original(self)
+
+    name = "setup_embeddings_and_output_layer"
+    patcher.set(LanguageModule, name, setup_embeddings_and_output_layer)
 
 
 @_register(

@@ -45,12 +45,16 @@ class Fit:
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
     # checkpoints (relative paths are under the run's ``out_dir``): NeMo ModelCheckpoint every n
     # steps into ``checkpoint_dir``; stop (as if killed) after ``stop_after`` steps;
-    # ``trainer.fit(ckpt_path=resume_from)``; full weights to ``weights_to`` after the fit.
+    # ``trainer.fit(ckpt_path=resume_from)``; full weights to ``weights_to`` after the fit;
+    # ``trainer.save_checkpoint(save_to)`` after the fit. ``expect_error``: the fit must fail;
+    # its result is ``{"name", "error"}`` and the launch goes on with the next fit.
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     stop_after: int | None = None
     resume_from: str | None = None
     weights_to: str | None = None
+    save_to: str | None = None
+    expect_error: bool = False
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -158,18 +162,26 @@ def _stopper(steps: int) -> Any:
 def full_weights(strategy: Any) -> dict[str, torch.Tensor]:
     """Every parameter of the (single-chunk) model as the full logical tensor, on every rank.
 
-    GTP shards are gathered over the GTP group (pad rows dropped), then TP pieces concatenated
-    along their partition dim, so runs of any layout compare bit for bit.
+    :func:`nemo_gtp.full_state_dict` (GTP shards gathered, pad rows dropped), then TP pieces
+    concatenated along their partition dim, so runs of any layout compare bit for bit.
     """
-    from nemo_gtp.testing.ckpt_harness import gather_logical
+    import torch.distributed as dist
+    from megatron.core import parallel_state
 
-    model = strategy.megatron_parallel[0].module.module  # lightning module -> DDP -> GPTModel
-    groups = getattr(strategy, "gtp_groups", None)  # plain MegatronStrategy has none
-    gtp_group = groups.gtp if groups is not None else None
-    return {
-        name: gather_logical(name, param, param.data, gtp_group)
-        for name, param in model.named_parameters()
-    }
+    from nemo_gtp import full_state_dict
+    from nemo_gtp.integrations.megatron import unwrapped_module
+
+    full = full_state_dict(strategy)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, param in unwrapped_module(strategy).named_parameters():
+        tensor = full[name].contiguous()
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            parts = [torch.empty_like(tensor) for _ in range(tp)]
+            dist.all_gather(parts, tensor, group=parallel_state.get_tensor_model_parallel_group())
+            tensor = torch.cat(parts, dim=param.partition_dim)
+        out[name] = tensor.clone()
+    return out
 
 
 # ---------------------------------------------------------------------------------- one fit
@@ -219,7 +231,7 @@ def _gpt_config(tp: int) -> Any:
     )
 
 
-def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
+def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
@@ -272,7 +284,8 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
         strategy = GTPMegatronStrategy(num_weight_shards=fit.tp * fit.gtp, **kwargs)
     else:
         strategy = nl.MegatronStrategy(**kwargs)
-    strategy.store = dist.FileStore(store_path, world)  # rendezvous without a TCP port
+    if store_path is not None:  # rendezvous without a TCP port; None: the launcher's env://
+        strategy.store = dist.FileStore(store_path, world)
     recorder, memory_logger = _make_callbacks()
     metrics_cb = GTPMetricsCallback() if fit.metrics else None
     callbacks = [recorder] + ([metrics_cb] if metrics_cb else [])
@@ -309,6 +322,8 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
         trainer.fit(model, datamodule=data, ckpt_path=fit.resume_from)
     finally:
         logging.getLogger("nemo_logger").removeHandler(catcher)
+    if fit.save_to:
+        trainer.save_checkpoint(fit.save_to)
     if fit.weights_to:
         weights = full_weights(strategy)
         if dist.get_rank() == 0:
@@ -360,7 +375,8 @@ def _fit(fit: Fit, world: int, store_path: str) -> dict[str, Any]:
 
 def _under(fit: Fit, out_dir: str) -> Fit:
     """``fit`` with its relative checkpoint / weight paths made absolute under ``out_dir``."""
-    paths = {key: getattr(fit, key) for key in ("checkpoint_dir", "resume_from", "weights_to")}
+    keys = ("checkpoint_dir", "resume_from", "weights_to", "save_to")
+    paths = {key: getattr(fit, key) for key in keys}
     return dataclasses.replace(
         fit,
         **{
@@ -369,6 +385,13 @@ def _under(fit: Fit, out_dir: str) -> Fit:
             if value is not None and not Path(value).is_absolute()
         },
     )
+
+
+def _report(fit: Fit, rank: int, out_dir: str) -> None:
+    import traceback
+
+    report = f"fit {fit.name}: {traceback.format_exc()}"
+    Path(out_dir, f"error{rank}.txt").write_text(report)
 
 
 def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
@@ -391,15 +414,20 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             NODE_RANK="0",
         )
         try:
-            results.append(_fit(fit, world, str(Path(out_dir, f"store{index}"))))
+            result = _fit(fit, world, str(Path(out_dir, f"store{index}")))
+        except Exception as err:
+            if not fit.expect_error:
+                _report(fit, rank, out_dir)
+                raise
+            result = {"name": fit.name, "error": f"{type(err).__name__}: {err}"}
         except BaseException:
-            import traceback
-
-            report = f"fit {fit.name}: {traceback.format_exc()}"
-            Path(out_dir, f"error{rank}.txt").write_text(report)
+            _report(fit, rank, out_dir)
             raise
         finally:
             teardown_fit()
+        if fit.expect_error and "error" not in result:
+            raise AssertionError(f"fit {fit.name} was expected to fail but succeeded")
+        results.append(result)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 

@@ -12,6 +12,8 @@ The touch points of design §3.1 and §3.2, on megatron-core 0.15 which has no G
 - :class:`GTPDistributedDataParallel`: grad-ready hooks of GTP params fired by the runtime.
 - :func:`make_finalize_model_grads`: drains GTP reduce-scatters, runs megatron's finalize, then
   completes the GTP axis for replicated params.
+- :func:`full_state_dict`: the model's state dict as a run without GTP has it (GTP shards
+  all-gathered and unpadded).
 """
 
 from nemo_gtp.integrations.megatron.checkpoint import (
@@ -21,6 +23,7 @@ from nemo_gtp.integrations.megatron.checkpoint import (
     save_gtp_checkpoint,
 )
 from nemo_gtp.integrations.megatron.ddp import GTPDDPMixin, GTPDistributedDataParallel
+from nemo_gtp.integrations.megatron.export import full_state_dict, unwrapped_module
 from nemo_gtp.integrations.megatron.finalize import (
     allreduce_replicated_grads,
     make_finalize_model_grads,
@@ -47,6 +50,7 @@ __all__ = [
     "GTPShardPlan",
     "allreduce_replicated_grads",
     "default_should_shard",
+    "full_state_dict",
     "gtp_layer_spec",
     "gtp_process_groups",
     "gtp_sharded_state_dict",
@@ -61,5 +65,6 @@ __all__ = [
     "replace_modules_in_spec",
     "save_gtp_checkpoint",
     "shard_model",
+    "unwrapped_module",
     "validate_model_config_for_gtp",
 ]

@@ -1,0 +1,54 @@
+"""The README's "Use it from NeMo" pattern under an external launcher (torchrun, Slurm), on CPU.
+
+An external launcher sets ``RANK`` before NeMo is imported, which switches NeMo's one-logger
+telemetry on for rank 0; a plain ``trainer.fit`` then needs ``GTPMegatronStrategy`` to give it
+its training config (``configure_nemo_telemetry``) before the first ``ModelCheckpoint`` save.
+Each rank runs two fits of ``strategy_harness``'s tiny GPT at TP1·GTP2·DP(world/2): 4 steps
+with a ``ModelCheckpoint`` every 2 steps (rendezvous through torchrun's ``env://``), then, after
+``teardown_fit``, a resume from the last checkpoint to step 6. The resume meets through a
+``FileStore``: a second ``init_process_group`` in one process on torchrun's agent store fails
+(gloo's full-mesh connect finds the first group's stale addresses), so two fits in one process
+under torchrun need a store of their own. Rank 0 writes ``<out_dir>/result.json``.
+
+Example::
+
+    torchrun --nproc-per-node 4 --master-port 29511 -m nemo_gtp.testing.torchrun_fit /tmp/out
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(out_dir: str) -> None:
+    """Train, checkpoint, resume (see the module docstring); rank 0 writes ``result.json``."""
+    import torch
+
+    from nemo_gtp.recipes.launch import teardown_fit
+    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+    from nemo_gtp.testing.strategy_harness import Fit, _fit
+
+    torch.set_num_threads(1)
+    enable_cpu_compat()
+    world, out = int(os.environ["WORLD_SIZE"]), Path(out_dir)
+    first = Fit("first", gtp=2, steps=4, checkpoint_every=2, checkpoint_dir=str(out / "ckpts"))
+    results = [_fit(first, world, None)]
+    teardown_fit()
+    saved = sorted(
+        (p for p in (out / "ckpts").iterdir() if p.name.startswith("step=")),
+        key=lambda p: int(p.name.split("=")[1].split("-")[0]),
+    )
+    resume = Fit("resume", gtp=2, steps=6, resume_from=str(saved[-1]))
+    results.append(_fit(resume, world, str(out / "resume_store")))
+    teardown_fit()
+    if int(os.environ["RANK"]) == 0:
+        summary = {r["name"]: {k: r[k] for k in ("losses", "global_step")} for r in results}
+        summary["checkpoints"] = [p.name for p in saved]
+        (out / "result.json").write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
