@@ -20,6 +20,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -171,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:  # a user error: one line, no traceback, before any worker
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
-    quiet_known_warnings()  # inherited by nothing: every process started below installs it
+    quiet_known_warnings()  # not inherited: every process started below installs it too
+    if str(cfg.trainer.get("accelerator", "")) == "cpu":  # type: ignore[attr-defined]
+        # No NCCL, so no flight recorder to quiet; set the new name so GTP's quiet_flight_recorder
+        # leaves the deprecated TORCH_NCCL_TRACE_BUFFER_SIZE alone (torch warns per rank on it).
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     if args.compare_baseline:
         try:
             return _compare(args.config, args.overrides, cfg)
