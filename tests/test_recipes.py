@@ -55,3 +55,53 @@ def test_main_job_gtp_matches_baseline_in_one_launch() -> None:
     assert max(float(r[3]) for r in rows) <= 1e-5, result.stdout
     assert float(rows[-1][1]) < float(rows[0][1])  # the loss goes down
     assert "GTP (TP1·GTP2)" in result.stdout and "baseline (TP1, no GTP)" in result.stdout
+    verdict = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"VERDICT: GTP matches the baseline \(max rel loss diff \S+ over 5 steps, tolerance "
+        r"1e-05\); step time GTP/baseline [\d.]+",
+        verdict,
+    ), verdict
+
+
+def test_progress_line_times_gtp_waits_only_on_printed_steps() -> None:
+    """One line per log_every_n_steps on rank 0: step, loss, step time, tokens/s, exposed share."""
+    import contextlib
+    import io
+    import types
+
+    import torch
+
+    from nemo_gtp.engine.timing import ExposedWaitTimer
+    from nemo_gtp.recipes.loader import ProgressLog
+
+    timer = ExposedWaitTimer()
+    runtime = types.SimpleNamespace(wait_timer=timer)
+    trainer = types.SimpleNamespace(
+        global_rank=0,
+        global_step=0,
+        max_steps=4,
+        callbacks=[],
+        ckpt_path=None,
+        callback_metrics={"reduced_train_loss": torch.tensor(3.5)},
+        strategy=types.SimpleNamespace(gtp_runtimes=[runtime]),
+    )
+    log, out = ProgressLog(tokens_per_step=512, every_n_steps=2), io.StringIO()
+    enabled = []
+    with contextlib.redirect_stdout(out):
+        for _ in range(4):
+            log.on_train_batch_start(trainer)
+            enabled.append(timer.enabled)
+            timer.timed_wait(lambda: None, "gather", torch.device("cpu"))
+            trainer.global_step += 1
+            log.on_train_batch_end(trainer)
+        trainer.global_step = 7
+        log.on_train_start(trainer)
+    assert enabled == [False, True, False, True] and not timer.enabled
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3, lines
+    assert re.fullmatch(
+        r"step 2/4 \| loss 3\.50000 \| [\d.]+ ms \| [\d,]+ tokens/s \| GTP exposed comm [\d.]+%",
+        lines[0],
+    ), lines[0]
+    assert lines[1].startswith("step 4/4 | loss 3.50000")
+    assert lines[2] == "resumed at step 7 from None"

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:  # imported in build(): the sizes are pure arithmetic, checked without torch
+    import torch.distributed as dist
 
 _DENSE_AXES = ("tp", "gtp", "cp", "dp", "pp")
 _EXPERT_AXES = ("etp", "ep", "egtp", "edp", "pp")
@@ -289,6 +291,8 @@ class GTPParallelDims:
         ``gtp_pg_options`` (e.g. ``ProcessGroupNCCL.Options`` with a high-priority stream or
         ``config.max_ctas``) applies to the GTP groups only, whose gathers run beside the GEMMs.
         """
+        import torch.distributed as dist
+
         if not dist.is_initialized():
             raise RuntimeError("GTPParallelDims.build() needs torch.distributed initialized first")
         if dist.get_world_size() != self._world("build()"):

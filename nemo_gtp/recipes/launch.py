@@ -114,6 +114,9 @@ def _read_log(path: Path) -> list[dict]:
 
 def _rank_main(spec_path: str) -> None:
     """One rank: every run of the spec in order, torn down in between."""
+    from nemo_gtp.recipes.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # before NeMo / megatron import: most of the noise is import time
     import torch.distributed as dist
 
     from nemo_gtp.recipes.loader import LossLog, build_fit, load_recipe

@@ -30,6 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_gtp.recipes.config import load_recipe  # noqa: F401  (re-exported)
+from nemo_gtp.recipes.validate import ACTIVATIONS, validate_recipe
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,7 +54,8 @@ def _plain(section: Any) -> dict[str, Any]:
 
 
 def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
-    """Build trainer, GPT model and data module from a loaded recipe."""
+    """Build trainer, GPT model and data module from a loaded recipe (checked first)."""
+    validate_recipe(cfg)  # raises RecipeError naming the key; cheap, no collective
     if cfg.get("cpu_compat", False):
         from nemo_gtp.testing.cpu_compat import enable_cpu_compat
 
@@ -76,6 +78,8 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
     for key in ("params_dtype", "pipeline_dtype"):
         if key in model_cfg:
             model_cfg[key] = _DTYPES[model_cfg[key]]
+    if isinstance(model_cfg.get("activation_func"), str):  # YAML holds names, GPTConfig callables
+        model_cfg["activation_func"] = resolve_activation(model_cfg["activation_func"])
     if cfg.get("cpu_compat", False):
         from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
 
@@ -109,6 +113,24 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
         plugins.append(nl.MegatronMixedPrecision(precision="bf16-mixed"))
     trainer = nl.Trainer(strategy=strategy, plugins=plugins, callbacks=callbacks, **trainer_kwargs)
     return Fit(trainer, model, data, ckpt_path=cfg.get("resume"))
+
+
+def resolve_activation(name: str) -> Any:
+    """The callable behind a recipe's ``model.activation_func`` name.
+
+    ``silu`` / ``gelu`` / ``relu`` are ``torch.nn.functional``'s, ``squared_relu`` megatron's;
+    with ``model.gated_linear_unit: true``, ``silu`` makes SwiGLU. Example::
+
+        resolve_activation("silu")  # torch.nn.functional.silu
+    """
+    import importlib
+
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"model.activation_func={name!r} is not supported: use one of {', '.join(ACTIVATIONS)}"
+        )
+    module, _, attr = ACTIVATIONS[name].rpartition(".")
+    return getattr(importlib.import_module(module), attr)
 
 
 def default_layer_spec_name() -> str:
@@ -191,3 +213,71 @@ class LossLog(pl.Callback):
             record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+class ProgressLog(pl.Callback):
+    """Global rank 0 prints one line every ``trainer.log_every_n_steps`` steps (and the last).
+
+    ``step 10/30 | loss 3.97967 | 85.2 ms | 7,520 tokens/s | GTP exposed comm 12.3%``: the
+    loss is NeMo's ``reduced_train_loss``, the step time rank 0's wall time of that step, tokens
+    per second ``global_batch_size x seq_length`` over it. With GTP on, the exposed-communication
+    share is rank 0's stall on GTP collectives over the step (design §3.1 "Overlap design"),
+    timed only in the steps that print, so the other steps pay nothing for it (on GPU the timer
+    records CUDA events around each wait). A resumed fit first prints the step it resumed from.
+
+    Example::
+
+        fit = build_fit(cfg, callbacks=[ProgressLog(tokens_per_step=16 * 32)])
+    """
+
+    def __init__(self, tokens_per_step: int, every_n_steps: int = 1) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.every = max(1, every_n_steps)
+        self._start = 0.0
+        self._timed: list[Any] = []
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 0 and trainer.global_step > 0:
+            print(f"resumed at step {trainer.global_step} from {trainer.ckpt_path}", flush=True)
+
+    def _prints(self, trainer: pl.Trainer, step: int) -> bool:
+        return step % self.every == 0 or step == trainer.max_steps
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        from nemo_gtp.strategy.callbacks import GTPMetricsCallback, gtp_runtimes
+
+        self._timed = []
+        if trainer.global_rank != 0 or not self._prints(trainer, trainer.global_step + 1):
+            return
+        if not any(isinstance(c, GTPMetricsCallback) for c in trainer.callbacks):
+            self._timed = [r for r in gtp_runtimes(trainer) if not r.wait_timer.enabled]
+            for runtime in self._timed:
+                runtime.wait_timer.enable()
+                runtime.wait_timer.collect()  # drop what accumulated outside this step
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        from nemo_gtp.strategy.callbacks import GTPMetricsCallback, gtp_runtimes
+
+        step = trainer.global_step
+        if trainer.global_rank != 0 or not self._prints(trainer, step):
+            return
+        exposed = None
+        if self._timed:
+            exposed = sum(sum(r.wait_timer.collect().values()) for r in self._timed)
+            for runtime in self._timed:
+                runtime.wait_timer.enable(False)
+        seconds = time.perf_counter() - self._start  # after collect(): CUDA work is done
+        if exposed is None and gtp_runtimes(trainer):  # a GTPMetricsCallback times every step
+            for callback in trainer.callbacks:
+                if isinstance(callback, GTPMetricsCallback) and callback.last_metrics:
+                    exposed = callback.last_metrics["gtp/exposed_comm_s"]
+        loss = trainer.callback_metrics.get("reduced_train_loss")
+        loss_text = f"{float(loss):.5f}" if loss is not None else "n/a"
+        line = (
+            f"step {step}/{trainer.max_steps} | loss {loss_text} | {1000 * seconds:.1f} ms | "
+            f"{self.tokens_per_step / seconds:,.0f} tokens/s"
+        )
+        if exposed is not None:
+            line += f" | GTP exposed comm {100 * min(1.0, exposed / seconds):.1f}%"
+        print(line, flush=True)

@@ -27,8 +27,8 @@ def validate_ddp_config(ddp_config: Any) -> None:
 def validate_strategy_args(args: dict[str, Any], gtp_size: int) -> None:
     """Check ``MegatronStrategy`` arguments (all of them, defaults applied) against GTP.
 
-    Sizes are :class:`~nemo_gtp.engine.grid.GTPParallelDims`'s; this checks DDP, FSDP and the
-    rank-order mapping.
+    Sizes are :class:`~nemo_gtp.engine.grid.GTPParallelDims`'s; this checks DDP, FSDP, the
+    rank-order mapping and the checkpoint format.
 
     Example::
 
@@ -54,6 +54,13 @@ def validate_strategy_args(args: dict[str, Any], gtp_size: int) -> None:
         raise ValueError(
             "use_tp_pp_dp_mapping=True is not supported with GTP: GTP needs megatron's default "
             "'tp-cp-ep-dp-pp' rank order so that megatron's data-parallel group is DP x GTP"
+        )
+    fmt = args.get("save_ckpt_format", "torch_dist")
+    if fmt != "torch_dist":
+        # Else zarr (deprecated in megatron) is accepted here and fails at the first save.
+        raise ValueError(
+            f"save_ckpt_format={fmt!r} is not supported with GTP: use save_ckpt_format="
+            "'torch_dist' (GTP checkpoints are megatron torch_dist, design §3.3)"
         )
 
 

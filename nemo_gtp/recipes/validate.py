@@ -1,0 +1,310 @@
+"""Recipe checks the CLI runs in the parent process, before any worker is launched.
+
+Each check raises :class:`RecipeError` (a ``ValueError``) with one line that names the recipe
+key and the fix, so a typo costs a second instead of a multi-process NeMo start-up. Nothing here
+imports torch or NeMo: the sizes are :class:`~nemo_gtp.engine.grid.GTPParallelDims`'s and the
+``gtp`` keys :class:`~nemo_gtp.engine.config.GTPConfig`'s, both loaded from their (pure-Python)
+modules without the ``nemo_gtp.engine`` package, whose ``__init__`` pulls torch.
+
+Example::
+
+    cfg = load_recipe("configs/tiny_cpu.yaml", ["strategy.num_weight_shards=3"])
+    validate_recipe(cfg)  # RecipeError: ... change strategy.num_weight_shards or trainer.devices
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_gtp.recipes.config import RecipeError
+
+SECTIONS = (
+    "cpu_compat",
+    "precision",
+    "trainer",
+    "strategy",
+    "ddp",
+    "gtp",
+    "model",
+    "data",
+    "optim",
+    "checkpoint",
+    "resume",
+)
+CHECKPOINT_KEYS = ("dir", "every_n_train_steps")
+LAYER_SPECS = ("te", "local")
+PRECISIONS = ("32", "bf16-mixed")
+DATASETS = ("arithmetic", "random")
+DTYPES = ("float32", "bfloat16", "float16")
+# model.activation_func names -> dotted path of the callable (loader.resolve_activation).
+ACTIVATIONS = {
+    "silu": "torch.nn.functional.silu",
+    "gelu": "torch.nn.functional.gelu",
+    "relu": "torch.nn.functional.relu",
+    "squared_relu": "megatron.core.activations.squared_relu",
+}
+
+_INT, _FLOAT, _BOOL, _STR = "an integer", "a number", "true or false", "a string"
+# Keys with a known type; "+" in the kind: must also be >= 1.
+TYPED: dict[str, str] = {
+    "cpu_compat": _BOOL,
+    "trainer.max_steps": _INT,
+    "trainer.devices": _INT + "+",
+    "trainer.num_nodes": _INT + "+",
+    "trainer.log_every_n_steps": _INT + "+",
+    "trainer.num_sanity_val_steps": _INT,
+    "trainer.enable_checkpointing": _BOOL,
+    "trainer.enable_progress_bar": _BOOL,
+    "trainer.use_distributed_sampler": _BOOL,
+    "strategy.tensor_model_parallel_size": _INT + "+",
+    "strategy.num_weight_shards": _INT + "+",
+    "strategy.context_parallel_size": _INT + "+",
+    "strategy.pipeline_model_parallel_size": _INT + "+",
+    "strategy.expert_model_parallel_size": _INT + "+",
+    "strategy.expert_tensor_parallel_size": _INT + "+",
+    "strategy.num_distributed_optimizer_instances": _INT + "+",
+    "strategy.ckpt_async_save": _BOOL,
+    "strategy.save_ckpt_format": _STR,
+    "strategy.process_group_backend": _STR,
+    "ddp.use_distributed_optimizer": _BOOL,
+    "ddp.overlap_grad_reduce": _BOOL,
+    "ddp.overlap_param_gather": _BOOL,
+    "ddp.grad_reduce_in_fp32": _BOOL,
+    "ddp.average_in_collective": _BOOL,
+    "model.num_layers": _INT + "+",
+    "model.hidden_size": _INT + "+",
+    "model.ffn_hidden_size": _INT + "+",
+    "model.num_attention_heads": _INT + "+",
+    "model.num_query_groups": _INT + "+",
+    "model.hidden_dropout": _FLOAT,
+    "model.attention_dropout": _FLOAT,
+    "model.gated_linear_unit": _BOOL,
+    "model.add_bias_linear": _BOOL,
+    "model.bf16": _BOOL,
+    "data.vocab_size": _INT + "+",
+    "data.seq_length": _INT + "+",
+    "data.micro_batch_size": _INT + "+",
+    "data.global_batch_size": _INT + "+",
+    "data.num_train_samples": _INT + "+",
+    "optim.lr": _FLOAT,
+    "optim.min_lr": _FLOAT,
+    "optim.weight_decay": _FLOAT,
+    "optim.clip_grad": _FLOAT,
+    "optim.bf16": _BOOL,
+    "optim.use_distributed_optimizer": _BOOL,
+    "checkpoint.dir": _STR,
+    "checkpoint.every_n_train_steps": _INT + "+",
+}
+_GTP_KINDS = {"int": _INT, "bool": _BOOL, "str": _STR, "float": _FLOAT}
+_EXAMPLES = {_INT: "2", _FLOAT: "0.001", _BOOL: "true", _STR: "name"}
+
+
+def _engine_module(name: str) -> ModuleType:
+    """``nemo_gtp.engine.<name>`` (pure Python), without importing the torch-heavy package."""
+    loaded = sys.modules.get(f"nemo_gtp.engine.{name}")
+    if loaded is not None:
+        return loaded
+    alias = f"_nemo_gtp_recipe_check_{name}"
+    if alias in sys.modules:
+        return sys.modules[alias]
+    path = Path(__file__).resolve().parents[1] / "engine" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(alias, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = module  # dataclasses look their module up while building the class
+    spec.loader.exec_module(module)
+    return module
+
+
+def gtp_config_fields() -> dict[str, str]:
+    """``GTPConfig`` field name -> expected kind (``"an integer"``, ...)."""
+    config = _engine_module("config").GTPConfig
+    return {f.name: _GTP_KINDS.get(str(f.type), _STR) for f in dataclasses.fields(config)}
+
+
+def _did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _has_kind(value: Any, kind: str) -> bool:
+    if kind.startswith(_INT):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == _FLOAT:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def _check_type(key: str, value: Any, kind: str) -> None:
+    if value is None:
+        return  # None means the library default wherever a recipe may leave a key unset
+    base = kind.rstrip("+")
+    if not _has_kind(value, kind):
+        raise RecipeError(
+            f"{key}={value!r} must be {base}: set e.g. {key}={_EXAMPLES.get(base, '...')}"
+        )
+    if kind.endswith("+") and value < 1:
+        raise RecipeError(f"{key}={value!r} must be >= 1: set e.g. {key}=1")
+
+
+def _plain(cfg: DictConfig) -> dict[str, Any]:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except Exception as err:  # an unresolvable ${...} interpolation
+        raise RecipeError(f"recipe: {err}".splitlines()[0]) from None
+
+
+def validate_recipe(cfg: DictConfig) -> None:
+    """Reject what would fail only after the workers started (or would silently do nothing).
+
+    Checks: top-level sections; ``gtp`` and ``checkpoint`` keys; the types of known keys;
+    ``precision``, ``data.dataset``, ``model.layer_spec``, ``model.activation_func`` and dtype
+    names; the parallel sizes against the world size (``trainer.devices x trainer.num_nodes``);
+    the global batch against micro x (DP x GTP); ``strategy.save_ckpt_format``; ``resume``.
+    """
+    raw = _plain(cfg)
+    for section in raw:
+        if section not in SECTIONS:
+            raise RecipeError(
+                f"unknown recipe section {section!r}{_did_you_mean(section, SECTIONS)}: "
+                f"known sections are {', '.join(SECTIONS)}"
+            )
+    for section in ("trainer", "strategy", "ddp", "gtp", "model", "data", "optim", "checkpoint"):
+        if section in raw and not isinstance(raw[section], dict | type(None)):
+            raise RecipeError(f"{section} must be a mapping of keys, got {raw[section]!r}")
+    for key, kind in TYPED.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        _check_type(key, value, kind)
+    _check_gtp_section(raw.get("gtp") or {})
+    _check_checkpoint_section(raw.get("checkpoint"))
+    _check_names(raw)
+    _check_sizes(raw)
+    if raw.get("resume") is not None:
+        check_resume_path(raw["resume"])
+
+
+def _check_gtp_section(gtp: dict[str, Any]) -> None:
+    fields = gtp_config_fields()
+    for key, value in gtp.items():
+        if key not in fields:
+            raise RecipeError(
+                f"gtp.{key} is not a GTPConfig field{_did_you_mean(key, list(fields))}: "
+                f"known are {', '.join(fields)}"
+            )
+        _check_type(f"gtp.{key}", value, fields[key])
+    try:
+        _engine_module("config").GTPConfig(**gtp)
+    except ValueError as err:  # GTPConfig's own value checks name the field
+        raise RecipeError(str(err).replace("GTPConfig.", "gtp.")) from None
+
+
+def _check_checkpoint_section(section: Any) -> None:
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise RecipeError(
+            f"checkpoint={section!r} must be a mapping: use +checkpoint.dir=DIR "
+            "+checkpoint.every_n_train_steps=N"
+        )
+    for key in section:
+        if key not in CHECKPOINT_KEYS:
+            raise RecipeError(
+                f"checkpoint.{key} is not a checkpoint setting{_did_you_mean(key, CHECKPOINT_KEYS)}"
+                f": known are {', '.join(CHECKPOINT_KEYS)}"
+            )
+    for key in CHECKPOINT_KEYS:
+        if key not in section:
+            raise RecipeError(f"checkpoint.{key} is missing: add +checkpoint.{key}=...")
+
+
+def _one_of(key: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
+    if value is not None and value not in choices:
+        raise RecipeError(
+            f"{key}={value!r} is not supported{_did_you_mean(str(value), choices)}: "
+            f"use one of {', '.join(choices)}"
+        )
+
+
+def _check_names(raw: dict[str, Any]) -> None:
+    precision = raw.get("precision")
+    _one_of("precision", None if precision is None else str(precision), PRECISIONS)
+    _one_of("data.dataset", (raw.get("data") or {}).get("dataset"), DATASETS)
+    model = raw.get("model") or {}
+    _one_of("model.layer_spec", model.get("layer_spec"), LAYER_SPECS)
+    _one_of("model.activation_func", model.get("activation_func"), list(ACTIVATIONS))
+    for key in ("params_dtype", "pipeline_dtype"):
+        _one_of(f"model.{key}", model.get(key), DTYPES)
+
+
+def _check_sizes(raw: dict[str, Any]) -> None:
+    """Parallel sizes against the world, and the batch arithmetic (design §3.1)."""
+    trainer, strategy = raw.get("trainer") or {}, raw.get("strategy") or {}
+    dims_class = _engine_module("grid").GTPParallelDims
+    size_keys = (
+        "tensor_model_parallel_size",
+        "num_weight_shards",
+        "context_parallel_size",
+        "pipeline_model_parallel_size",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+        "num_distributed_optimizer_instances",
+    )
+    sizes = {k: strategy[k] for k in size_keys if strategy.get(k) is not None}
+    try:
+        dims = dims_class(world_size=None, **sizes)
+    except ValueError as err:
+        raise RecipeError(f"strategy: {err}") from None
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    world = devices * nodes
+    try:
+        dims = dims.with_world_size(world)
+    except ValueError as err:
+        raise RecipeError(
+            f"strategy.num_weight_shards={dims.num_weight_shards} on trainer.devices x "
+            f"trainer.num_nodes = {devices} x {nodes} ranks: {err}"
+        ) from None
+    if dims.gtp > 1:
+        fmt = strategy.get("save_ckpt_format", "torch_dist")
+        if fmt != "torch_dist":
+            raise RecipeError(
+                f"strategy.save_ckpt_format={fmt!r} is not supported with GTP: set "
+                "strategy.save_ckpt_format=torch_dist (GTP checkpoints are torch_dist, design §3.3)"
+            )
+    data = raw.get("data") or {}
+    micro, batch = data.get("micro_batch_size"), data.get("global_batch_size")
+    if micro is None or batch is None:
+        return
+    ranks = dims.data_parallel_size  # DP x GTP: each eats a distinct microbatch (§3.1)
+    if batch % (micro * ranks) != 0:
+        raise RecipeError(
+            f"data.global_batch_size={batch} must be a multiple of data.micro_batch_size x "
+            f"(DP x GTP) = {micro} x {ranks} = {micro * ranks}: set "
+            f"data.global_batch_size={max(1, round(batch / (micro * ranks))) * micro * ranks}"
+        )
+
+
+def check_resume_path(path: Any) -> None:
+    """``resume`` must be a checkpoint directory (``<dir>/step=N`` with ``weights/``)."""
+    where = Path(str(path))
+    if (where / "weights").is_dir() or (where / "metadata.json").is_file():
+        return
+    hint = ""
+    if where.is_dir():
+        steps = sorted(p.name for p in where.glob("step=*") if (p / "weights").is_dir())
+        if steps:
+            hint = f" (it holds {', '.join(steps)}: use +resume={where / steps[-1]})"
+    what = "does not exist" if not where.exists() else "is not a checkpoint"
+    raise RecipeError(
+        f"resume={str(path)!r} {what}: give a <checkpoint.dir>/step=N directory with a "
+        f"weights/ subdirectory{hint}"
+    )

@@ -1,0 +1,224 @@
+"""The bad-input matrix: every wrong setting fails early with a message naming the setting.
+
+Four entry points, cheapest first: ``GTPConfig`` (a dataclass), recipes and overrides (checked
+in the CLI's parent process, no torch), the CLI itself (``nemo_gtp.run.main`` in-process and one
+subprocess: exit status 2, one ``error:`` line, no worker started) and the
+``GTPMegatronStrategy`` constructor (``ValueError`` before any collective; ``test_strategy.py``
+holds the cases it already had, this module adds the rest).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nemo_gtp.engine import GTPConfig
+from nemo_gtp.recipes.config import RecipeError, load_recipe
+from nemo_gtp.recipes.validate import validate_recipe
+from nemo_gtp.run import main, verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
+
+# ------------------------------------------------------------------------------------ GTPConfig
+BAD_GTP_CONFIGS = [
+    (dict(gather_backend="nvshmem"), "gather_backend"),
+    (dict(preshard_linears="none"), "preshard_linears"),
+    (dict(copy_engine_min_tokens=-1), "copy_engine_min_tokens"),
+    (dict(prefetch_depth=0), "prefetch_depth"),
+    (dict(pad_for_alignment=0), "pad_for_alignment"),
+]
+
+
+@pytest.mark.parametrize("kwargs, name", BAD_GTP_CONFIGS, ids=lambda x: str(x))
+def test_bad_gtp_config(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=f"GTPConfig.{name}"):
+        GTPConfig(**kwargs)
+
+
+# -------------------------------------------------------------------- recipes and overrides
+# (overrides on configs/tiny_cpu.yaml: 4 ranks, TP1 x GTP2 x DP2, micro 4, global 16)
+BAD_OVERRIDES = [
+    (["+trainr.max_steps=3"], "unknown recipe section 'trainr' (did you mean 'trainer'?)"),
+    (["+gtp.prefetch=2"], "gtp.prefetch is not a GTPConfig field"),
+    (["+gtp.pad_for_alignment_rows=8"], "gtp.pad_for_alignment_rows"),
+    (["gtp.pad_for_alignment=x"], "gtp.pad_for_alignment='x' must be an integer"),
+    (["gtp.pad_for_alignment=0"], "gtp.pad_for_alignment must be >= 1"),
+    (["+gtp.gather_backend=nvshmem"], "gtp.gather_backend"),
+    (["+gtp.weight_prefetch=3"], "gtp.weight_prefetch=3 must be true or false"),
+    (["+checkpoint.dir=c", "+checkpoint.every=3"], "checkpoint.every is not a checkpoint"),
+    (["+checkpoint.dir=c"], "checkpoint.every_n_train_steps is missing"),
+    (["+checkpoint.dir=c", "+checkpoint.every_n_train_steps=0"], "every_n_train_steps=0"),
+    (["trainer.max_steps=abc"], "trainer.max_steps='abc' must be an integer"),
+    (["trainer.devices=four"], "trainer.devices='four' must be an integer"),
+    (["trainer.devices=0"], "trainer.devices=0 must be >= 1"),
+    (["trainer.log_every_n_steps=0.5"], "trainer.log_every_n_steps=0.5"),
+    (["strategy.num_weight_shards=two"], "strategy.num_weight_shards='two' must be an integer"),
+    (["data.micro_batch_size=1.5"], "data.micro_batch_size=1.5 must be an integer"),
+    (["optim.lr=fast"], "optim.lr='fast' must be a number"),
+    (["ddp.overlap_grad_reduce=maybe"], "ddp.overlap_grad_reduce='maybe' must be true or false"),
+    (["strategy.num_weight_shards=3"], "strategy.num_weight_shards=3 on trainer.devices"),
+    (["trainer.devices=3"], "world_size=3 is not divisible"),
+    (["strategy.tensor_model_parallel_size=2", "strategy.num_weight_shards=3"], "multiple of"),
+    (["+strategy.context_parallel_size=2"], "strategy: context_parallel_size=2"),
+    (["data.global_batch_size=12"], "data.global_batch_size=12 must be a multiple of"),
+    (["data.global_batch_size=8"], "data.micro_batch_size x (DP x GTP) = 4 x 4 = 16"),
+    (["+strategy.save_ckpt_format=zarr"], "strategy.save_ckpt_format='zarr'"),
+    (["model.layer_spec=tex"], "model.layer_spec='tex' is not supported (did you mean 'te'?)"),
+    (["+model.activation_func=swish"], "model.activation_func='swish'"),
+    (["model.params_dtype=fp32"], "model.params_dtype='fp32'"),
+    (["precision=16"], "precision='16' is not supported"),
+    (["data.dataset=arithmetc"], "data.dataset='arithmetc'"),
+    (["+resume=/nonexistent/step=9"], "resume='/nonexistent/step=9' does not exist"),
+    (["trainer.max_step=7"], "trainer.max_step"),  # a typo without + (no such key)
+    (["trainer.max_steps"], "is not key=value"),
+    (["=3"], "has no key"),
+    (["trainer.max_steps=[1"], "override 'trainer.max_steps=[1'"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_OVERRIDES, ids=lambda x: str(x))
+def test_bad_recipe_override(overrides: list[str], message: str) -> None:
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(load_recipe(TINY, overrides))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)  # one line
+
+
+def test_resume_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "step=4" / "weights").mkdir(parents=True)
+    with pytest.raises(RecipeError, match=r"is not a checkpoint.*\+resume=.*step=4"):
+        validate_recipe(load_recipe(TINY, [f"+resume={tmp_path}"]))
+    validate_recipe(load_recipe(TINY, [f"+resume={tmp_path / 'step=4'}"]))  # a checkpoint
+
+
+def test_bad_recipe_files(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="recipe file 'missing.yaml' not found"):
+        load_recipe("missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer: [unclosed\n")
+    with pytest.raises(RecipeError, match="is not valid YAML"):
+        load_recipe(str(broken))
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("- a\n- b\n")
+    with pytest.raises(RecipeError, match="must be a mapping of sections"):
+        load_recipe(str(scalar))
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_pass_the_checks(path: Path) -> None:
+    validate_recipe(load_recipe(str(path)))
+    validate_recipe(load_recipe(str(path), ["+model.activation_func=silu"]))
+
+
+def test_recipe_checks_need_no_torch() -> None:
+    """The parent-process checks stay fast: no torch, no NeMo (a fresh interpreter)."""
+    code = (
+        "import sys; from nemo_gtp.run import check; "
+        f"check({TINY!r}, ['strategy.num_weight_shards=4']); "
+        "assert 'torch' not in sys.modules and 'nemo' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+BAD_COMMAND_LINES = [
+    (["missing.yaml"], "recipe file 'missing.yaml' not found"),
+    ([TINY, "trainer.max_steps=abc"], "trainer.max_steps"),
+    ([TINY, "+trainr.max_steps=3"], "trainr"),
+    ([TINY, "strategy.num_weight_shards=3"], "strategy.num_weight_shards"),
+    ([TINY, "data.global_batch_size=12", "--compare-baseline"], "data.global_batch_size"),
+    ([TINY, "+resume=nowhere/step=3"], "resume="),
+    ([TINY, "+strategy.save_ckpt_format=zarr", "--compare-baseline"], "save_ckpt_format"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_COMMAND_LINES, ids=lambda x: str(x)[-40:])
+def test_cli_fails_fast_with_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - start < 10  # no worker launched: that takes far longer
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m nemo_gtp.run: error: "), err
+    assert message in lines[0]
+
+
+def test_cli_subprocess_exit_status_and_help() -> None:
+    """As a user runs it: exit 2, one stderr line, no traceback; ``--help`` documents the CLI."""
+    cmd = [sys.executable, "-m", "nemo_gtp.run"]
+    bad = subprocess.run(
+        [*cmd, TINY, "data.micro_batch_size=1.5"], capture_output=True, text=True, cwd=ROOT,
+        timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "python -m nemo_gtp.run: error: data.micro_batch_size=1.5 must be an integer: set e.g. "
+        "data.micro_batch_size=2"
+    ]
+    usage = subprocess.run([*cmd, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert usage.returncode == 0
+    for text in (
+        "usage: python -m nemo_gtp.run",
+        "--compare-baseline",
+        "--loss-log",
+        "+checkpoint.dir=DIR +checkpoint.every_n_train_steps=N",
+        "+resume=",
+        "key=value",
+        "examples:",
+    ):
+        assert text in usage.stdout
+
+
+def test_verdict_line() -> None:
+    gtp = [{"step": s, "loss": 4.0 - 0.1 * s, "ms": 10.4} for s in range(1, 11)]
+    base = [{"step": s, "loss": 4.0 - 0.1 * s, "ms": 10.0} for s in range(1, 11)]
+    ok, line = verdict(gtp, base, "32")
+    assert ok and line.startswith("VERDICT: GTP matches the baseline (max rel loss diff 0.0e+00")
+    assert line.endswith("step time GTP/baseline 1.04")
+    off = [{**r, "loss": r["loss"] * (1 + 1e-3)} for r in gtp]
+    ok, line = verdict(off, base, "32")
+    assert not ok and "did not match" in line
+    ok, _ = verdict(off, base, "bf16-mixed")  # within bf16's tolerance
+    assert ok
+    ok, line = verdict(gtp[:5], base, "32")
+    assert not ok and "steps logged: GTP 5, baseline 10" in line
+
+
+# --------------------------------------------------------------------- strategy constructor
+@pytest.fixture(scope="module")
+def strategy_class() -> Any:
+    from nemo_gtp import GTPMegatronStrategy
+
+    return GTPMegatronStrategy
+
+
+# Cases tests/test_strategy.py::INVALID does not already hold.
+BAD_STRATEGY_ARGS = [
+    (dict(num_weight_shards=2, save_ckpt_format="zarr"), "save_ckpt_format='zarr'"),
+    (dict(tensor_model_parallel_size=0), "tensor_model_parallel_size"),
+    (dict(num_weight_shards=True), "num_weight_shards"),
+    (dict(num_weight_shards=2, pipeline_model_parallel_size=0), "pipeline_model_parallel_size"),
+    (dict(num_weight_shards=4, tensor_model_parallel_size=3), "num_weight_shards=4"),
+    (dict(expert_tensor_parallel_size=0), "expert_tensor_parallel_size"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", BAD_STRATEGY_ARGS, ids=lambda x: str(x))
+def test_bad_strategy_arguments(strategy_class: Any, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError) as err:
+        strategy_class(**kwargs)
+    assert match in str(err.value)
+
+
+def test_zarr_accepted_with_gtp_off(strategy_class: Any) -> None:
+    """GTP off is plain MegatronStrategy: its formats are its own business."""
+    assert strategy_class(save_ckpt_format="zarr").save_ckpt_format == "zarr"
