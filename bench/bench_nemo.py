@@ -313,30 +313,22 @@ def _report(records: list[dict], out: Path) -> str:
 
 
 def _plot(records: list[dict], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from plot_ratio import plot_ratio_series
 
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    series = {}
     for mode, base in BASELINE.items():
         xs = sorted(t for m, t in by if m == mode and (base, t) in by)
-        if xs:
-            ax.plot(
-                xs,
-                [by[(mode, t)]["step_ms"] / by[(base, t)]["step_ms"] for t in xs],
-                marker="o",
-                label=f"{mode} / {base}",
-            )
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per GPU")
-    ax.set_ylabel("step time ratio")
-    ax.set_title("NeMo 1B recipe, GTPMegatronStrategy, 2 GPUs")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
+        series[f"{mode} / {base}"] = (
+            xs,
+            [by[(mode, t)]["step_ms"] / by[(base, t)]["step_ms"] for t in xs],
+        )
+    plot_ratio_series(
+        series,
+        str(png),
+        title="NeMo 1B recipe, GTPMegatronStrategy, 2 GPUs",
+        ylabel="step time ratio",
+    )
 
 
 def main() -> int:
