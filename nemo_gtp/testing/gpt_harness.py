@@ -53,7 +53,8 @@ class Run:
     bf16: bool = False  # bf16 params + megatron's mixed-precision optimizer (fp32 main params)
     presharded: bool = False  # build the linears as shards (gtp_layer_spec), weights copied in
     shard_replicated: bool = False  # GTPConfig.shard_replicated_params_over_gtp (needs distopt)
-    recompute: str = ""  # "", "full_uniform", "full_block" or "selective" activation recompute
+    recompute: str = ""  # activation recompute: "", "full_uniform", "full_block", "selective"
+    # (core attention) or "selective_mlp" (the MLP: GTP weights re-gathered in the backward)
 
 
 _RECOMPUTE = {
@@ -65,6 +66,7 @@ _RECOMPUTE = {
         recompute_granularity="full", recompute_method="block", recompute_num_layers=1
     ),
     "selective": dict(recompute_granularity="selective"),
+    "selective_mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
 }
 
 
