@@ -24,42 +24,39 @@ from nemo_gtp.testing.strategy_harness import (
     MBS,
     STEPS,
     Fit,
-    run_fits,
     shared_launch,
 )
 
 TOL = 1e-5
 
 
-def _by_name(results: list[list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
-    """``{fit name: [rank 0 result, rank 1 result, ...]}``."""
-    names = [fit["name"] for fit in results[0]]
-    return {name: [rank[i] for rank in results] for i, name in enumerate(names)}
+TWO_RANK_FITS = [
+    Fit("base_tp1_dp2"),
+    Fit("tp1_gtp2", gtp=2, metrics=True),
+    Fit("gtp_off", gtp_strategy=True),
+    Fit("base_bf16", steps=4, bf16=True),
+    Fit("tp1_gtp2_bf16", gtp=2, steps=4, bf16=True),
+    Fit("base_plain_adam", steps=5, distopt=False),
+    Fit("tp1_gtp2_plain_adam", gtp=2, steps=5, distopt=False),
+    Fit(
+        "tp1_gtp2_shard_replicated",
+        gtp=2,
+        strategy_kwargs={"gtp_config": GTPConfig(shard_replicated_params_over_gtp=True)},
+    ),
+    Fit(
+        "tp1_gtp2_presharded",
+        gtp=2,
+        steps=5,
+        strategy_kwargs={"gtp_config": GTPConfig(preshard_linears="all")},
+    ),
+]
+shared_launch(2).add(TWO_RANK_FITS)  # one 2-rank spawn with test_hf_export's fit
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    fits = [
-        Fit("base_tp1_dp2"),
-        Fit("tp1_gtp2", gtp=2, metrics=True),
-        Fit("gtp_off", gtp_strategy=True),
-        Fit("base_bf16", steps=4, bf16=True),
-        Fit("tp1_gtp2_bf16", gtp=2, steps=4, bf16=True),
-        Fit("base_plain_adam", steps=5, distopt=False),
-        Fit("tp1_gtp2_plain_adam", gtp=2, steps=5, distopt=False),
-        Fit(
-            "tp1_gtp2_shard_replicated",
-            gtp=2,
-            strategy_kwargs={"gtp_config": GTPConfig(shard_replicated_params_over_gtp=True)},
-        ),
-        Fit(
-            "tp1_gtp2_presharded",
-            gtp=2,
-            steps=5,
-            strategy_kwargs={"gtp_config": GTPConfig(preshard_linears="all")},
-        ),
-    ]
-    return _by_name(run_fits(fits, 2, tmp_path_factory.mktemp("two")))
+    results = shared_launch(2).results(tmp_path_factory)
+    return {fit.name: results[fit.name] for fit in TWO_RANK_FITS}
 
 
 FOUR_RANK_FITS = [

@@ -148,11 +148,15 @@ def _model_checkpoint(section: dict[str, Any]) -> Any:
     return model_checkpoint(directory, every)
 
 
-def model_checkpoint(directory: str, every_n_train_steps: int, log_dir: str | None = None) -> Any:
+def model_checkpoint(
+    directory: str, every_n_train_steps: int, log_dir: str | None = None, context: bool = False
+) -> Any:
     """NeMo's ``ModelCheckpoint`` saving full (weights + optimizer) checkpoints every n steps.
 
     Each save is ``<directory>/step=N/`` (a torch_dist ``weights/``); NeMo's run logs go to
-    ``log_dir`` (default: ``directory``). Example::
+    ``log_dir`` (default: ``directory``). ``context``: each save also gets NeMo's ``context/``
+    (the serialized model, config and tokenizer), which ``llm.export_ckpt`` (e.g. to Hugging
+    Face) reads to rebuild the model. Example::
 
         trainer = nl.Trainer(..., callbacks=[model_checkpoint("ckpts", 10)],
                              enable_checkpointing=True)
@@ -174,8 +178,8 @@ def model_checkpoint(directory: str, every_n_train_steps: int, log_dir: str | No
         monitor="reduced_train_loss",
         filename="{step}",
         save_optim_on_train_end=True,  # else NeMo's train-end save is weights-only
-        always_save_context=False,
-        save_context_on_train_end=False,
+        always_save_context=context,
+        save_context_on_train_end=context,
     )
 
 

@@ -50,11 +50,16 @@ class Fit:
     # its result is ``{"name", "error"}`` and the launch goes on with the next fit.
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
+    checkpoint_context: bool = False  # each save also gets NeMo's context/ (export_ckpt needs it)
     stop_after: int | None = None
     resume_from: str | None = None
     weights_to: str | None = None
     save_to: str | None = None
     expect_error: bool = False
+    # a tiny ``llm.LlamaModel`` (Llama 3 shape: RMSNorm, SwiGLU, RoPE, GQA with 2 query groups,
+    # untied output layer), the model class NeMo's Hugging Face exporter is registered for;
+    # otherwise ``llm.GPTModel``
+    llama: bool = False
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -85,82 +90,20 @@ class _LineCatcher(logging.Handler):
 
 
 def _make_callbacks() -> tuple[Any, Any]:
-    import lightning.pytorch as pl
-    from lightning.pytorch.loggers.logger import Logger
-
-    class Recorder(pl.Callback):
-        """Per-step loss, grad norm, learning rate; end-of-fit batch bookkeeping."""
-
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-            self.grad_norms: list[float] = []
-            self.lrs: list[float] = []
-            self.end: dict[str, Any] = {}
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-            self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            self.losses.append(float(loss))
-            self.grad_norms.append(float(trainer.callback_metrics["grad_norm"]))
-
-        def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
-            sampler = trainer.strategy.data_sampler
-            self.end = {
-                "num_microbatches": sampler.num_microbatches,
-                "global_batch_size": sampler.current_global_batch_size,
-                "consumed_samples": int(sampler.compute_consumed_samples(trainer.global_step)),
-                "logged_consumed_samples": float(trainer.callback_metrics["consumed_samples"]),
-                "logged_global_batch_size": float(trainer.callback_metrics["global_batch_size"]),
-                "global_step": trainer.global_step,
-            }
-
-    class MemoryLogger(Logger):
-        """A Lightning logger keeping every ``log_metrics`` call."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.records: list[tuple[int, dict[str, float]]] = []
-            self.directory: str | None = None
-
-        @property
-        def name(self) -> str:
-            return "memory"
-
-        @property
-        def save_dir(self) -> str | None:
-            """``trainer.log_dir``; NeMo's ModelCheckpoint writes its git/log files there."""
-            return self.directory
-
-        @property
-        def version(self) -> int:
-            return 0
-
-        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-            self.records.append((step, dict(metrics)))
+    from nemo_gtp.testing.harness_objects import MemoryLogger, Recorder
 
     return Recorder(), MemoryLogger()
 
 
 def _stopper(steps: int) -> Any:
-    import lightning.pytorch as pl
+    from nemo_gtp.testing.harness_objects import StopAfter
 
-    class StopAfter(pl.Callback):
-        """Ends the fit after ``steps`` optimizer steps (the run a crash would have cut short)."""
-
-        def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
-            if trainer.global_step >= steps:
-                trainer.should_stop = True
-
-    return StopAfter()
+    return StopAfter(steps)
 
 
 def full_weights(strategy: Any) -> dict[str, torch.Tensor]:
-    """Every parameter of the (single-chunk) model as the full logical tensor, on every rank.
+    """Every parameter of the (single-chunk) model as the full logical tensor, on every rank, by
+    its ``state_dict()`` name.
 
     :func:`nemo_gtp.full_state_dict` (GTP shards gathered, pad rows dropped), then TP pieces
     concatenated along their partition dim, so runs of any layout compare bit for bit.
@@ -174,7 +117,10 @@ def full_weights(strategy: Any) -> dict[str, torch.Tensor]:
     full = full_state_dict(strategy)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     out = {}
-    for name, param in unwrapped_module(strategy).named_parameters():
+    # parameters under their state_dict() names (a layer spec may rename them there)
+    for name, param in unwrapped_module(strategy).state_dict(keep_vars=True).items():
+        if not isinstance(param, torch.nn.Parameter):
+            continue
         tensor = full[name].contiguous()
         if getattr(param, "tensor_model_parallel", False) and tp > 1:
             parts = [torch.empty_like(tensor) for _ in range(tp)]
@@ -198,19 +144,28 @@ def _ddp_config() -> Any:
     )
 
 
-def _gpt_config(tp: int) -> Any:
+def _gpt_config(tp: int, llama: bool = False) -> Any:
+    """The tiny model's config: ``llm.GPTConfig``, or ``llm.Llama3Config`` when ``llama``."""
     from nemo.collections import llm
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
     from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
 
-    return llm.GPTConfig(
+    config_class, extra, layer_spec = llm.GPTConfig, {}, local_layer_spec
+    if llama:
+        from nemo.collections.llm.gpt.model.llama import Llama3Config
+
+        from nemo_gtp.testing.harness_objects import te_named_local_layer_spec
+
+        config_class, extra = Llama3Config, {"num_query_groups": 2}
+        layer_spec = te_named_local_layer_spec
+    return config_class(
         num_layers=2,
         hidden_size=64,
         ffn_hidden_size=128,
         num_attention_heads=4,
         seq_length=SEQ,
-        transformer_layer_spec=local_layer_spec,
+        transformer_layer_spec=layer_spec,
         use_cpu_initialization=True,
         make_vocab_size_divisible_by=64,  # padded vocab 128 at TP1 and TP2: checkpoints interop
         params_dtype=torch.float32,
@@ -228,6 +183,7 @@ def _gpt_config(tp: int) -> Any:
         cross_entropy_loss_fusion=False,
         gradient_accumulation_fusion=False,
         data_step_fn=cpu_gpt_data_step,
+        **extra,
     )
 
 
@@ -242,7 +198,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
 
     from nemo_gtp import GTPMegatronStrategy, GTPMetricsCallback, SyntheticGPTDataModule
 
-    tokenizer = NullTokenizer(VOCAB - 1)
+    tokenizer_class = NullTokenizer
+    if fit.checkpoint_context:  # serializable in context/, and what the HF exporters read
+        from nemo_gtp.testing.harness_objects import ExportableNullTokenizer as tokenizer_class
+    tokenizer = tokenizer_class(VOCAB - 1)
     optim = nl.MegatronOptimizerModule(
         OptimizerConfig(
             optimizer="adam",
@@ -255,7 +214,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
             warmup_steps=3, max_steps=fit.steps, min_lr=1e-4
         ),
     )
-    model = llm.GPTModel(_gpt_config(fit.tp), tokenizer=tokenizer, optim=optim)
+    from nemo.collections.llm.gpt.model.llama import LlamaModel
+
+    model_class = LlamaModel if fit.llama else llm.GPTModel
+    model = model_class(_gpt_config(fit.tp, fit.llama), tokenizer=tokenizer, optim=optim)
     data = SyntheticGPTDataModule(
         seq_length=SEQ,
         tokenizer=tokenizer,
@@ -297,7 +259,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         memory_logger.directory = str(Path(fit.checkpoint_dir).parent)  # trainer.log_dir
         callbacks.append(
             model_checkpoint(
-                fit.checkpoint_dir, fit.checkpoint_every, log_dir=memory_logger.directory
+                fit.checkpoint_dir,
+                fit.checkpoint_every,
+                log_dir=memory_logger.directory,
+                context=fit.checkpoint_context,
             )
         )
     trainer = nl.Trainer(

@@ -1,0 +1,138 @@
+"""The strategy harness's Lightning callbacks, logger and tokenizer, at module level.
+
+A fit that saves NeMo's checkpoint ``context/`` serializes the trainer's arguments, callbacks
+and logger included, as importable class references: classes defined inside a function cannot
+be. This module imports Lightning and NeMo, so the harness imports it only inside a spawned fit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers.logger import Logger
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
+from nemo.lightning.io import track_io
+
+
+class Recorder(pl.Callback):
+    """Per-step loss, grad norm, learning rate; end-of-fit batch bookkeeping."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.lrs: list[float] = []
+        self.end: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        self.grad_norms.append(float(trainer.callback_metrics["grad_norm"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        sampler = trainer.strategy.data_sampler
+        self.end = {
+            "num_microbatches": sampler.num_microbatches,
+            "global_batch_size": sampler.current_global_batch_size,
+            "consumed_samples": int(sampler.compute_consumed_samples(trainer.global_step)),
+            "logged_consumed_samples": float(trainer.callback_metrics["consumed_samples"]),
+            "logged_global_batch_size": float(trainer.callback_metrics["global_batch_size"]),
+            "global_step": trainer.global_step,
+        }
+
+
+class MemoryLogger(Logger):
+    """A Lightning logger keeping every ``log_metrics`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, dict[str, float]]] = []
+        self.directory: str | None = None
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def save_dir(self) -> str | None:
+        """``trainer.log_dir``; NeMo's ModelCheckpoint writes its git/log files there."""
+        return self.directory
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append((step, dict(metrics)))
+
+
+class StopAfter(pl.Callback):
+    """Ends the fit after ``steps`` optimizer steps (the run a crash would have cut short)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
+@track_io
+class ExportableNullTokenizer(NullTokenizer):
+    """NeMo's ``NullTokenizer`` with the ``bos_id`` / ``eos_id`` NeMo's Hugging Face exporters read
+    (none; the end-of-document id), recorded in a checkpoint's ``context/`` (``track_io``)."""
+
+    @property
+    def bos_id(self) -> int | None:
+        return None
+
+    @property
+    def eos_id(self) -> int:
+        return self.eod
+
+
+# Transformer Engine's fused norm+linear names, the ones NeMo's Hugging Face exporters map from;
+# megatron's local spec keeps the norms as modules of their own (and already saves them under
+# these names in dist checkpoints, through its ``sharded_state_dict_keys_map``).
+_TE_NORM_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def _te_norm_names(module: Any, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    for local, te_name in _TE_NORM_NAMES.items():
+        if prefix + local in state_dict:
+            state_dict[prefix + te_name] = state_dict.pop(prefix + local)
+
+
+def te_named_local_layer_spec(config: Any) -> Any:
+    """NeMo's ``local_layer_spec`` (no Transformer Engine: CPU) whose layers' ``state_dict()`` names
+    the norms as Transformer Engine's spec does, as NeMo's HF exporters read them.
+
+    Only ``state_dict()`` changes: parameters, ``load_state_dict`` and dist checkpoints (which
+    already use these names) are the local spec's.
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from nemo.collections.llm.gpt.model.base import local_layer_spec
+
+    spec = local_layer_spec(config)
+    return ModuleSpec(
+        module=TENamedTransformerLayer, params=spec.params, submodules=spec.submodules
+    )
+
+
+class TENamedTransformerLayer(TransformerLayer):
+    """A local-spec ``TransformerLayer`` whose ``state_dict()`` uses Transformer Engine's norm
+    names (see :func:`te_named_local_layer_spec`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._register_state_dict_hook(_te_norm_names)
