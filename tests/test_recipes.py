@@ -96,12 +96,42 @@ def test_progress_line_times_gtp_waits_only_on_printed_steps() -> None:
             log.on_train_batch_end(trainer)
         trainer.global_step = 7
         log.on_train_start(trainer)
+        # a ModelCheckpoint save shows as the directory NeMo wrote (not Lightning's ".ckpt")
+        saver = types.SimpleNamespace(best_k_models={"/ck/step=3.ckpt": 1.0}, last_model_path="")
+        trainer.checkpoint_callbacks = [saver]
+        log.on_train_end(trainer)
+        log.on_train_end(trainer)  # reported once
     assert enabled == [False, True, False, True] and not timer.enabled
     lines = out.getvalue().splitlines()
-    assert len(lines) == 3, lines
+    assert lines[3:] == ["saved checkpoint /ck/step=3"], lines
+    lines = lines[:3]
     assert re.fullmatch(
         r"step 2/4 \| loss 3\.50000 \| [\d.]+ ms \| [\d,]+ tokens/s \| GTP exposed comm [\d.]+%",
         lines[0],
     ), lines[0]
     assert lines[1].startswith("step 4/4 | loss 3.50000")
     assert lines[2] == "resumed at step 7 from None"
+
+
+def test_pipeline_dtype_reaches_the_strategy() -> None:
+    """NeMo copies the strategy's pipeline_dtype into the model config: a recipe's
+    model.pipeline_dtype must reach the strategy, as a torch dtype (else megatron's
+    "pipeline_dtype must be specified" fires under pipeline parallelism)."""
+    import torch
+
+    from nemo_gtp.recipes.config import load_recipe
+    from nemo_gtp.recipes.loader import strategy_kwargs
+    from nemo_gtp.recipes.validate import validate_recipe
+
+    cfg = load_recipe("configs/tiny_cpu.yaml", ["+model.pipeline_dtype=bfloat16"])
+    assert strategy_kwargs(cfg, {"pipeline_dtype": torch.bfloat16})["pipeline_dtype"] is (
+        torch.bfloat16
+    )
+    cfg = load_recipe("configs/tiny_cpu.yaml", ["+strategy.pipeline_dtype=float16"])
+    assert strategy_kwargs(cfg, {"pipeline_dtype": torch.bfloat16})["pipeline_dtype"] is (
+        torch.float16
+    )
+    assert "pipeline_dtype" not in strategy_kwargs(load_recipe("configs/tiny_cpu.yaml"), {})
+    bad = load_recipe("configs/tiny_cpu.yaml", ["+strategy.pipeline_dtype=bf16"])
+    with pytest.raises(ValueError, match="strategy.pipeline_dtype"):
+        validate_recipe(bad)

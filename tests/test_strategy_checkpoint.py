@@ -159,6 +159,10 @@ def test_model_checkpoint_writes_a_committed_torch_dist_checkpoint(runs: dict[st
         check=True,
     )
     assert "layout: TP1 x GTP2 x DP2" in result.stdout, result.stdout
+    # the path +resume= takes (the NeMo checkpoint, weights/ inside) works as it is
+    from nemo_gtp.checkpoint.show import describe
+
+    assert describe(saved)["path"] == str((saved / "weights").absolute())
 
 
 @pytest.mark.parametrize(

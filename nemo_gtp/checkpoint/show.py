@@ -1,5 +1,8 @@
 """Print what a checkpoint holds: ``python -m nemo_gtp.checkpoint.show <dir>`` (design §1.8).
 
+``<dir>`` is a ``torch_dist`` directory or a NeMo checkpoint (``<dir>/weights``), so the path
+given to ``+resume=`` works as it is.
+
 Shows the layout it was saved with (:mod:`nemo_gtp.checkpoint.layout`; "not recorded" for a
 checkpoint nemo_gtp did not write), then every tensor key with its global shape and dtype, and
 the sharded objects. Reads only the checkpoint's metadata files; no process group is needed.
@@ -33,7 +36,10 @@ def describe(checkpoint_dir: str | Path, key_filter: str = "") -> dict:
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    path = resolve_checkpoint(checkpoint_dir)
+    path = Path(checkpoint_dir)
+    if (path / "weights").is_dir():  # a NeMo checkpoint (what ``+resume=`` takes): its weights
+        path = path / "weights"
+    path = resolve_checkpoint(path)
     tensors = {
         key: (tuple(meta.global_shape), str(meta.dtype))
         for key, meta in sorted(load_tensors_metadata(str(path)).items())
@@ -80,7 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m nemo_gtp.checkpoint.show", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("checkpoint_dir", help="a megatron torch_dist checkpoint directory")
+    parser.add_argument(
+        "checkpoint_dir",
+        help="a torch_dist checkpoint directory, or a NeMo checkpoint holding one in weights/ "
+        "(the path +resume= takes, e.g. ckpts/step=9)",
+    )
     parser.add_argument("--filter", default="", help="only keys containing this substring")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = parser.parse_args(argv)

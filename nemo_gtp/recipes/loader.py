@@ -101,7 +101,7 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
     strategy = GTPMegatronStrategy(
         ddp=DistributedDataParallelConfig(**_plain(cfg.ddp)),
         gtp_config=GTPConfig(**_plain(cfg.get("gtp"))),
-        **_plain(cfg.strategy),
+        **strategy_kwargs(cfg, model_cfg),
     )
     trainer_kwargs = _plain(cfg.trainer)
     callbacks = [GTPDrainCallback(), *(callbacks or [])]
@@ -131,6 +131,26 @@ def resolve_activation(name: str) -> Any:
         )
     module, _, attr = ACTIVATIONS[name].rpartition(".")
     return getattr(importlib.import_module(module), attr)
+
+
+def strategy_kwargs(cfg: DictConfig, model_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ``strategy`` section as ``GTPMegatronStrategy`` arguments.
+
+    NeMo copies the strategy's ``pipeline_dtype`` into the model config (``None`` unless given),
+    which overwrote a recipe's ``model.pipeline_dtype`` and failed megatron's "pipeline_dtype
+    must be specified" check under pipeline parallelism: the model's value is passed to the
+    strategy too (a ``strategy.pipeline_dtype`` name wins), as a ``torch.dtype``.
+
+    Example::
+
+        strategy_kwargs(cfg, {"pipeline_dtype": torch.bfloat16})["pipeline_dtype"]  # bfloat16
+    """
+    kwargs = _plain(cfg.strategy)
+    if isinstance(kwargs.get("pipeline_dtype"), str):
+        kwargs["pipeline_dtype"] = _DTYPES[kwargs["pipeline_dtype"]]
+    if kwargs.get("pipeline_dtype") is None and model_cfg.get("pipeline_dtype") is not None:
+        kwargs["pipeline_dtype"] = model_cfg["pipeline_dtype"]
+    return kwargs
 
 
 def default_layer_spec_name() -> str:
@@ -180,6 +200,9 @@ def model_checkpoint(
         save_optim_on_train_end=True,  # else NeMo's train-end save is weights-only
         always_save_context=context,
         save_context_on_train_end=context,
+        # Lightning's line names "step=9.ckpt"; NeMo writes the directory "step=9":
+        # ProgressLog prints the directory instead.
+        verbose=False,
     )
 
 
@@ -239,10 +262,27 @@ class ProgressLog(pl.Callback):
         self.every = max(1, every_n_steps)
         self._start = 0.0
         self._timed: list[Any] = []
+        self._saved: set[str] = set()
 
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_rank == 0 and trainer.global_step > 0:
             print(f"resumed at step {trainer.global_step} from {trainer.ckpt_path}", flush=True)
+
+    def _report_saves(self, trainer: pl.Trainer) -> None:
+        """Print each checkpoint directory written since the last call (the checkpoint
+        callback runs after this one, so a save shows at the next step or at the end)."""
+        from nemo.lightning.ckpt_utils import ckpt_to_dir
+
+        for callback in getattr(trainer, "checkpoint_callbacks", []):
+            last = getattr(callback, "last_model_path", "")
+            for path in [*getattr(callback, "best_k_models", {}), last]:
+                if path and path not in self._saved:
+                    self._saved.add(path)
+                    print(f"saved checkpoint {ckpt_to_dir(path)}", flush=True)
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 0:
+            self._report_saves(trainer)
 
     def _prints(self, trainer: pl.Trainer, step: int) -> bool:
         return step % self.every == 0 or step == trainer.max_steps
@@ -251,6 +291,8 @@ class ProgressLog(pl.Callback):
         from nemo_gtp.strategy.callbacks import GTPMetricsCallback, gtp_runtimes
 
         self._timed = []
+        if trainer.global_rank == 0:
+            self._report_saves(trainer)
         if trainer.global_rank != 0 or not self._prints(trainer, trainer.global_step + 1):
             return
         if not any(isinstance(c, GTPMetricsCallback) for c in trainer.callbacks):

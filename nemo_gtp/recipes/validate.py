@@ -244,6 +244,7 @@ def _check_names(raw: dict[str, Any]) -> None:
     _one_of("model.activation_func", model.get("activation_func"), list(ACTIVATIONS))
     for key in ("params_dtype", "pipeline_dtype"):
         _one_of(f"model.{key}", model.get(key), DTYPES)
+    _one_of("strategy.pipeline_dtype", (raw.get("strategy") or {}).get("pipeline_dtype"), DTYPES)
 
 
 def _check_sizes(raw: dict[str, Any]) -> None:
