@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 PROG = "python -m nemo_gtp.run"
 EPILOG = f"""\
@@ -72,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help='append rank 0\'s per-step {"step", "loss", "ms"} JSON lines to FILE',
     )
+    parser.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="with --compare-baseline: where to draw both runs' loss and step time "
+        "(default: <recipe name>_gtp_vs_baseline.png here); the VERDICT line names it",
+    )
     return parser
 
 
@@ -120,7 +127,7 @@ def _median_ms(log: list[dict], skip: int) -> float:
     return times[len(times) // 2] if times else float("nan")
 
 
-def _compare(config: str, overrides: list[str], cfg: object) -> int:
+def _compare(config: str, overrides: list[str], cfg: object, plot: str | None = None) -> int:
     from nemo_gtp.recipes.launch import launch_fits
 
     tp = int(cfg.strategy.get("tensor_model_parallel_size", 1))  # type: ignore[attr-defined]
@@ -157,8 +164,41 @@ def _compare(config: str, overrides: list[str], cfg: object) -> int:
         )
     precision = str(cfg.get("precision", "32"))  # type: ignore[attr-defined]
     ok, line = verdict(logs[names[0]], logs[names[1]], precision)
+    png = Path(plot or f"{Path(config).stem}_gtp_vs_baseline.png").absolute()
+    line += f"; plot: {png}" if plot_losses(logs, png) else "; plot skipped (no matplotlib)"
     print(line, flush=True)
     return 0 if ok else 1
+
+
+def plot_losses(logs: dict[str, list[dict]], png: Path) -> bool:
+    """Loss and step time per step of every run in ``logs``, side by side, into ``png``.
+
+    Returns False (nothing written) when matplotlib is not installed.
+
+    Example::
+
+        plot_losses({"GTP": gtp_log, "baseline": base_log}, Path("compare.png"))
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (losses, times) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, records in logs.items():
+        steps = [r["step"] for r in records]
+        losses.plot(steps, [r["loss"] for r in records], label=name)
+        times.plot(steps, [r["ms"] for r in records], label=name)
+    losses.set(xlabel="step", ylabel="loss", title="loss")
+    times.set(xlabel="step", ylabel="ms", title="step time (rank 0)")
+    losses.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     if args.compare_baseline:
         try:
-            return _compare(args.config, args.overrides, cfg)
+            return _compare(args.config, args.overrides, cfg, args.plot)
         except RecipeError as err:
             print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
             return 2

@@ -36,11 +36,21 @@ def test_every_recipe_loads_and_keeps_gtp_constraints(path: Path) -> None:
     assert cfg.strategy.num_weight_shards % tp == 0
 
 
-def test_main_job_gtp_matches_baseline_in_one_launch() -> None:
-    """The README's main command, shortened to 5 steps: both fits run and agree to 1e-5."""
+def test_main_job_gtp_matches_baseline_in_one_launch(tmp_path: Path) -> None:
+    """The README's main command, shortened to 5 steps: both fits run and agree to 1e-5; the
+    VERDICT line ends the output and names the plot it drew."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, "-m", "nemo_gtp.run", TINY, "trainer.max_steps=5", "--compare-baseline"],
+        [
+            sys.executable,
+            "-m",
+            "nemo_gtp.run",
+            TINY,
+            "trainer.max_steps=5",
+            "--compare-baseline",
+            "--plot",
+            str(tmp_path / "main_job.png"),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -58,9 +68,11 @@ def test_main_job_gtp_matches_baseline_in_one_launch() -> None:
     verdict = result.stdout.strip().splitlines()[-1]
     assert re.fullmatch(
         r"VERDICT: GTP matches the baseline \(max rel loss diff \S+ over 5 steps, tolerance "
-        r"1e-05\); step time GTP/baseline [\d.]+",
+        r"1e-05\); step time GTP/baseline [\d.]+; plot: \S+\.png",
         verdict,
     ), verdict
+    png = Path(verdict.rsplit("plot: ", 1)[1])
+    assert png.is_file() and png.stat().st_size > 10_000, png  # loss and step time drawn
 
 
 def test_progress_line_times_gtp_waits_only_on_printed_steps() -> None:
