@@ -25,9 +25,9 @@ class CommHandle:
 
     Example::
 
-        handle = all_gather_shard(buffer, shard, group, async_op=True)
+        handle = reduce_scatter_wgrad(out, wgrad, group, async_op=True, fp32_recv=recv)
         ...            # overlapped compute
-        handle.wait()  # buffer now holds every rank's shard
+        handle.wait()  # out holds this rank's slice of the sum (the epilogue's FP32 sum ran)
     """
 
     __slots__ = ("_work", "_epilogue", "done")
@@ -46,14 +46,6 @@ class CommHandle:
         if self._epilogue is not None:
             self._epilogue()
         self.done = True
-
-
-def all_gather_shard(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool
-) -> CommHandle:
-    """Gather every rank's dim-0 ``shard`` into ``output`` (rank order along dim 0)."""
-    work = _all_gather_single(output, shard.contiguous(), group=group, async_op=async_op)
-    return CommHandle(work if async_op else None)
 
 
 def reduce_scatter_wgrad(

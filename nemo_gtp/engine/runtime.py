@@ -57,6 +57,12 @@ _backward_task_id = torch._C._current_graph_task_id
 _NONE, _ASYNC, _READY = GatherState.NONE, GatherState.ASYNC_WAIT, GatherState.DATA_READY
 
 
+def _forward_targets(slot: GatherSlot, will_backward: bool) -> tuple[GatherSlot, ...]:
+    """What a consume of ``slot`` prefetches along its chain: the next weights, or at the forward
+    chain's tail (when a backward follows) the first backward gathers."""
+    return slot.ahead if slot.ahead or not will_backward else slot.handover
+
+
 class ChainId(enum.Enum):
     """Prefetch chains; neighbours only ever link params of the same chain (design §1.2)."""
 
@@ -166,17 +172,6 @@ class Chain:
             param.gtp_state.fwd.recompute_ahead = tuple(
                 order[j].gtp_state.fwd for j in range(i + 1, min(n, i + 1 + self.depth))
             )
-
-    def neighbour(self, param: GTPShardedParam, direction: Direction) -> GTPShardedParam | None:
-        """``next_w`` (forward) or ``prev_w`` (backward) of ``param``; None at the ends."""
-        if param.gtp_state.chain is not self:
-            return None
-        ahead = param.gtp_state.slot(direction).ahead
-        return param.runtime.params[ahead[0].index] if ahead else None
-
-    def is_head(self, param: GTPShardedParam) -> bool:
-        """True for the first weight in forward order (the last reduce-scatter of a backward)."""
-        return bool(self.order) and self.order[0] is param
 
 
 @dataclass
@@ -346,16 +341,11 @@ class GTPRuntime:
                 self.wait_timer.timed_wait(slot.complete, "gather", param.device, state.name)
             else:
                 slot.complete()
-        if self._prefetch_enabled:
-            if recompute:  # the recompute chain, never the forward chain's next weight
-                if chain.recompute_phase is ChainPhase.LINKED:
-                    for target in slot.recompute_ahead:
-                        if target.state is _NONE:
-                            self._prefetch(target)
-            elif chain.phase is ChainPhase.LINKED:
-                for target in slot.ahead if slot.ahead or not will_backward else slot.handover:
-                    if target.state is _NONE:
-                        self._prefetch(target)
+        if self._prefetch_enabled:  # links are empty until their chain is committed
+            # a recompute consume follows the recompute chain, never the forward chain's links
+            self._prefetch_all(
+                slot.recompute_ahead if recompute else _forward_targets(slot, will_backward)
+            )
         self._label = None
         return slot.full
 
@@ -363,12 +353,8 @@ class GTPRuntime:
         self, param: GTPShardedParam, direction: Direction, *, will_backward: bool = False
     ) -> None:
         """Issue the async gather the next consume in ``direction`` will need (design §3.1)."""
-        if not self._prefetch_enabled:
-            return
-        slot = param.gtp_state.slot(direction)
-        for target in slot.ahead if slot.ahead or not will_backward else slot.handover:
-            if target.state is _NONE:
-                self._prefetch(target)
+        if self._prefetch_enabled:
+            self._prefetch_all(_forward_targets(param.gtp_state.slot(direction), will_backward))
 
     def release(self, param: GTPShardedParam, direction: Direction) -> None:
         """Return ``param``'s gathered buffer for ``direction`` to the cache."""
@@ -381,6 +367,11 @@ class GTPRuntime:
             slot.cache.release(slot)
         param.gtp_state.chain.live -= 1
         slot.released()
+
+    def _prefetch_all(self, targets: tuple[GatherSlot, ...]) -> None:
+        for target in targets:
+            if target.state is _NONE:
+                self._prefetch(target)
 
     def _prefetch(self, slot: GatherSlot) -> None:
         if self._issue(self.params[slot.index], slot, async_op=True):
