@@ -77,6 +77,32 @@ BASELINE = {
 }
 
 
+def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
+    """``base[@key=value...]`` → (config, overrides, baseline mode); each ``@key=value`` is a
+    ``GTPConfig`` field (``gtp2_local@coalesce_mb=64@prefetch_depth=2``), or, with a dot, any
+    recipe key (``@model.cuda_graph_scope=full_iteration``). A modified mode's baseline is its
+    base mode's baseline, or ``base@graph`` when the modifiers include ``@graph`` (below)."""
+    base, *knobs = mode.split("@")
+    config, overrides = MODES[base]
+    extra = []
+    for knob in knobs:
+        if knob == "graph":  # megatron's full-iteration CUDA graph (NeMo's wrapper, TE's RNG)
+            extra += [f"+{k}" for k in GRAPH_OVERRIDES]
+        else:
+            extra.append(f"+{knob}" if "." in knob else f"+gtp.{knob}")
+    baseline = BASELINE.get(base)
+    if baseline and "graph" in knobs:
+        baseline += "@graph"
+    return config, [*overrides, *extra], baseline
+
+
+GRAPH_OVERRIDES = (
+    "model.cuda_graph_impl=local",  # enable_cuda_graph trips a re-run __post_init__ in NeMo
+    "model.cuda_graph_scope=full_iteration",
+    "strategy.use_te_rng_tracker=true",
+)
+
+
 def _token_overrides(tokens: int) -> list[str]:
     seq = 1024 if tokens < 2048 else 2048
     mbs = max(1, tokens // seq)
@@ -100,6 +126,7 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             self.warmup, self.timed, self.profile = warmup, timed, profile
             self.records: list[dict] = []
             self.exposed: dict[str, float] = {}
+            self.split: list[dict[str, float]] = []
             self.torch_profile: dict = {}
             self.host_profile = ""
             self._start = 0.0
@@ -113,13 +140,31 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             return {
                 "timed": range(self.warmup, t0),
                 "exposed": range(t0, t0 + 3),
-                "torch": range(t0 + 3, t0 + 6) if self.profile else range(0),
-                "host": range(t0 + 6, t0 + 9) if self.profile else range(0),
+                "split": range(t0 + 3, t0 + 6),
+                "torch": range(t0 + 6, t0 + 9) if self.profile else range(0),
+                "host": range(t0 + 9, t0 + 12) if self.profile else range(0),
             }
 
         @property
         def total_steps(self) -> int:
-            return self.warmup + self.timed + (9 if self.profile else 3)
+            return self.warmup + self.timed + (12 if self.profile else 6)
+
+        def on_before_optimizer_step(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            """Host-bound or GPU-bound? In the split window (the GPU idle at the batch start):
+            the host's time to issue forward + backward, then how long the GPU still needs."""
+            import torch
+
+            if trainer.global_step not in self.windows["split"]:
+                return
+            issued = time.perf_counter()
+            torch.cuda.synchronize()
+            done = time.perf_counter()
+            self.split.append(
+                {
+                    "host_issue_ms": round(1000 * (issued - self._start), 2),
+                    "gpu_tail_ms": round(1000 * (done - issued), 2),
+                }
+            )
 
         def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
             import torch
@@ -249,6 +294,13 @@ def _rank_main(spec_path: str) -> None:
                 leftover_gib=round(leftover / 2**30, 2),
                 losses=[r["loss"] for r in steps.records],
                 exposed_ms={k: round(v * 1000, 3) for k, v in steps.exposed.items()},
+                # forward + backward: host issue time vs what the GPU still had left after it
+                split_ms={
+                    key: round(statistics.median(s[key] for s in steps.split), 2)
+                    for key in ("host_issue_ms", "gpu_tail_ms")
+                }
+                if steps.split
+                else {},
                 torch_profile={k: v for k, v in steps.torch_profile.items() if k != "top_cpu_ops"},
             )
             if rank == 0 and run["profile"]:
@@ -276,19 +328,22 @@ def _report(records: list[dict], out: Path) -> str:
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records}
     lines = [
         "| mode | tokens/GPU | step ms | vs baseline | tokens/s/GPU | peak GiB | "
-        "exposed gather / RS ms | GPU idle | max loss rel diff vs baseline |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "exposed gather / RS ms | host issue / GPU tail ms | GPU idle | "
+        "max loss rel diff vs baseline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         if "error" in r:
             lines.append(
-                f"| {r['mode']} | {r['tokens_per_gpu']} | failed: {r['error'][:160]} | | | | | | |"
+                f"| {r['mode']} | {r['tokens_per_gpu']} | failed: {r['error'][:160]} "
+                "| | | | | | | |"
             )
             continue
-        base = by.get((BASELINE.get(r["mode"], ""), r["tokens_per_gpu"]))
+        base_mode = resolve_mode(r["mode"])[2] or ""
+        base = by.get((base_mode, r["tokens_per_gpu"]))
         ratio, diff = "", ""
         if base and "error" not in base:
-            ratio = f"{r['step_ms'] / base['step_ms']:.3f}× {BASELINE[r['mode']]}"
+            ratio = f"{r['step_ms'] / base['step_ms']:.3f}× {base_mode}"
             pairs = [
                 (a, b)
                 for a, b in zip(r["losses"], base["losses"])
@@ -297,11 +352,13 @@ def _report(records: list[dict], out: Path) -> str:
             diff = f"{max(abs(a - b) / abs(b) for a, b in pairs):.1e}" if pairs else ""
         exposed = r.get("exposed_ms", {})
         idle = r.get("torch_profile", {}).get("gpu_idle_fraction")
+        split = r.get("split_ms", {})
+        split_text = f"{split['host_issue_ms']:.1f} / {split['gpu_tail_ms']:.1f}" if split else ""
         lines.append(
             f"| {r['mode']} | {r['tokens_per_gpu']} | {r['step_ms']:.1f} | {ratio} | "
             f"{r['tokens_per_s_per_gpu']} | {r['peak_gib']} | "
             f"{exposed.get('gather', 0):.2f} / {exposed.get('reduce_scatter', 0):.2f} | "
-            f"{'' if idle is None else f'{idle:.0%}'} | {diff} |"
+            f"{split_text} | {'' if idle is None else f'{idle:.0%}'} | {diff} |"
         )
     table = "\n".join(lines)
     (out / "bench_nemo.md").write_text(table + "\n")
@@ -317,7 +374,11 @@ def _plot(records: list[dict], png: Path) -> None:
 
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
     series = {}
-    for mode, base in BASELINE.items():
+    modes = dict.fromkeys(m for m, _ in by)
+    for mode in modes:
+        base = resolve_mode(mode)[2]
+        if base is None:
+            continue
         xs = sorted(t for m, t in by if m == mode and (base, t) in by)
         series[f"{mode} / {base}"] = (
             xs,
@@ -347,7 +408,7 @@ def main() -> int:
     runs = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         for mode in args.modes.split(","):
-            config, overrides = MODES[mode]
+            config, overrides, _ = resolve_mode(mode)
             runs.append(
                 {
                     "mode": mode,

@@ -10,7 +10,8 @@ small-token step becomes host-bound.
     torchrun --nproc-per-node 2 bench/host_cost.py --weights 64 --steps 200 --out host_cost.json
 
 Modes: ``plain`` (torch linears; megatron-style ``main_grad`` accumulation in a post-accumulate
-hook), ``gtp`` (GTP over all ranks, process-group gather), ``gtp_ce`` (copy-engine gather),
+hook), ``gtp`` (GTP over all ranks, process-group gather), ``gtp_coN`` (coalescing units of N
+weights: one gather / reduce-scatter per N weights), ``gtp_ce`` (copy-engine gather),
 ``collectives`` (only the three collectives per weight, issued and waited through
 :class:`~nemo_gtp.engine.collectives.GroupCollectives`: the floor any per-weight design pays).
 """
@@ -52,13 +53,18 @@ def _plain(n: int, hidden: int, device: torch.device) -> tuple[torch.nn.Module, 
     return model, None
 
 
-def _gtp(n: int, hidden: int, device: torch.device, backend: str) -> tuple[torch.nn.Module, object]:
+def _gtp(
+    n: int, hidden: int, device: torch.device, backend: str, unit: int = 1
+) -> tuple[torch.nn.Module, object]:
     model = _chain(n, hidden, device)
     groups = GTPParallelDims(
         world_size=dist.get_world_size(), num_weight_shards=dist.get_world_size()
     ).build()
+    options = {"gather_backend": backend}
+    if unit > 1:  # coalescing units of ``unit`` weights (fp32 hidden x hidden each)
+        options["coalesce_mb"] = unit * hidden * hidden * 4 / 2**20
     try:
-        runtime = GTPRuntime(groups, GTPConfig(gather_backend=backend))
+        runtime = GTPRuntime(groups, GTPConfig(**options))
     except (AttributeError, TypeError, ValueError):  # the engine before GTPRuntime took
         # GTPGroups: the same script measures it (bench/results)
         backend = "nccl" if backend == "process_group" else backend
@@ -186,8 +192,9 @@ def main() -> None:
         if mode == "plain":
             model, runtime = _plain(args.weights, args.hidden, device)
         else:
-            backend = {"gtp": "process_group", "gtp_ce": "copy_engine"}[mode]
-            model, runtime = _gtp(args.weights, args.hidden, device, backend)
+            backend = "copy_engine" if mode == "gtp_ce" else "process_group"
+            unit = int(mode[len("gtp_co") :]) if mode.startswith("gtp_co") else 1
+            model, runtime = _gtp(args.weights, args.hidden, device, backend, unit)
         seconds[mode], walls[mode] = _time(model, runtime, x, args.steps, args.warmup)
         if args.profile and runtime is not None and dist.get_rank() == 0:
             os.makedirs(args.profile, exist_ok=True)

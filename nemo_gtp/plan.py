@@ -130,6 +130,7 @@ def estimate(
     grad_bytes: int = 4,
     overhead_gib: float = 3.0,
     prefetch_depth: int = 1,
+    coalesce_mb: float = 192.0,
     dropout: bool = False,
     flash_attention: bool = False,
 ) -> dict[str, float]:
@@ -148,10 +149,12 @@ def estimate(
     grads = (sharded + replicated) * grad_bytes
     optimizer = sharded * optimizer_bytes / dp + replicated * optimizer_bytes / replicated_shards
     gather = 0.0
-    if gtp > 1:  # live gathered weights (current + prefetched per direction, the tail's
-        # hand-over) and the wgrad scratch / reduce-scatter output of the in-flight RS
+    if gtp > 1:  # live gathered units (current + prefetched per direction, the tail's
+        # hand-over) and the wgrad scratch of the staged and the in-flight unit; a coalescing
+        # unit (GTPConfig.coalesce_mb) is at least the largest weight, at most the model
         full = model.largest_linear / tp
-        gather = (2 + prefetch_depth) * full * param_bytes + 2 * full * grad_bytes
+        unit = min(max(full, coalesce_mb * 2**20 / param_bytes), sharded * gtp)
+        gather = (2 + prefetch_depth) * unit * param_bytes + 2 * unit * grad_bytes
     h, a, s = model.hidden, model.heads, model.seq
     scores = 0 if flash_attention else (5 if dropout else 2)
     per_layer = tokens_per_gpu * ((34 if dropout else 32) * h + scores * a * s) / tp
@@ -310,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         help="fused attention (TE spec): no s x s score activations",
     )
     parser.add_argument("--dropout", action="store_true", help="dropout masks are kept")
+    parser.add_argument(
+        "--coalesce-mb",
+        type=float,
+        default=192.0,
+        help="GTPConfig.coalesce_mb: bytes of weights gathered as one unit",
+    )
     args = parser.parse_args(argv)
     try:
         fields = {}
@@ -335,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             overhead_gib=args.overhead_gib,
             flash_attention=args.flash_attention,
             dropout=args.dropout,
+            coalesce_mb=args.coalesce_mb,
         )
         print(
             f"{model.parameters / 1e9:.2f} B parameters, {args.gpus} GPUs x "

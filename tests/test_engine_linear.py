@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
 from nemo_gtp.engine.copy_engine import decide_copy_engine
-from nemo_gtp.engine.runtime import GatherBackend
+from nemo_gtp.engine.runtime import ChainId, GatherBackend
 from nemo_gtp.engine.timing import ExposedWaitTimer
 from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
 
@@ -52,6 +52,7 @@ def _parity_worker(rank: int, world: int, per_token: bool, options: dict) -> Non
     groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
     reference = _mlp(0)
     model = copy.deepcopy(reference)
+    options = {"coalesce_mb": 0.0, **options}  # the per-weight chain unless a case coalesces
     runtime = _shard_mlp(model, groups, GTPConfig(calculate_per_token_loss=per_token, **options))
     if options.get("separate_reduce_scatter_group"):
         assert runtime._rs_group is not groups.gtp
@@ -114,7 +115,17 @@ def _parity_worker(rank: int, world: int, per_token: bool, options: dict) -> Non
     assert runtime.gather_backend is GatherBackend.PROCESS_GROUP
     assert runtime.tokens_per_gemm == 8
     depth = runtime.config.prefetch_depth
-    assert max(runtime.max_live_buffers.values()) <= 1 + depth
+    units = [len(unit) for unit in runtime.chains[ChainId.UNGRAPHED].units]
+    if runtime.config.coalesce_mb:  # weights of 4, 5 and 3 KiB (padded, fp32)
+        assert units == ([2, 1] if runtime.config.coalesce_mb < 0.011 else [3]), units
+        # the unit's wgrads were reduce-scattered together: nothing left staged or pending
+        assert not runtime._staged and not runtime._pending_rs
+    else:
+        assert units == [1, 1, 1]
+    walk = units + units[::-1]  # forward units, then the backward's (handed over at the tail)
+    live = max(a + b for a, b in zip(walk, walk[1:]))  # a unit and the next one consumed
+    bound = live if runtime.config.coalesce_mb else 1 + depth
+    assert max(runtime.max_live_buffers.values()) <= bound
     if depth > 1:  # the consume of weight 0 gathered weights 1 and 2 ahead
         assert runtime.stats.prefetches > 0 and runtime.stats.prefetch_skipped == 0
         assert [len(p.gtp_state.fwd.ahead) for p in runtime.params] == [2, 1, 0]
@@ -125,6 +136,8 @@ PARITY_OPTIONS = [
     (True, {}),
     (False, {"gather_backend": "auto", "separate_reduce_scatter_group": True}),
     (False, {"prefetch_depth": 2}),
+    (False, {"coalesce_mb": 0.01}),  # units (fc0, fc1), (fc2)
+    (True, {"coalesce_mb": 1.0, "separate_reduce_scatter_group": True}),  # one unit
 ]
 
 
@@ -140,6 +153,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcom
         for per_token, options in PARITY_OPTIONS
     ]
     cases.append(("behaviour", _behaviour_worker, ()))
+    cases.append(("units", _units_worker, ()))
     cases.append(("recompute", _recompute_worker, ()))
     return run_cases(cases, 2, tmp_path_factory.mktemp("engine_linear"))
 
@@ -187,8 +201,9 @@ def test_exposed_wait_timer_per_weight() -> None:
 def _behaviour_worker(rank: int, world: int) -> None:
     groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
     model_a, model_b = _mlp(0), _mlp(1)
-    runtime_a = _shard_mlp(model_a, groups, GTPConfig(pad_for_alignment=4))
-    runtime_b = _shard_mlp(model_b, groups, GTPConfig(pad_for_alignment=4))
+    per_weight = GTPConfig(pad_for_alignment=4, coalesce_mb=0)  # the chain of design §1.1
+    runtime_a = _shard_mlp(model_a, groups, per_weight)
+    runtime_b = _shard_mlp(model_b, groups, per_weight)
     names = [f"{i}.weight" for i in (0, 2, 4)]
     for step in range(3):
         trace = runtime_a.enable_trace()
@@ -245,6 +260,47 @@ def test_prefetch_order_buffers_and_isolation(two_ranks: dict[str, list[Outcome]
     case_values(two_ranks["behaviour"])
 
 
+def _units_worker(rank: int, world: int) -> None:
+    """Coalescing units (design §3.1): weights 0 and 2 (2560 + 3840 padded fp32 bytes) form one
+    unit, weight 4 another; each unit is gathered in one collective one unit ahead, and its
+    wgrads reduce-scatter together once the unit's last wgrad exists."""
+    groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
+    model = _mlp(0)
+    runtime = _shard_mlp(model, groups, GTPConfig(pad_for_alignment=4, coalesce_mb=6400 / 2**20))
+    names = [f"{i}.weight" for i in (0, 2, 4)]
+    for step in range(3):
+        trace = runtime.enable_trace()
+        model(torch.randn(4, 16)).square().mean().backward()
+        runtime.drain()
+        if step == 0:
+            continue
+        events = [(e, n, d) for e, n, d in trace]
+        assert [len(u) for u in runtime.chains[ChainId.UNGRAPHED].units] == [2, 1]
+        # the head unit is gathered together at the head's consume (the head waits on it)
+        assert events[:2] == [
+            ("ag_issue_sync", names[0], "fwd"),
+            ("ag_issue_async", names[1], "fwd"),
+        ]
+        # the next unit's gather is issued before the head's GEMM; none at weight 2's consume
+        assert events.index(("ag_issue_async", names[2], "fwd")) < events.index(
+            ("gemm", names[0], "fwd")
+        ), events
+        rs = [(e, n) for e, n, d in events if e.startswith("rs_issue") or e == "finalize"]
+        assert rs == [
+            ("rs_issue_async", names[2]),  # unit (4,): alone
+            ("rs_issue_sync", names[1]),  # unit (0, 2) staged until weight 0's wgrad exists;
+            ("rs_issue_sync", names[0]),  # it holds the chain head: synchronous
+            ("finalize", names[2]),
+            ("finalize", names[1]),
+            ("finalize", names[0]),
+        ], rs
+    assert runtime.stats.fallback_allocations == 0 and runtime.stats.prefetch_skipped == 0
+
+
+def test_coalescing_units(two_ranks: dict[str, list[Outcome]]) -> None:
+    case_values(two_ranks["units"])
+
+
 def test_flight_recorder_quieted_only_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     """GTP turns torch's NCCL flight recorder off by default (a Python stack per collective),
     before torch.distributed initializes, and never overrides an explicit setting."""
@@ -276,7 +332,7 @@ def _recompute_worker(rank: int, world: int) -> None:
         ]
     )
     model = copy.deepcopy(reference)
-    runtime = _shard_mlp(model, groups, GTPConfig(pad_for_alignment=4))
+    runtime = _shard_mlp(model, groups, GTPConfig(pad_for_alignment=4, coalesce_mb=0))
 
     def run(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         for block in net:

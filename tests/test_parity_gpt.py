@@ -27,6 +27,7 @@ _GTP_ONLY = {
     "gather_backend": Run.gather_backend,
     "ce_min_tokens": Run.ce_min_tokens,
     "separate_rs": Run.separate_rs,
+    "coalesce_mb": Run.coalesce_mb,
 }
 
 
@@ -59,7 +60,11 @@ def _parity_case(rank: int, world: int, case: Run) -> float:
     # Live gathered buffers per chain: one-step-ahead keeps 2; a recompute forward inside the
     # backward prefetches the next recomputed weight beside them (one more).
     recomputed = {"full_uniform": 8, "full_block": 4, "selective_mlp": 4}.get(case.recompute, 0)
-    assert max(runtime.max_live_buffers.values()) <= 2 + bool(recomputed)
+    units = [len(unit) for unit in next(iter(runtime.chains.values())).units]
+    walk = units + units[::-1]  # a unit and the next one consumed (2 without coalescing)
+    live = max(a + b for a, b in zip(walk, walk[1:]))
+    assert units == ([4, 4] if case.coalesce_mb else [1] * 8), units
+    assert max(runtime.max_live_buffers.values()) <= live + bool(recomputed)
     if recomputed:  # the recompute chain was observed (GTP weights re-run), linked and used
         chain = next(iter(runtime.chains.values()))
         assert len(chain.recompute_order) == recomputed
@@ -99,6 +104,8 @@ CASES_2 = [
     Run(gtp=2, recompute="full_block", distopt=True),  # first layer re-run
     Run(gtp=2, recompute="selective"),  # core attention re-run (no GTP weight)
     Run(gtp=2, recompute="selective_mlp"),  # the MLPs re-run: fc1 and fc2 re-gathered
+    Run(gtp=2, coalesce_mb=0.125),  # one collective per layer and direction
+    Run(gtp=2, coalesce_mb=0.125, recompute="full_uniform", distopt=True),
 ]
 CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when TP changes
     Run(gtp=2),
@@ -108,9 +115,11 @@ CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when 
     Run(gtp=4, fp32_accum=True),
     Run(gtp=4, ffn=72, pad=1),  # TP1·GTP4
     Run(gtp=4, distopt=True, fp32_accum=True, shard_replicated=True),
+    Run(gtp=2, distopt=True, per_token=True, coalesce_mb=0.125, separate_rs=True),
     Run(tp=2, gtp=2),
     Run(tp=2, gtp=2, per_token=True, distopt=True),  # TP2·GTP2
     Run(tp=2, gtp=2, per_token=True, distopt=True, shard_replicated=True),
+    Run(tp=2, gtp=2, coalesce_mb=0.0625, distopt=True),  # TP2: a layer's shards are halved
 ]
 
 

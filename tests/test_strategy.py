@@ -403,17 +403,31 @@ def test_cuda_graph_warmup_bump(nemo_env: Any) -> None:
         nemo_env.Strategy(num_weight_shards=shards).connect(gpt)
         assert gpt.config.cuda_graph_warmup_steps == expected
 
-    # Capture itself is not implemented: a GTP model with graphs on is refused before any
-    # process group exists (the warmup bump above is the part that exists).
-    from nemo_gtp.strategy.cuda_graphs import reject_cuda_graph_capture
+    # Per-layer capture is not implemented: such a GTP model is refused before any process
+    # group exists; the full-iteration graph is accepted, its gather backend made capturable.
+    from nemo_gtp.engine import GTPConfig
+    from nemo_gtp.strategy.cuda_graphs import graph_safe_gtp_config, reject_cuda_graph_capture
 
     reject_cuda_graph_capture(off)
-    for kw in (dict(cuda_graph_impl="local"), dict(cuda_graph_scope="full_iteration")):
-        with pytest.raises(ValueError, match="cuda_graph_impl='none'"):
+    for kw in (
+        dict(cuda_graph_impl="local"),
+        dict(enable_cuda_graph=True, cuda_graph_scope="attn"),
+        dict(cuda_graph_impl="transformer_engine"),
+    ):
+        with pytest.raises(ValueError, match="cuda_graph_scope='full_iteration'"):
             reject_cuda_graph_capture(config(**kw))
+    full_iteration = config(enable_cuda_graph=True, cuda_graph_scope="full_iteration")
+    reject_cuda_graph_capture(full_iteration)
+    assert graph_safe_gtp_config(off, None) == (None, "")
+    safe, note = graph_safe_gtp_config(full_iteration, None)
+    assert safe.gather_backend == "process_group" and "'auto' -> 'process_group'" in note
+    kept = GTPConfig(gather_backend="process_group", coalesce_mb=8)
+    assert graph_safe_gtp_config(full_iteration, kept) == (kept, "")
+    with pytest.raises(ValueError, match="gather_backend='process_group'"):
+        graph_safe_gtp_config(full_iteration, GTPConfig(gather_backend="copy_engine"))
     strategy = nemo_env.Strategy(num_weight_shards=2)
     strategy.connect(gpt)
-    with pytest.raises(ValueError, match="CUDA-graph capture of a GTP model is not supported"):
+    with pytest.raises(ValueError, match="per-layer CUDA-graph capture of a GTP model"):
         strategy.setup_distributed()
 
 
@@ -476,3 +490,27 @@ def _repo_root() -> Any:
     from pathlib import Path
 
     return Path(__file__).resolve().parent.parent
+
+
+def test_full_iteration_graph_callback_routes_training_steps_only() -> None:
+    """NeMo builds a fresh step object per step; the callback hands every training step the
+    one graph wrapper (built with GTP's warmup), and leaves validation steps eager."""
+    import dataclasses
+    import functools
+
+    from nemo_gtp.strategy.cuda_graphs import FullIterationGraph, install_full_iteration_graph
+
+    @dataclasses.dataclass
+    class Step:  # the shape of NeMo's MegatronStep: forward_backward_func is a cached_property
+        forward_only: bool
+
+        @functools.cached_property
+        def forward_backward_func(self) -> str:
+            return "eager"
+
+    graph = object.__new__(FullIterationGraph)  # its wrapper needs CUDA streams
+    graph.warmup, graph.wrapper = 2, "graph wrapper"
+    assert graph.on_megatron_step_start(Step(False)).forward_backward_func == "graph wrapper"
+    assert graph.on_megatron_step_start(Step(True)).forward_backward_func == "eager"
+    off = types.SimpleNamespace(cuda_graph_scope="full", cuda_graph_impl="none")
+    assert install_full_iteration_graph(None, off) is None  # graphs off: nothing installed

@@ -96,6 +96,7 @@ class GroupCollectives:
         ops = GroupCollectives(groups.gtp)
         work = ops.all_gather(gathered, shard)      # async; work.wait() completes it
         work = ops.reduce_scatter(shard_out, wgrad, average=False)
+        work = ops.all_gather_coalesced([full_a, full_b], [shard_a, shard_b])
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
@@ -106,6 +107,8 @@ class GroupCollectives:
         self._reduce_scatter = (
             getattr(group, "reduce_scatter_single", None) or group._reduce_scatter_base
         )
+        self._all_gather_coalesced = group.allgather_into_tensor_coalesced
+        self._reduce_scatter_coalesced = group.reduce_scatter_tensor_coalesced
         self._ag_options = c10d.AllgatherOptions()
         self._rs_options = {}
         for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -125,6 +128,18 @@ class GroupCollectives:
     ) -> dist.Work:
         """Async reduce-scatter (SUM, or the backend's AVG) of ``full`` into ``output``."""
         return self._reduce_scatter(output, full, self._rs_options[average])
+
+    def all_gather_coalesced(
+        self, outputs: list[torch.Tensor], shards: list[torch.Tensor]
+    ) -> dist.Work:
+        """:meth:`all_gather` of several tensors as one collective (one NCCL group launch)."""
+        return self._all_gather_coalesced(outputs, shards, self._ag_options)
+
+    def reduce_scatter_coalesced(
+        self, outputs: list[torch.Tensor], fulls: list[torch.Tensor], *, average: bool
+    ) -> dist.Work:
+        """:meth:`reduce_scatter` of several tensors as one collective."""
+        return self._reduce_scatter_coalesced(outputs, fulls, self._rs_options[average])
 
 
 FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")

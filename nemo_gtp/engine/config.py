@@ -27,6 +27,15 @@ class GTPConfig:
         prefetch_depth: how many weights ahead each consume gathers (1: the one-step-ahead chain
             of §1.1). 2 gives a small GEMM (e.g. the attention projection before a large MLP
             weight) two GEMMs of runway, for one more gathered buffer per chain and direction.
+        coalesce_mb: consecutive weights of a prefetch chain whose gathered (padded) sizes add
+            up to at most this many MiB form one coalescing unit (design §3.1 "Coalescing
+            units"): they are all-gathered in one collective, one unit ahead of use, and their
+            wgrads reduce-scattered in one collective once the unit's last wgrad exists. Fewer,
+            larger collectives cut the host cost and NCCL launches per weight (the small-token
+            regime is host- and latency-bound) for up to two units of gathered buffers per
+            direction instead of two weights, and a unit's wgrad scratch held until its last
+            member's wgrad. 0 (or any size below the smallest weight): one weight per
+            collective, the per-weight chain of §1.1.
         async_reduction: reduce-scatter weight gradients asynchronously with the one-step-deferred
             finalize (§1.1). Off reduces synchronously inside each backward.
         calculate_per_token_loss: SUM over the GTP axis instead of MEAN (§3.2 table); must mirror
@@ -70,11 +79,12 @@ class GTPConfig:
     pad_for_alignment: int = 16
     weight_prefetch: bool = True
     prefetch_depth: int = 1
+    coalesce_mb: float = 192.0
     async_reduction: bool = True
     calculate_per_token_loss: bool = False
     reduce_scatter_with_fp32_accumulation: bool = False
     gather_backend: str = "auto"
-    copy_engine_min_tokens: int = 4096
+    copy_engine_min_tokens: int = 8192
     separate_reduce_scatter_group: bool = False
     shard_replicated_params_over_gtp: bool = False
     preshard_linears: str = "te"
@@ -102,6 +112,8 @@ class GTPConfig:
             )
         if self.prefetch_depth < 1:
             raise ValueError(f"GTPConfig.prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        if not self.coalesce_mb >= 0:
+            raise ValueError(f"GTPConfig.coalesce_mb must be >= 0, got {self.coalesce_mb}")
         if self.pad_for_alignment < 1:
             raise ValueError(
                 f"GTPConfig.pad_for_alignment must be >= 1, got {self.pad_for_alignment}"

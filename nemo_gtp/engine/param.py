@@ -53,6 +53,9 @@ class ReduceScatterState(enum.Enum):
 
     NONE = "none"
     """Nothing in flight; main_grad holds every finalized contribution."""
+    STAGED = "staged"
+    """The wgrad is in scratch, waiting for the rest of its coalescing unit (design §3.1
+    "Coalescing units") to reduce-scatter with it in one collective."""
     ASYNC_WAIT = "async_wait"
     """A reduce-scatter was issued; scratch and output stay held until the deferred finalize."""
     DATA_READY = "data_ready"
@@ -124,8 +127,38 @@ class ShardSpec:
         return gathered[: self.logical_shape[0]]
 
 
+_RS_STAGED = ReduceScatterState.STAGED
+
+
 class GTPStateError(RuntimeError):
     """A GTP state machine was asked for a transition its current state does not allow."""
+
+
+class SharedWork:
+    """One collective's handle shared by the weights of a coalescing unit: waited once.
+
+    Every member's :meth:`GatherSlot.complete` calls :meth:`wait`; only the first waits on the
+    collective (on CUDA that orders the current stream after it, which orders every later
+    consume on that stream too). Reused across steps, one per unit and direction.
+
+    Example::
+
+        shared = SharedWork()
+        shared.work = ops.all_gather_coalesced(buffers, shards)
+        shared.wait(); shared.wait()     # the second call is free
+    """
+
+    __slots__ = ("work",)
+
+    def __init__(self) -> None:
+        self.work: Any = None
+
+    def wait(self) -> None:
+        """Wait for the collective, the first time only."""
+        work = self.work
+        if work is not None:
+            self.work = None
+            work.wait()
 
 
 class GatherSlot:
@@ -142,7 +175,11 @@ class GatherSlot:
       ``recompute_ahead``: for a forward slot, the next weights in the recompute chain's order
       (the forward re-run inside the backward by activation recompute, design §3.1);
     - ``cache`` / ``cache_full``: the cache slot whose stable buffer this direction gathers
-      into, and that buffer's unpadded view.
+      into, and that buffer's unpadded view;
+    - ``unit``: the slots of this direction gathered together with this one in one collective
+      (its coalescing unit, design §3.1; ``(self,)`` when weights gather one by one), and
+      ``unit_work`` the :class:`SharedWork` their coalesced gather completes through. Links
+      (``ahead``, ``handover``) sit on the first slot of each unit in its direction.
     """
 
     __slots__ = (
@@ -160,6 +197,8 @@ class GatherSlot:
         "nbytes",
         "pull_plan",
         "pull_work",
+        "unit",
+        "unit_work",
     )
 
     def __init__(self, direction: Direction, index: int = -1) -> None:
@@ -177,6 +216,8 @@ class GatherSlot:
         self.nbytes = 0  # bytes this rank receives per gather
         self.pull_plan: Any = None  # copy-engine backend: (rows of cache buffer, peer mirror)
         self.pull_work: Any = None  # copy-engine backend: the slot's reusable event
+        self.unit: tuple[GatherSlot, ...] = (self,)
+        self.unit_work: SharedWork | None = None
 
     def issued(self, work: Any, buffer: torch.Tensor, full: torch.Tensor) -> None:
         """NONE → ASYNC_WAIT: a gather into ``buffer`` was issued; ``work.wait()`` completes it."""
@@ -227,11 +268,18 @@ class ReduceScatterSlot:
         self.output_pool: Any = None
         self.recv_pool: Any = None
 
+    def staged(self, scratch: torch.Tensor) -> None:
+        """NONE → STAGED: ``scratch`` holds the wgrad, to be reduced with its unit's others."""
+        if self.state is not ReduceScatterState.NONE:
+            raise GTPStateError(f"reduce-scatter staged in state {self.state}")
+        self.state, self.scratch = ReduceScatterState.STAGED, scratch
+
     def issued(
         self, work: Any, scratch: torch.Tensor, output: torch.Tensor, recv: torch.Tensor | None
     ) -> None:
-        """NONE → ASYNC_WAIT: the reduce-scatter of ``scratch`` into ``output`` is in flight."""
-        if self.state is not ReduceScatterState.NONE:
+        """NONE or STAGED → ASYNC_WAIT: the reduce-scatter of ``scratch`` into ``output`` is in
+        flight."""
+        if self.state is not ReduceScatterState.NONE and self.state is not _RS_STAGED:
             raise GTPStateError(f"reduce-scatter issued in state {self.state}")
         self.state, self.work = ReduceScatterState.ASYNC_WAIT, work
         self.scratch, self.output, self.recv = scratch, output, recv
@@ -275,6 +323,7 @@ class GTPParamState:
         "grad_ready_hook",
         "forward_grad_enabled",
         "protocol_scratch",
+        "rs_unit",
         "__weakref__",
     )
 
@@ -293,6 +342,9 @@ class GTPParamState:
         """Grad mode at the owning TE module's call: TE materializes inside its autograd forward,
         where grad mode is off, so the runtime reads this instead (set by a forward pre-hook)."""
         self.protocol_scratch: torch.Tensor | None = None  # TE's grad_buffer(), until finalize
+        self.rs_unit: tuple | None = None
+        """The params (forward order) whose wgrads reduce-scatter in one collective with this
+        one; None: alone (not coalescing, or before the chain order is committed)."""
 
     def slot(self, direction: Direction) -> GatherSlot:
         """The gather slot of ``direction``."""

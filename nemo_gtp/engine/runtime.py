@@ -23,6 +23,7 @@ gathered synchronously, and a prefetch whose buffer is still held is skipped.
 from __future__ import annotations
 
 import enum
+import math
 import weakref
 from dataclasses import dataclass, fields
 
@@ -46,6 +47,7 @@ from nemo_gtp.engine.param import (
     GTPShardedParam,
     ReduceScatterState,
     ShardSpec,
+    SharedWork,
     carry_param_attributes,
 )
 from nemo_gtp.engine.timing import ExposedWaitTimer
@@ -55,6 +57,7 @@ _FWD, _BWD = Direction.FWD, Direction.BWD
 # forward (megatron's CheckpointFunction, torch.utils.checkpoint), which has its own chain.
 _backward_task_id = torch._C._current_graph_task_id
 _NONE, _ASYNC, _READY = GatherState.NONE, GatherState.ASYNC_WAIT, GatherState.DATA_READY
+_RS_NONE, _RS_STAGED = ReduceScatterState.NONE, ReduceScatterState.STAGED
 
 
 def _forward_targets(slot: GatherSlot, will_backward: bool) -> tuple[GatherSlot, ...]:
@@ -90,18 +93,49 @@ class ChainPhase(enum.Enum):
     """The order is committed and linked; every consume prefetches its neighbour."""
 
 
+def coalescing_units(
+    order: list[GTPShardedParam], unit_bytes: float
+) -> list[tuple[GTPShardedParam, ...]]:
+    """Cut a chain's forward order into coalescing units (design §3.1 "Coalescing units").
+
+    Greedy and order-preserving: a unit takes consecutive weights of one dtype while their
+    gathered (padded) bytes stay within ``unit_bytes``; a weight larger than that is a unit
+    alone, so ``unit_bytes=0`` gives one unit per weight.
+
+    Example::
+
+        coalescing_units(chain.order, 64 * 2**20)   # [(qkv, proj), (fc1,), (fc2, qkv'), ...]
+    """
+    units: list[tuple[GTPShardedParam, ...]] = []
+    current: list[GTPShardedParam] = []
+    size = 0
+    for param in order:
+        nbytes = math.prod(param.gtp_spec.gathered_shape) * param.element_size()
+        if current and (size + nbytes > unit_bytes or param.dtype != current[0].dtype):
+            units.append(tuple(current))
+            current, size = [], 0
+        current.append(param)
+        size += nbytes
+    if current:
+        units.append(tuple(current))
+    return units
+
+
 class Chain:
     """The observed forward order of one chain's weights.
 
-    Committing the order (:meth:`observe` returns True) links every weight's gather slots to
-    the ones they prefetch (``GatherSlot.ahead``) once, so the steady-state step never searches.
+    Committing the order (:meth:`observe` returns True) cuts it into coalescing units and links
+    every unit's leading gather slots to the units they prefetch (``GatherSlot.ahead``) once, so
+    the steady-state step never searches.
     """
 
-    def __init__(self, chain_id: ChainId, depth: int = 1) -> None:
+    def __init__(self, chain_id: ChainId, depth: int = 1, unit_bytes: float = 0) -> None:
         self.chain_id = chain_id
-        self.depth = depth  # weights gathered ahead of each consume
+        self.depth = depth  # units gathered ahead of each consume
+        self.unit_bytes = unit_bytes  # GTPConfig.coalesce_mb in bytes
         self.phase = ChainPhase.OBSERVING
         self.order: list[GTPShardedParam] = []
+        self.units: list[tuple[GTPShardedParam, ...]] = []
         self._seen: set[int] = set()
         self.recompute_phase = ChainPhase.OBSERVING
         self.recompute_order: list[GTPShardedParam] = []
@@ -127,31 +161,50 @@ class Chain:
 
     def _commit(self) -> None:
         self.phase = ChainPhase.LINKED
-        order, n, depth = self.order, len(self.order), self.depth
-        for i, param in enumerate(order):
-            state = param.gtp_state
-            # Weights within ``depth`` of each other can be live at once; same-shape ones get
-            # different parities (design §3.1), so a prefetch never lands in the buffer a GEMM
-            # still reads. Greedy: the smallest parity no such earlier neighbour uses.
-            taken = {
-                order[j].gtp_state.parity
-                for j in range(max(0, i - depth), i)
-                if order[j].gtp_spec.gathered_shape == param.gtp_spec.gathered_shape
-                and order[j].dtype == param.dtype
-            }
-            state.parity = min(p for p in range(depth + 1) if p not in taken)
-            state.is_head = i == 0
-            later = range(i + 1, min(n, i + 1 + depth))
-            earlier = range(i - 1, max(-1, i - 1 - depth), -1)
-            state.fwd.ahead = tuple(order[j].gtp_state.fwd for j in later)
-            state.bwd.ahead = tuple(order[j].gtp_state.bwd for j in earlier)
-            # The forward tail hands over to the backward: its consume gathers the first ones.
-            first_backward = range(n - 1, max(-1, n - 1 - depth), -1)
-            state.fwd.handover = (
-                tuple(order[j].gtp_state.bwd for j in first_backward) if i == n - 1 else ()
+        units = self.units = coalescing_units(self.order, self.unit_bytes)
+        n, depth = len(units), self.depth
+        for u, members in enumerate(units):
+            # Weights of units within ``depth`` of each other can be live at once; same-shape
+            # ones get different parities (design §3.1), so a prefetch never lands in the buffer
+            # a GEMM still reads. Greedy: the smallest parity no such earlier weight uses.
+            window = [q for unit in units[max(0, u - depth) : u] for q in unit]
+            for param in members:
+                state = param.gtp_state
+                taken = {
+                    q.gtp_state.parity
+                    for q in window
+                    if q.gtp_spec.gathered_shape == param.gtp_spec.gathered_shape
+                    and q.dtype == param.dtype
+                }
+                state.parity = min(p for p in range(len(window) + 1) if p not in taken)
+                window.append(param)
+                state.is_head = False
+                for slot in (state.fwd, state.bwd):  # parity may have changed the ticket
+                    slot.cache, slot.cache_full = None, None
+                    slot.ahead, slot.handover = (), ()
+            # One collective per unit and direction: members share its handle, and the slot
+            # consumed first in each direction carries the links to the units it prefetches.
+            fwd_unit = tuple(q.gtp_state.fwd for q in members)
+            bwd_unit = tuple(q.gtp_state.bwd for q in reversed(members))
+            coalesced = len(members) > 1
+            fwd_work, bwd_work = (SharedWork(), SharedWork()) if coalesced else (None, None)
+            for param in members:
+                state = param.gtp_state
+                state.fwd.unit, state.fwd.unit_work = fwd_unit, fwd_work
+                state.bwd.unit, state.bwd.unit_work = bwd_unit, bwd_work
+                state.rs_unit = members if coalesced else None
+            fwd_unit[0].ahead = tuple(
+                units[j][0].gtp_state.fwd for j in range(u + 1, u + 1 + depth) if j < n
             )
-            for slot in (state.fwd, state.bwd):  # parity may have changed the ticket
-                slot.cache, slot.cache_full = None, None
+            bwd_unit[0].ahead = tuple(
+                units[j][-1].gtp_state.bwd for j in range(u - 1, max(-1, u - 1 - depth), -1)
+            )
+            if u == n - 1:  # the forward tail hands over to the backward's first units
+                fwd_unit[0].handover = tuple(
+                    units[j][-1].gtp_state.bwd for j in range(n - 1, max(-1, n - 1 - depth), -1)
+                )
+        if units:
+            units[0][0].gtp_state.is_head = True
 
     def observe_recompute(self, param: GTPShardedParam) -> None:
         """Record a recompute-forward consume of the first backward that has any (design §3.1
@@ -252,13 +305,15 @@ class GTPRuntime:
         )
         self._prefetch_enabled = self.config.weight_prefetch
         self.params: list[GTPShardedParam] = []
-        self.chains = {cid: Chain(cid, self.config.prefetch_depth) for cid in ChainId}
+        unit_bytes = self.config.coalesce_mb * 2**20
+        self.chains = {cid: Chain(cid, self.config.prefetch_depth, unit_bytes) for cid in ChainId}
         self.weight_cache = GTPWeightCache()
         self.wgrad_pool = WgradPool()
         self.stats = CommStats()
         self.wait_timer = ExposedWaitTimer()
         self.trace: list[tuple[str, str, str]] | None = None
         self._pending_rs: list[GTPShardedParam] = []
+        self._staged: list[GTPShardedParam] = []  # wgrads waiting for the rest of their unit
         self._label: str | None = None  # trace label of the consume being served
 
     # ----------------------------------------------------------------- construction
@@ -335,17 +390,24 @@ class GTPRuntime:
             if chain.recompute_phase is ChainPhase.OBSERVING:
                 chain.observe_recompute(param)
         if slot.state is _NONE:
-            self._issue(param, slot, async_op=False)
+            if recompute or len(slot.unit) == 1:
+                self._issue(param, slot, async_op=False)
+            else:  # e.g. the chain head: its whole unit, in one collective
+                self._issue_unit(slot.unit, sync_slot=slot)
         if slot.state is _ASYNC:
             if self.wait_timer.enabled:
                 self.wait_timer.timed_wait(slot.complete, "gather", param.device, state.name)
             else:
                 slot.complete()
         if self._prefetch_enabled:  # links are empty until their chain is committed
-            # a recompute consume follows the recompute chain, never the forward chain's links
-            self._prefetch_all(
-                slot.recompute_ahead if recompute else _forward_targets(slot, will_backward)
-            )
+            # a recompute consume follows the recompute chain, never the forward chain's links;
+            # it gathers weight by weight (a recompute may re-run only part of a unit)
+            if recompute:
+                for target in slot.recompute_ahead:
+                    if target.state is _NONE:
+                        self._prefetch(target)
+            else:
+                self._prefetch_all(_forward_targets(slot, will_backward))
         self._label = None
         return slot.full
 
@@ -369,9 +431,12 @@ class GTPRuntime:
         slot.released()
 
     def _prefetch_all(self, targets: tuple[GatherSlot, ...]) -> None:
-        for target in targets:
+        for target in targets:  # each target leads a unit
             if target.state is _NONE:
-                self._prefetch(target)
+                if len(target.unit) == 1:
+                    self._prefetch(target)
+                else:
+                    self._issue_unit(target.unit)
 
     def _prefetch(self, slot: GatherSlot) -> None:
         if self._issue(self.params[slot.index], slot, async_op=True):
@@ -429,6 +494,10 @@ class GTPRuntime:
             else:
                 work = self._ops.all_gather(buffer, param.detach())
         slot.issued(work, buffer, full)
+        self._note_issued(param, slot, async_op)
+        return True
+
+    def _note_issued(self, param: GTPShardedParam, slot: GatherSlot, async_op: bool) -> None:
         chain = param.gtp_state.chain
         chain.live += 1
         if chain.live > chain.max_live:
@@ -442,7 +511,57 @@ class GTPRuntime:
                 param,
                 self._label or slot.direction,
             )
-        return True
+
+    def _issue_unit(
+        self, unit: tuple[GatherSlot, ...], sync_slot: GatherSlot | None = None
+    ) -> None:
+        """Gather every not-yet-gathered slot of a coalescing unit in one collective.
+
+        ``sync_slot``: the slot a GEMM is waiting for (must be gathered, into a fallback buffer
+        if its cache slot is held); the others are prefetches, skipped when their buffer is held.
+        """
+        if self.gather_backend is None:
+            self._resolve_gather_backend(self.params[unit[0].index].device)
+        if self._use_mirror:  # copy-engine pulls are per weight anyway
+            for slot in unit:
+                if slot.state is _NONE:
+                    if slot is sync_slot:
+                        self._issue(self.params[slot.index], slot, async_op=False)
+                    else:
+                        self._prefetch(slot)
+            return
+        members, buffers, shards = [], [], []
+        for slot in unit:
+            if slot.state is not _NONE:
+                continue
+            param = self.params[slot.index]
+            cache = slot.cache
+            if cache is None or cache.buffer is None:
+                self._bind(param, slot)
+                cache = slot.cache
+            if cache.try_acquire(slot):
+                members.append(slot)
+                buffers.append(cache.buffer)
+                shards.append(param.detach())
+            elif slot is sync_slot:  # only when the observed order mispredicts
+                self._issue(param, slot, async_op=False)
+            else:
+                self.stats.prefetch_skipped += 1
+        if not members:
+            return
+        if len(members) == 1:
+            work = self._ops.all_gather(buffers[0], shards[0])
+        else:
+            work = self._ops.all_gather_coalesced(buffers, shards)
+        shared = members[0].unit_work
+        if shared.work is not None:  # an earlier gather of this unit is still unwaited
+            shared = SharedWork()
+        shared.work = work
+        for slot in members:
+            slot.issued(shared, slot.cache.buffer, slot.cache_full)
+            self._note_issued(self.params[slot.index], slot, slot is not sync_slot)
+            if slot is not sync_slot:
+                self.stats.prefetches += 1
 
     def _resolve_gather_backend(self, device: torch.device) -> None:
         """``GTPConfig.gather_backend`` made concrete, once, at the first gather.
@@ -568,11 +687,23 @@ class GTPRuntime:
         """
         state = param.gtp_state
         rs = state.rs
-        if rs.state is not ReduceScatterState.NONE:  # same weight twice in one backward
+        if rs.state is not _RS_NONE:  # same weight twice in one backward
+            if rs.state is _RS_STAGED:
+                self._flush_staged()
             self._finalize(param)
-        output = rs.output_pool.get()
+        unit = state.rs_unit
+        staged = self._staged
+        if staged and (unit is None or staged[0].gtp_state.rs_unit is not unit):
+            self._flush_staged()  # a unit whose other wgrads never came (or came out of order)
         if self._prescale is not None:
             scratch.mul_(self._prescale)
+        if unit is not None and not self._fp32_accumulation:
+            rs.staged(scratch)
+            staged.append(param)
+            if len(staged) == len(unit):
+                self._flush_staged()
+            return
+        output = rs.output_pool.get()
         if self._fp32_accumulation:
             recv = rs.recv_pool.get()
             work = reduce_scatter_wgrad(
@@ -590,15 +721,46 @@ class GTPRuntime:
         )
         if self.trace is not None:
             self.record("rs_issue_sync" if sync else "rs_issue_async", param, _BWD)
+        self._after_reduce_scatter((param,), sync)
+
+    def _flush_staged(self) -> None:
+        """Reduce-scatter the staged wgrads of one unit in one collective."""
+        params = tuple(self._staged)
+        self._staged.clear()
+        if not params:
+            return
+        outputs = [p.gtp_state.rs.output_pool.get() for p in params]
+        scratches = [p.gtp_state.rs.scratch for p in params]
+        average = self._average_in_collective
+        if len(params) == 1:
+            work = self._rs_ops.reduce_scatter(outputs[0], scratches[0], average=average)
+        else:
+            work = self._rs_ops.reduce_scatter_coalesced(outputs, scratches, average=average)
+        shared = SharedWork()
+        shared.work = work
+        sync = not self.config.async_reduction or any(p.gtp_state.is_head for p in params)
+        stats = self.stats
+        for param, output, scratch in zip(params, outputs, scratches):
+            param.gtp_state.rs.issued(shared, scratch, output, None)
+            stats.reduce_scatters += 1
+            stats.reduce_scatter_bytes += (
+                scratch.numel() * scratch.element_size() * (self.size - 1) // self.size
+            )
+            if self.trace is not None:
+                self.record("rs_issue_sync" if sync else "rs_issue_async", param, _BWD)
+        self._after_reduce_scatter(params, sync)
+
+    def _after_reduce_scatter(self, params: tuple[GTPShardedParam, ...], sync: bool) -> None:
         pending = self._pending_rs
-        if pending:  # the one-step-deferred finalize of the previous weight(s)
+        if pending:  # the one-step-deferred finalize of the previous weight(s) or unit
             for previous in pending:
                 self._finalize(previous)
             pending.clear()
         if sync:
-            self._finalize(param)
+            for param in params:
+                self._finalize(param)
         else:
-            pending.append(param)
+            pending.extend(params)
 
     def _finalize(self, param: GTPShardedParam) -> None:
         state = param.gtp_state
@@ -623,6 +785,7 @@ class GTPRuntime:
     # ----------------------------------------------------------------- fences
     def drain_reduce_scatters(self) -> None:
         """Finalize every pending reduce-scatter (the fence before main_grad is read)."""
+        self._flush_staged()
         pending, self._pending_rs = self._pending_rs, []
         for param in pending:
             self._finalize(param)

@@ -30,6 +30,8 @@ def teardown_fit() -> None:
 
     Megatron's parallel state and microbatch calculator are module globals that NeMo sets once
     per fit; the default process group is destroyed so the next fit's strategy creates its own.
+    So is megatron's full-iteration CUDA graph (class attributes of ``FullCudaGraphWrapper``):
+    left in place, the next fit would replay the previous model's graph.
     """
     import gc
 
@@ -40,6 +42,16 @@ def teardown_fit() -> None:
 
     parallel_state.destroy_model_parallel()
     unset_num_microbatches_calculator()
+    try:
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+    except ImportError:  # megatron-core without full-iteration graphs
+        pass
+    else:
+        for stage in ("training", "validation"):
+            FullCudaGraphWrapper.curr_iteration[stage] = 0
+            FullCudaGraphWrapper.cuda_graph[stage] = None
+            FullCudaGraphWrapper.result[stage] = None
+            StaticBufferLoader.static_buffers[stage] = []
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()

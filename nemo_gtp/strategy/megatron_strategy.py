@@ -59,7 +59,12 @@ from nemo_gtp.strategy.checkpoint_io import (
     gtp_sharded_state_dict_metadata,
     install_gtp_sharded_state_dict,
 )
-from nemo_gtp.strategy.cuda_graphs import enforce_cuda_graph_warmup, reject_cuda_graph_capture
+from nemo_gtp.strategy.cuda_graphs import (
+    enforce_cuda_graph_warmup,
+    graph_safe_gtp_config,
+    install_full_iteration_graph,
+    reject_cuda_graph_capture,
+)
 from nemo_gtp.strategy.ddp import gtp_ddp_class, nemo_ddp_class
 from nemo_gtp.strategy.model_transform import convert_then_shard, shard_model_chunk
 from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
@@ -239,6 +244,9 @@ class GTPMegatronStrategy(MegatronStrategy):
         """NeMo's process groups (megatron ``parallel_state``), then the GTP groups."""
         if self.gtp_enabled and getattr(self.model, "config", None) is not None:
             reject_cuda_graph_capture(self.model.config)  # before any process group exists
+            self.gtp_config, note = graph_safe_gtp_config(self.model.config, self.gtp_config)
+            if note:
+                nemo_logging.info(note)
         note = quiet_flight_recorder() if self.gtp_enabled else None
         if note:
             nemo_logging.info(note)
@@ -336,6 +344,11 @@ class GTPMegatronStrategy(MegatronStrategy):
                 )
                 wrapped.gtp_finalize = True
                 config.finalize_model_grads_func = wrapped
+        note = install_full_iteration_graph(
+            self.megatron_parallel, get_model_config(self.megatron_parallel[0])
+        )
+        if note and self.is_global_zero:
+            nemo_logging.info(note)
         if self.is_global_zero and self.gtp_runtimes:
             nemo_logging.info(gtp_banner(self.gtp_runtimes[0].config, self.gtp_dims))
 

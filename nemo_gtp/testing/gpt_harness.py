@@ -50,6 +50,7 @@ class Run:
     gather_backend: str = "process_group"
     ce_min_tokens: int = 4096  # GTPConfig.copy_engine_min_tokens (gather_backend="auto")
     separate_rs: bool = False  # GTPConfig.separate_reduce_scatter_group
+    coalesce_mb: float = 0.0  # GTPConfig.coalesce_mb (0.125: one unit per layer at 64/128)
     bf16: bool = False  # bf16 params + megatron's mixed-precision optimizer (fp32 main params)
     presharded: bool = False  # build the linears as shards (gtp_layer_spec), weights copied in
     shard_replicated: bool = False  # GTPConfig.shard_replicated_params_over_gtp (needs distopt)
@@ -207,6 +208,7 @@ def build(run: Run) -> dict:
         gather_backend=run.gather_backend,
         copy_engine_min_tokens=run.ce_min_tokens,
         separate_reduce_scatter_group=run.separate_rs,
+        coalesce_mb=run.coalesce_mb,
         shard_replicated_params_over_gtp=run.shard_replicated,
     )
     spec, reference = get_gpt_layer_local_spec(), None
