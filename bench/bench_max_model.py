@@ -21,13 +21,20 @@ so no probe stalls the sweep. ``--budget-s`` bounds the whole sweep (a probe sti
 its end is killed and recorded as ``cut``). The JSON and the markdown table are rewritten after
 every probe.
 
-GPU (2xH200; about 6-8 minutes: ~15 probes of 15-45 s, hard cap ``--budget-s 540``)::
+GPU (2xH200, the megatron-core / NeMo wheels installed and on ``PYTHONPATH`` as for
+``bench_gpt.py``; expected 5-8 minutes: 14-19 probes of 15-40 s; hard cap ``--budget-s 540``,
+so one command with a 600 s limit holds it; ``--modes`` splits it over several)::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    PYTHONPATH=$PWD:$PYTHONPATH python bench/bench_max_model.py --out $OUT/max_model
+    PYTHONPATH=$PWD:$PYTHONPATH python3 bench/bench_max_model.py --out $OUT/max_model
 
-CPU smoke (gloo, hidden 64, a fake memory limit: exercises prediction, search, OOM handling and
-the report; about 2-4 minutes on 2 busy cores)::
+Only ``max_model.json`` and ``max_model.md`` are written under ``--out`` (per-rank files and logs
+go to ``--scratch``, a temporary folder; the JSON keeps every rank's result and, for a failed
+probe, the tails of its logs).
+
+CPU smoke (gloo, hidden 64, a fake memory limit on weights + grads + optimizer state + the
+activations autograd saves: exercises prediction, search, OOM handling and the report; about
+3-5 minutes on 2 busy cores; ``tests/test_bench_max_model.py`` covers the same in ~30 s)::
 
     PYTHONPATH=$PWD python bench/bench_max_model.py --device cpu --out /tmp/max_model_cpu
 
@@ -182,7 +189,7 @@ def probe_main(args: argparse.Namespace) -> None:
             tokens_per_s=world * mbs * seq / step_s,
             losses=losses,
             gather_backend=runtime.gather_backend.value if runtime is not None else None,
-            state_gib=bench_gpt.state_bytes(model, optimizer) / GIB,
+            state_gib=state_gib(bench_gpt, model, optimizer),
         )
         result.update(memory_stats(device, args, saved, result["state_gib"]))
         finish(OK)
@@ -199,6 +206,15 @@ def probe_main(args: argparse.Namespace) -> None:
         except Exception:  # noqa: BLE001
             pass
         finish(outcome, **extra)
+
+
+def state_gib(bench_gpt, model, optimizer) -> float | None:  # noqa: ANN001
+    """Weight + grad + optimizer GiB held by this rank (None where the count fails: a report
+    detail must not turn a probe that trained into an error)."""
+    try:
+        return bench_gpt.state_bytes(model, optimizer) / GIB
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def model_shape(args: argparse.Namespace) -> tuple[int, int, int, int, int, int]:
@@ -298,17 +314,16 @@ def check_fake_limit(args: argparse.Namespace, measured: int) -> None:
     limit = args.memory_limit_gib or CPU_MEMORY_LIMIT_GIB
     if measured > limit * GIB:
         raise FakeOutOfMemory(
-            f"FakeOutOfMemory: {measured / GIB:.5f} GiB (state + saved activations) > "
-            f"--memory-limit-gib {limit}"
+            f"{measured / GIB:.5f} GiB (state + saved activations) > --memory-limit-gib {limit}"
         )
 
 
-def memory_stats(device: str, args: argparse.Namespace, saved: int, state_gib: float) -> dict:
+def memory_stats(device: str, args: argparse.Namespace, saved: int, state: float | None) -> dict:
     """This rank's peaks. ``peak_effective_gib`` is what must fit on the device: the allocator's
     reserved peak plus the memory outside it (CUDA context, NCCL, symmetric memory), measured
     at the end; on CPU, state + saved activations (the smoke's stand-in)."""
     if device != "cuda":
-        peak = state_gib + saved / GIB
+        peak = (state or 0.0) + saved / GIB
         limit = args.memory_limit_gib or CPU_MEMORY_LIMIT_GIB
         return dict(
             peak_allocated_gib=peak,
@@ -827,7 +842,7 @@ class Sweep:
             f"GPT hidden {m['hidden']}, ffn {m['ffn']}, {m['heads']} heads, vocab {m['vocab']}, "
             f"seq {m['seq']}, micro-batch {m['mbs']} ({m['mbs'] * m['seq']} tokens per GPU), bf16, "
             f"local spec; {self.args.steps} steps, step time = median of the last "
-            f"{self.args.timed_steps}. Budget {report['budget_gib']:.2f} GiB per GPU. Sweep "
+            f"{self.args.timed_steps}. Budget {self.gib(report['budget_gib'])} GiB per GPU. Sweep "
             f"{report['elapsed_s']:.0f} s, {len(self.probes)} probes.",
             "",
             f"    {report['command']}",
@@ -838,7 +853,7 @@ class Sweep:
             "at the same size (its 3 GiB overhead included; the fully sharded modes: the bench's "
             "ZeRO-3 estimate with the planner's activations).",
             "",
-            "| mode | largest layers | params (B) | tokens/s | step ms | peak alloc GiB | "
+            "| mode | largest layers | params | tokens/s | step ms | peak alloc GiB | "
             "peak reserved GiB | device GiB | planner GiB | planner max layers | probes | status |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
@@ -846,7 +861,7 @@ class Sweep:
             n = sum(1 for p in self.probes if p["mode"] == name)
             if e.get("step_ms") is not None:
                 lines.append(
-                    f"| {name} | {e['largest_layers']} | {e['params'] / 1e9:.2f} | "
+                    f"| {name} | {e['largest_layers']} | {count(e['params'])} | "
                     f"{e['tokens_per_s']:.0f} | {e['step_ms']:.1f} | "
                     f"{self.gib(e['peak_allocated_gib'])} | {self.gib(e['peak_reserved_gib'])} | "
                     f"{self.gib(e['peak_effective_gib'])} | {self.gib(e['planner_peak_gib'])} | "
@@ -883,6 +898,11 @@ class Sweep:
                 f"{p['wall_s']:.0f} | {'' if peak is None else self.gib(peak)} | {note} |"
             )
         return "\n".join(lines) + "\n"
+
+
+def count(params: int) -> str:
+    """A parameter count as text: ``6.72 B`` or ``0.189 M``."""
+    return f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.3f} M"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
