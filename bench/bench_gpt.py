@@ -78,12 +78,24 @@ def gtp_pg_options(mode: str) -> object | None:
     return options
 
 
-def model_config(args: argparse.Namespace) -> TransformerConfig:
+# megatron's full activation recompute, one layer per checkpoint (``build(recompute=True)``).
+FULL_RECOMPUTE = dict(
+    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+)
+
+
+def model_config(
+    args: argparse.Namespace, device: str = "cuda", recompute: bool = False
+) -> TransformerConfig:
+    """The benchmark GPT's config: ``args.layers/hidden/heads`` (``args.ffn``, default 4 x
+    hidden), bf16, local-spec friendly (no fusions), no dropout. On ``device="cpu"`` the weights
+    are initialized on the host (megatron's default initializes them on the GPU)."""
     return TransformerConfig(
         num_layers=args.layers,
         hidden_size=args.hidden,
-        ffn_hidden_size=4 * args.hidden,
+        ffn_hidden_size=getattr(args, "ffn", None) or 4 * args.hidden,
         num_attention_heads=args.heads,
+        use_cpu_initialization=device == "cpu",
         bf16=True,
         params_dtype=torch.bfloat16,
         add_bias_linear=False,
@@ -97,11 +109,29 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
         bias_dropout_fusion=False,
         cross_entropy_loss_fusion=False,
         pipeline_dtype=torch.bfloat16,
+        **(FULL_RECOMPUTE if recompute else {}),
     )
 
 
-def build(args: argparse.Namespace, mode: str, world: int):
-    """Model, optimizer and a train-step closure for ``mode``."""
+def seed_model_parallel(device: str, seed: int = 1234) -> None:
+    """megatron's model-parallel RNG seeding on ``device`` (the CPU variant needs cpu_compat)."""
+    if device == "cuda":
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
+
+        model_parallel_cpu_manual_seed(seed)
+
+
+def build(
+    args: argparse.Namespace, mode: str, world: int, device: str = "cuda", recompute: bool = False
+):
+    """Model, optimizer and a train-step closure for ``mode``.
+
+    ``device="cpu"`` (gloo, after ``nemo_gtp.testing.cpu_compat.enable_cpu_compat``) is for the
+    CPU smoke runs of ``bench_max_model.py``; ``recompute`` turns on megatron's full activation
+    recompute (:data:`FULL_RECOMPUTE`).
+    """
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     gtp = world if mode.startswith("gtp") else 1
@@ -109,10 +139,10 @@ def build(args: argparse.Namespace, mode: str, world: int):
         GTPParallelDims(world_size=world, num_weight_shards=gtp),
         gtp_pg_options=gtp_pg_options(mode),
     )
-    model_parallel_cuda_manual_seed(1234)
+    seed_model_parallel(device)
     torch.manual_seed(1234)
-    config = model_config(args)
-    model = GPTModel(config, get_gpt_layer_local_spec(), args.vocab, args.max_seq).cuda()
+    config = model_config(args, device, recompute)
+    model = GPTModel(config, get_gpt_layer_local_spec(), args.vocab, args.max_seq).to(device)
     runtime = None
     if mode == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -194,18 +224,23 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 def forward_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch.get("attention_mask")  # None on GPUs: megatron builds the causal mask
+    out = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
     return out.float().mean()
 
 
-def make_batch(args: argparse.Namespace, mbs: int, seq: int) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(dist.get_rank())
-    tokens = torch.randint(0, args.vocab, (mbs, seq + 1), device="cuda", generator=gen)
-    return dict(
+def make_batch(args: argparse.Namespace, mbs: int, seq: int, device: str = "cuda") -> dict:
+    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
+    tokens = torch.randint(0, args.vocab, (mbs, seq + 1), device=device, generator=gen)
+    batch = dict(
         tokens=tokens[:, :-1].contiguous(),
         labels=tokens[:, 1:].contiguous(),
-        position_ids=torch.arange(seq, device="cuda").expand(mbs, seq),
+        position_ids=torch.arange(seq, device=device).expand(mbs, seq),
     )
+    if device != "cuda":  # megatron's default causal mask is built on the GPU
+        ones = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device)
+        batch["attention_mask"] = torch.triu(ones, diagonal=1)
+    return batch
 
 
 def state_bytes(model: torch.nn.Module, optimizer: object) -> int:
