@@ -51,9 +51,10 @@ class GTPConfig:
             peers together), else the process group. Default ``"auto"``: the process group on
             CPU/gloo, across hosts and for short micro-batches.
         copy_engine_min_tokens: the ``"auto"`` crossover in tokens per GEMM (rows of the
-            activation: micro-batch x sequence / CP). Below it the step is communication-bound
-            and NCCL's all-gather is faster than copy-engine pulls; above it hiding the gather
-            behind the GEMMs without taking SMs wins (``bench/results``, 2xH200).
+            activation: micro-batch x sequence / CP). Below it NCCL's all-gather, coalesced
+            over a unit, beats per-weight copy-engine pulls; above it hiding the gather behind
+            the GEMMs without taking SMs wins (``bench/results``, 2xH200: 4096 per weight,
+            8192 with coalescing units).
         separate_reduce_scatter_group: give the wgrad reduce-scatters their own communicator
             (same ranks), so a weight's prefetched all-gather never queues behind the previous
             weight's reduce-scatter on one NCCL stream.
