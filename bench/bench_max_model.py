@@ -607,7 +607,9 @@ class Sweep:
         self.args = args
         self.runner = runner or run_probe  # (args, mode, layers, timeout_s) -> merged result
         hidden, ffn, heads, vocab, seq, mbs = model_shape(args)
-        self.shape = ModelShape(layers=1, hidden=hidden, ffn=ffn, heads=heads, vocab=vocab, seq=seq)
+        self.shape = ModelShape(  # bench_gpt's models keep megatron's fp32 softmax
+            layers=1, hidden=hidden, ffn=ffn, heads=heads, vocab=vocab, seq=seq, softmax_fp32=True
+        )
         self.tokens = mbs * seq
         self.overhead_gib = 3.0 if args.device == "cuda" else 0.0
         self.budget_gib = device_memory_gib(args)

@@ -48,6 +48,9 @@ class ModelShape:
     gated: bool = False  # SwiGLU-style fc1 (two weights in one)
     tied_embeddings: bool = False
     experts: int = 0
+    softmax_fp32: bool = False
+    """megatron's ``attention_softmax_in_fp32`` (NeMo's GPTConfig: False, megatron's default:
+    True): unfused attention then also keeps the fp32 softmax output, 4 more bytes per score."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq"):
@@ -138,7 +141,8 @@ def estimate(
 
     Activations per layer and token: ``34·h`` bytes with dropout (its masks), ``32·h`` without;
     plus the attention scores ``a·s`` times 5 bytes (scores, dropout mask and output) with
-    dropout, 2 without, none with flash / fused attention (TE's default spec).
+    dropout, 2 without, 4 more with ``ModelShape.softmax_fp32``, none with flash / fused
+    attention (TE's default spec).
     """
     tp, gtp, dp = layout.tp, layout.gtp, layout.dp
     sharded = model.layers * model.linear_params_per_layer / (tp * gtp)
@@ -156,7 +160,7 @@ def estimate(
         unit = min(max(full, coalesce_mb * 2**20 / param_bytes), sharded * gtp)
         gather = (2 + prefetch_depth) * unit * param_bytes + 2 * unit * grad_bytes
     h, a, s = model.hidden, model.heads, model.seq
-    scores = 0 if flash_attention else (5 if dropout else 2)
+    scores = 0 if flash_attention else (5 if dropout else 2) + 4 * model.softmax_fp32
     per_layer = tokens_per_gpu * ((34 if dropout else 32) * h + scores * a * s) / tp
     if layout.recompute:
         activations = model.layers * 2 * tokens_per_gpu * h / tp + per_layer
@@ -277,6 +281,7 @@ def model_from_recipe(path: str) -> tuple[ModelShape, int]:
         gated=bool(m.get("gated_linear_unit", False)),
         tied_embeddings=bool(m.get("share_embeddings_and_output_weights", False)),
         experts=int(m.get("num_moe_experts") or 0),
+        softmax_fp32=bool(m.get("attention_softmax_in_fp32", False)),  # NeMo's default
     ), int(d.get("seq_length", 2048))
 
 

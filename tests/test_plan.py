@@ -120,6 +120,15 @@ MEASURED = {
     (Layout(1, 2, 1), 4096, False, 96): 25.33,
     (Layout(1, 2, 1), 4096, False, 192): 26.27,
 }
+# The largest-model benchmark (bench/bench_max_model.py, 2×H200): hidden 4096, ffn 16384, 32
+# heads, sequence 4096, 4096 tokens per GPU, megatron's fp32 softmax; (layout, layers) -> GiB.
+MEASURED_4K = {
+    (Layout(1, 2, 1), 20): 116.11,
+    (Layout(1, 2, 1), 23): 131.67,
+    (Layout(1, 1, 2), 21): 129.67,
+    (Layout(1, 2, 1, recompute=True), 37): 79.48,
+    (Layout(1, 2, 1, recompute=True), 69): 134.49,
+}
 
 
 @pytest.mark.parametrize(("key", "measured"), MEASURED.items(), ids=str)
@@ -134,4 +143,14 @@ def test_prediction_within_10_percent_of_measured_peak(key: tuple, measured: flo
         coalesce_mb=coalesce_mb,
     )
     predicted = sum(bytes_.values()) / GIB
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
+@pytest.mark.parametrize(("key", "measured"), MEASURED_4K.items(), ids=str)
+def test_prediction_within_10_percent_of_largest_model_peaks(key: tuple, measured: float) -> None:
+    layout, layers = key
+    model = ModelShape(
+        layers=layers, hidden=4096, ffn=16384, heads=32, vocab=32000, seq=4096, softmax_fp32=True
+    )
+    predicted = sum(estimate(model, layout, tokens_per_gpu=4096, overhead_gib=0.0).values()) / GIB
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
