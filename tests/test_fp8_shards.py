@@ -1,0 +1,367 @@
+"""FP8 GTP shards (engine plumbing, design §1.3): scale agreement, blockwise shards, gathers and
+the in-place optimizer write-back, on real gloo collectives.
+
+One 4-rank spawn runs every distributed case (module fixture ``four_ranks``): each case runs
+once with the whole world as the GTP group (GTP 4) and once with two GTP groups of 2 ranks
+holding different weights (GTP 2; the scale must agree within a group, not across groups). The
+oracle is the quantization of the full (padded) weight on one rank, compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nemo_gtp.engine.fp8 import (
+    FP8Scaling,
+    FP8Shard,
+    ScalingKind,
+    all_gather_fp8,
+    block_pad_for_alignment,
+    check_block_alignment,
+    check_low_precision_recipe,
+    dense_gather_nbytes,
+    quantize_into,
+    quantize_shard,
+    scale_from_amax,
+)
+from nemo_gtp.engine.param import ShardSpec
+from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
+
+PAD_GARBAGE = 1.0e4  # written into master pad rows: must reach neither amax nor data
+
+
+# ------------------------------------------------------------------------------ helpers
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (bit-exact comparisons, NaN-safe)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _assert_same(a: FP8Shard, b: FP8Shard, what: str) -> None:
+    assert torch.equal(_bits(a.data), _bits(b.data)), f"{what}: FP8 data differs"
+    assert torch.equal(_bits(a.scale_inv), _bits(b.scale_inv)), f"{what}: scale_inv differs"
+
+
+def _gtp_group(rank: int, world: int, gtp: int) -> tuple[dist.ProcessGroup, int, int]:
+    """(group, rank in it, index of the group): consecutive ranks, every rank builds all."""
+    groups = [dist.new_group(list(range(s, s + gtp))) for s in range(0, world, gtp)]
+    return groups[rank // gtp], rank % gtp, rank // gtp
+
+
+def _weight(shape: tuple[int, int], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(shape, generator=generator)
+    weight[seed % shape[0], seed % shape[1]] = 7.5 + seed  # one clear amax, on some rank
+    return weight
+
+
+def _master_shard(full: torch.Tensor, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's master shard with garbage in its pad rows (quantize must ignore them)."""
+    shard = spec.shard(full).to(dtype)
+    start = spec.gtp_rank * spec.shard_dim0
+    real = max(0, min(spec.shard_dim0, spec.logical_shape[0] - start))
+    shard[real:] = PAD_GARBAGE
+    return shard
+
+
+def _reference(full: torch.Tensor, spec: ShardSpec, scaling: FP8Scaling) -> FP8Shard:
+    """The oracle: the padded full weight quantized on one rank (no collective)."""
+    padded = F.pad(full, (0, 0, 0, spec.pad_length))
+    return quantize_shard(padded, scaling)
+
+
+def _gather_and_check(
+    shard: FP8Shard, full: torch.Tensor, spec: ShardSpec, group, async_op: bool
+) -> FP8Shard:
+    gathered = shard.empty_gathered(spec.gtp_size)
+    handle = all_gather_fp8(shard, gathered, group, async_op=async_op)
+    handle.wait()
+    ref = _reference(full, spec, shard.scaling)
+    _assert_same(gathered, ref, "gathered vs full-tensor quantization")
+    pad = gathered.data[spec.logical_shape[0] :]
+    assert not _bits(pad).any(), "pad rows of the gathered weight are not zero"
+    return gathered
+
+
+# ------------------------------------------------------------------------------ workers
+def _tensorwise_worker(rank: int, world: int, gtp: int, shape, pad: int, dtype) -> dict:
+    """Per-tensor current scaling: one agreed scale; gather == full quantization, bit exact."""
+    group, gtp_rank, index = _gtp_group(rank, world, gtp)
+    full = _weight(shape, seed=10 + index).to(dtype).float()
+    spec = ShardSpec.for_weight(shape, gtp, gtp_rank, pad)
+    results = {}
+    for fp8_dtype, options in [
+        (torch.float8_e4m3fn, {}),
+        (torch.float8_e5m2, {}),
+        (torch.float8_e4m3fn, {"power_2_scales": True, "epsilon": 1e-3}),
+    ]:
+        scaling = FP8Scaling("tensorwise", fp8_dtype=fp8_dtype, **options)
+        shard = quantize_shard(_master_shard(full, spec, dtype), scaling, group, spec=spec)
+        assert shard.amax.item() == full.abs().max().item(), "amax is not the global real amax"
+        expected = scale_from_amax(full.abs().max().reshape(1), scaling)
+        assert torch.equal(shard.scale, expected) and torch.equal(shard.scale_inv, 1 / expected)
+        for async_op in (False, True):
+            gathered = _gather_and_check(shard, full, spec, group, async_op)
+        # Independent of quantize_shard: the textbook formula on the full weight.
+        m = torch.finfo(fp8_dtype).max
+        textbook = (full * expected).clamp(-m, m).to(fp8_dtype)
+        assert torch.equal(_bits(spec.unpad(gathered.data)), _bits(textbook))
+        results[f"{fp8_dtype} {options}"] = shard.scale.item()
+    return results
+
+
+def _delayed_worker(rank: int, world: int, gtp: int) -> None:
+    """Delayed scaling: the shard's own scale is used; the recorded amax is GTP-global."""
+    group, gtp_rank, index = _gtp_group(rank, world, gtp)
+    full = _weight((50, 24), seed=20 + index)
+    spec = ShardSpec.for_weight(full.shape, gtp, gtp_rank, 4)
+    scaling = FP8Scaling("delayed", margin=1)
+    shard = FP8Shard.empty(spec.shard_shape, scaling)
+    history_amax = torch.tensor([6.0])  # e.g. the max of an amax history, same on every peer
+    shard.scale.copy_(scale_from_amax(history_amax, scaling, previous=shard.scale))
+    assert torch.equal(shard.scale, torch.tensor([448.0]) / 6.0 / 2.0)
+    quantize_into(_master_shard(full, spec, torch.float32), shard, group, spec=spec)
+    assert shard.amax.item() == full.abs().max().item()
+    gathered = shard.empty_gathered(gtp)
+    all_gather_fp8(shard, gathered, group)
+    m = scaling.fp8_max
+    textbook = (F.pad(full, (0, 0, 0, spec.pad_length)) * shard.scale).clamp(-m, m)
+    assert torch.equal(_bits(gathered.data), _bits(textbook.to(scaling.fp8_dtype)))
+    # Zero amax keeps the previous scale under delayed scaling (1 under current scaling).
+    kept = scale_from_amax(torch.zeros(1), scaling, previous=torch.tensor([3.0]))
+    assert kept.item() == 3.0 and scale_from_amax(torch.zeros(1), scaling).item() == 1.0
+
+
+def _blockwise_worker(rank: int, world: int, gtp: int, shape, block, pad: int) -> None:
+    """Blockwise: local per-block scales; gathered (data, scale_inv) == full quantization."""
+    group, gtp_rank, index = _gtp_group(rank, world, gtp)
+    full = _weight(shape, seed=30 + index)
+    full[: block[0]] *= 1e-3  # blocks of very different ranges
+    spec = ShardSpec.for_weight(shape, gtp, gtp_rank, pad)
+    check_block_alignment(spec, block, pad)
+    scaling = FP8Scaling("blockwise", block=block)
+    shard = quantize_shard(_master_shard(full, spec, torch.float32), scaling, spec=spec)
+    gathered = _gather_and_check(shard, full, spec, group, async_op=gtp_rank % 2 == 0)
+    assert gathered.scale is None and gathered.amax is None
+    # Independent oracle: block by block with the textbook formula (power-of-two scales).
+    padded = F.pad(full, (0, 0, 0, spec.pad_length))
+    for i in range(0, padded.shape[0], block[0]):
+        for j in range(0, padded.shape[1], block[1]):
+            tile = padded[i : i + block[0], j : j + block[1]]
+            amax = tile.abs().max()
+            # 2**floor(log2(448 / amax)), the fp32 quotient's exponent read exactly by frexp.
+            scale = 1.0 if amax == 0 else 2.0 ** (math.frexp((torch.tensor(448.0) / amax).item())[1] - 1)
+            got = gathered.scale_inv[i // block[0], j // block[1]].item()
+            assert got == 1.0 / float(scale), (i, j, got, scale)
+            want = (tile * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert torch.equal(
+                _bits(gathered.data[i : i + block[0], j : j + block[1]]), _bits(want)
+            )
+
+
+def _write_back_worker(rank: int, world: int, gtp: int, kind: str) -> None:
+    """Optimizer write-back: same tensors (addresses) re-filled; equals a fresh quantization."""
+    group, gtp_rank, index = _gtp_group(rank, world, gtp)
+    full = _weight((256, 96), seed=40 + index)
+    block = (64, 32)
+    spec = ShardSpec.for_weight(full.shape, gtp, gtp_rank, block_pad_for_alignment(block[0], 16))
+    scaling = FP8Scaling(kind, block=block)
+    master = torch.nn.Parameter(spec.shard(full))
+    fp8 = quantize_shard(master.detach(), scaling, group, spec=spec)
+    gathered = fp8.empty_gathered(gtp)
+    all_gather_fp8(fp8, gathered, group)
+    tensors = [fp8.data, fp8.scale, fp8.scale_inv, fp8.amax, gathered.data, gathered.scale_inv]
+    addresses = [t.data_ptr() for t in tensors]
+    optimizer = torch.optim.Adam([master], lr=0.5)
+    for step in range(2):
+        master.grad = torch.randn(master.shape, generator=torch.Generator().manual_seed(step))
+        optimizer.step()
+        quantize_into(master.detach(), fp8, group, spec=spec)
+        all_gather_fp8(fp8, gathered, group)
+        assert [t.data_ptr() for t in tensors] == addresses, "write-back reallocated a tensor"
+        fresh = quantize_shard(master.detach(), scaling, group, spec=spec)
+        _assert_same(fp8, fresh, f"write-back step {step}")
+        assert torch.equal(fp8.scale, fresh.scale) and torch.equal(fp8.amax, fresh.amax)
+        # The gathered buffer equals the full updated weight quantized on one rank.
+        shards = [torch.empty_like(master) for _ in range(gtp)]
+        dist.all_gather(shards, master.detach(), group=group)
+        new_full = torch.cat(shards)[: full.shape[0]]
+        _assert_same(gathered, _reference(new_full, spec, scaling), f"gather after step {step}")
+
+
+def _bad_buffer_worker(rank: int, world: int) -> str:
+    """A wrong gather buffer fails on every rank before the collective (no hang, no mismatch)."""
+    shard = quantize_shard(torch.randn(8, 16), FP8Scaling())
+    wrong = FP8Shard.empty((8 * world + 1, 16), FP8Scaling())
+    with pytest.raises(ValueError, match="empty_gathered"):
+        all_gather_fp8(shard, wrong, dist.group.WORLD)
+    with pytest.raises(ValueError, match="gathered blockwise"):
+        gathered = quantize_shard(torch.randn(8, 16), FP8Scaling("blockwise", block=(4, 4)))
+        quantize_into(torch.randn(32, 16), gathered.empty_gathered(4))
+    dist.barrier()  # still in step
+    return "ok"
+
+
+TENSORWISE = [
+    ((75, 40), 16, torch.float32),  # pad 53 rows at GTP 4, 21 at GTP 2
+    ((20, 40), 16, torch.bfloat16),  # GTP 4: ranks 2 and 3 hold only pad rows
+]
+BLOCKWISE = [
+    ((300, 200), (128, 128), 128),  # partial last column block; pad rows in the last blocks
+    ((70, 300), (1, 128), 16),  # TE's 1x128: any shard rows work
+    ((90, 40), (8, 16), 8),
+]
+
+
+def _cases() -> list:
+    cases = [("bad buffer", _bad_buffer_worker, ())]
+    for gtp in (2, 4):
+        for i, (shape, pad, dtype) in enumerate(TENSORWISE):
+            cases.append((f"tensorwise {gtp} {i}", _tensorwise_worker, (gtp, shape, pad, dtype)))
+        cases.append((f"delayed {gtp}", _delayed_worker, (gtp,)))
+        for i, (shape, block, pad) in enumerate(BLOCKWISE):
+            cases.append((f"blockwise {gtp} {i}", _blockwise_worker, (gtp, shape, block, pad)))
+        for kind in ("tensorwise", "blockwise"):
+            cases.append((f"write-back {gtp} {kind}", _write_back_worker, (gtp, kind)))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
+    """Every distributed case of this module in one 4-rank spawn."""
+    return run_cases(_cases(), 4, tmp_path_factory.mktemp("fp8_shards"))
+
+
+@pytest.mark.parametrize("gtp", [2, 4])
+@pytest.mark.parametrize("i", range(len(TENSORWISE)))
+def test_tensorwise_scale_agreement(four_ranks: dict, gtp: int, i: int) -> None:
+    scales = case_values(four_ranks[f"tensorwise {gtp} {i}"])
+    for start in range(0, 4, gtp):  # one scale per GTP group; the GTP-2 groups differ
+        assert all(s == scales[start] for s in scales[start : start + gtp])
+    if gtp == 2:
+        assert scales[0] != scales[2]
+
+
+@pytest.mark.parametrize("gtp", [2, 4])
+def test_delayed_scaling(four_ranks: dict, gtp: int) -> None:
+    case_values(four_ranks[f"delayed {gtp}"])
+
+
+@pytest.mark.parametrize("gtp", [2, 4])
+@pytest.mark.parametrize("i", range(len(BLOCKWISE)))
+def test_blockwise_gather_bit_exact(four_ranks: dict, gtp: int, i: int) -> None:
+    case_values(four_ranks[f"blockwise {gtp} {i}"])
+
+
+@pytest.mark.parametrize("gtp", [2, 4])
+@pytest.mark.parametrize("kind", ["tensorwise", "blockwise"])
+def test_write_back_in_place(four_ranks: dict, gtp: int, kind: str) -> None:
+    case_values(four_ranks[f"write-back {gtp} {kind}"])
+
+
+def test_bad_gather_buffer(four_ranks: dict) -> None:
+    assert case_values(four_ranks["bad buffer"]) == ["ok"] * 4
+
+
+# --------------------------------------------------------------------- single-process tests
+def test_block_alignment_check() -> None:
+    """Which pad_for_alignment blockwise shards need, and the error naming it."""
+    assert block_pad_for_alignment(128, 16) == 128
+    assert block_pad_for_alignment(1, 16) == 16
+    assert block_pad_for_alignment(48, 32) == 96
+    spec = ShardSpec.for_weight((300, 256), gtp_size=2, gtp_rank=0, pad_for_alignment=16)
+    with pytest.raises(ValueError, match=r"GTPConfig\.pad_for_alignment=128"):
+        check_block_alignment(spec, (128, 128), 16)
+    check_block_alignment(spec, (1, 128), 16)  # 1x128 blocks never split
+    aligned = ShardSpec.for_weight((300, 256), 2, 0, block_pad_for_alignment(128, 16))
+    check_block_alignment(aligned, (128, 128), 16)
+    with pytest.raises(ValueError, match="pad_for_alignment"):
+        FP8Shard.empty(spec.shard_shape, FP8Scaling("blockwise"))
+
+
+def test_gather_bytes_half_of_bf16() -> None:
+    """An FP8 gather moves half the bytes of a BF16 one (plus block scales for blockwise)."""
+    shape = (256, 512)
+    tensorwise = FP8Shard.empty(shape, FP8Scaling("tensorwise"))
+    bf16 = dense_gather_nbytes(shape, torch.bfloat16, 4)
+    assert 2 * tensorwise.gather_nbytes(4) == bf16 == 3 * 256 * 512 * 2
+    blockwise = FP8Shard.empty(shape, FP8Scaling("blockwise"))
+    assert blockwise.gather_nbytes(4) == bf16 // 2 + 3 * 2 * 4 * 4  # 2x4 fp32 block scales
+    assert FP8Shard.empty(shape, FP8Scaling("blockwise", block=(1, 128))).gather_nbytes(2) == (
+        256 * 512 + 256 * 4 * 4
+    )
+
+
+def test_scale_formula_edges() -> None:
+    """TE's current-scaling edge cases: zero / inf amax, tiny amax, epsilon, power of two."""
+    scaling = FP8Scaling()
+    amax = torch.tensor([2.0, 0.0, float("inf"), 1e-44, 3.0])
+    scale = scale_from_amax(amax, scaling)
+    fmax = torch.finfo(torch.float32).max
+    assert scale.tolist() == [224.0, 1.0, 1.0, fmax, torch.tensor(448.0 / 3.0).item()]
+    assert scale_from_amax(amax, FP8Scaling(epsilon=1.0)).tolist()[:2] == [224.0, 448.0]
+    pow2 = scale_from_amax(amax, FP8Scaling(power_2_scales=True)).tolist()
+    assert pow2 == [128.0, 1.0, 1.0, 2.0**127, 128.0]
+    assert scale_from_amax(torch.tensor([1.0]), FP8Scaling(fp8_dtype=torch.float8_e5m2)) == 57344
+    assert FP8Scaling("blockwise").power_2_scales and not FP8Scaling().power_2_scales
+
+
+def test_dequantize_round_trip() -> None:
+    """dequantize() is within FP8's relative precision of the master (E4M3: 2**-4)."""
+    master = torch.randn(64, 96)
+    for scaling in (FP8Scaling(), FP8Scaling("blockwise", block=(16, 32))):
+        back = quantize_shard(master, scaling).dequantize()
+        assert torch.allclose(back, master, rtol=2**-4, atol=master.abs().max().item() * 2**-9)
+
+
+def test_bad_scaling_settings() -> None:
+    with pytest.raises(ValueError, match="fp8_recipe"):
+        FP8Scaling("mxfp8")
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        FP8Scaling(fp8_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="2-D"):
+        FP8Shard.empty((4, 4, 4), FP8Scaling("blockwise", block=(1, 4)))
+    with pytest.raises(ValueError, match="master shard"):
+        quantize_into(torch.zeros(4, 4, dtype=torch.int32), FP8Shard.empty((4, 4), FP8Scaling()))
+
+
+HOPPER, BLACKWELL, AMPERE, ADA = (9, 0), (10, 0), (8, 0), (8, 9)
+
+
+@pytest.mark.parametrize(
+    "kwargs, capability, match",
+    [
+        ({"fp8": "e4m3", "fp8_recipe": "mxfp8"}, HOPPER, "fp8_recipe='mxfp8'.*10.0"),
+        ({"fp8": "hybrid", "fp8_recipe": "mxfp8"}, None, "fp8_recipe='mxfp8'.*a CPU"),
+        ({"fp8": None, "fp4": "e2m1"}, HOPPER, "fp4='e2m1'.*10.0"),
+        ({"fp8": None, "fp4": "e2m1"}, None, "fp4='e2m1'.*a CPU"),
+        ({"fp8": "e4m3", "fp4": "e2m1", "fp4_recipe": "mx"}, BLACKWELL, "fp4_recipe"),
+        ({"fp8": "e4m3", "fp8_recipe": "tensorwise"}, AMPERE, "fp8='e4m3'.*8.9"),
+        ({"fp8": "e4m3", "fp8_recipe": "blockwise"}, ADA, "fp8_recipe='blockwise'.*9.0"),
+        ({"fp8": "e4m3", "fp8_recipe": "custom"}, HOPPER, "fp8_recipe must be one of"),
+        ({"fp8": "e5m2"}, HOPPER, "fp8 must be one of"),
+    ],
+)
+def test_recipe_rejected(kwargs: dict, capability, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_low_precision_recipe(capability=capability, **kwargs)
+
+
+def test_recipe_accepted() -> None:
+    assert check_low_precision_recipe(None, capability=HOPPER) is None  # FP8 off
+    for recipe in ("delayed", "tensorwise", "blockwise"):
+        for capability in (HOPPER, BLACKWELL, None):
+            kind = check_low_precision_recipe("e4m3", recipe, capability=capability)
+            assert kind is ScalingKind(recipe)
+    assert check_low_precision_recipe("hybrid", "tensorwise", capability=ADA) is (
+        ScalingKind.TENSORWISE
+    )
+    # Supported hardware, shards not implemented yet: a clear NotImplementedError.
+    with pytest.raises(NotImplementedError, match="MXFP8"):
+        check_low_precision_recipe("e4m3", "mxfp8", capability=BLACKWELL)
+    with pytest.raises(NotImplementedError, match="NVFP4"):
+        check_low_precision_recipe(None, fp4="e2m1", capability=BLACKWELL)
