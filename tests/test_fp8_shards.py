@@ -154,7 +154,8 @@ def _blockwise_worker(rank: int, world: int, gtp: int, shape, block, pad: int) -
             tile = padded[i : i + block[0], j : j + block[1]]
             amax = tile.abs().max()
             # 2**floor(log2(448 / amax)), the fp32 quotient's exponent read exactly by frexp.
-            scale = 1.0 if amax == 0 else 2.0 ** (math.frexp((torch.tensor(448.0) / amax).item())[1] - 1)
+            quotient = (torch.tensor(448.0) / amax).item()
+            scale = 1.0 if amax == 0 else 2.0 ** (math.frexp(quotient)[1] - 1)
             got = gathered.scale_inv[i // block[0], j // block[1]].item()
             assert got == 1.0 / float(scale), (i, j, got, scale)
             want = (tile * scale).clamp(-448, 448).to(torch.float8_e4m3fn)

@@ -290,7 +290,10 @@ def quantize_into(
 
 def _quantize_tensor(values: torch.Tensor, out: FP8Shard, group: dist.ProcessGroup | None) -> None:
     amax = out.amax
-    amax.copy_(values.abs().amax() if values.numel() else 0.0)
+    if values.numel():
+        amax.copy_(values.abs().amax())
+    else:
+        amax.zero_()
     if group is not None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     if out.scaling.kind is ScalingKind.TENSORWISE:
