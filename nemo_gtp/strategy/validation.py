@@ -27,6 +27,8 @@ def validate_ddp_config(ddp_config: Any) -> None:
 def validate_strategy_args(args: dict[str, Any], gtp_size: int) -> None:
     """Check ``MegatronStrategy`` arguments (all of them, defaults applied) against GTP.
 
+    ``gtp_size``: the GTP degree (or the expert GTP degree when only experts shard); 1 skips.
+
     Sizes are :class:`~nemo_gtp.engine.grid.GTPParallelDims`'s; this checks DDP, FSDP, the
     rank-order mapping and the checkpoint format.
 

@@ -60,6 +60,7 @@ class Fit:
     # untied output layer), the model class NeMo's Hugging Face exporter is registered for;
     # otherwise ``llm.GPTModel``
     llama: bool = False
+    model_kwargs: dict[str, Any] = field(default_factory=dict)  # more GPTConfig fields (MoE)
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -144,7 +145,7 @@ def _ddp_config() -> Any:
     )
 
 
-def _gpt_config(tp: int, llama: bool = False) -> Any:
+def _gpt_config(tp: int, llama: bool = False, **model_kwargs: Any) -> Any:
     """The tiny model's config: ``llm.GPTConfig``, or ``llm.Llama3Config`` when ``llama``."""
     from nemo.collections import llm
     from nemo.collections.llm.gpt.model.base import local_layer_spec
@@ -184,6 +185,7 @@ def _gpt_config(tp: int, llama: bool = False) -> Any:
         gradient_accumulation_fusion=False,
         data_step_fn=cpu_gpt_data_step,
         **extra,
+        **model_kwargs,
     )
 
 
@@ -217,7 +219,8 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     from nemo.collections.llm.gpt.model.llama import LlamaModel
 
     model_class = LlamaModel if fit.llama else llm.GPTModel
-    model = model_class(_gpt_config(fit.tp, fit.llama), tokenizer=tokenizer, optim=optim)
+    config = _gpt_config(fit.tp, fit.llama, **fit.model_kwargs)
+    model = model_class(config, tokenizer=tokenizer, optim=optim)
     data = SyntheticGPTDataModule(
         seq_length=SEQ,
         tokenizer=tokenizer,
