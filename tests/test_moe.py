@@ -318,6 +318,11 @@ def test_trainer_parity_gtp2_ep2_egtp2(nemo_fits: dict[str, list[dict[str, Any]]
         assert g["indices"] == b["indices"]  # each rank reads the samples it read without GTP
         assert g["gtp_params"] == 4 + 8  # qkv, proj; fc1, fc2 of 2 local experts; 2 layers
         assert g["fallback_allocations"] == 0
+        # megatron's layout with the EGTP peers taken out of the expert data axis: the dense
+        # distributed optimizer over DP (2), the expert one over EDP (1, vs EDP 2 without GTP)
+        assert g["chained_optimizers"] == b["chained_optimizers"] == 2
+        assert (g["optimizer_dp_size"], g["expert_optimizer_dp_size"]) == (2, 1)
+        assert (b["optimizer_dp_size"], b["expert_optimizer_dp_size"]) == (4, 2)
         assert all("egtp=2" in line for line in g["banners"])  # rank 0 logs it
         for what in ("losses", "grad_norms"):
             assert len(g[what]) == len(b[what]) > 0

@@ -301,6 +301,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     optimizer = strategy.optimizers[0].mcore_optimizer
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     optimizer = chained[0]  # the dense one
+    expert_optimizer = chained[1] if len(chained) > 1 else None  # MoE: the expert one
     out = {
         "name": fit.name,
         "losses": recorder.losses,
@@ -326,6 +327,9 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "chained_optimizers": len(chained),
         "optimizer_dp_size": dist.get_world_size(optimizer.data_parallel_group)
         if fit.distopt
+        else None,
+        "expert_optimizer_dp_size": dist.get_world_size(expert_optimizer.data_parallel_group)
+        if fit.distopt and expert_optimizer is not None
         else None,
         "gtp_finalize": bool(
             getattr(get_model_config(ddp).finalize_model_grads_func, "gtp_finalize", False)
