@@ -61,6 +61,25 @@ def test_invalid_expert_sizes(kwargs: dict, message: str) -> None:
         GTPParallelDims(**kwargs)
 
 
+def test_strategy_refuses_expert_gtp_without_sequential_experts() -> None:
+    """Checked on the model config in ``setup_distributed``, before any process group."""
+    from nemo.collections import llm
+
+    from nemo_gtp.strategy.validation import validate_moe_config
+
+    def config(**kwargs: Any) -> Any:
+        return llm.GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=1, **kwargs)
+
+    with pytest.raises(ValueError, match="num_moe_experts is not set"):
+        validate_moe_config(config(), egtp=2, gtp_enabled=True)
+    with pytest.raises(ValueError, match="moe_grouped_gemm=False"):
+        validate_moe_config(
+            config(num_moe_experts=4, moe_grouped_gemm=True), egtp=2, gtp_enabled=True
+        )
+    validate_moe_config(config(num_moe_experts=4), egtp=2, gtp_enabled=True)
+    validate_moe_config(config(num_moe_experts=4, moe_grouped_gemm=True), egtp=1, gtp_enabled=True)
+
+
 # ------------------------------------------------------------------------------ megatron level
 def _setup(rank: int, world: int) -> None:
     from nemo_gtp.testing.cpu_compat import enable_cpu_compat

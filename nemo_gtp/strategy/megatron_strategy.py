@@ -67,6 +67,7 @@ from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
 from nemo_gtp.strategy.validation import (
     validate_ddp_config,
     validate_gtp_config,
+    validate_moe_config,
     validate_strategy_args,
 )
 
@@ -244,6 +245,7 @@ class GTPMegatronStrategy(MegatronStrategy):
         """NeMo's process groups (megatron ``parallel_state``), then the GTP groups."""
         if self.gtp_enabled and getattr(self.model, "config", None) is not None:
             reject_cuda_graph_capture(self.model.config)  # before any process group exists
+            validate_moe_config(self.model.config, self.gtp_dims.egtp, self.gtp_enabled)
         note = quiet_flight_recorder() if self.gtp_enabled else None
         if note:
             nemo_logging.info(note)
