@@ -338,10 +338,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "drain_callback": any(type(c).__name__ == "GTPDrainCallback" for c in trainer.callbacks),
     }
     if fit.metrics and runtimes:
-        specs = [p.gtp_spec for r in runtimes for p in r.params]
-        size = runtimes[0].size
-        gathered = sum(math.prod(s.gathered_shape) * 4 for s in specs) * (size - 1) // size
-        out["expected_gather_bytes_per_pass"] = gathered
+        out["expected_gather_bytes_per_pass"] = sum(  # per runtime: dense and expert sizes
+            sum(math.prod(p.gtp_spec.gathered_shape) * 4 for p in r.params) * (r.size - 1) // r.size
+            for r in runtimes
+        )
     return out
 
 
