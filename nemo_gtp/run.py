@@ -3,7 +3,8 @@
 The recipe and the overrides are checked in this process before any worker starts
 (:mod:`nemo_gtp.recipes.validate`): a wrong key or value exits with one ``error:`` line naming
 it. ``--compare-baseline`` trains the recipe twice, as written (GTP) and with
-``strategy.num_weight_shards`` set to the tensor-parallel size (plain TP + DP, same global
+``strategy.num_weight_shards`` (and ``strategy.expert_num_weight_shards``, if the recipe sets it)
+set to the tensor-parallel size (plain TP + DP, same global
 batch), both in one launch of ``trainer.devices`` processes (one after the other, see
 ``nemo_gtp.recipes.launch``), prints both loss curves side by side and ends with one
 ``VERDICT:`` line.
@@ -130,11 +131,17 @@ def _median_ms(log: list[dict], skip: int) -> float:
 def _compare(config: str, overrides: list[str], cfg: object, plot: str | None = None) -> int:
     from nemo_gtp.recipes.launch import launch_fits
 
-    tp = int(cfg.strategy.get("tensor_model_parallel_size", 1))  # type: ignore[attr-defined]
-    shards = int(cfg.strategy.get("num_weight_shards") or tp)  # type: ignore[attr-defined]
+    strategy = cfg.strategy  # type: ignore[attr-defined]
+    tp = int(strategy.get("tensor_model_parallel_size", 1))
+    shards = int(strategy.get("num_weight_shards") or tp)
     baseline = [*overrides, f"strategy.num_weight_shards={tp}"]
+    name = f"GTP (TP{tp}·GTP{shards // tp}"
+    if strategy.get("expert_num_weight_shards") is not None:  # expert GTP off too (MoE recipes)
+        etp = int(strategy.get("expert_tensor_parallel_size") or tp)
+        baseline.append(f"strategy.expert_num_weight_shards={etp}")
+        name += f"·EGTP{int(strategy.expert_num_weight_shards) // etp}"
     check(config, baseline)  # e.g. the baseline's global batch (DP x GTP ranks are the same)
-    runs = {f"GTP (TP{tp}·GTP{shards // tp})": overrides, f"baseline (TP{tp}, no GTP)": baseline}
+    runs = {f"{name})": overrides, f"baseline (TP{tp}, no GTP)": baseline}
     start = time.perf_counter()
     for name, args in runs.items():
         print(f"=== {name}: {PROG} {config} {' '.join(args)}", flush=True)

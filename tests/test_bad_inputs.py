@@ -82,6 +82,24 @@ BAD_OVERRIDES = [
 ]
 
 
+MOE_TINY = str(ROOT / "configs" / "moe_tiny_cpu.yaml")
+BAD_MOE_OVERRIDES = [
+    (["model.num_moe_experts=null"], "model.num_moe_experts is not set"),
+    (["model.moe_grouped_gemm=true"], "set model.moe_grouped_gemm=false"),
+    (["model.num_moe_experts=3"], "model.num_moe_experts=3 must be a multiple of"),
+    (["strategy.expert_num_weight_shards=8"], "change expert_num_weight_shards"),
+    (["+checkpoint.dir=c", "+checkpoint.every_n_train_steps=5"], "MoE models under GTP"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_MOE_OVERRIDES, ids=lambda x: str(x))
+def test_bad_moe_recipe_override(overrides: list[str], message: str) -> None:
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(load_recipe(MOE_TINY, overrides))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("overrides, message", BAD_OVERRIDES, ids=lambda x: str(x))
 def test_bad_recipe_override(overrides: list[str], message: str) -> None:
     with pytest.raises(RecipeError) as err:

@@ -181,7 +181,7 @@ def _fake_rank_groups(gtp: int) -> object:
     from nemo_gtp.engine import GTPGroups, GTPParallelDims
 
     dims = GTPParallelDims(world_size=gtp, tensor_model_parallel_size=1, num_weight_shards=gtp)
-    return GTPGroups(dims, gtp - 1, *([None] * 7))
+    return GTPGroups(dims, gtp - 1, *([None] * len(dims.group_ranks())))
 
 
 def _linear_classes(spec: object) -> set[type]:

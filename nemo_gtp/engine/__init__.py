@@ -7,7 +7,7 @@ knobs (:class:`GTPConfig`) and the autograd path for plain linears (:func:`gtp_l
 """
 
 from nemo_gtp.engine.config import GTPConfig
-from nemo_gtp.engine.grid import GTPGroups, GTPParallelDims
+from nemo_gtp.engine.grid import GTPGroups, GTPParallelDims, WeightAxis
 from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
 from nemo_gtp.engine.param import (
     Direction,
@@ -35,6 +35,7 @@ __all__ = [
     "ReduceScatterState",
     "ShardSpec",
     "TPComm",
+    "WeightAxis",
     "gtp_linear",
     "is_gtp_param",
     "runtimes_of",

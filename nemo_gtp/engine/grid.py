@@ -17,6 +17,7 @@ keeps finding the right TP/PP groups, and its data-parallel group *is* our ``dat
 
 from __future__ import annotations
 
+import enum
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -26,6 +27,18 @@ if TYPE_CHECKING:  # imported in build(): the sizes are pure arithmetic, checked
 
 _DENSE_AXES = ("tp", "gtp", "cp", "dp", "pp")
 _EXPERT_AXES = ("etp", "ep", "egtp", "edp", "pp")
+
+
+class WeightAxis(enum.Enum):
+    """Which weight-sharding axis a :class:`~nemo_gtp.engine.runtime.GTPRuntime` drives
+    (design §1.4 "EP / expert GTP")."""
+
+    DENSE = "dense"
+    """The GTP axis: every linear outside the routed experts (attention, dense MLP, shared
+    experts), sharded over ``GTPGroups.gtp``."""
+    EXPERT = "expert"
+    """The expert GTP (EGTP) axis: routed-expert linears, sharded over ``GTPGroups.expert_gtp``,
+    beside ETP and EP."""
 
 
 def _groups_varying(sizes: dict[str, int], vary: tuple[str, ...]) -> list[list[int]]:
@@ -136,6 +149,13 @@ class GTPParallelDims:
                 f"expert_tensor_parallel_size={etp} (expert_num_weight_shards = ETP x EGTP)"
             )
         egtp = eshards // etp
+        if egtp > 1 and self.context_parallel_size > 1:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} with expert GTP={egtp} is "
+                "not supported yet: megatron folds CP into the expert data-parallel axis the "
+                "EGTP peers are cut from. Set context_parallel_size=1 or "
+                f"expert_num_weight_shards=expert_tensor_parallel_size ({etp})"
+            )
         if gtp > 1 or egtp > 1:
             self.check_distributed_optimizer_instances(self.num_distributed_optimizer_instances)
         object.__setattr__(self, "num_weight_shards", shards)
@@ -222,6 +242,12 @@ class GTPParallelDims:
         return self._world("edp") // self._expert_model_size
 
     @property
+    def expert_data_parallel_size(self) -> int:
+        """megatron's expert data-parallel size, EGTP x EDP (the ranks holding one expert's
+        pieces, each fed distinct tokens); needs the world size."""
+        return self.egtp * self.edp
+
+    @property
     def gtp_enabled(self) -> bool:
         """True when either weight axis shards (GTP > 1 or EGTP > 1)."""
         return self.gtp > 1 or self.egtp > 1
@@ -270,6 +296,15 @@ class GTPParallelDims:
             out[axis], rank = rank % size, rank // size
         return out
 
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """Expert coordinates of ``rank``: ``{'etp': 0, 'ep': 1, 'egtp': 1, 'edp': 0, 'pp': 0}``."""
+        if not 0 <= rank < self._world("expert_coords"):
+            raise ValueError(f"rank {rank} outside world_size={self.world_size}")
+        out = {}
+        for axis, size in self.expert_sizes().items():
+            out[axis], rank = rank % size, rank // size
+        return out
+
     def group_ranks(self) -> dict[str, list[list[int]]]:
         """Rank lists of every group :meth:`build` creates, by group name."""
         dense, expert = self.dense_sizes(), self.expert_sizes()
@@ -281,6 +316,7 @@ class GTPParallelDims:
             "expert_gtp": _groups_varying(expert, ("egtp",)),
             "expert_replicate": _groups_varying(expert, ("edp",)),
             "expert_data": _groups_varying(expert, ("egtp", "edp")),
+            "expert_model_parallel": _groups_varying(expert, ("etp", "ep", "egtp", "pp")),
         }
 
     def build(self, gtp_pg_options: object | None = None) -> GTPGroups:
@@ -289,7 +325,8 @@ class GTPParallelDims:
         Every rank must call it in the same order (``torch.distributed.new_group`` is
         collective). Requires an initialized default process group of ``world_size`` ranks.
         ``gtp_pg_options`` (e.g. ``ProcessGroupNCCL.Options`` with a high-priority stream or
-        ``config.max_ctas``) applies to the GTP groups only, whose gathers run beside the GEMMs.
+        ``config.max_ctas``) applies to the GTP and expert-GTP groups only, whose gathers run
+        beside the GEMMs.
         """
         import torch.distributed as dist
 
@@ -304,7 +341,7 @@ class GTPParallelDims:
         mine: dict[str, dist.ProcessGroup] = {}
         for name, rank_lists in self.group_ranks().items():
             for ranks in rank_lists:
-                options = gtp_pg_options if name == "gtp" else None
+                options = gtp_pg_options if name in ("gtp", "expert_gtp") else None
                 group = dist.new_group(ranks, pg_options=options)
                 if rank in ranks:
                     mine[name] = group
@@ -320,7 +357,11 @@ class GTPGroups:
         replicate: DP without GTP; megatron DDP and the distributed optimizer reduce over it.
         data: DP x GTP; each member eats a distinct microbatch (megatron's data-parallel group).
         model_parallel: TP x GTP x PP; the grad-norm group of the non-distributed optimizer.
-        expert_gtp / expert_replicate / expert_data: the expert-side equivalents.
+        expert_gtp: the EGTP peers holding the other shards of every routed-expert weight.
+        expert_replicate: EDP (expert data-parallel without EGTP); DDP's expert buffer and the
+            expert optimizer reduce and shard over it.
+        expert_data: EGTP x EDP, megatron's expert data-parallel group.
+        expert_model_parallel: ETP x EP x EGTP x PP; the expert optimizer's grad-norm group.
     """
 
     dims: GTPParallelDims
@@ -332,6 +373,7 @@ class GTPGroups:
     expert_gtp: dist.ProcessGroup
     expert_replicate: dist.ProcessGroup
     expert_data: dist.ProcessGroup
+    expert_model_parallel: dist.ProcessGroup
 
     @property
     def gtp_size(self) -> int:
@@ -342,3 +384,24 @@ class GTPGroups:
     def gtp_rank(self) -> int:
         """This rank's position on the dense GTP axis."""
         return self.dims.coords(self.rank)["gtp"]
+
+    @property
+    def expert_gtp_size(self) -> int:
+        """Size of the expert GTP (EGTP) axis."""
+        return self.dims.egtp
+
+    @property
+    def expert_gtp_rank(self) -> int:
+        """This rank's position on the expert GTP axis."""
+        return self.dims.expert_coords(self.rank)["egtp"]
+
+    def weight_axis(self, axis: WeightAxis) -> tuple[dist.ProcessGroup, int, int]:
+        """``(group, size, rank)`` of the weight-sharding ``axis`` (what a runtime drives).
+
+        Example::
+
+            group, size, rank = groups.weight_axis(WeightAxis.EXPERT)  # the EGTP axis
+        """
+        if axis is WeightAxis.EXPERT:
+            return self.expert_gtp, self.expert_gtp_size, self.expert_gtp_rank
+        return self.gtp, self.gtp_size, self.gtp_rank

@@ -39,7 +39,7 @@ from nemo_gtp.engine.copy_engine import (
     agree_on_copy_engine,
     copy_engine_available,
 )
-from nemo_gtp.engine.grid import GTPGroups
+from nemo_gtp.engine.grid import GTPGroups, WeightAxis
 from nemo_gtp.engine.param import (
     Direction,
     GatherSlot,
@@ -251,7 +251,7 @@ class GTPRuntime:
     Example::
 
         groups = GTPParallelDims(world_size=2, num_weight_shards=2).build()
-        runtime = GTPRuntime(groups, GTPConfig())
+        runtime = GTPRuntime(groups, GTPConfig())    # axis=WeightAxis.EXPERT: the EGTP group
         shard = runtime.shard_parameter(linear, "weight", name="fc1.weight")
         ...                      # forward / backward through nemo_gtp.engine.linear
         runtime.drain()          # before the optimizer reads main_grad
@@ -265,7 +265,12 @@ class GTPRuntime:
     """
 
     def __init__(
-        self, groups: GTPGroups, config: GTPConfig | None = None, *, name: str = "model"
+        self,
+        groups: GTPGroups,
+        config: GTPConfig | None = None,
+        *,
+        name: str = "model",
+        axis: WeightAxis = WeightAxis.DENSE,
     ) -> None:
         if not isinstance(groups, GTPGroups):
             raise TypeError(
@@ -273,11 +278,12 @@ class GTPRuntime:
                 f"initialize_gtp_parallel(...)), got {type(groups).__name__}"
             )
         self.groups = groups
-        self.group = groups.gtp
         self.config = config or GTPConfig()
         self.name = name
-        self.size = groups.gtp_size
-        self.rank = groups.gtp_rank
+        # The one place the weight axis enters: a routed-expert runtime (design §1.4) drives the
+        # EGTP group exactly as a dense one drives the GTP group.
+        self.axis = axis
+        self.group, self.size, self.rank = groups.weight_axis(axis)
         self._nccl = dist.get_backend(self.group) == "nccl"
         self._ops = GroupCollectives(self.group)
         self._mirror: SymmetricShardMirror | None = None

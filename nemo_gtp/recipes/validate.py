@@ -70,6 +70,7 @@ TYPED: dict[str, str] = {
     "strategy.pipeline_model_parallel_size": _INT + "+",
     "strategy.expert_model_parallel_size": _INT + "+",
     "strategy.expert_tensor_parallel_size": _INT + "+",
+    "strategy.expert_num_weight_shards": _INT + "+",
     "strategy.num_distributed_optimizer_instances": _INT + "+",
     "strategy.ckpt_async_save": _BOOL,
     "strategy.save_ckpt_format": _STR,
@@ -89,6 +90,12 @@ TYPED: dict[str, str] = {
     "model.gated_linear_unit": _BOOL,
     "model.add_bias_linear": _BOOL,
     "model.bf16": _BOOL,
+    "model.num_moe_experts": _INT + "+",
+    "model.moe_router_topk": _INT + "+",
+    "model.moe_ffn_hidden_size": _INT + "+",
+    "model.moe_grouped_gemm": _BOOL,
+    "model.moe_token_dispatcher_type": _STR,
+    "model.moe_aux_loss_coeff": _FLOAT,
     "data.vocab_size": _INT + "+",
     "data.seq_length": _INT + "+",
     "data.micro_batch_size": _INT + "+",
@@ -258,6 +265,7 @@ def _check_sizes(raw: dict[str, Any]) -> None:
         "pipeline_model_parallel_size",
         "expert_model_parallel_size",
         "expert_tensor_parallel_size",
+        "expert_num_weight_shards",
         "num_distributed_optimizer_instances",
     )
     sizes = {k: strategy[k] for k in size_keys if strategy.get(k) is not None}
@@ -274,13 +282,14 @@ def _check_sizes(raw: dict[str, Any]) -> None:
             f"strategy.num_weight_shards={dims.num_weight_shards} on trainer.devices x "
             f"trainer.num_nodes = {devices} x {nodes} ranks: {err}"
         ) from None
-    if dims.gtp > 1:
+    if dims.gtp_enabled:
         fmt = strategy.get("save_ckpt_format", "torch_dist")
         if fmt != "torch_dist":
             raise RecipeError(
                 f"strategy.save_ckpt_format={fmt!r} is not supported with GTP: set "
                 "strategy.save_ckpt_format=torch_dist (GTP checkpoints are torch_dist, design §3.3)"
             )
+    _check_moe(raw, dims)
     data = raw.get("data") or {}
     micro, batch = data.get("micro_batch_size"), data.get("global_batch_size")
     if micro is None or batch is None:
@@ -291,6 +300,33 @@ def _check_sizes(raw: dict[str, Any]) -> None:
             f"data.global_batch_size={batch} must be a multiple of data.micro_batch_size x "
             f"(DP x GTP) = {micro} x {ranks} = {micro * ranks}: set "
             f"data.global_batch_size={max(1, round(batch / (micro * ranks))) * micro * ranks}"
+        )
+
+
+def _check_moe(raw: dict[str, Any], dims: Any) -> None:
+    """Expert GTP needs routed experts the local way; MoE GTP runs cannot checkpoint yet."""
+    model = raw.get("model") or {}
+    experts = model.get("num_moe_experts")
+    if dims.egtp > 1 and not experts:
+        raise RecipeError(
+            f"strategy.expert_num_weight_shards={dims.expert_num_weight_shards} shards routed "
+            "experts, but model.num_moe_experts is not set: set model.num_moe_experts or drop "
+            "strategy.expert_num_weight_shards"
+        )
+    if dims.egtp > 1 and model.get("moe_grouped_gemm"):
+        raise RecipeError(
+            "model.moe_grouped_gemm=true: expert GTP shards SequentialMLP experts only, set "
+            "model.moe_grouped_gemm=false (design §1.4)"
+        )
+    if experts and experts % dims.expert_model_parallel_size != 0:
+        raise RecipeError(
+            f"model.num_moe_experts={experts} must be a multiple of "
+            f"strategy.expert_model_parallel_size={dims.expert_model_parallel_size}"
+        )
+    if experts and dims.gtp_enabled and (raw.get("checkpoint") or raw.get("resume")):
+        raise RecipeError(
+            "checkpoint / resume of MoE models under GTP is not supported yet: drop the "
+            "checkpoint section (and resume) or run without GTP"
         )
 
 

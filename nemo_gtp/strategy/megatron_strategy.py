@@ -1,8 +1,9 @@
 """``GTPMegatronStrategy``: NeMo's ``MegatronStrategy`` with Generalized Tensor Parallelism.
 
 GTP is switched on by ``num_weight_shards`` (design §2.1 ``--tensor-parallel-num-weight-shards``,
-= TP x GTP). With ``num_weight_shards == tensor_model_parallel_size`` (the default) every hook
-below returns to plain ``MegatronStrategy`` behaviour (design §1.5: off is a no-op).
+= TP x GTP), expert GTP by ``expert_num_weight_shards`` (= ETP x EGTP, MoE models, design §1.4).
+With both equal to their TP sizes (the default) every hook below returns to plain
+``MegatronStrategy`` behaviour (design §1.5: off is a no-op).
 
 Hooks, in the order NeMo / Lightning run them:
 
@@ -43,7 +44,7 @@ from nemo.utils import AppState
 from nemo.utils import logging as nemo_logging
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
-from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, GTPRuntime
+from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, GTPRuntime, runtimes_of
 from nemo_gtp.engine.collectives import quiet_flight_recorder
 from nemo_gtp.integrations.megatron import (
     gtp_process_groups,
@@ -71,6 +72,7 @@ from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
 from nemo_gtp.strategy.validation import (
     validate_ddp_config,
     validate_gtp_config,
+    validate_moe_config,
     validate_strategy_args,
 )
 
@@ -81,10 +83,16 @@ _GTP_ARGS = ("num_weight_shards", "expert_num_weight_shards", "gtp_config")
 def gtp_banner(config: GTPConfig, dims: GTPParallelDims) -> str:
     """The iteration-0 line (design §2.3 style), e.g.
     ``GTP enabled. GTPConfig(pad_for_alignment=16, ...) tp=2 gtp=2 dp=1 (...)``."""
+    experts = ""
+    if dims.egtp > 1 or dims.expert_model_parallel_size > 1:
+        experts = (
+            f"; experts: etp={dims.etp} ep={dims.expert_model_parallel_size} egtp={dims.egtp} "
+            f"edp={dims.edp} (expert_num_weight_shards={dims.expert_num_weight_shards})"
+        )
     return (
         f"GTP enabled. {config!r} tp={dims.tensor_model_parallel_size} gtp={dims.gtp} "
         f"dp={dims.dp} (num_weight_shards={dims.num_weight_shards}, data-parallel ranks "
-        f"DP x GTP={dims.data_parallel_size})"
+        f"DP x GTP={dims.data_parallel_size}){experts}"
     )
 
 
@@ -116,8 +124,10 @@ class GTPMegatronStrategy(MegatronStrategy):
     Args:
         num_weight_shards: shards per dense linear weight, = TP x GTP; ``None`` means TP (GTP
             off). Must be a positive multiple of ``tensor_model_parallel_size``.
-        expert_num_weight_shards: the expert twin (= ETP x EGTP). Only ETP (expert GTP off) is
-            supported yet.
+        expert_num_weight_shards: shards per routed-expert linear weight, = ETP x EGTP (the
+            expert twin of ``num_weight_shards``, beside ``expert_model_parallel_size`` and
+            ``expert_tensor_parallel_size``); ``None`` means ETP (expert GTP off). Expert GTP
+            shards megatron ``SequentialMLP`` experts (``moe_grouped_gemm=False``), design §1.4.
         gtp_config: GTP knobs (design §2.4); ``None`` uses the defaults.
             ``calculate_per_token_loss`` is mirrored from the model config.
         *args, **kwargs: every ``MegatronStrategy`` argument, unchanged.
@@ -168,14 +178,10 @@ class GTPMegatronStrategy(MegatronStrategy):
             expert_num_weight_shards=expert_num_weight_shards,
             num_distributed_optimizer_instances=margs["num_distributed_optimizer_instances"],
         )
-        if dims.egtp > 1:
-            raise ValueError(
-                f"expert_num_weight_shards={expert_num_weight_shards} (expert GTP={dims.egtp}) is "
-                "not supported yet: leave it None or equal to expert_tensor_parallel_size"
-            )
         if gtp_config is not None and not isinstance(gtp_config, GTPConfig):
             raise ValueError(f"gtp_config must be a GTPConfig or None, got {type(gtp_config)}")
-        validate_strategy_args(margs, dims.gtp)
+        # The non-size checks apply as soon as either weight axis shards (GTP or expert GTP).
+        validate_strategy_args(margs, dims.gtp if dims.gtp > 1 else dims.egtp)
         validate_gtp_config(gtp_config, margs, dims.gtp)
         io = getattr(self, "__io__", None)
         super().__init__(*args, **kwargs)
@@ -244,6 +250,7 @@ class GTPMegatronStrategy(MegatronStrategy):
         """NeMo's process groups (megatron ``parallel_state``), then the GTP groups."""
         if self.gtp_enabled and getattr(self.model, "config", None) is not None:
             reject_cuda_graph_capture(self.model.config)  # before any process group exists
+            validate_moe_config(self.model.config, self.gtp_dims.egtp, self.gtp_enabled)
             self.gtp_config, note = graph_safe_gtp_config(self.model.config, self.gtp_config)
             if note:
                 nemo_logging.info(note)
@@ -313,9 +320,10 @@ class GTPMegatronStrategy(MegatronStrategy):
         install_gtp_sharded_state_dict(mp, self.gtp_groups)
 
     def _shard_chunk(self, chunk: Any) -> None:
-        runtime = shard_model_chunk(chunk, self.gtp_groups, self.gtp_config)
-        if runtime is not None and all(runtime is not r for r in self.gtp_runtimes):
-            self.gtp_runtimes.append(runtime)
+        shard_model_chunk(chunk, self.gtp_groups, self.gtp_config)
+        for runtime in runtimes_of(getattr(chunk, "module", chunk)):  # dense and expert
+            if all(runtime is not r for r in self.gtp_runtimes):
+                self.gtp_runtimes.append(runtime)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """NeMo's optimizer setup with the GTP ``ProcessGroupCollection`` (design §3.2)."""

@@ -27,6 +27,8 @@ def validate_ddp_config(ddp_config: Any) -> None:
 def validate_strategy_args(args: dict[str, Any], gtp_size: int) -> None:
     """Check ``MegatronStrategy`` arguments (all of them, defaults applied) against GTP.
 
+    ``gtp_size``: the GTP degree (or the expert GTP degree when only experts shard); 1 skips.
+
     Sizes are :class:`~nemo_gtp.engine.grid.GTPParallelDims`'s; this checks DDP, FSDP, the
     rank-order mapping and the checkpoint format.
 
@@ -80,4 +82,30 @@ def validate_gtp_config(gtp_config: Any, args: dict[str, Any], gtp_size: int) ->
             "gtp_config.shard_replicated_params_over_gtp=True shards optimizer state: pass "
             "ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, ...) and an "
             "OptimizerConfig with use_distributed_optimizer=True, or set it False"
+        )
+
+
+def validate_moe_config(model_config: Any, egtp: int, gtp_enabled: bool) -> None:
+    """Check a model config against expert GTP before any process group (design §1.4).
+
+    ``expert_num_weight_shards > ETP`` (``egtp > 1``) needs routed experts, built as megatron
+    ``SequentialMLP`` (``moe_grouped_gemm=False``). ``shard_model`` checks the built model again
+    for megatron-core users.
+
+    Example::
+
+        validate_moe_config(GPTConfig(num_moe_experts=None), egtp=2, gtp_enabled=True)  # raises
+    """
+    if not gtp_enabled or model_config is None:
+        return
+    experts = getattr(model_config, "num_moe_experts", None)
+    if egtp > 1 and not experts:
+        raise ValueError(
+            f"expert_num_weight_shards gives expert GTP={egtp}, but the model has no routed "
+            "experts (num_moe_experts is not set): leave expert_num_weight_shards=None"
+        )
+    if egtp > 1 and getattr(model_config, "moe_grouped_gemm", False):
+        raise ValueError(
+            f"expert GTP={egtp} shards SequentialMLP experts only: set the model's "
+            "moe_grouped_gemm=False, or expert_num_weight_shards=None"
         )

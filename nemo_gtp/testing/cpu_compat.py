@@ -65,6 +65,9 @@ rejected                    LanguageModule.setup_embeddings_and_output_layer (PP
                             tied embeddings: ``.cuda()``) -> ``NotImplementedError`` naming
                             ``pipeline_model_parallel_size`` and
                             ``share_embeddings_and_output_weights``
+moe_router_gemm             megatron/core/transformer/moe/moe_utils.py:
+                            RouterGatingLinearFunction (``te_general_gemm`` unbound without
+                            TE: ``NameError``) -> the name bound to ``None`` (torch.mm path)
 nemo_random_seed (NeMo)     nemo/lightning/megatron_init.py:_set_random_seed (skips the
                             tracker without GPUs) -> also seeds the CPU tracker
 nemo_strategy_logging       nemo/lightning/pytorch/strategies/megatron_strategy.py:
@@ -84,8 +87,9 @@ cpu_gpt_data_step           nemo/collections/llm/gpt/model/base.py:gpt_data_step
 Not here: NeMo's ``MockDataModule`` never emits an attention mask (it passes
 ``create_attention_mask`` into the dataset's ``seed`` slot), which
 ``nemo_gtp.recipes.data.SyntheticGPTDataModule`` fixes. Not covered either:
-pipeline/context/sequence parallelism, MoE, asynchronous checkpoint save, the NeMo memory
-logging (``log_memory_usage``).
+pipeline/context/sequence parallelism, MoE's alltoall / flex token dispatchers (CUDA events;
+the allgather dispatcher runs), asynchronous checkpoint save, the NeMo memory logging
+(``log_memory_usage``).
 
 Why a module-local ``torch`` instead of a ``TorchFunctionMode``
 ---------------------------------------------------------------
@@ -726,6 +730,21 @@ def _patch_pipeline_tied_embeddings_rejected(patcher: _Patcher) -> None:
 
     name = "setup_embeddings_and_output_layer"
     patcher.set(LanguageModule, name, setup_embeddings_and_output_layer)
+
+
+@_register("megatron/core/transformer/moe/moe_utils.py:RouterGatingLinearFunction")
+def _patch_moe_router_gemm(patcher: _Patcher) -> None:
+    """The MoE router's gating GEMM names ``te_general_gemm``, unbound without TE.
+
+    ``RouterGatingLinearFunction.forward/backward`` test ``te_general_gemm is not None``, but
+    ``moe_utils`` binds that name only when its TE import succeeds, so without TE every MoE
+    forward raises ``NameError``. The patch binds it to ``None``: the function's own
+    ``torch.mm`` fallback runs.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if "te_general_gemm" not in vars(moe_utils):
+        patcher.set(moe_utils, "te_general_gemm", None)
 
 
 @_register(

@@ -56,6 +56,19 @@ class Run:
     shard_replicated: bool = False  # GTPConfig.shard_replicated_params_over_gtp (needs distopt)
     recompute: str = ""  # activation recompute: "", "full_uniform", "full_block", "selective"
     # (core attention) or "selective_mlp" (the MLP: GTP weights re-gathered in the backward)
+    # MoE (megatron SequentialMLP experts, allgather token dispatcher): experts=0 is a dense GPT.
+    experts: int = 0  # num_moe_experts
+    topk: int = 2  # moe_router_topk
+    ep: int = 1  # expert_model_parallel_size
+    egtp: int = 1  # expert GTP: expert_num_weight_shards = ETP (= TP) x egtp
+    moe_ffn: int = 48  # moe_ffn_hidden_size
+    capacity: float | None = None  # moe_expert_capacity_factor (token dropping when set)
+    aux_loss: float = 0.0  # moe_aux_loss_coeff (load-balancing loss through the router)
+
+    @property
+    def gtp_on(self) -> bool:
+        """Whether either weight axis shards (GTP > 1 or expert GTP > 1)."""
+        return self.gtp > 1 or self.egtp > 1
 
 
 _RECOMPUTE = {
@@ -106,7 +119,8 @@ def full_tensor(param: torch.Tensor, tensor: torch.Tensor, groups) -> torch.Tens
         return tensor.detach().clone()
     spec = param.gtp_spec
     out = torch.empty(spec.gathered_shape, dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(out, tensor.detach().contiguous(), group=groups.gtp)
+    # The param's own axis: the GTP group, or the expert GTP group for a routed expert.
+    dist.all_gather_into_tensor(out, tensor.detach().contiguous(), group=param.runtime.group)
     return spec.unpad(out).clone()
 
 
@@ -121,7 +135,15 @@ def load_full_weights(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> 
             param.copy_(param.gtp_spec.shard(source) if is_gtp_param(param) else source)
 
 
-_GROUPS: dict[tuple[int, int, int], GTPGroups] = {}
+_GROUPS: dict[tuple[int, ...], GTPGroups] = {}
+
+
+def _megatron_matches(run: Run) -> bool:
+    """Whether megatron's parallel_state has ``run``'s TP and EP sizes."""
+    return (
+        parallel_state.get_tensor_model_parallel_world_size() == run.tp
+        and parallel_state.get_expert_model_parallel_world_size() == run.ep
+    )
 
 
 def gtp_groups(run: Run) -> GTPGroups:
@@ -129,23 +151,41 @@ def gtp_groups(run: Run) -> GTPGroups:
 
     Process groups are never freed before the process group itself is destroyed, and every
     gloo group owns threads: rebuilding them for each of a test's runs piles up hundreds.
+    megatron's parallel_state is rebuilt only when TP or EP changes.
     """
     world = dist.get_world_size()
-    key = (world, run.tp, run.gtp)
+    key = (world, run.tp, run.gtp, run.ep, run.egtp)
     if key not in _GROUPS:
-        if (
-            parallel_state.model_parallel_is_initialized()
-            and parallel_state.get_tensor_model_parallel_world_size() != run.tp
-        ):
+        if parallel_state.model_parallel_is_initialized() and not _megatron_matches(run):
             parallel_state.destroy_model_parallel()
         dims = GTPParallelDims(
-            world_size=world, tensor_model_parallel_size=run.tp, num_weight_shards=run.tp * run.gtp
+            world_size=world,
+            tensor_model_parallel_size=run.tp,
+            num_weight_shards=run.tp * run.gtp,
+            expert_model_parallel_size=run.ep,
+            expert_num_weight_shards=run.tp * run.egtp,
         )
         _GROUPS[key] = initialize_gtp_parallel(dims)
-    elif parallel_state.get_tensor_model_parallel_world_size() != run.tp:
+    elif not _megatron_matches(run):
         parallel_state.destroy_model_parallel()
         initialize_gtp_parallel(_GROUPS[key].dims, _GROUPS[key])  # megatron state only
     return _GROUPS[key]
+
+
+def _moe_config(run: Run) -> dict:
+    """TransformerConfig fields of ``run``'s MoE layers (none for a dense GPT)."""
+    if not run.experts:
+        return {}
+    return dict(
+        num_moe_experts=run.experts,
+        moe_router_topk=run.topk,
+        expert_model_parallel_size=run.ep,
+        moe_ffn_hidden_size=run.moe_ffn,
+        moe_token_dispatcher_type="allgather",  # the alltoall dispatcher needs CUDA events
+        moe_aux_loss_coeff=run.aux_loss,
+        moe_expert_capacity_factor=run.capacity,
+        moe_token_drop_policy="probs",
+    )
 
 
 def train(run: Run) -> dict:
@@ -200,6 +240,7 @@ def build(run: Run) -> dict:
         # biased nn.Linear engine tests.
         add_bias_linear=False,
         **_RECOMPUTE[run.recompute],
+        **_moe_config(run),
     )
     gtp_config = GTPConfig(
         calculate_per_token_loss=run.per_token,
@@ -211,7 +252,8 @@ def build(run: Run) -> dict:
         coalesce_mb=run.coalesce_mb,
         shard_replicated_params_over_gtp=run.shard_replicated,
     )
-    spec, reference = get_gpt_layer_local_spec(), None
+    spec = get_gpt_layer_local_spec(num_experts=run.experts or None, moe_grouped_gemm=False)
+    reference = None
     if run.presharded and run.gtp > 1:
         # The full twin this seed builds without GTP; the shards then start from its weights.
         reference = {
@@ -223,7 +265,7 @@ def build(run: Run) -> dict:
         load_full_weights(model, reference)
     if run.bf16:  # norms and inputs in bf16 too, as NeMo's precision plugin does
         model = Float16Module(config, model)
-    if run.gtp > 1:
+    if run.gtp_on:
         shard_model(model, groups, gtp_config)
     pgs = gtp_process_groups(groups, gtp_config)
     ddp_config = DistributedDataParallelConfig(
@@ -280,6 +322,7 @@ def train_built(setup: dict, run: Run) -> dict:
     out["weights"] = {n: full_tensor(p, p.data, groups) for n, p in named}
     out["optimizer_state_numel"] = optimizer_state_numel(optimizer)
     out["runtime"] = getattr(model, "gtp_runtime", None)
+    out["expert_runtime"] = getattr(model, "gtp_expert_runtime", None)
     return out
 
 

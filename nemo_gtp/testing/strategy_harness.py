@@ -60,6 +60,7 @@ class Fit:
     # untied output layer), the model class NeMo's Hugging Face exporter is registered for;
     # otherwise ``llm.GPTModel``
     llama: bool = False
+    model_kwargs: dict[str, Any] = field(default_factory=dict)  # more GPTConfig fields (MoE)
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -144,7 +145,7 @@ def _ddp_config() -> Any:
     )
 
 
-def _gpt_config(tp: int, llama: bool = False) -> Any:
+def _gpt_config(tp: int, llama: bool = False, **model_kwargs: Any) -> Any:
     """The tiny model's config: ``llm.GPTConfig``, or ``llm.Llama3Config`` when ``llama``."""
     from nemo.collections import llm
     from nemo.collections.llm.gpt.model.base import local_layer_spec
@@ -184,6 +185,7 @@ def _gpt_config(tp: int, llama: bool = False) -> Any:
         gradient_accumulation_fusion=False,
         data_step_fn=cpu_gpt_data_step,
         **extra,
+        **model_kwargs,
     )
 
 
@@ -217,7 +219,8 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     from nemo.collections.llm.gpt.model.llama import LlamaModel
 
     model_class = LlamaModel if fit.llama else llm.GPTModel
-    model = model_class(_gpt_config(fit.tp, fit.llama), tokenizer=tokenizer, optim=optim)
+    config = _gpt_config(fit.tp, fit.llama, **fit.model_kwargs)
+    model = model_class(config, tokenizer=tokenizer, optim=optim)
     data = SyntheticGPTDataModule(
         seq_length=SEQ,
         tokenizer=tokenizer,
@@ -298,6 +301,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     optimizer = strategy.optimizers[0].mcore_optimizer
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     optimizer = chained[0]  # the dense one
+    expert_optimizer = chained[1] if len(chained) > 1 else None  # MoE: the expert one
     out = {
         "name": fit.name,
         "losses": recorder.losses,
@@ -324,6 +328,9 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "optimizer_dp_size": dist.get_world_size(optimizer.data_parallel_group)
         if fit.distopt
         else None,
+        "expert_optimizer_dp_size": dist.get_world_size(expert_optimizer.data_parallel_group)
+        if fit.distopt and expert_optimizer is not None
+        else None,
         "gtp_finalize": bool(
             getattr(get_model_config(ddp).finalize_model_grads_func, "gtp_finalize", False)
         ),
@@ -331,10 +338,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "drain_callback": any(type(c).__name__ == "GTPDrainCallback" for c in trainer.callbacks),
     }
     if fit.metrics and runtimes:
-        specs = [p.gtp_spec for r in runtimes for p in r.params]
-        size = runtimes[0].size
-        gathered = sum(math.prod(s.gathered_shape) * 4 for s in specs) * (size - 1) // size
-        out["expected_gather_bytes_per_pass"] = gathered
+        out["expected_gather_bytes_per_pass"] = sum(  # per runtime: dense and expert sizes
+            sum(math.prod(p.gtp_spec.gathered_shape) * 4 for p in r.params) * (r.size - 1) // r.size
+            for r in runtimes
+        )
     return out
 
 

@@ -50,6 +50,7 @@ from nemo_gtp.checkpoint.optimizer import (
 from nemo_gtp.checkpoint.pieces import RowMap, RowSegment
 from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.param import is_gtp_param
+from nemo_gtp.integrations.megatron.sharding.experts import is_expert_param
 
 
 def gtp_sharded_state_dict(
@@ -76,7 +77,14 @@ def gtp_sharded_state_dict(
 
 
 def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | None) -> dict:
-    """Rewrite megatron's model sharded state dict for GTP, in place; returns it."""
+    """Rewrite megatron's model sharded state dict for GTP, in place; returns it.
+
+    Raises ``NotImplementedError`` for a MoE model under GTP (design §3.3 "Routed experts"):
+    its expert entries would need megatron's expert offsets composed with the EGTP offsets and
+    replica ids over the expert grid, which are not implemented yet.
+    """
+    if groups is not None and groups.dims.gtp_enabled:
+        _reject_routed_experts(sharded_state_dict)
     gtp_rank, gtp_size = (0, 1) if groups is None else (groups.gtp_rank, groups.gtp_size)
     if groups is None:
         replicate_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
@@ -119,6 +127,17 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
 
     dict_list_map_inplace(visit, sharded_state_dict)
     return sharded_state_dict
+
+
+def _reject_routed_experts(sharded_state_dict: dict) -> None:
+    for value in nested_values(sharded_state_dict):
+        if is_expert_param(getattr(value, "data", None)):
+            raise NotImplementedError(
+                f"checkpoints of MoE models under GTP are not supported yet ({value.key} is a "
+                "routed-expert weight; num_weight_shards / expert_num_weight_shards > TP / ETP): "
+                "train without checkpoints (no ModelCheckpoint, no ckpt_path), or use "
+                "nemo_gtp.full_state_dict for the weights"
+            )
 
 
 def _replicated_params_over_gtp(sharded_state_dict: dict) -> bool:

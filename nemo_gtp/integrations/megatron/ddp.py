@@ -4,6 +4,11 @@ A GTP weight's gradient reaches ``main_grad`` through the runtime's deferred red
 through autograd's AccumulateGrad (its autograd wgrad is ``None``). DDP's hook for such a param
 must therefore fire only after ``{reduce-scatter -> main_grad add}``, so a bucket's collective
 never reads a stale ``main_grad`` (the ordering invariant of design §3.2).
+
+Routed experts (design §3.2 "Routed experts"): megatron pre-scales its expert buffer by
+1/``dp_cp`` like the dense one, which under GTP is 1/DP; the expert buffer is rescaled to
+EGTP / (DP x GTP) so that, after the EGTP reduce-scatter's 1/EGTP, every expert gradient is the
+mean over all DP x GTP data ranks, as without GTP.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.cuda_graphs import is_graph_capturing
 
-from nemo_gtp.engine.grid import GTPParallelDims
+from nemo_gtp.engine.grid import GTPParallelDims, WeightAxis
 from nemo_gtp.engine.param import is_gtp_param
+from nemo_gtp.engine.runtime import GTPRuntime, runtimes_of
+from nemo_gtp.integrations.megatron.sharding.experts import is_expert_param
 
 
 def validate_ddp_config_for_gtp(ddp_config: object) -> None:
@@ -49,25 +56,49 @@ def validate_ddp_config_for_gtp(ddp_config: object) -> None:
     )
 
 
-def check_data_group(runtime: object, pg_collection: object | None) -> None:
-    """DDP's data-parallel group must span the GTP peers exactly when the model's
-    ``GTPConfig.shard_replicated_params_over_gtp`` says so (else gradients are reduced twice,
-    or GTP shards of different rows are summed). Raised before megatron's first collective."""
-    dp_cp = (
-        getattr(pg_collection, "dp_cp", None)
-        if pg_collection is not None
-        else parallel_state.get_data_parallel_group(with_context_parallel=True)
-    )
-    gtp_ranks = set(dist.get_process_group_ranks(runtime.group))
-    spans_gtp = len(gtp_ranks & set(dist.get_process_group_ranks(dp_cp))) > 1
-    wanted = runtime.config.shard_replicated_params_over_gtp
-    if spans_gtp != wanted:
+def check_data_group(runtime: GTPRuntime, pg_collection: object | None) -> None:
+    """DDP's data-parallel groups must match the GTP axes (raised before megatron's first
+    collective): the dense group spans the GTP peers exactly when the model's
+    ``GTPConfig.shard_replicated_params_over_gtp`` says so, the expert group never spans the
+    EGTP peers (else gradients are reduced twice, or shards of different rows are summed)."""
+    expert = runtime.axis is WeightAxis.EXPERT
+    if pg_collection is not None:
+        group = getattr(pg_collection, "expt_dp" if expert else "dp_cp", None)
+    elif expert:
+        group = parallel_state.get_expert_data_parallel_group()
+    else:
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    peers = set(dist.get_process_group_ranks(runtime.group))
+    spans = len(peers & set(dist.get_process_group_ranks(group))) > 1
+    wanted = not expert and runtime.config.shard_replicated_params_over_gtp
+    if spans != wanted:
+        what = "expert data-parallel group (expt_dp)" if expert else "data-parallel group"
+        axis = "expert GTP" if expert else "GTP"
+        setting = "" if expert else (f" but GTPConfig.shard_replicated_params_over_gtp={wanted}")
         raise ValueError(
-            f"DDP's data-parallel group {'spans' if spans_gtp else 'excludes'} the GTP peers but "
-            f"GTPConfig.shard_replicated_params_over_gtp={wanted}: build DDP (and the optimizer) "
-            "with pg_collection=gtp_process_groups(groups, gtp_config), using the GTPConfig "
-            "given to shard_model"
+            f"DDP's {what} {'spans' if spans else 'excludes'} the {axis} peers{setting}: build "
+            "DDP (and the optimizer) with pg_collection=gtp_process_groups(groups, gtp_config), "
+            "using the GTPConfig given to shard_model"
         )
+
+
+def rescale_expert_buffers(ddp: DistributedDataParallel, dims: GTPParallelDims) -> None:
+    """Pre-scale DDP's expert buffer by EGTP / (DP x GTP) (mean loss; design §3.2 table).
+
+    An expert's gradient on one rank holds the tokens of every EP peer, so the sum over its
+    EGTP x EDP holders covers all DP x GTP data ranks: the mean needs 1/(DP x GTP) on that sum.
+    The EGTP reduce-scatter averages (1/EGTP), DDP sums over EDP, so DDP's pre-scale must be
+    EGTP / (DP x GTP). megatron computes 1/dp_cp, and dp_cp is the replicate group (DP) under
+    GTP. Under per-token loss megatron pre-scales by 1 and divides by the token count later:
+    nothing to change. Call after megatron's constructor, before the first backward.
+    """
+    if ddp.config.calculate_per_token_loss or not ddp.expert_parallel_buffers:
+        return
+    factor = dims.egtp / dims.data_parallel_size
+    for buffer in ddp.expert_parallel_buffers:
+        buffer.gradient_scaling_factor = factor
+        for bucket in buffer.buckets:
+            bucket.gradient_scaling_factor = factor
 
 
 def route_gtp_params_to_second_buffer(
@@ -109,13 +140,17 @@ class GTPDDPMixin:
     """
 
     def __init__(self, config, ddp_config, module, *args, **kwargs) -> None:  # noqa: ANN001
-        gtp_params = [p for p in module.parameters() if is_gtp_param(p)]
-        if gtp_params:
+        runtimes = runtimes_of(module)
+        if runtimes:
             validate_ddp_config_for_gtp(ddp_config)
-            check_data_group(gtp_params[0].runtime, kwargs.get("pg_collection"))
-            if gtp_params[0].runtime.config.shard_replicated_params_over_gtp:
+            for runtime in runtimes:
+                check_data_group(runtime, kwargs.get("pg_collection"))
+            if runtimes[0].config.shard_replicated_params_over_gtp:
+                gtp_params = [p for p in module.parameters() if is_gtp_param(p)]
                 route_gtp_params_to_second_buffer(module, gtp_params, ddp_config)
         super().__init__(config, ddp_config, module, *args, **kwargs)
+        if runtimes and any(is_expert_param(p) for p in module.parameters()):
+            rescale_expert_buffers(self, runtimes[0].groups.dims)
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[..., None]:
         if not is_gtp_param(param):

@@ -8,6 +8,11 @@ under ``calculate_per_token_loss`` (the design §3.2 table). All three are linea
 after megatron's reduction gives the same sum, and it stays correct when DDP overlapped its
 bucket reductions with the backward. With ``GTPConfig.shard_replicated_params_over_gtp`` DDP
 reduces the replicated params over DP x GTP itself and (3) is skipped.
+
+Routed experts (design §3.2 "Routed experts") mirror the dense side on their own axis: DDP's
+expert buffer is reduced over the expert replicate group (EDP) in (2), and (4) the expert params
+the EGTP axis leaves whole (expert biases) are all-reduced over the expert GTP group, AVG or SUM
+exactly as in (3). Expert params are never part of (3): their replicas are the expert data group.
 """
 
 from __future__ import annotations
@@ -23,17 +28,25 @@ from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.param import is_gtp_param
 from nemo_gtp.engine.runtime import runtimes_of
 from nemo_gtp.integrations.megatron.model_config import mirror_per_token_loss
+from nemo_gtp.integrations.megatron.sharding.experts import is_expert_param
 
 
-def _replicated_grads(model_chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
-    """main_grads of params replicated across the GTP group (expert params excluded)."""
+def _replicated_grads(
+    model_chunks: Sequence[torch.nn.Module], *, experts: bool = False
+) -> list[torch.Tensor]:
+    """main_grads of params replicated across the GTP group (``experts``: of the routed-expert
+    params replicated across the expert GTP group)."""
     grads = []
     for chunk in model_chunks:
         for param in chunk.parameters():
             if (
                 param.requires_grad
                 and not is_gtp_param(param)
-                and getattr(param, "allreduce", True)  # megatron marks expert params False
+                and (
+                    is_expert_param(param)
+                    if experts
+                    else getattr(param, "allreduce", True)  # megatron marks expert params False
+                )
                 and getattr(param, "main_grad", None) is not None
             ):
                 grads.append(param.main_grad)
@@ -41,19 +54,27 @@ def _replicated_grads(model_chunks: Sequence[torch.nn.Module]) -> list[torch.Ten
 
 
 def allreduce_replicated_grads(
-    model_chunks: Sequence[torch.nn.Module], group: dist.ProcessGroup, *, per_token: bool
+    model_chunks: Sequence[torch.nn.Module],
+    group: dist.ProcessGroup,
+    *,
+    per_token: bool,
+    experts: bool = False,
 ) -> None:
-    """Complete the GTP axis for replicated params: one coalesced all-reduce per dtype.
+    """Complete a GTP axis for replicated params: one coalesced all-reduce per dtype.
+
+    ``experts=False``: the dense params over the GTP group; ``experts=True``: the routed-expert
+    params over the expert GTP group.
 
     Example::
 
         allreduce_replicated_grads([ddp_model], groups.gtp, per_token=False)
+        allreduce_replicated_grads([ddp_model], groups.expert_gtp, per_token=False, experts=True)
     """
     size = dist.get_world_size(group)
     if size == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in _replicated_grads(model_chunks):
+    for grad in _replicated_grads(model_chunks, experts=experts):
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = _flatten_dense_tensors(grads)
@@ -74,7 +95,7 @@ def make_finalize_model_grads(
 
         model.config.finalize_model_grads_func = make_finalize_model_grads(groups)
     """
-    if groups.gtp_size == 1:
+    if not groups.dims.gtp_enabled:
         return base
     runtimes: list | None = None
     per_token = False
@@ -96,5 +117,6 @@ def make_finalize_model_grads(
         base(model, *args, **kwargs)
         if not ddp_reduces_over_gtp:
             allreduce_replicated_grads(model, groups.gtp, per_token=per_token)
+        allreduce_replicated_grads(model, groups.expert_gtp, per_token=per_token, experts=True)
 
     return finalize_model_grads

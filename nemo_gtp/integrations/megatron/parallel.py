@@ -63,14 +63,22 @@ def initialize_gtp_parallel(
         groups = dims.build(gtp_pg_options)
     elif groups.dims != dims:
         raise ValueError(f"groups were built for {groups.dims}, not {dims}")
-    data_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
-    if sorted(data_ranks) != sorted(
-        r for ranks in dims.group_ranks()["data"] if groups.rank in ranks for r in ranks
-    ):
-        raise ValueError(
-            "megatron's data-parallel group does not match the GTP data group: megatron must use "
-            "the default order 'tp-cp-ep-dp-pp' (use_tp_pp_dp_mapping=False)"
-        )
+    mine = {
+        name: sorted(next(ranks for ranks in lists if groups.rank in ranks))
+        for name, lists in dims.group_ranks().items()
+    }
+    megatron_groups = {
+        "data": parallel_state.get_data_parallel_group(),
+        # The expert grid (design §3.1): megatron's expert data-parallel axis is EGTP x EDP.
+        "expert_data": parallel_state.get_expert_data_parallel_group(),
+    }
+    for name, group in megatron_groups.items():
+        if sorted(dist.get_process_group_ranks(group)) != mine[name]:
+            raise ValueError(
+                f"megatron's {name.replace('_', ' ')}-parallel group does not match the GTP "
+                f"{name} group: megatron must use the default order 'tp-cp-ep-dp-pp' "
+                "(use_tp_pp_dp_mapping=False) and the same expert sizes"
+            )
     return groups
 
 
@@ -84,6 +92,11 @@ def gtp_process_groups(
     optimizer's grad norm sums every GTP shard, and ``DistributedOptimizer`` keys state by a rank
     unique per GTP peer (design §3.3 "Optimizer state").
 
+    Expert side (design §1.4, §3.2): megatron's expert buffer and optimizer reduce and shard over
+    ``expt_dp = intra_expt_dp`` = the expert replicate group (EDP, without the EGTP peers, which
+    hold different rows), and the expert optimizer's grad-norm group ``tp_ep_pp`` is ETP x EP x
+    EGTP x PP. With EGTP 1 both are megatron's own groups.
+
     With ``config.shard_replicated_params_over_gtp`` (GTP shards tagged ``allreduce=False`` by
     :class:`GTPDDPMixin`): the replicated params take megatron's first buffer and optimizer over
     the whole data group (DP x GTP) with the TP x PP model-parallel group, exactly as without GTP;
@@ -96,6 +109,9 @@ def gtp_process_groups(
         ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
     """
     pgs = ProcessGroupCollection.use_mpu_process_groups()
+    if groups.dims.gtp_enabled:
+        pgs.expt_dp = pgs.intra_expt_dp = groups.expert_replicate
+        pgs.tp_ep_pp = groups.expert_model_parallel
     if groups.gtp_size > 1 and config is not None and config.shard_replicated_params_over_gtp:
         pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = groups.data
         pgs.expt_dp = pgs.intra_expt_dp = groups.replicate

@@ -109,16 +109,14 @@ class PreShardedLinearMixin:
         init_method: Callable,
         **kwargs: Any,
     ) -> None:
-        if gtp.gtp_size == 1:  # off is a byte-for-byte no-op (design §1.5)
+        # Off is a byte-for-byte no-op (design §1.5). A routed-expert linear is built full too:
+        # it belongs to the expert GTP axis, which shard_model slices (design §1.4).
+        if gtp.gtp_size == 1 or kwargs.get("is_expert"):
             super().__init__(
                 input_size, output_size, *args, config=config, init_method=init_method, **kwargs
             )
             return
         validate_model_config_for_gtp(config)
-        if kwargs.get("is_expert"):
-            raise ValueError(
-                f"{type(self).__name__}: GTP on expert linears is not supported yet (MoE)"
-            )
         tp = _tp_size(kwargs.get("tp_group"))
         logical_out = output_size // tp if self.gtp_column else output_size
         in_local = input_size if self.gtp_column else input_size // tp

@@ -13,6 +13,12 @@ The one entry point for a built model, whichever way its linears were built:
 The embedding, the output layer, norms and biases stay replicated (their gathers would not
 amortize, §1.5). TransformerEngine linears are driven by TE itself through its DistributedWeight
 protocol (:mod:`~nemo_gtp.integrations.megatron.sharding.te`).
+
+MoE (design §1.4 "EP / expert GTP"): a model gets up to two runtimes, one per weight axis: the
+dense one (GTP group: attention, dense MLPs, shared experts) and the expert one (EGTP group: the
+linears of the routed ``SequentialMLP`` experts, see
+:mod:`~nemo_gtp.integrations.megatron.sharding.experts`). An axis of size 1 gets no runtime and
+its linears stay full.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from nemo_gtp.engine.config import GTPConfig
-from nemo_gtp.engine.grid import GTPGroups
+from nemo_gtp.engine.grid import GTPGroups, WeightAxis
 from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
 from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
 from nemo_gtp.engine.runtime import GTPRuntime
@@ -34,6 +40,11 @@ from nemo_gtp.integrations.megatron.model_config import (
     validate_model_config_for_gtp,
 )
 from nemo_gtp.integrations.megatron.sharding.built import is_presharded
+from nemo_gtp.integrations.megatron.sharding.experts import (
+    check_moe_for_gtp,
+    expert_module_ids,
+    route_expert_params,
+)
 from nemo_gtp.integrations.megatron.sharding.te import (
     record_grad_mode,
     te_parallel_linear_kinds,
@@ -94,13 +105,20 @@ def shard_model(
     *,
     should_shard: Callable[[str, torch.nn.Module], bool] = default_should_shard,
 ) -> GTPRuntime | None:
-    """Shard ``model``'s eligible linears over ``groups.gtp`` in place; return its runtime.
+    """Shard ``model``'s eligible linears in place; return its (primary) runtime.
 
-    Call after the model is built and before DDP wraps it. With GTP size 1 nothing is touched
-    and ``None`` is returned (off is a byte-for-byte no-op, §1.5). Params replicated across the
-    GTP group are marked ``shared`` on GTP ranks other than 0: megatron's grad-norm filter then
-    counts them once (design §3.2 point 2); megatron propagates the mark to every optimizer's
-    main params.
+    Call after the model is built and before DDP wraps it. Dense linears are sharded over
+    ``groups.gtp``; the linears of routed MoE experts (megatron ``SequentialMLP``) over
+    ``groups.expert_gtp`` by a second runtime (design §1.4). The model holds them as
+    ``model.gtp_runtime`` (dense) and ``model.gtp_expert_runtime`` (experts); an axis of size 1
+    gets none. Returned: the dense runtime, or the expert one when only experts are sharded;
+    ``runtimes_of(model)`` lists both. With GTP and expert GTP both 1 nothing is touched and
+    ``None`` is returned (off is a byte-for-byte no-op, §1.5).
+
+    Params replicated across a GTP group are marked ``shared`` on its ranks other than 0:
+    megatron's grad-norm filter then counts them once (design §3.2 point 2; expert params by
+    their EGTP rank). Under GTP every routed-expert param goes to DDP's expert buffer
+    (``allreduce=False``, design §3.2 "Routed experts").
 
     Example::
 
@@ -116,37 +134,45 @@ def shard_model(
         model = GPTModel(model_config, spec, vocab_size, max_seq)
         runtime = shard_model(model, groups, config)
 
-    Raises ``ValueError`` for settings GTP cannot honour (MoE, ``delay_wgrad_compute``, a
-    ``calculate_per_token_loss`` mismatch) and warns once naming TE ``LayerNormMLP``s, which
-    stay unsharded.
+    Raises ``ValueError`` for settings GTP cannot honour (grouped-GEMM experts under expert
+    GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, ...) and warns once
+    naming TE ``LayerNormMLP``s, which stay unsharded.
     """
     if hasattr(model, "param_to_bucket_group") or isinstance(
         model, torch.nn.parallel.DistributedDataParallel
     ):
         raise ValueError("shard_model must run before DDP wrapping (pass the unwrapped model)")
-    if groups.gtp_size == 1:
+    if not groups.dims.gtp_enabled:
         return None
     model_config = getattr(model, "config", None)
     config = mirror_per_token_loss(config, model_config)
-    if getattr(model_config, "num_moe_experts", None):
-        raise ValueError(
-            "GTP on MoE models is not supported yet (num_moe_experts is set): use "
-            "num_weight_shards=tensor_model_parallel_size"
-        )
     validate_model_config_for_gtp(model_config)
-    runtime = GTPRuntime(groups, config, name=type(model).__name__)
+    is_moe = check_moe_for_gtp(model, groups, config)
+    expert_ids = expert_module_ids(model) if is_moe else set()
+    name = type(model).__name__
+    runtimes = {
+        WeightAxis.DENSE: GTPRuntime(groups, config, name=name) if groups.gtp_size > 1 else None,
+        WeightAxis.EXPERT: (
+            GTPRuntime(groups, config, name=f"{name}.experts", axis=WeightAxis.EXPERT)
+            if groups.expert_gtp_size > 1
+            else None
+        ),
+    }
     te_linears = tuple(te_parallel_linear_kinds())
     sliced_te: list[str] = []
-    for name, module in list(model.named_modules()):
+    for module_name, module in list(model.named_modules()):
+        runtime = runtimes[WeightAxis.EXPERT if id(module) in expert_ids else WeightAxis.DENSE]
+        if runtime is None:  # this axis does not shard: the linear stays full
+            continue
         weight = module._parameters.get("weight")
         if is_presharded(weight):  # built as its shard from a gtp_layer_spec: register only
-            runtime.register(weight, f"{name}.weight")
-        elif should_shard(name, module):
+            runtime.register(weight, f"{module_name}.weight")
+        elif should_shard(module_name, module):
             if isinstance(module, (*_MEGATRON_LINEARS, *te_linears)):
-                runtime.shard_parameter(module, "weight", f"{name}.weight")
-                sliced_te += [name] if isinstance(module, te_linears) else []
+                runtime.shard_parameter(module, "weight", f"{module_name}.weight")
+                sliced_te += [module_name] if isinstance(module, te_linears) else []
             else:
-                shard_linear(module, runtime, f"{name}.weight")
+                shard_linear(module, runtime, f"{module_name}.weight")
         else:
             continue
         if isinstance(module, _MEGATRON_LINEARS):
@@ -161,11 +187,26 @@ def shard_model(
             stacklevel=2,
         )
     warn_unsharded_te_modules(model)
-    if groups.gtp_rank != 0 and not config.shard_replicated_params_over_gtp:
-        # Replicated params are counted once in the world-wide grad norm; with
-        # shard_replicated_params_over_gtp each GTP peer owns a distinct optimizer slice of them.
-        for param in model.parameters():
-            if not is_gtp_param(param):
-                param.shared = True
-    model.gtp_runtime = runtime
-    return runtime
+    experts = {id(p) for p in route_expert_params(model, expert_ids)}
+    _mark_shared(model, groups, config, experts)
+    model.gtp_runtime = runtimes[WeightAxis.DENSE]
+    model.gtp_expert_runtime = runtimes[WeightAxis.EXPERT]
+    return runtimes[WeightAxis.DENSE] or runtimes[WeightAxis.EXPERT]
+
+
+def _mark_shared(
+    model: torch.nn.Module, groups: GTPGroups, config: GTPConfig, experts: set[int]
+) -> None:
+    """megatron's ``shared`` mark on params replicated across a GTP axis, on its ranks != 0.
+
+    Each replicated element is then counted once in the world-wide grad norm (design §3.2
+    point 2): dense params by their GTP rank, routed-expert params by their EGTP rank (they are
+    replicated over EGTP, never over the dense GTP axis, whose peers hold other expert replicas
+    or other experts). With ``shard_replicated_params_over_gtp`` each GTP peer owns a distinct
+    optimizer slice of the dense replicated params, so they are not marked.
+    """
+    dense = groups.gtp_rank != 0 and not config.shard_replicated_params_over_gtp
+    expert = groups.expert_gtp_rank != 0
+    for param in model.parameters():
+        if not is_gtp_param(param) and (expert if id(param) in experts else dense):
+            param.shared = True
