@@ -216,6 +216,8 @@ def test_validate_and_test_on_a_fresh_trainer(four_ranks: dict) -> None:
     for name in ("gtp_validate_fresh", "gtp_test_fresh", "gtp_validate_init"):
         for rank in four_ranks[name]:
             assert rank["gtp_params"] == 8 and rank["leftovers_after"] == NOTHING_OUTSTANDING
+    walls = {name: f"{runs[0]['wall_s']:.1f} s" for name, runs in four_ranks.items()}
+    print(f"[evaluation] wall time per fit (rank 0): {walls}")
 
 
 def test_parity_bf16_shards_have_training_dtype(two_ranks: dict) -> None:

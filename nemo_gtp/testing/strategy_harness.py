@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -443,6 +444,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             LOCAL_RANK=str(rank),
             NODE_RANK="0",
         )
+        start = time.perf_counter()
         try:
             result = _fit(fit, world, str(Path(out_dir, f"store{index}")))
         except Exception as err:
@@ -457,6 +459,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             teardown_fit()
         if fit.expect_error and "error" not in result:
             raise AssertionError(f"fit {fit.name} was expected to fail but succeeded")
+        result["wall_s"] = time.perf_counter() - start
         results.append(result)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
