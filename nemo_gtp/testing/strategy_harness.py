@@ -122,6 +122,10 @@ def _metric(results: list[dict[str, Any]], key: str) -> float:
     return float(metrics[key])
 
 
+def _banners(catcher: _LineCatcher) -> list[str]:
+    return [line for line in catcher.lines if line.startswith(BANNER_PREFIX)]
+
+
 def _logged(logger: Any, key: str) -> list[tuple[int, float]]:
     """``(step, value)`` of every ``key`` a :class:`MemoryLogger` received."""
     return [(step, float(m[key])) for step, m in logger.records if key in m]
@@ -339,7 +343,8 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     logging.getLogger("nemo_logger").addHandler(catcher)
     try:
         if fit.entry != "fit":  # a fresh trainer and model that never ran fit
-            return _evaluate_only(fit, trainer, model, data, strategy, evals, memory_logger)
+            result = _evaluate_only(fit, trainer, model, data, strategy, evals, memory_logger)
+            return {**result, "banners": _banners(catcher)}
         trainer.fit(model, datamodule=data, ckpt_path=fit.resume_from)
     finally:
         logging.getLogger("nemo_logger").removeHandler(catcher)
@@ -370,7 +375,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "data_size": parallel_state.get_data_parallel_world_size(),
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "indices": indices,
-        "banners": [line for line in catcher.lines if line.startswith(BANNER_PREFIX)],
+        "banners": _banners(catcher),
         "gtp_params": sum(len(r.params) for r in runtimes),
         "presharded_modules": sum(
             type(m).__name__.startswith("GTP") and hasattr(m, "gtp_column")
