@@ -9,14 +9,16 @@ Hooks, in the order NeMo / Lightning run them:
 ===========================  =====================================================================
 ``__init__``                 validate every GTP-relevant argument (no collectives yet)
 ``connect``                  CUDA-graph warmup >= 2 on the model config (design §2.4)
-``setup_distributed``        NeMo's process groups, then the GTP groups (design §3.1); TE linears
-                             of the config's layer spec set to build as their shard
+``setup_distributed``        NeMo's process groups, then the GTP groups (design §3.1; kept for a
+                             second run on the same trainer); TE linears of the config's layer
+                             spec set to build as their shard
 ``setup``                    NeMo's setup; adds :class:`GTPDrainCallback`; fit: NeMo's
                              telemetry configured as ``llm.train`` does (plain ``trainer.fit``);
                              validate / test / predict: each GTP peer keeps its own shard across
                              NeMo's parameter broadcast (:mod:`nemo_gtp.strategy.evaluation`)
 ``init_model_parallel``      precision conversion -> ``shard_model`` -> GTP-aware megatron DDP
-``setup_optimizers``         megatron optimizer over the GTP process groups (design §3.2)
+``setup_optimizers``         megatron optimizer over the GTP process groups (design §3.2); fit
+                             only (Lightning's rule; NeMo's setup builds one for every entry point)
 ``on_train_start``           GTP-aware ``finalize_model_grads``; the one-line config log (§2.3)
 ``on_validation_end`` etc.   drain: no GTP communication of an evaluation loop outlives it
 ``save_checkpoint`` / load   GTP-aware sharded state dict, atomic ``torch_dist`` commit, layout-
@@ -255,10 +257,17 @@ class GTPMegatronStrategy(MegatronStrategy):
         super().setup_distributed()
         if dims is None:
             return
-        if self.gtp_groups is not None and dist.group.WORLD is self._gtp_world:
-            # A second run on this trainer (trainer.validate after trainer.fit): the process
-            # groups, and the model's runtime built on them, are still there.
-            return
+        # A second run on this trainer (trainer.validate after trainer.fit) keeps the process
+        # groups, which the model's runtime is built on.
+        if self.gtp_groups is None or dist.group.WORLD is not self._gtp_world:
+            self._build_gtp_groups(dims)
+        # TE linears are built as their shard (design §3.1 "One init path"): the groups exist now
+        # and NeMo's configure_model, which builds the model from this config, runs next.
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "transformer_layer_spec"):
+            preshard_config_layer_spec(config, self.gtp_groups, self.gtp_config)
+
+    def _build_gtp_groups(self, dims: GTPParallelDims) -> None:
         if not parallel_state.model_parallel_is_initialized():
             # NeMo skips its model-parallel init when torch.distributed was initialized before
             # the trainer ran (e.g. a second fit in one process); the GTP grid is checked against
@@ -274,11 +283,6 @@ class GTPMegatronStrategy(MegatronStrategy):
                 f"NeMo AppState.data_parallel_size={app_state.data_parallel_size}, but GTP needs "
                 f"the data-parallel ranks to be DP x GTP = {dims.data_parallel_size}"
             )
-        # TE linears are built as their shard (design §3.1 "One init path"): the groups exist now
-        # and NeMo's configure_model, which builds the model from this config, runs next.
-        config = getattr(self.model, "config", None)
-        if config is not None and hasattr(config, "transformer_layer_spec"):
-            preshard_config_layer_spec(config, self.gtp_groups, self.gtp_config)
 
     # ------------------------------------------------------------------ model setup
     def setup(self, trainer: pl.Trainer) -> None:
