@@ -7,7 +7,10 @@ it. ``--compare-baseline`` trains the recipe twice, as written (GTP) and with
 set to the tensor-parallel size (plain TP + DP, same global
 batch), both in one launch of ``trainer.devices`` processes (one after the other, see
 ``nemo_gtp.recipes.launch``), prints both loss curves side by side and ends with one
-``VERDICT:`` line.
+``VERDICT:`` line. Every run logs through NeMo's ``nl.NeMoLogger`` (TensorBoard) into
+``--log-dir`` (default ``runs/<recipe name>``; the two runs of ``--compare-baseline`` into its
+``gtp/`` and ``baseline/``), and the comparison is drawn from those logs by
+:mod:`nemo_gtp.report`.
 
 Examples::
 
@@ -45,6 +48,7 @@ examples:
       +checkpoint.dir=ckpts +checkpoint.every_n_train_steps=10
   {PROG} configs/tiny_cpu.yaml trainer.max_steps=20 +resume=ckpts/step=9
   {PROG} configs/gpt_125m.yaml trainer.max_steps=50 --loss-log losses.jsonl   # 2 GPUs
+  python -m nemo_gtp.report runs/tiny_cpu/gtp runs/tiny_cpu/baseline -o plot.png
 """
 # Relative loss difference under which GTP "matches" its baseline: fp32 runs agree to rounding
 # (≤ 2.2e-7 measured on the tiny recipe); bf16 runs differ by bf16 rounding of reduction orders.
@@ -75,12 +79,35 @@ def build_parser() -> argparse.ArgumentParser:
         help='append rank 0\'s per-step {"step", "loss", "ms"} JSON lines to FILE',
     )
     parser.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="TensorBoard logs (NeMo's NeMoLogger) and NeMo's text logs go here; with "
+        "--compare-baseline into DIR/gtp and DIR/baseline (default: runs/<recipe name>); a run "
+        "that does not resume replaces the TensorBoard logs it finds there",
+    )
+    parser.add_argument(
         "--plot",
         metavar="PNG",
-        help="with --compare-baseline: where to draw both runs' loss and step time "
-        "(default: <recipe name>_gtp_vs_baseline.png here); the VERDICT line names it",
+        help="with --compare-baseline: where to draw both runs' loss, step time, exposed GTP "
+        "communication and memory (default: <log dir>/gtp_vs_baseline.png); the VERDICT line "
+        "names it",
     )
     return parser
+
+
+def default_log_dir(config: str) -> Path:
+    """``runs/<recipe name>``: where a run of ``config`` logs unless ``--log-dir`` says."""
+    return Path("runs", Path(config).stem)
+
+
+def fresh_tensorboard_dir(log_dir: Path) -> None:
+    """Remove the TensorBoard event files an earlier run left in ``log_dir`` (a new run's curve
+    would otherwise be merged with the old one's by step)."""
+    import shutil
+
+    from nemo_gtp.recipes.loader import TB_SUBDIR
+
+    shutil.rmtree(log_dir / TB_SUBDIR, ignore_errors=True)
 
 
 def check(config: str, overrides: list[str]) -> object:
@@ -128,7 +155,13 @@ def _median_ms(log: list[dict], skip: int) -> float:
     return times[len(times) // 2] if times else float("nan")
 
 
-def _compare(config: str, overrides: list[str], cfg: object, plot: str | None = None) -> int:
+def _compare(
+    config: str,
+    overrides: list[str],
+    cfg: object,
+    plot: str | None = None,
+    log_dir: str | None = None,
+) -> int:
     from nemo_gtp.recipes.launch import launch_fits
 
     strategy = cfg.strategy  # type: ignore[attr-defined]
@@ -142,11 +175,15 @@ def _compare(config: str, overrides: list[str], cfg: object, plot: str | None = 
         name += f"·EGTP{int(strategy.expert_num_weight_shards) // etp}"
     check(config, baseline)  # e.g. the baseline's global batch (DP x GTP ranks are the same)
     runs = {f"{name})": overrides, f"baseline (TP{tp}, no GTP)": baseline}
+    root = Path(log_dir) if log_dir else default_log_dir(config)
+    dirs = dict(zip(runs, (root / "gtp", root / "baseline"), strict=True))
+    for directory in dirs.values():
+        fresh_tensorboard_dir(directory)
     start = time.perf_counter()
     for name, args in runs.items():
         print(f"=== {name}: {PROG} {config} {' '.join(args)}", flush=True)
     try:
-        logs = launch_fits(config, runs)
+        logs = launch_fits(config, runs, log_dirs={n: str(d) for n, d in dirs.items()})
     except RuntimeError as err:
         print(f"training failed: {err}", flush=True)
         print("VERDICT: GTP did not match the baseline (training failed)", flush=True)
@@ -171,41 +208,23 @@ def _compare(config: str, overrides: list[str], cfg: object, plot: str | None = 
         )
     precision = str(cfg.get("precision", "32"))  # type: ignore[attr-defined]
     ok, line = verdict(logs[names[0]], logs[names[1]], precision)
-    png = Path(plot or f"{Path(config).stem}_gtp_vs_baseline.png").absolute()
-    line += f"; plot: {png}" if plot_losses(logs, png) else "; plot skipped (no matplotlib)"
+    png = Path(plot or root / "gtp_vs_baseline.png").absolute()
+    gtp_dir, base_dir = dirs.values()
+    print(f"\nTensorBoard logs: {gtp_dir} and {base_dir}", flush=True)
+    print(f"report: python -m nemo_gtp.report {gtp_dir} {base_dir} -o {png}", flush=True)
+    try:
+        from nemo_gtp.report import report
+
+        _, summary = report([gtp_dir, base_dir], png)
+        print(summary, flush=True)
+        line += f"; plot: {png}"
+    except ImportError:  # matplotlib is optional (the test extra)
+        line += "; plot skipped (no matplotlib)"
+    except FileNotFoundError as err:  # no TensorBoard events: the verdict still stands
+        print(err, flush=True)
+        line += "; plot skipped (no TensorBoard logs)"
     print(line, flush=True)
     return 0 if ok else 1
-
-
-def plot_losses(logs: dict[str, list[dict]], png: Path) -> bool:
-    """Loss and step time per step of every run in ``logs``, side by side, into ``png``.
-
-    Returns False (nothing written) when matplotlib is not installed.
-
-    Example::
-
-        plot_losses({"GTP": gtp_log, "baseline": base_log}, Path("compare.png"))
-    """
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (losses, times) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, records in logs.items():
-        steps = [r["step"] for r in records]
-        losses.plot(steps, [r["loss"] for r in records], label=name)
-        times.plot(steps, [r["ms"] for r in records], label=name)
-    losses.set(xlabel="step", ylabel="loss", title="loss")
-    times.set(xlabel="step", ylabel="ms", title="step time (rank 0)")
-    losses.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     if args.compare_baseline:
         try:
-            return _compare(args.config, args.overrides, cfg, args.plot)
+            return _compare(args.config, args.overrides, cfg, args.plot, args.log_dir)
         except RecipeError as err:
             print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
             return 2
@@ -241,7 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.loss_log:
         callbacks.append(LossLog(args.loss_log))
-    build_fit(cfg, callbacks=callbacks).run()  # type: ignore[arg-type]
+    log_dir = Path(args.log_dir) if args.log_dir else default_log_dir(args.config)
+    resumes = cfg.get("resume") is not None  # type: ignore[attr-defined]
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if rank0 and not resumes:  # a resumed run continues its curve
+        fresh_tensorboard_dir(log_dir)
+    fit = build_fit(cfg, callbacks=callbacks, log_dir=str(log_dir))  # type: ignore[arg-type]
+    fit.run()
+    if fit.trainer.global_rank == 0:
+        print(f"TensorBoard logs: {log_dir}; plot: python -m nemo_gtp.report {log_dir}")
     return 0
 
 

@@ -155,6 +155,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcom
     cases.append(("behaviour", _behaviour_worker, ()))
     cases.append(("units", _units_worker, ()))
     cases.append(("recompute", _recompute_worker, ()))
+    cases.append(("forward_only", _forward_only_worker, ()))
     return run_cases(cases, 2, tmp_path_factory.mktemp("engine_linear"))
 
 
@@ -299,6 +300,68 @@ def _units_worker(rank: int, world: int) -> None:
 
 def test_coalescing_units(two_ranks: dict[str, list[Outcome]]) -> None:
     case_values(two_ranks["units"])
+
+
+def _forward_only_worker(rank: int, world: int) -> None:
+    """Evaluation passes (no backward) before, between and after training steps."""
+    groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
+    reference = _mlp(0)
+    model = copy.deepcopy(reference)
+    runtime = _shard_mlp(model, groups, GTPConfig(pad_for_alignment=4))
+    nothing = {"gathers": 0, "reduce_scatters": 0}
+
+    def evaluate(mode) -> None:  # noqa: ANN001
+        trace = runtime.enable_trace()
+        x = torch.randn(4, 16)
+        with mode():
+            out, ref = model(x), reference(x)
+        assert torch.allclose(out, ref, rtol=1e-6, atol=1e-7)
+        # forward gathers only, each released by its GEMM: nothing outstanding without a drain
+        assert runtime.outstanding() == nothing, runtime.outstanding()
+        assert {d for e, _, d in trace if e.startswith("ag_issue")} == {"fwd"}, trace
+        assert not [e for e, _, _ in trace if e.startswith("rs") or e == "finalize"], trace
+        runtime.trace = None
+
+    def train_step() -> None:
+        x, target = torch.randn(8, 16), torch.randn(8, 16)
+        for net in (reference, model):
+            torch.nn.functional.mse_loss(net(x), target).backward()
+        runtime.drain()
+        with torch.no_grad():
+            for ref_p, p in zip(reference.parameters(), model.parameters()):
+                dist.all_reduce(ref_p.grad)
+                ref_p.grad /= world
+                if hasattr(p, "gtp_spec"):  # the GTP mean of the shard's gradient
+                    full = torch.empty(p.gtp_spec.gathered_shape)
+                    dist.all_gather_into_tensor(full, p.grad.contiguous(), group=groups.gtp)
+                    grad = p.gtp_spec.unpad(full)
+                else:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+                    grad = p.grad
+                assert torch.allclose(grad, ref_p.grad, rtol=1e-5, atol=1e-7)
+                ref_p -= 0.1 * ref_p.grad
+                p -= 0.1 * p.grad
+                ref_p.grad = p.grad = None
+
+    torch.manual_seed(7 + rank)
+    # The very first gathers run under inference mode (trainer.validate before any fit, NCCL):
+    # the buffers they allocate are later written by training, outside it.
+    evaluate(torch.inference_mode)
+    evaluate(torch.no_grad)  # the order is committed by now: prefetching forward passes
+    for _ in range(2):
+        train_step()
+        evaluate(torch.inference_mode)
+        evaluate(torch.no_grad)
+    train_step()
+    assert runtime.stats.fallback_allocations == 0
+
+
+def test_forward_only_passes_leave_nothing_behind(two_ranks: dict[str, list[Outcome]]) -> None:
+    """Evaluation forwards (inference mode, no_grad) before and between training steps: outputs
+    and the following steps' gradients match the unsharded model; no reduce-scatter, no
+    backward gather and nothing outstanding after each pass."""
+    case_values(two_ranks["forward_only"])
 
 
 def test_flight_recorder_quieted_only_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,8 +38,10 @@ def test_every_recipe_loads_and_keeps_gtp_constraints(path: Path) -> None:
 
 def test_main_job_gtp_matches_baseline_in_one_launch(tmp_path: Path) -> None:
     """The README's main command, shortened to 5 steps: both fits run and agree to 1e-5; the
-    VERDICT line ends the output and names the plot it drew."""
+    VERDICT line ends the output and names the plot it drew from the runs' TensorBoard logs
+    (NeMo's NeMoLogger), which hold loss, step time, exposed GTP communication and memory."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    logs = tmp_path / "logs"
     result = subprocess.run(
         [
             sys.executable,
@@ -48,6 +50,8 @@ def test_main_job_gtp_matches_baseline_in_one_launch(tmp_path: Path) -> None:
             TINY,
             "trainer.max_steps=5",
             "--compare-baseline",
+            "--log-dir",
+            str(logs),
             "--plot",
             str(tmp_path / "main_job.png"),
         ],
@@ -72,7 +76,45 @@ def test_main_job_gtp_matches_baseline_in_one_launch(tmp_path: Path) -> None:
         verdict,
     ), verdict
     png = Path(verdict.rsplit("plot: ", 1)[1])
-    assert png.is_file() and png.stat().st_size > 10_000, png  # loss and step time drawn
+    assert png.is_file() and png.stat().st_size > 10_000, png  # four panels drawn
+    report_line = f"report: python -m nemo_gtp.report {logs / 'gtp'} {logs / 'baseline'} -o {png}"
+    assert report_line in result.stdout
+    _check_report_of_main_job(logs, rows, tmp_path)
+
+
+def _check_report_of_main_job(logs: Path, rows: list[tuple[str, ...]], tmp_path: Path) -> None:
+    """What ``nemo_gtp.report`` reads back from the main job's TensorBoard logs."""
+    from nemo_gtp import report
+
+    gtp, base = report.read_run(logs / "gtp"), report.read_run(logs / "baseline")
+    # Lightning logs the metrics of the n-th optimizer step (the table's step n) at step n - 1
+    steps = [int(r[0]) - 1 for r in rows]
+    for run, column in ((gtp, 1), (base, 2)):
+        loss = run.series(*report.LOSS)
+        assert [s for s, _ in loss] == steps, run.scalars.keys()
+        # the printed table and the logged loss: the same numbers (printed with 5 decimals)
+        assert [round(v, 5) for _, v in loss] == [float(r[column]) for r in rows]
+        for tags in (report.STEP_TIME, report.MEMORY, report.MODEL_STATE):
+            series = run.series(*tags)
+            assert [s for s, _ in series] == steps, (run.name, tags)
+            assert all(v > 0 for _, v in series)
+    exposed = gtp.series(*report.EXPOSED_COMM)
+    assert [s for s, _ in exposed] == steps and not base.series(*report.EXPOSED_COMM)
+    assert gtp.series("gtp/gather_bytes")[-1][1] > 0
+    # GTP2 (optimizer sharded over DP2) holds less than its baseline (optimizer over DP4): the
+    # linear weights and their gradients are halved
+    assert gtp.series(*report.MODEL_STATE)[-1][1] < 0.8 * base.series(*report.MODEL_STATE)[-1][1]
+    png = tmp_path / "report.png"
+    assert report.main([str(logs / "gtp"), str(logs / "baseline"), "-o", str(png)]) == 0
+    assert png.is_file() and png.stat().st_size > 10_000
+    line = report.summary([gtp, base])
+    assert re.fullmatch(
+        r"gtp vs baseline: median step time [\d.]+ / [\d.]+ ms = [\d.]+; max rel loss diff "
+        rf"\S+ over {len(steps)} common steps",
+        line,
+    ), line
+    assert report.max_rel_loss_diff(gtp, base)[0] <= 1e-5
+    assert report.main([str(tmp_path / "nothing_here")]) == 2  # a clear error, no traceback
 
 
 def test_progress_line_times_gtp_waits_only_on_printed_steps() -> None:

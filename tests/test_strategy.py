@@ -23,6 +23,7 @@ from nemo_gtp.testing.strategy_harness import (
     GBS,
     MBS,
     STEPS,
+    VAL_BATCHES,
     Fit,
     shared_launch,
 )
@@ -59,11 +60,22 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
     return {fit.name: results[fit.name] for fit in TWO_RANK_FITS}
 
 
+# The TP1 pair also validates in the fit (a sanity check, then every VAL_EVERY steps), then
+# validates and tests after it on the same trainer; the GTP run saves its final state, which
+# fresh trainers that never ran fit validate and test (GTP and plain); two more validate a
+# freshly built model without any checkpoint.
+VAL_EVERY = 4
+EVAL = dict(val_every=VAL_EVERY, sanity_val_steps=1, evaluate_after=True)
 FOUR_RANK_FITS = [
-    Fit("base_tp1_dp4"),
-    Fit("tp1_gtp2_dp2", gtp=2),
+    Fit("base_tp1_dp4", **EVAL),
+    Fit("tp1_gtp2_dp2", gtp=2, save_to="tp1_gtp2_dp2_saved", **EVAL),
     Fit("base_tp2_dp2", tp=2),
     Fit("tp2_gtp2", tp=2, gtp=2),
+    Fit("gtp_validate_fresh", gtp=2, entry="validate", resume_from="tp1_gtp2_dp2_saved"),
+    Fit("gtp_test_fresh", gtp=2, entry="test", resume_from="tp1_gtp2_dp2_saved"),
+    Fit("base_validate_fresh", entry="validate", resume_from="tp1_gtp2_dp2_saved"),
+    Fit("gtp_validate_init", gtp=2, entry="validate"),
+    Fit("base_validate_init", entry="validate"),
 ]
 shared_launch(4).add(FOUR_RANK_FITS)  # one 4-rank spawn with test_strategy_checkpoint's first
 
@@ -128,6 +140,84 @@ def test_parity_tp1_gtp2_dp2(four_ranks: dict) -> None:
 
 def test_parity_tp2_gtp2(four_ranks: dict) -> None:
     _assert_parity(four_ranks["tp2_gtp2"], four_ranks["base_tp2_dp2"])
+
+
+# ------------------------------------------------------------------------------ evaluation
+def _close(x: float, y: float, what: str, tol: float = TOL) -> float:
+    err = abs(x - y) / abs(y)
+    assert err <= tol, f"{what}: {x} vs {y} ({err:.2e})"
+    return err
+
+
+NOTHING_OUTSTANDING = [{"gathers": 0, "reduce_scatters": 0}]
+
+
+def test_validation_in_fit_matches_baseline(four_ranks: dict) -> None:
+    """A sanity check and a validation every VAL_EVERY steps during the fit: every validation
+    step's loss, each logged ``val_loss`` and the training curve match the DP4 run; no gather or
+    reduce-scatter is outstanding when a validation ends or the next training step starts."""
+    worst = 0.0
+    for gtp, base in zip(four_ranks["tp1_gtp2_dp2"], four_ranks["base_tp1_dp4"], strict=True):
+        for kind in ("sanity", "val"):
+            assert len(gtp["eval_steps"][kind]) == len(base["eval_steps"][kind])
+        assert len(gtp["eval_steps"]["sanity"]) == 1
+        # every VAL_EVERY steps of the fit (none at max_steps), then trainer.validate after it
+        assert [s for s, _ in gtp["val_loss"]] == [VAL_EVERY, 2 * VAL_EVERY, STEPS]
+        # (one microbatch per step here: NeMo multiplies limit_val_batches by the microbatches
+        # at every setup, so a second run on the same trainer validates more steps otherwise)
+        assert len(gtp["eval_steps"]["val"]) == VAL_BATCHES * len(gtp["val_loss"])
+        for kind in ("sanity", "val"):
+            pairs = zip(gtp["eval_steps"][kind], base["eval_steps"][kind], strict=True)
+            for (step, x), (bstep, y) in pairs:
+                assert step == bstep
+                worst = max(worst, _close(x, y, f"{kind} step at {step}"))
+        for (step, x), (_, y) in zip(gtp["val_loss"], base["val_loss"], strict=True):
+            worst = max(worst, _close(x, y, f"val_loss at step {step}"))
+        # NeMo's val_loss reached the trainer's logger (at Lightning's logging step)
+        assert [v for _, v in gtp["logged_val_loss"]] == [v for _, v in gtp["val_loss"]]
+        assert [s for s, _ in gtp["logged_val_loss"]] == [s for s, _ in base["logged_val_loss"]]
+        # the sanity check, 2 validations in the fit, then validate and test after it; a
+        # training step follows the first three
+        assert gtp["outstanding_at_eval_end"] == [NOTHING_OUTSTANDING] * 5
+        assert gtp["outstanding_at_next_step"] == [NOTHING_OUTSTANDING] * 3
+    _assert_parity(four_ranks["tp1_gtp2_dp2"], four_ranks["base_tp1_dp4"])
+    print(f"[validation parity] in fit: max rel err {worst:.2e}")
+
+
+def test_validate_and_test_after_fit(four_ranks: dict) -> None:
+    """``trainer.validate`` and ``trainer.test`` on the trainer that just ran fit match DP4."""
+    for gtp, base in zip(four_ranks["tp1_gtp2_dp2"], four_ranks["base_tp1_dp4"], strict=True):
+        _close(gtp["validate_after"], base["validate_after"], "validate after fit")
+        assert len(gtp["eval_steps"]["test"]) == VAL_BATCHES
+        pairs = zip(gtp["eval_steps"]["test"], base["eval_steps"]["test"], strict=True)
+        for (_, x), (_, y) in pairs:
+            _close(x, y, "test step after fit")
+        assert gtp["leftovers_after"] == NOTHING_OUTSTANDING
+
+
+def test_validate_and_test_on_a_fresh_trainer(four_ranks: dict) -> None:
+    """A trainer and model that never ran fit: ``trainer.validate(ckpt_path=...)`` of the GTP
+    run's saved state gives the loss that run's own ``trainer.validate`` gave, under GTP and
+    under plain MegatronStrategy; ``trainer.test`` likewise; and a freshly initialized model
+    validates to the same loss with and without GTP."""
+    reference = four_ranks["tp1_gtp2_dp2"]
+    for name in ("gtp_validate_fresh", "base_validate_fresh"):
+        for rank, ref in zip(four_ranks[name], reference, strict=True):
+            _close(rank["returned"][0]["val_loss"], ref["validate_after"], name)
+            assert len(rank["eval_steps"]["val"]) == VAL_BATCHES
+    for rank, ref in zip(four_ranks["gtp_test_fresh"], reference, strict=True):
+        pairs = zip(rank["eval_steps"]["test"], ref["eval_steps"]["test"], strict=True)
+        for (_, x), (_, y) in pairs:
+            _close(x, y, "test step, fresh trainer")
+    for gtp, base in zip(
+        four_ranks["gtp_validate_init"], four_ranks["base_validate_init"], strict=True
+    ):
+        _close(gtp["returned"][0]["val_loss"], base["returned"][0]["val_loss"], "fresh model")
+    for name in ("gtp_validate_fresh", "gtp_test_fresh", "gtp_validate_init"):
+        for rank in four_ranks[name]:
+            assert rank["gtp_params"] == 8 and rank["leftovers_after"] == NOTHING_OUTSTANDING
+    walls = {name: f"{runs[0]['wall_s']:.1f} s" for name, runs in four_ranks.items()}
+    print(f"[evaluation] wall time per fit (rank 0): {walls}")
 
 
 def test_parity_bf16_shards_have_training_dtype(two_ranks: dict) -> None:
@@ -236,7 +326,9 @@ def test_metrics_callback(two_ranks: dict) -> None:
         assert 0.0 < m["gtp/exposed_comm_fraction"] <= 1.0
         for kind in ("weight", "grad", "optimizer"):
             assert 0 < m[f"gtp/{kind}_bytes"] < m[f"gtp/unsharded_{kind}_bytes"]
-        assert rank["logged_metric_steps"] == list(range(1, STEPS + 1))
+        # through Lightning's logging: every step, at the steps NeMo's loss is logged at
+        assert rank["logged_metric_steps"] == rank["logged_loss_steps"]
+        assert len(rank["logged_metric_steps"]) == STEPS
 
 
 # ------------------------------------------------------------------------------ in process
@@ -317,17 +409,6 @@ def test_ddp_config_rechecked_before_wrap(nemo_env: Any) -> None:
     strategy.ddp_config.average_in_collective = True  # e.g. a callback edited it after __init__
     with pytest.raises(ValueError, match="average_in_collective"):
         strategy.init_model_parallel()
-
-
-def test_non_fit_entry_points_rejected(nemo_env: Any) -> None:
-    from lightning.pytorch.trainer.states import TrainerFn
-
-    strategy = nemo_env.Strategy(num_weight_shards=2)
-    trainer = types.SimpleNamespace(
-        state=types.SimpleNamespace(fn=TrainerFn.VALIDATING), callbacks=[]
-    )
-    with pytest.raises(NotImplementedError, match=r"trainer.validate\(\) with GTP"):
-        strategy.setup(trainer)
 
 
 def test_world_size_checked_before_collectives(nemo_env: Any) -> None:

@@ -76,7 +76,10 @@ class GTPWeightCache:
         if slot is None:
             slot = self._slots[key] = CacheSlot(key)
         if slot.buffer is None:
-            slot.buffer = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+            # Never an inference tensor, even when the first gather runs under
+            # torch.inference_mode (trainer.validate / test on NCCL): training writes into it next.
+            with torch.inference_mode(False):
+                slot.buffer = torch.empty(key.shape, dtype=key.dtype, device=key.device)
             self.allocations += 1
         return slot
 

@@ -473,10 +473,12 @@ class GTPRuntime:
 
     def _issue(self, param: GTPShardedParam, slot: GatherSlot, *, async_op: bool) -> bool:
         if self.gather_backend is None:
-            self._resolve_gather_backend(param.device)
+            with torch.inference_mode(False):  # the copy-engine mirror's buffers, likewise
+                self._resolve_gather_backend(param.device)
         cache = slot.cache
         if cache is None or cache.buffer is None:
-            self._bind(param, slot)
+            with torch.inference_mode(False):  # the cached views outlive an evaluation loop
+                self._bind(param, slot)
             cache = slot.cache
         if cache.try_acquire(slot):
             buffer, full = cache.buffer, slot.cache_full
@@ -527,7 +529,8 @@ class GTPRuntime:
         if its cache slot is held); the others are prefetches, skipped when their buffer is held.
         """
         if self.gather_backend is None:
-            self._resolve_gather_backend(self.params[unit[0].index].device)
+            with torch.inference_mode(False):  # as in _issue
+                self._resolve_gather_backend(self.params[unit[0].index].device)
         if self._use_mirror:  # copy-engine pulls are per weight anyway
             for slot in unit:
                 if slot.state is _NONE:
@@ -543,7 +546,8 @@ class GTPRuntime:
             param = self.params[slot.index]
             cache = slot.cache
             if cache is None or cache.buffer is None:
-                self._bind(param, slot)
+                with torch.inference_mode(False):  # as in _issue
+                    self._bind(param, slot)
                 cache = slot.cache
             if cache.try_acquire(slot):
                 members.append(slot)
@@ -819,6 +823,22 @@ class GTPRuntime:
             self._mirror.mark_stale()
 
     # ----------------------------------------------------------------- introspection
+    def outstanding(self) -> dict[str, int]:
+        """What a :meth:`drain` would still complete: ``gathers`` issued or held (either
+        direction) and ``reduce_scatters`` not finalized; both 0 when nothing is in flight.
+
+        Example::
+
+            runtime.drain()
+            assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
+        """
+        gathers = reduce_scatters = 0
+        for param in self.params:
+            state = param.gtp_state
+            gathers += (state.fwd.state is not _NONE) + (state.bwd.state is not _NONE)
+            reduce_scatters += state.rs.state is not ReduceScatterState.NONE
+        return {"gathers": gathers, "reduce_scatters": reduce_scatters}
+
     def enable_trace(self) -> list[tuple[str, str, str]]:
         """Start recording ``(event, param name, direction)`` tuples; returns the list."""
         self.trace = []

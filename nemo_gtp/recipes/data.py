@@ -8,8 +8,12 @@
     mask". The subclass passes both by keyword. ``MockDataModule`` also keeps no data position
     in checkpoints, so a resumed fit restarts at sample 0; the subclass saves and restores the
     consumed-sample count with NeMo's ``PreTrainingDataModule`` methods, so a resumed run sees
-    exactly the samples the uninterrupted run would have. Everything else is
-    ``MockDataModule``'s.
+    exactly the samples the uninterrupted run would have. ``MockDataModule``'s loaders also
+    carry no mode, so NeMo's sampler started validation and test at the *training* position
+    (a restored consumed-sample count moved the validation samples: ``trainer.validate`` from a
+    checkpoint saw other samples than the same weights validated in the fit); the subclass's
+    loaders say ``validation`` / ``test``, as NeMo's pre-training data module's do, so every
+    evaluation starts at sample 0 of its split. Everything else is ``MockDataModule``'s.
 ``ArithmeticGPTDataModule``
     A learnable synthetic dataset, so a demo's loss visibly goes down (random tokens cannot).
     Sample ``i`` is an arithmetic token sequence ``(start + stride * t) mod V`` with ``start``
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 from nemo.collections.llm.gpt.data.mock import MockDataModule, _MockGPTDataset
 from nemo.collections.llm.gpt.data.pre_training import PreTrainingDataModule
+from nemo.lightning.data import WrappedDataLoader
 
 __all__ = ["ArithmeticGPTDataModule", "SyntheticGPTDataModule"]
 
@@ -47,12 +52,38 @@ class SyntheticGPTDataModule(MockDataModule):
         self.seed = seed
         self.init_global_step = 0
 
-    def _create_dataloader(self, dataset: Any, **kwargs: Any) -> Any:
+    def _create_dataloader(self, dataset: Any, mode: str = "train", **kwargs: Any) -> Any:
         # The step this fit's data stream starts at (after any restore): consumed samples are
         # counted from here on top of the restored count.
         self.init_global_step = self.trainer.global_step
         self.data_sampler.init_global_step = self.init_global_step
-        return super()._create_dataloader(dataset, **kwargs)
+        return WrappedDataLoader(  # the mode tells NeMo's sampler where the split starts
+            mode=mode,
+            dataset=dataset,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+            collate_fn=dataset.collate_fn,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> Any:
+        """The training split, from the consumed-sample position."""
+        if not hasattr(self, "_train_ds"):
+            self.setup()
+        return self._create_dataloader(self._train_ds, mode="train")
+
+    def val_dataloader(self) -> Any:
+        """The validation split, from its first sample at every evaluation."""
+        if not hasattr(self, "_validation_ds"):
+            self.setup()
+        return self._create_dataloader(self._validation_ds, mode="validation")
+
+    def test_dataloader(self) -> Any:
+        """The test split, from its first sample."""
+        if not hasattr(self, "_test_ds"):
+            self.setup()
+        return self._create_dataloader(self._test_ds, mode="test")
 
     # The consumed-sample position in checkpoints, exactly as NeMo's pre-training data module
     # keeps it (both read ``data_sampler``, ``trainer`` and ``init_global_step``).

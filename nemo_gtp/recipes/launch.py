@@ -67,13 +67,18 @@ def _world_size(config: str, overrides: list[str]) -> int:
 
 
 def launch_fits(
-    config: str, runs: dict[str, list[str]], *, stderr_tail: int = 4000
+    config: str,
+    runs: dict[str, list[str]],
+    *,
+    log_dirs: dict[str, str] | None = None,
+    stderr_tail: int = 4000,
 ) -> dict[str, list[dict]]:
     """Run ``config`` once per entry of ``runs`` (name -> overrides) in one launch.
 
     Every run must need the same number of processes. Returns rank 0's per-step loss log of
-    each run (see :class:`nemo_gtp.recipes.loader.LossLog`). Raises ``RuntimeError`` with the
-    failing rank's stderr tail when a rank exits non-zero.
+    each run (see :class:`nemo_gtp.recipes.loader.LossLog`). ``log_dirs`` (name -> directory):
+    each run logs there as ``build_fit(..., log_dir=...)`` does (TensorBoard). Raises
+    ``RuntimeError`` with the failing rank's stderr tail when a rank exits non-zero.
     """
     worlds = {name: _world_size(config, args) for name, args in runs.items()}
     if len(set(worlds.values())) != 1:
@@ -83,7 +88,8 @@ def launch_fits(
     world = next(iter(worlds.values()))
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
-        spec.write_text(json.dumps({"config": config, "runs": runs, "dir": tmp}))
+        dirs = [(log_dirs or {}).get(name) for name in runs]
+        spec.write_text(json.dumps({"config": config, "runs": runs, "dir": tmp, "logs": dirs}))
         procs = []
         for rank in range(world):
             env = {
@@ -137,7 +143,8 @@ def _rank_main(spec_path: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     for i, args in enumerate(spec["runs"].values()):
         cfg = load_recipe(spec["config"], args)
-        fit = build_fit(cfg, callbacks=[LossLog(str(Path(spec["dir"], f"{i}.jsonl")))])
+        loss_log = LossLog(str(Path(spec["dir"], f"{i}.jsonl")))
+        fit = build_fit(cfg, callbacks=[loss_log], log_dir=spec["logs"][i])
         fit.trainer.strategy.store = dist.FileStore(str(Path(spec["dir"], f"store{i}")), world)
         try:
             fit.run()

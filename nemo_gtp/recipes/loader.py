@@ -9,7 +9,10 @@ as NeMo does), ``data``, ``optim`` (megatron ``OptimizerConfig``), ``precision``
 ``cpu_compat``; optionally ``checkpoint`` (``dir``, ``every_n_train_steps``: NeMo
 ``ModelCheckpoint`` saves, each a ``<dir>/step=N/`` torch_dist checkpoint) and ``resume`` (a
 checkpoint directory to continue from with ``trainer.fit(ckpt_path=...)``, at this recipe's
-layout, whatever layout saved it).
+layout, whatever layout saved it). ``build_fit(..., log_dir=DIR)`` logs through NeMo's
+``nl.NeMoLogger`` with its TensorBoard logger into ``DIR/tb_logs`` (``TB_SUBDIR``): loss, and
+:class:`~nemo_gtp.strategy.GTPMetricsCallback`'s step time, memory and GTP metrics, which
+``python -m nemo_gtp.report DIR`` draws.
 
 Example::
 
@@ -32,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_gtp.recipes.config import load_recipe  # noqa: F401  (re-exported)
 from nemo_gtp.recipes.validate import ACTIVATIONS, validate_recipe
 
+TB_SUBDIR = "tb_logs"  # TensorBoard event files under a run's log directory
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -53,8 +57,14 @@ def _plain(section: Any) -> dict[str, Any]:
     return dict(OmegaConf.to_container(section, resolve=True)) if section is not None else {}
 
 
-def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
-    """Build trainer, GPT model and data module from a loaded recipe (checked first)."""
+def build_fit(
+    cfg: DictConfig, callbacks: list[Any] | None = None, log_dir: str | None = None
+) -> Fit:
+    """Build trainer, GPT model and data module from a loaded recipe (checked first).
+
+    ``log_dir``: log as NeMo's recipes do (``nl.NeMoLogger`` with a TensorBoard logger, see
+    :func:`setup_nemo_logger`), with :class:`GTPMetricsCallback` added.
+    """
     validate_recipe(cfg)  # raises RecipeError naming the key; cheap, no collective
     if cfg.get("cpu_compat", False):
         from nemo_gtp.testing.cpu_compat import enable_cpu_compat
@@ -69,7 +79,7 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
 
     from nemo_gtp.engine import GTPConfig
     from nemo_gtp.recipes.data import ArithmeticGPTDataModule, SyntheticGPTDataModule
-    from nemo_gtp.strategy import GTPDrainCallback, GTPMegatronStrategy
+    from nemo_gtp.strategy import GTPDrainCallback, GTPMegatronStrategy, GTPMetricsCallback
 
     data_cfg = _plain(cfg.data)
     vocab = data_cfg.pop("vocab_size")
@@ -105,6 +115,8 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
     )
     trainer_kwargs = _plain(cfg.trainer)
     callbacks = [GTPDrainCallback(), *(callbacks or [])]
+    if log_dir is not None:
+        callbacks.append(GTPMetricsCallback())
     if cfg.get("checkpoint"):
         callbacks.append(_model_checkpoint(_plain(cfg.checkpoint)))
         trainer_kwargs["enable_checkpointing"] = True
@@ -112,7 +124,29 @@ def build_fit(cfg: DictConfig, callbacks: list[Any] | None = None) -> Fit:
     if cfg.get("precision", "32") == "bf16-mixed":
         plugins.append(nl.MegatronMixedPrecision(precision="bf16-mixed"))
     trainer = nl.Trainer(strategy=strategy, plugins=plugins, callbacks=callbacks, **trainer_kwargs)
+    if log_dir is not None:
+        setup_nemo_logger(trainer, log_dir)
     return Fit(trainer, model, data, ckpt_path=cfg.get("resume"))
+
+
+def setup_nemo_logger(trainer: Any, log_dir: str) -> Any:
+    """Log ``trainer``'s run as NeMo's recipes do: ``nl.NeMoLogger`` with a TensorBoard logger,
+    event files in ``<log_dir>/tb_logs`` (rank 0), NeMo's per-rank text logs in ``log_dir``.
+
+    Call before the fit, on every rank (``llm.train`` does the same). Returns the logger.
+    Example::
+
+        setup_nemo_logger(trainer, "runs/tiny_cpu/gtp")   # then trainer.fit(...)
+    """
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from nemo import lightning as nl
+
+    logger = nl.NeMoLogger(
+        explicit_log_dir=log_dir,
+        tensorboard=TensorBoardLogger(save_dir=TB_SUBDIR, name="", version=""),
+    )
+    logger.setup(trainer)
+    return logger
 
 
 def resolve_activation(name: str) -> Any:

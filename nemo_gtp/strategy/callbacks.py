@@ -1,5 +1,10 @@
 """Lightning callbacks for GTP runs: drain GTP communication at boundaries, log GTP metrics.
 
+The metrics go through Lightning's ``LightningModule.log``, as NeMo's own loss does: at the same
+step and ``log_every_n_steps``, to every logger of the trainer (the TensorBoard logger NeMo's
+``nl.NeMoLogger(tensorboard=...)`` installs, Lightning's default logger, or any other);
+``python -m nemo_gtp.report`` draws them from TensorBoard event files.
+
 Both find the model's :class:`GTPRuntime` objects through :func:`gtp_runtimes` (the strategy's
 list when it is a ``GTPMegatronStrategy``, else a walk over the module's parameters).
 """
@@ -11,6 +16,7 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from nemo_gtp.engine import GTPRuntime, runtimes_of
@@ -28,6 +34,22 @@ def gtp_runtimes(trainer: pl.Trainer) -> list[GTPRuntime]:
     return runtimes_of(model) if model is not None else []
 
 
+def process_memory_metrics() -> dict[str, float]:
+    """This process's memory now, in GiB: ``train/memory_allocated_gib`` and
+    ``train/peak_memory_gib`` (CUDA caching allocator: allocated now, and the peak since the last
+    ``torch.cuda.reset_peak_memory_stats``), else ``train/rss_gib`` (resident set, CPU runs)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {
+            "train/memory_allocated_gib": torch.cuda.memory_allocated() / 2**30,
+            "train/peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+    try:
+        import psutil
+    except ImportError:  # optional: the metric is left out
+        return {}
+    return {"train/rss_gib": psutil.Process().memory_info().rss / 2**30}
+
+
 def drain_all(trainer: pl.Trainer) -> None:
     """Complete every in-flight GTP gather / reduce-scatter (the §3.1 fence)."""
     for runtime in gtp_runtimes(trainer):
@@ -35,7 +57,7 @@ def drain_all(trainer: pl.Trainer) -> None:
 
 
 class GTPDrainCallback(pl.Callback):
-    """Drain every GTP runtime before checkpoint save, validation, fit end and on exception.
+    """Drain every GTP runtime before checkpoint save, evaluation, fit end and on exception.
 
     After a drain no GTP collective is in flight and every GTP ``main_grad`` is final, so a
     checkpoint never captures a half-reduced gradient, an evaluation loop never consumes a
@@ -55,6 +77,12 @@ class GTPDrainCallback(pl.Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         drain_all(trainer)
 
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        drain_all(trainer)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        drain_all(trainer)
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         drain_all(trainer)
 
@@ -70,7 +98,10 @@ class GTPDrainCallback(pl.Callback):
 class GTPMetricsCallback(pl.Callback):
     """Log GTP communication and memory to the trainer's loggers every training step.
 
-    Per step (counters reset at each step start): ``gtp/gather_bytes``,
+    Every run, GTP or not (the baseline a GTP run is compared with logs them too):
+    ``train/step_s`` (wall time of the step), ``train/model_state_gib`` (weights + gradient
+    buffers + optimizer state of this rank) and :func:`process_memory_metrics`.
+    GTP runs, per step (counters reset at each step start): ``gtp/gather_bytes``,
     ``gtp/reduce_scatter_bytes``, ``gtp/gathers``, ``gtp/prefetches``, ``gtp/prefetch_skipped``,
     ``gtp/exposed_gather_s`` / ``gtp/exposed_reduce_scatter_s`` / ``gtp/exposed_comm_s`` (how
     long the compute stream stalled on GTP collectives: CUDA events on GPU, host time on CPU),
@@ -106,11 +137,16 @@ class GTPMetricsCallback(pl.Callback):
         batch_idx: int,
     ) -> None:
         runtimes = gtp_runtimes(trainer)
-        if not runtimes:
-            return
         if self._footprint is None:  # after the first optimizer step: optimizer state exists
             self._footprint = memory_footprint(trainer.strategy.model, trainer.strategy.optimizers)
-        metrics: dict[str, float] = {}
+        footprint = self._footprint
+        state_bytes = footprint.weight_bytes + footprint.grad_bytes + footprint.optimizer_bytes
+        metrics: dict[str, float] = {"train/model_state_gib": state_bytes / 2**30}
+        metrics.update(process_memory_metrics())
+        if not runtimes:
+            metrics["train/step_s"] = self._step_seconds()
+            self._log(pl_module, metrics)
+            return
         for name in (
             "gather_bytes",
             "reduce_scatter_bytes",
@@ -123,16 +159,25 @@ class GTPMetricsCallback(pl.Callback):
         for runtime in runtimes:
             for kind, seconds in runtime.wait_timer.collect().items():
                 exposed[kind] = exposed.get(kind, 0.0) + seconds
-        step_s = time.perf_counter() - self._step_start  # after collect(): CUDA work is done
+        step_s = metrics["train/step_s"] = self._step_seconds()
         metrics["gtp/exposed_gather_s"] = exposed.get("gather", 0.0)
         metrics["gtp/exposed_reduce_scatter_s"] = exposed.get("reduce_scatter", 0.0)
         metrics["gtp/exposed_comm_s"] = sum(exposed.values())
         metrics["gtp/step_s"] = step_s
         metrics["gtp/exposed_comm_fraction"] = min(1.0, metrics["gtp/exposed_comm_s"] / step_s)
-        metrics.update(self._footprint.as_metrics())
+        metrics.update(footprint.as_metrics())
+        self._log(pl_module, metrics)
+
+    def _step_seconds(self) -> float:
+        # The step's GPU work included, the same way with and without GTP.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return time.perf_counter() - self._step_start
+
+    def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:
         self.last_metrics = metrics
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        # Each rank its own values (the loggers write rank 0's), not reduced across ranks.
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
 
 class GTPProgressBar(TQDMProgressBar):

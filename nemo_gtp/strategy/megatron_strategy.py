@@ -10,13 +10,18 @@ Hooks, in the order NeMo / Lightning run them:
 ===========================  =====================================================================
 ``__init__``                 validate every GTP-relevant argument (no collectives yet)
 ``connect``                  CUDA-graph warmup >= 2 on the model config (design §2.4)
-``setup_distributed``        NeMo's process groups, then the GTP groups (design §3.1); TE linears
-                             of the config's layer spec set to build as their shard
-``setup``                    NeMo's setup (fit only); adds :class:`GTPDrainCallback`; NeMo's
-                             telemetry configured as ``llm.train`` does (plain ``trainer.fit``)
+``setup_distributed``        NeMo's process groups, then the GTP groups (design §3.1; kept for a
+                             second run on the same trainer); TE linears of the config's layer
+                             spec set to build as their shard
+``setup``                    NeMo's setup; adds :class:`GTPDrainCallback`; fit: NeMo's
+                             telemetry configured as ``llm.train`` does (plain ``trainer.fit``);
+                             validate / test / predict: each GTP peer keeps its own shard across
+                             NeMo's parameter broadcast (:mod:`nemo_gtp.strategy.evaluation`)
 ``init_model_parallel``      precision conversion -> ``shard_model`` -> GTP-aware megatron DDP
-``setup_optimizers``         megatron optimizer over the GTP process groups (design §3.2)
+``setup_optimizers``         megatron optimizer over the GTP process groups (design §3.2); fit
+                             only (Lightning's rule; NeMo's setup builds one for every entry point)
 ``on_train_start``           GTP-aware ``finalize_model_grads``; the one-line config log (§2.3)
+``on_validation_end`` etc.   drain: no GTP communication of an evaluation loop outlives it
 ``save_checkpoint`` / load   GTP-aware sharded state dict, atomic ``torch_dist`` commit, layout-
                              independent optimizer format (:mod:`nemo_gtp.strategy.checkpoint_io`)
 ===========================  =====================================================================
@@ -33,6 +38,7 @@ import inspect
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads as megatron_finalize_model_grads
@@ -67,6 +73,7 @@ from nemo_gtp.strategy.cuda_graphs import (
     reject_cuda_graph_capture,
 )
 from nemo_gtp.strategy.ddp import gtp_ddp_class, nemo_ddp_class
+from nemo_gtp.strategy.evaluation import KeptShards, keep_shards
 from nemo_gtp.strategy.model_transform import convert_then_shard, shard_model_chunk
 from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
 from nemo_gtp.strategy.validation import (
@@ -192,6 +199,8 @@ class GTPMegatronStrategy(MegatronStrategy):
         self.gtp_groups: GTPGroups | None = None
         self.gtp_runtimes: list[GTPRuntime] = []
         self._gtp_pgs: ProcessGroupCollection | None = None
+        self._gtp_world: dist.ProcessGroup | None = None  # the default group gtp_groups live in
+        self._kept_shards: KeptShards | None = None
 
     def io_transform_args(self, init_fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Arguments NeMo's IOMixin records (``__io__``, checkpoint ``context/``), flattened.
@@ -263,6 +272,17 @@ class GTPMegatronStrategy(MegatronStrategy):
         super().setup_distributed()
         if dims is None:
             return
+        # A second run on this trainer (trainer.validate after trainer.fit) keeps the process
+        # groups, which the model's runtime is built on.
+        if self.gtp_groups is None or dist.group.WORLD is not self._gtp_world:
+            self._build_gtp_groups(dims)
+        # TE linears are built as their shard (design §3.1 "One init path"): the groups exist now
+        # and NeMo's configure_model, which builds the model from this config, runs next.
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "transformer_layer_spec"):
+            preshard_config_layer_spec(config, self.gtp_groups, self.gtp_config)
+
+    def _build_gtp_groups(self, dims: GTPParallelDims) -> None:
         if not parallel_state.model_parallel_is_initialized():
             # NeMo skips its model-parallel init when torch.distributed was initialized before
             # the trainer ran (e.g. a second fit in one process); the GTP grid is checked against
@@ -270,6 +290,7 @@ class GTPMegatronStrategy(MegatronStrategy):
             nemo_init_model_parallel(self.model)
         self.gtp_dims = dims
         self.gtp_groups = initialize_gtp_parallel(dims)  # also checks megatron's DP == DP x GTP
+        self._gtp_world = dist.group.WORLD
         self._gtp_pgs = gtp_process_groups(self.gtp_groups, self.gtp_config)
         app_state = AppState()
         if app_state.data_parallel_size != dims.data_parallel_size:
@@ -277,28 +298,26 @@ class GTPMegatronStrategy(MegatronStrategy):
                 f"NeMo AppState.data_parallel_size={app_state.data_parallel_size}, but GTP needs "
                 f"the data-parallel ranks to be DP x GTP = {dims.data_parallel_size}"
             )
-        # TE linears are built as their shard (design §3.1 "One init path"): the groups exist now
-        # and NeMo's configure_model, which builds the model from this config, runs next.
-        config = getattr(self.model, "config", None)
-        if config is not None and hasattr(config, "transformer_layer_spec"):
-            preshard_config_layer_spec(config, self.gtp_groups, self.gtp_config)
 
     # ------------------------------------------------------------------ model setup
     def setup(self, trainer: pl.Trainer) -> None:
-        """NeMo's setup; under GTP also make sure GTP communication is drained at boundaries."""
-        if self.gtp_enabled and trainer.state.fn != TrainerFn.FITTING:
-            # Outside fit, MegatronStrategy.setup broadcasts every parameter from data-parallel
-            # rank 0 over megatron's data-parallel group, which is DP x GTP here: it would
-            # overwrite every GTP peer's shard with rank 0's.
-            raise NotImplementedError(
-                f"trainer.{trainer.state.fn.value}() with GTP (num_weight_shards="
-                f"{self.num_weight_shards}) is not supported yet: validate inside trainer.fit, "
-                "or use num_weight_shards=tensor_model_parallel_size"
-            )
-        configure_nemo_telemetry(trainer)
+        """NeMo's setup; under GTP also make sure GTP communication is drained at boundaries.
+
+        Outside fit (``trainer.validate`` / ``test`` / ``predict``, on a fresh trainer or after
+        a fit) NeMo's setup does what fit does here too (GTP groups, model transform, runtime),
+        then broadcasts every parameter over megatron's data-parallel group, DP x GTP: each GTP
+        shard is kept across it and broadcast over the replicate group instead
+        (:mod:`nemo_gtp.strategy.evaluation`).
+        """
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            configure_nemo_telemetry(trainer)
         if self.gtp_enabled and not any(isinstance(c, GTPDrainCallback) for c in trainer.callbacks):
             trainer.callbacks.append(GTPDrainCallback())
         super().setup(trainer)
+        kept, self._kept_shards = self._kept_shards, None
+        if kept is not None:  # kept by init_model_parallel, when not fitting
+            kept.restore(self.gtp_groups.replicate)
 
     def init_model_parallel(self) -> None:
         """Precision conversion -> GTP sharding -> GTP-aware megatron DDP (NeMo's own wrap)."""
@@ -318,6 +337,9 @@ class GTPMegatronStrategy(MegatronStrategy):
         with nemo_ddp_class(gtp_ddp_class(self._gtp_pgs)):
             super().init_model_parallel()
         install_gtp_sharded_state_dict(mp, self.gtp_groups)
+        trainer = getattr(mp, "trainer", None)
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            self._kept_shards = keep_shards(mp)  # NeMo's setup broadcasts over DP x GTP next
 
     def _shard_chunk(self, chunk: Any) -> None:
         shard_model_chunk(chunk, self.gtp_groups, self.gtp_config)
@@ -326,9 +348,17 @@ class GTPMegatronStrategy(MegatronStrategy):
                 self.gtp_runtimes.append(runtime)
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """NeMo's optimizer setup with the GTP ``ProcessGroupCollection`` (design §3.2)."""
+        """NeMo's optimizer setup with the GTP ``ProcessGroupCollection`` (design §3.2); fit only.
+
+        Lightning builds optimizers only to fit; NeMo's setup builds them for every entry point,
+        which outside fit costs optimizer state for nothing and fails under ``trainer.test``
+        (NeMo wraps no DDP there, and megatron's ``get_megatron_optimizer`` reads the wrapper's
+        ``ddp_config``). Under GTP, validate / test / predict build none.
+        """
         if not self.gtp_enabled:
             super().setup_optimizers(trainer)
+            return
+        if trainer.state.fn != TrainerFn.FITTING:
             return
         with megatron_optimizer_pg_collection(self._gtp_pgs):
             super().setup_optimizers(trainer)
@@ -359,6 +389,26 @@ class GTPMegatronStrategy(MegatronStrategy):
             nemo_logging.info(note)
         if self.is_global_zero and self.gtp_runtimes:
             nemo_logging.info(gtp_banner(self.gtp_runtimes[0].config, self.gtp_dims))
+
+    # ------------------------------------------------------------------ evaluation
+    def _drain(self) -> None:
+        for runtime in self.gtp_runtimes:
+            runtime.drain()
+
+    def on_validation_end(self) -> None:
+        """Drain (the forward-only pass leaves no gather behind), then NeMo's (train mode)."""
+        self._drain()
+        super().on_validation_end()
+
+    def on_test_end(self) -> None:
+        """Drain, then NeMo's (train mode)."""
+        self._drain()
+        super().on_test_end()
+
+    def on_predict_end(self) -> None:
+        """Drain, then Lightning's."""
+        self._drain()
+        super().on_predict_end()
 
     # ------------------------------------------------------------------ checkpoints (§1.8, §3.3)
     @property

@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers.logger import Logger
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
+from nemo.collections.llm import GPTModel
 from nemo.lightning.io import track_io
 
 
@@ -42,6 +43,68 @@ class Recorder(pl.Callback):
             "logged_consumed_samples": float(trainer.callback_metrics["consumed_samples"]),
             "logged_global_batch_size": float(trainer.callback_metrics["global_batch_size"]),
             "global_step": trainer.global_step,
+        }
+
+
+class TestableGPTModel(GPTModel):
+    """NeMo's ``llm.GPTModel`` plus the ``test_step`` it lacks (``trainer.test`` refuses it with
+    "No `test_step()` method defined"): a test step is a validation step, on the test split."""
+
+    def test_step(self, batch: Any, batch_idx: int | None = None) -> Any:
+        return self.validation_step(batch, batch_idx)
+
+    @property
+    def test_loss_reduction(self) -> Any:
+        return self.validation_loss_reduction
+
+
+class EvalRecorder(pl.Callback):
+    """Every validation / test step's loss, each evaluation's ``val_loss``, and what GTP left
+    outstanding (:meth:`GTPRuntime.outstanding`) when an evaluation loop ended (before the
+    strategy's end-of-loop drain) and when the next training step started."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, list[tuple[int, float]]] = {"sanity": [], "val": [], "test": []}
+        self.val_loss: list[tuple[int, float]] = []  # (global step, the epoch's val_loss)
+        self.at_eval_end: list[list[dict[str, int]]] = []
+        self.at_next_step: list[list[dict[str, int]]] = []
+        self._evaluated = False
+
+    @staticmethod
+    def _outstanding(trainer: pl.Trainer) -> list[dict[str, int]]:
+        return [r.outstanding() for r in getattr(trainer.strategy, "gtp_runtimes", [])]
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, *args) -> None:  # noqa: ANN001, ANN002
+        kind = "sanity" if trainer.sanity_checking else "val"
+        self.steps[kind].append((trainer.global_step, float(outputs)))
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, *args) -> None:  # noqa: ANN001, ANN002
+        self.steps["test"].append((trainer.global_step, float(outputs)))
+
+    def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if not trainer.sanity_checking:
+            self.val_loss.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+        self._eval_end(trainer)
+
+    def on_test_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self._eval_end(trainer)
+
+    def _eval_end(self, trainer: pl.Trainer) -> None:
+        self.at_eval_end.append(self._outstanding(trainer))
+        self._evaluated = True
+
+    def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+        if self._evaluated:
+            self.at_next_step.append(self._outstanding(trainer))
+            self._evaluated = False
+
+    def results(self) -> dict[str, Any]:
+        """What a harness result records (JSON-serializable)."""
+        return {
+            "eval_steps": self.steps,
+            "val_loss": self.val_loss,
+            "outstanding_at_eval_end": self.at_eval_end,
+            "outstanding_at_next_step": self.at_next_step,
         }
 
 

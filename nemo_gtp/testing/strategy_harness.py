@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 from nemo_gtp.testing.spawn import COLLECTIVE_TIMEOUT_S
 
 VOCAB, SEQ, MBS, GBS, STEPS = 128, 16, 2, 8, 10
+VAL_BATCHES = 2  # validation / test steps per evaluation (each a global batch of GBS samples)
 BANNER_PREFIX = "GTP enabled."
 
 
@@ -61,6 +63,14 @@ class Fit:
     # otherwise ``llm.GPTModel``
     llama: bool = False
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # more GPTConfig fields (MoE)
+    # evaluation: validate every ``val_every`` training steps (``VAL_BATCHES`` steps each), after
+    # a sanity check of ``sanity_val_steps``; ``evaluate_after``: ``trainer.validate`` then
+    # ``trainer.test`` on the same trainer after the fit. ``entry="validate"`` / ``"test"``: no
+    # fit; a fresh trainer and model run that entry point (``ckpt_path=resume_from``).
+    val_every: int = 0
+    sanity_val_steps: int = 0
+    evaluate_after: bool = False
+    entry: str = "fit"
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -94,6 +104,48 @@ def _make_callbacks() -> tuple[Any, Any]:
     from nemo_gtp.testing.harness_objects import MemoryLogger, Recorder
 
     return Recorder(), MemoryLogger()
+
+
+def _eval_recorder() -> Any:
+    from nemo_gtp.testing.harness_objects import EvalRecorder
+
+    return EvalRecorder()
+
+
+def gtp_leftovers(strategy: Any) -> list[dict[str, int]]:
+    """:meth:`GTPRuntime.outstanding` of every runtime of ``strategy`` (empty without GTP)."""
+    return [runtime.outstanding() for runtime in getattr(strategy, "gtp_runtimes", [])]
+
+
+def _metric(results: list[dict[str, Any]], key: str) -> float:
+    """``key`` of the one dataloader's metrics that ``trainer.validate`` / ``test`` returned."""
+    (metrics,) = results
+    return float(metrics[key])
+
+
+def _banners(catcher: _LineCatcher) -> list[str]:
+    return [line for line in catcher.lines if line.startswith(BANNER_PREFIX)]
+
+
+def _logged(logger: Any, key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of every ``key`` a :class:`MemoryLogger` received."""
+    return [(step, float(m[key])) for step, m in logger.records if key in m]
+
+
+def _evaluate_only(
+    fit: Fit, trainer: Any, model: Any, data: Any, strategy: Any, evals: Any, logger: Any
+) -> dict[str, Any]:
+    """``trainer.validate`` or ``trainer.test`` on a trainer that never ran fit."""
+    run = trainer.validate if fit.entry == "validate" else trainer.test
+    returned = run(model, datamodule=data, ckpt_path=fit.resume_from)
+    return {
+        "name": fit.name,
+        "returned": returned,
+        "gtp_params": sum(len(r.params) for r in getattr(strategy, "gtp_runtimes", [])),
+        "leftovers_after": gtp_leftovers(strategy),
+        "logged_val_loss": _logged(logger, "val_loss"),
+        **evals.results(),
+    }
 
 
 def _stopper(steps: int) -> Any:
@@ -218,7 +270,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     )
     from nemo.collections.llm.gpt.model.llama import LlamaModel
 
-    model_class = LlamaModel if fit.llama else llm.GPTModel
+    from nemo_gtp.testing.harness_objects import TestableGPTModel
+
+    evaluates = bool(fit.val_every or fit.evaluate_after or fit.entry != "fit")
+    model_class = LlamaModel if fit.llama else TestableGPTModel if evaluates else llm.GPTModel
     config = _gpt_config(fit.tp, fit.llama, **fit.model_kwargs)
     model = model_class(config, tokenizer=tokenizer, optim=optim)
     data = SyntheticGPTDataModule(
@@ -252,8 +307,9 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     if store_path is not None:  # rendezvous without a TCP port; None: the launcher's env://
         strategy.store = dist.FileStore(store_path, world)
     recorder, memory_logger = _make_callbacks()
+    evals = _eval_recorder()
     metrics_cb = GTPMetricsCallback() if fit.metrics else None
-    callbacks = [recorder] + ([metrics_cb] if metrics_cb else [])
+    callbacks = [recorder, evals] + ([metrics_cb] if metrics_cb else [])
     if fit.stop_after:
         callbacks.append(_stopper(fit.stop_after))
     if fit.checkpoint_every:
@@ -278,8 +334,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         callbacks=callbacks,
         enable_checkpointing=bool(fit.checkpoint_every),
         enable_progress_bar=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
+        limit_val_batches=VAL_BATCHES if evaluates else 0,
+        limit_test_batches=VAL_BATCHES,
+        val_check_interval=fit.val_every or None,
+        num_sanity_val_steps=fit.sanity_val_steps,
         use_distributed_sampler=False,
         log_every_n_steps=1,
         plugins=[nl.MegatronMixedPrecision(precision="bf16-mixed")] if fit.bf16 else None,
@@ -287,11 +345,20 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     catcher = _LineCatcher()
     logging.getLogger("nemo_logger").addHandler(catcher)
     try:
+        if fit.entry != "fit":  # a fresh trainer and model that never ran fit
+            result = _evaluate_only(fit, trainer, model, data, strategy, evals, memory_logger)
+            return {**result, "banners": _banners(catcher)}
         trainer.fit(model, datamodule=data, ckpt_path=fit.resume_from)
     finally:
         logging.getLogger("nemo_logger").removeHandler(catcher)
+    indices = data._train_ds.indices  # an evaluation's data.setup() re-creates the dataset
     if fit.save_to:
         trainer.save_checkpoint(fit.save_to)
+    after: dict[str, Any] = {}
+    if fit.evaluate_after:  # the same trainer, after its fit
+        after["validate_after"] = _metric(trainer.validate(model, datamodule=data), "val_loss")
+        after["test_after"] = trainer.test(model, datamodule=data)
+        after["leftovers_after"] = gtp_leftovers(strategy)
     if fit.weights_to:
         weights = full_weights(strategy)
         if dist.get_rank() == 0:
@@ -311,8 +378,8 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "data_rank": parallel_state.get_data_parallel_rank(),
         "data_size": parallel_state.get_data_parallel_world_size(),
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-        "indices": data._train_ds.indices,
-        "banners": [line for line in catcher.lines if line.startswith(BANNER_PREFIX)],
+        "indices": indices,
+        "banners": _banners(catcher),
         "gtp_params": sum(len(r.params) for r in runtimes),
         "presharded_modules": sum(
             type(m).__name__.startswith("GTP") and hasattr(m, "gtp_column")
@@ -322,6 +389,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "shard_dtypes": sorted({str(p.dtype) for r in runtimes for p in r.params}),
         "metrics": metrics_cb.last_metrics if metrics_cb else {},
         "logged_metric_steps": [s for s, m in memory_logger.records if "gtp/gather_bytes" in m],
+        "logged_loss_steps": [s for s, m in memory_logger.records if "reduced_train_loss" in m],
         "ddp_class": type(ddp).__name__,
         "ddp_dp_size": dist.get_world_size(ddp.intra_dp_cp_group),
         "chained_optimizers": len(chained),
@@ -336,6 +404,9 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         ),
         "sampler_kwargs": strategy.distributed_sampler_kwargs,
         "drain_callback": any(type(c).__name__ == "GTPDrainCallback" for c in trainer.callbacks),
+        **evals.results(),
+        "logged_val_loss": _logged(memory_logger, "val_loss"),
+        **after,
     }
     if fit.metrics and runtimes:
         out["expected_gather_bytes_per_pass"] = sum(  # per runtime: dense and expert sizes
@@ -385,6 +456,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             LOCAL_RANK=str(rank),
             NODE_RANK="0",
         )
+        start = time.perf_counter()
         try:
             result = _fit(fit, world, str(Path(out_dir, f"store{index}")))
         except Exception as err:
@@ -399,6 +471,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             teardown_fit()
         if fit.expect_error and "error" not in result:
             raise AssertionError(f"fit {fit.name} was expected to fail but succeeded")
+        result["wall_s"] = time.perf_counter() - start
         results.append(result)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 

@@ -1,0 +1,246 @@
+"""Plot a run's TensorBoard logs: ``python -m nemo_gtp.report <log_dir> [<log_dir2>] [-o out.png]``.
+
+Reads every TensorBoard event file under each log directory (NeMo's ``nl.NeMoLogger`` with its
+TensorBoard logger, Lightning's default logger, or ``python -m nemo_gtp.run --log-dir``) with
+TensorBoard's ``EventAccumulator`` (NeMo depends on ``tensorboard``) and draws, per step, the
+loss (NeMo's ``reduced_train_loss``, and ``val_loss`` where validation ran), the step time, the
+exposed GTP communication and the memory that :class:`nemo_gtp.GTPMetricsCallback` logs, into one
+PNG. Two directories are overlaid (e.g. a GTP run and its baseline) and summarized in one line:
+the median step-time ratio and the largest relative loss difference over their common steps.
+
+Example::
+
+    python -m nemo_gtp.report runs/tiny_cpu/gtp runs/tiny_cpu/baseline -o gtp_vs_baseline.png
+    # gtp vs baseline: median step time 41.2 / 36.0 ms = 1.14; max rel loss diff 1.5e-07 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PROG = "python -m nemo_gtp.report"
+EVENT_GLOB = "events.out.tfevents.*"
+
+# What each panel draws: the first tag a run has, in this order.
+LOSS = ("reduced_train_loss", "train_loss")
+VAL_LOSS = ("val_loss",)
+STEP_TIME = ("train/step_s", "gtp/step_s", "train_step_timing in s")
+EXPOSED_COMM = ("gtp/exposed_comm_s",)
+MEMORY = ("train/peak_memory_gib", "train/rss_gib")
+MODEL_STATE = ("train/model_state_gib",)
+
+
+@dataclass
+class RunLog:
+    """The scalars one log directory holds: ``tag -> [(step, value), ...]`` by step.
+
+    Example::
+
+        run = read_run("runs/tiny_cpu/gtp")
+        run.series(*LOSS)   # [(1, 4.86), (2, 4.80), ...]
+    """
+
+    name: str
+    path: Path
+    scalars: dict[str, list[tuple[int, float]]]
+
+    def series(self, *tags: str) -> list[tuple[int, float]]:
+        """The first of ``tags`` this run logged (empty if none)."""
+        for tag in tags:
+            if self.scalars.get(tag):
+                return self.scalars[tag]
+        return []
+
+
+def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar under ``log_dir`` (all event files, recursively), by tag, sorted by step.
+
+    A step written twice (a resumed run, or several event files) keeps its latest write.
+    Raises ``FileNotFoundError`` naming the directory when it holds no event file.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import (
+        SCALARS,
+        EventAccumulator,
+    )
+
+    root = Path(log_dir)
+    directories = sorted({f.parent for f in root.rglob(EVENT_GLOB)})
+    if not directories:
+        raise FileNotFoundError(
+            f"no TensorBoard event files ({EVENT_GLOB}) under {root}: log with NeMo's "
+            "nl.NeMoLogger(tensorboard=...) or python -m nemo_gtp.run --log-dir"
+        )
+    latest: dict[str, dict[int, tuple[float, float]]] = {}  # tag -> step -> (wall time, value)
+    for directory in directories:
+        events = EventAccumulator(str(directory), size_guidance={SCALARS: 0})  # 0: keep all
+        events.Reload()
+        for tag in events.Tags()[SCALARS]:
+            by_step = latest.setdefault(tag, {})
+            for event in events.Scalars(tag):
+                kept = by_step.get(event.step)
+                if kept is None or event.wall_time >= kept[0]:
+                    by_step[event.step] = (event.wall_time, float(event.value))
+    return {
+        tag: [(step, value) for step, (_, value) in sorted(by_step.items())]
+        for tag, by_step in latest.items()
+    }
+
+
+def read_run(log_dir: str | Path, name: str | None = None) -> RunLog:
+    """:func:`read_scalars` of ``log_dir``, named after the directory unless ``name`` is given."""
+    path = Path(log_dir)
+    return RunLog(name or path.resolve().name, path, read_scalars(path))
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def median_step_ms(run: RunLog, skip: int = 1) -> float:
+    """Median step time in ms, past the first ``skip`` logged steps (warm-up)."""
+    times = [v for _, v in run.series(*STEP_TIME)]
+    return 1000 * _median(times[skip:] or times)
+
+
+def max_rel_loss_diff(a: RunLog, b: RunLog) -> tuple[float, int]:
+    """The largest ``|loss_a - loss_b| / |loss_b|`` over the steps both logged, and their count."""
+    base = dict(b.series(*LOSS))
+    diffs = [abs(x - base[s]) / abs(base[s]) for s, x in a.series(*LOSS) if s in base and base[s]]
+    return (max(diffs) if diffs else float("nan")), len(diffs)
+
+
+def summary(runs: list[RunLog]) -> str:
+    """One line: per run its steps, last loss and median step time; for two runs the median
+    step-time ratio (first / second) and the largest relative loss difference."""
+    if len(runs) == 2:
+        a, b = runs
+        ta, tb = median_step_ms(a), median_step_ms(b)
+        diff, common = max_rel_loss_diff(a, b)
+        return (
+            f"{a.name} vs {b.name}: median step time {ta:.1f} / {tb:.1f} ms = {ta / tb:.2f}; "
+            f"max rel loss diff {diff:.1e} over {common} common steps"
+        )
+    parts = []
+    for run in runs:
+        loss = run.series(*LOSS)
+        last = f"{loss[-1][1]:.4f}" if loss else "n/a"
+        parts.append(
+            f"{run.name}: {len(loss)} steps, last loss {last}, median step time "
+            f"{median_step_ms(run):.1f} ms"
+        )
+    return "; ".join(parts)
+
+
+def _plot(
+    ax: object, run: RunLog, tags: tuple[str, ...], scale: float = 1.0, label: str = "", **style
+) -> None:
+    """One series of ``run`` on ``ax`` (nothing when the run did not log it)."""
+    points = run.series(*tags)
+    if points:
+        steps, values = zip(*points, strict=True)
+        name = f"{run.name} {label}".strip()
+        ax.plot(steps, [v * scale for v in values], label=name, **style)  # type: ignore[attr-defined]
+
+
+def draw(runs: list[RunLog], png: str | Path) -> Path:
+    """Loss, step time, exposed GTP communication and memory per step of ``runs``, overlaid,
+    into ``png`` (its directory is created). Returns the path written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    loss_ax, time_ax, comm_ax, mem_ax = axes.flat
+    state_ax = mem_ax.twinx()  # a model's state can be far below the process's memory
+    state_gib = max((v for r in runs for _, v in r.series(*MODEL_STATE)), default=0.0)
+    state_unit, state_scale = ("GiB", 1.0) if state_gib >= 1 else ("MiB", 1024.0)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
+        color = colors[i % len(colors)]
+        _plot(loss_ax, run, LOSS, color=color)
+        _plot(loss_ax, run, VAL_LOSS, color=color, label="val", marker="o", linestyle="--")
+        _plot(time_ax, run, STEP_TIME, scale=1000, color=color)
+        _plot(comm_ax, run, EXPOSED_COMM, scale=1000, color=color)
+        _plot(mem_ax, run, MEMORY, color=color)
+        _plot(state_ax, run, MODEL_STATE, state_scale, "model state", color=color, ls=":")
+    loss_ax.set(ylabel="loss", title="loss")
+    time_ax.set(ylabel="ms", title="step time (rank 0)")
+    comm_ax.set(ylabel="ms", title="exposed GTP communication (rank 0)")
+    memory_kind = "peak allocated" if any(r.series(MEMORY[0]) for r in runs) else "resident"
+    mem_ax.set(ylabel="GiB", title=f"memory (rank 0): {memory_kind} —, model state ⋯")
+    state_ax.set(ylabel=f"weights + grads + optimizer, {state_unit}")
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if ax.lines:
+            ax.legend(fontsize=7, loc="upper left")
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+    if state_ax.lines:
+        state_ax.set_ylim(bottom=0)
+        state_ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(" vs ".join(run.name for run in runs), fontsize=10)
+    fig.tight_layout()
+    path = Path(png)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def report(log_dirs: list[str | Path], png: str | Path) -> tuple[list[RunLog], str]:
+    """Read ``log_dirs``, draw them into ``png``; the runs and the :func:`summary` line.
+
+    Two directories with the same name are labelled by their full paths.
+
+    Example::
+
+        runs, line = report(["runs/x/gtp", "runs/x/baseline"], "x.png")
+    """
+    paths = [Path(d) for d in log_dirs]
+    names = [p.resolve().name for p in paths]
+    if len(set(names)) < len(names):
+        names = [str(p) for p in paths]
+    runs = [read_run(p, name) for p, name in zip(paths, names, strict=True)]
+    draw(runs, png)
+    return runs, summary(runs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Draw loss, step time, exposed GTP communication and memory per step from "
+        "TensorBoard logs; two directories are overlaid and compared in one line.",
+    )
+    parser.add_argument("log_dirs", nargs="+", metavar="log_dir", help="a run's log directory")
+    parser.add_argument(
+        "-o", "--output", default="gtp_report.png", help="PNG to write (default: %(default)s)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m nemo_gtp.report``; 2 on bad input."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if len(args.log_dirs) > 2:
+        parser.error("give one log directory, or two to compare")
+    try:
+        _, line = report(args.log_dirs, args.output)
+    except FileNotFoundError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    print(line)
+    print(f"plot: {Path(args.output).absolute()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

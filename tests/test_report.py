@@ -1,0 +1,66 @@
+"""``python -m nemo_gtp.report`` on TensorBoard event files written here (the real main job's
+logs are read back in ``tests/test_recipes.py``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from nemo_gtp import report
+
+
+def _write(directory: Path, scalars: dict[str, list[tuple[int, float]]]) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(directory))
+    for tag, points in scalars.items():
+        for step, value in points:
+            writer.add_scalar(tag, value, step)
+    writer.close()
+
+
+def test_reader_merges_event_files_and_summary_compares_two_runs(tmp_path: Path) -> None:
+    gtp, base = tmp_path / "a" / "gtp", tmp_path / "a" / "baseline"
+    _write(
+        gtp / "tb_logs",
+        {
+            "reduced_train_loss": [(0, 4.0), (1, 3.0), (2, 2.5)],
+            "train/step_s": [(0, 0.5), (1, 0.11), (2, 0.13)],
+            "gtp/exposed_comm_s": [(0, 0.01), (1, 0.02), (2, 0.01)],
+            "train/rss_gib": [(0, 1.0), (1, 1.1), (2, 1.1)],
+        },
+    )
+    # a resumed run's second event file: step 2 written again wins, step 3 is new
+    _write(gtp / "tb_logs", {"reduced_train_loss": [(2, 2.0), (3, 1.5)], "val_loss": [(3, 2.2)]})
+    _write(
+        base / "tb_logs",
+        {
+            "reduced_train_loss": [(0, 4.0), (1, 3.0), (2, 2.0), (3, 1.5 * (1 + 1e-3))],
+            "train/step_s": [(0, 0.4), (1, 0.10), (2, 0.10)],
+        },
+    )
+    run = report.read_run(gtp)
+    assert run.name == "gtp"
+    assert run.series(*report.LOSS) == [(0, 4.0), (1, 3.0), (2, 2.0), (3, 1.5)]
+    assert run.series(*report.VAL_LOSS) == [(3, pytest.approx(2.2))]
+    assert run.series("not/logged", "train/step_s")[1] == (1, pytest.approx(0.11))
+    png = tmp_path / "out" / "plot.png"
+    runs, line = report.report([gtp, base], png)
+    assert png.stat().st_size > 10_000
+    assert report.max_rel_loss_diff(*runs) == (pytest.approx(1e-3 / (1 + 1e-3), rel=1e-4), 4)
+    # medians past the first step: 120 ms vs 100 ms
+    assert re.fullmatch(
+        r"gtp vs baseline: median step time 120\.0 / 100\.0 ms = 1\.20; max rel loss diff "
+        r"1\.0e-03 over 4 common steps",
+        line,
+    ), line
+    assert report.summary([run]).startswith("gtp: 4 steps, last loss 1.5000, median step time")
+
+
+def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert report.main([str(tmp_path)]) == 2
+    assert "no TensorBoard event files" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        report.main(["a", "b", "c"])
