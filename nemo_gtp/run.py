@@ -32,7 +32,7 @@ from pathlib import Path
 
 PROG = "python -m nemo_gtp.run"
 EPILOG = f"""\
-overrides (OmegaConf dot paths, checked before anything starts):
+YAML recipe overrides (OmegaConf dot paths, checked before anything starts):
   key=value             change a key the recipe has, e.g. trainer.max_steps=50
   +key=value            add a key, e.g. +trainer.seed=3 or +model.activation_func=silu
   +checkpoint.dir=DIR +checkpoint.every_n_train_steps=N
@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser (``--help`` documents overrides and examples)."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Train a NeMo GPT recipe with GTP (GTPMegatronStrategy); see configs/.",
+        description="Train with GTP (GTPMegatronStrategy): a YAML recipe of configs/, or one of "
+        "NeMo 2's own recipes (--recipe) launched through NeMo-Run.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_gtp.recipes.quiet import quiet_known_warnings
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may sit between the overrides
     if args.recipe is not None:
         from nemo_gtp.recipes.nemo_cli import main_recipe
 

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,7 @@ CLI_BAD = [
     (["--gtp", "prefetch_dept=2"], "did you mean 'prefetch_depth'"),
     (["--data", "/nonexistent/corpus", "--tokenizer", "byte"], "/nonexistent/corpus.bin"),
     (["--recipe", "llama3_8bb"], "did you mean 'llama3_8b'"),
+    (["trainer.devices=2"], "trainer.devices=2 but --devices 4: give --devices 2"),
 ]
 
 
@@ -306,7 +308,9 @@ def _cli(argv: list[str], home: Path) -> tuple[int, str]:
         mp.setenv("PYTHONPATH", str(ROOT))  # the launched workers import nemo_gtp
         mp.setenv("PATH", os.environ.get("PATH", ""))  # restored: the CLI may add torchrun's
         try:
-            with contextlib.redirect_stdout(out):
+            # NeMo-Run's local tunnel (invoke) forwards stdin, which pytest's capture refuses
+            with open(os.devnull) as devnull, contextlib.redirect_stdout(out):
+                mp.setattr(sys, "stdin", devnull)
                 status = main(argv)
         finally:
             run.config.set_nemorun_home(old)

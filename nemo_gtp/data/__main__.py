@@ -16,7 +16,7 @@ PROG = "python -m nemo_gtp.data"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The two subcommands and their options."""
+    """The two subcommands and their options (``python -m nemo_gtp.data build --help``)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="Build megatron indexed datasets (.bin/.idx) from a local corpus."
     )
@@ -51,7 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (2: bad input, one ``error:`` line)."""
+    """Entry point; returns the exit status (2: bad input, one ``error:`` line).
+
+    Example::
+
+        main(["build", "--input", "corpus.jsonl", "--output-prefix", "data/corpus",
+              "--tokenizer", "byte"])
+    """
     args = build_parser().parse_args(argv)
     try:
         if args.command == "tokenizer":

@@ -18,7 +18,12 @@ KEPT = ("seq_length", "micro_batch_size", "global_batch_size", "rampup_batch_siz
 
 
 def check_indexed_prefix(prefix: str, where: str = "--data") -> str:
-    """``prefix`` as an absolute path whose ``.bin`` and ``.idx`` exist, else ``ValueError``."""
+    """``prefix`` as an absolute path whose ``.bin`` and ``.idx`` exist, else ``ValueError``.
+
+    Example::
+
+        check_indexed_prefix("data/corpus")  # "/abs/data/corpus" when both files exist
+    """
     missing = [s for s in (".bin", ".idx") if not Path(f"{prefix}{s}").is_file()]
     if missing:
         raise ValueError(
@@ -37,7 +42,7 @@ def pretraining_data(
     ``like`` (e.g. the recipe's ``MockDataModule`` config) gives the sequence length and batch
     sizes; ``kwargs`` go to ``PreTrainingDataModule`` (e.g. ``split="98,1,1"``,
     ``create_attention_mask=True`` for the local layer spec). A list of prefixes blends them
-    (megatron's ``[weight, prefix, ...]`` form works too).
+    (megatron's ``[weight, prefix, ...]`` form works too). Example: the module docstring.
     """
     import nemo_run as run
     from nemo.collections.llm.gpt.data.pre_training import PreTrainingDataModule

@@ -55,7 +55,12 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
 
 
 def tokenizer_config(spec: str) -> Any:
-    """The NeMo tokenizer of ``spec`` as a ``run.Config`` (a recipe's ``data.tokenizer``)."""
+    """The NeMo tokenizer of ``spec`` as a ``run.Config`` (a recipe's ``data.tokenizer``).
+
+    Example::
+
+        recipe.data.tokenizer = tokenizer_config("huggingface:/models/llama3/tokenizer")
+    """
     import nemo_run as run
 
     kind, location = parse_spec(spec)
@@ -75,7 +80,12 @@ def tokenizer_config(spec: str) -> Any:
 
 
 def load_tokenizer(spec: str) -> Any:
-    """The NeMo tokenizer of ``spec``, built (``TokenizerSpec``: ``text_to_ids``, ``eod``)."""
+    """The NeMo tokenizer of ``spec``, built (``TokenizerSpec``: ``text_to_ids``, ``eod``).
+
+    Example::
+
+        load_tokenizer("byte").text_to_ids("GTP")  # [71, 84, 80]
+    """
     import fiddle as fdl
 
     return fdl.build(tokenizer_config(spec))

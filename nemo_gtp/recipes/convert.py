@@ -397,9 +397,13 @@ def check_batch_arithmetic(recipe: Any, dims: Any) -> None:
 
     World = ``trainer.devices x trainer.num_nodes``; data-parallel ranks = DP x GTP (each GTP
     peer eats its own microbatch, design §3.1). Raises :class:`RecipeError` naming the setting.
+    Example::
+
+        check_batch_arithmetic(recipe, GTPParallelDims(num_weight_shards=8))  # 8 GPUs: gbs % 8
     """
     trainer, data = recipe.trainer, _get(recipe, "data")
     devices, nodes = _get(trainer, "devices", 1), _get(trainer, "num_nodes", 1)
+    devices, nodes = (int(v) if isinstance(v, str) and v.isdigit() else v for v in (devices, nodes))
     if not isinstance(devices, int) or not isinstance(nodes, int):
         return  # "auto" and friends: the strategy checks the world it finds
     try:

@@ -31,7 +31,7 @@ from typing import Any
 from nemo_gtp.recipes.config import RecipeError
 
 
-def nemo_recipe_names() -> list[str]:
+def _nemo_recipe_names() -> list[str]:
     """The modules of ``nemo.collections.llm.recipes`` that have a ``pretrain_recipe``."""
     import pkgutil
 
@@ -53,6 +53,10 @@ def load_nemo_recipe(name: str, *, run_name: str, directory: str, nodes: int, de
 
     A ``module:function`` factory is called with the same keywords NeMo's take (``name``,
     ``dir``, ``num_nodes``, ``num_gpus_per_node``) and must return a recipe ``run.Partial``.
+    Example::
+
+        recipe = load_nemo_recipe("llama3_8b", run_name="r", directory="/tmp/r", nodes=1,
+                                  devices=8)
     """
     if ":" in name:
         module_name, _, attr = name.partition(":")
@@ -65,7 +69,7 @@ def load_nemo_recipe(name: str, *, run_name: str, directory: str, nodes: int, de
             module = importlib.import_module(f"nemo.collections.llm.recipes.{name}")
             factory = module.pretrain_recipe
         except (ImportError, AttributeError):
-            names = nemo_recipe_names()
+            names = _nemo_recipe_names()
             close = difflib.get_close_matches(name, names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise RecipeError(
@@ -77,7 +81,13 @@ def load_nemo_recipe(name: str, *, run_name: str, directory: str, nodes: int, de
 
 def apply_overrides(recipe: Any, overrides: list[str]) -> Any:
     """NeMo-Run's ``key=value`` overrides (``nemo_run.cli.parse_cli_args``), one at a time so
-    that an error names the override; :class:`RecipeError` on the first bad one."""
+    that an error names the override; :class:`RecipeError` on the first bad one.
+
+    Example::
+
+        apply_overrides(recipe, ["trainer.max_steps=10", "model.config.num_layers=2"])
+        apply_overrides(recipe, ["trainer.max_step=10"])  # RecipeError: ... 'trainer.max_steps'?
+    """
     from nemo_run.cli.cli_parser import CLIException, parse_cli_args
 
     for item in overrides:
@@ -119,7 +129,7 @@ def _override_problem(recipe: Any, key: str) -> str | None:
     return f"{getattr(fn, '__name__', fn)} has no parameter {last!r}{hint}"
 
 
-def parse_gtp_options(items: list[str]) -> dict[str, Any]:
+def _parse_gtp_options(items: list[str]) -> dict[str, Any]:
     """``--gtp key=value`` items -> ``GTPConfig`` keyword arguments (values as YAML scalars)."""
     import yaml
 
@@ -147,7 +157,12 @@ FUSIONS = (
 def check_recipe(recipe: Any) -> None:
     """Build what is cheap to build (no process, no device): the strategy (its argument checks),
     the model config with the strategy's parallel sizes (megatron's shape checks), the optimizer
-    config; indexed data prefixes must exist. :class:`RecipeError` naming the section."""
+    config; indexed data prefixes must exist. :class:`RecipeError` naming the section.
+
+    Example::
+
+        check_recipe(with_gtp(recipe, num_weight_shards=8))  # before run.run(...)
+    """
     import fiddle as fdl
 
     from nemo_gtp.recipes.convert import _get
@@ -203,7 +218,7 @@ def check_recipe(recipe: Any) -> None:
                     raise RecipeError(str(err)) from None
 
 
-def check_baseline(recipe: Any) -> None:
+def _check_baseline(recipe: Any) -> None:
     """The recipe as given (no GTP): its layout tiles the world, its batch divides, and its
     strategy and configs build."""
     from nemo_gtp.recipes.convert import _get, _static_dims, check_batch_arithmetic
@@ -214,7 +229,7 @@ def check_baseline(recipe: Any) -> None:
     check_recipe(recipe)
 
 
-def recipe_precision(recipe: Any) -> str:
+def _recipe_precision(recipe: Any) -> str:
     """``"32"`` or the mixed-precision plugin's ``precision`` (the loss tolerance's key)."""
     plugins = recipe.trainer.plugins
     for plugin in plugins if isinstance(plugins, list) else [plugins]:
@@ -229,7 +244,7 @@ def _add_callback(recipe: Any, callback: Any) -> None:
     recipe.trainer.callbacks = [*callbacks, callback]
 
 
-def build_recipes(args: Any) -> tuple[Any, Any | None, dict[str, Path]]:
+def _build_recipes(args: Any) -> tuple[Any, Any | None, dict[str, Path]]:
     """The GTP recipe, its baseline (``--compare-baseline``) and their loss logs (``"gtp"``,
     ``"baseline"``), all checked; :class:`RecipeError` naming the first problem."""
     import nemo_run as run
@@ -262,6 +277,15 @@ def build_recipes(args: Any) -> tuple[Any, Any | None, dict[str, Path]]:
 
         on_cpu(recipe)
     apply_overrides(recipe, args.overrides)
+    launched = {"devices": ("--devices", args.devices), "num_nodes": ("--nodes", args.nodes)}
+    for key, (flag, value) in launched.items():
+        # the executor starts the flag's count (NeMo-Run parses trainer.devices=2 as "2")
+        if str(getattr(recipe.trainer, key, value)) != str(value):
+            raise RecipeError(
+                f"trainer.{key}={getattr(recipe.trainer, key)} but {flag} {value}: give "
+                f"{flag} {getattr(recipe.trainer, key)} instead (the executor starts the "
+                "processes from --devices and --nodes)"
+            )
     data = recipe.data
     tokens = int(getattr(data, "global_batch_size", 0) or 0) * int(
         getattr(data, "seq_length", 0) or 0
@@ -275,32 +299,39 @@ def build_recipes(args: Any) -> tuple[Any, Any | None, dict[str, Path]]:
     if args.compare_baseline:
         baseline = copy.deepcopy(recipe)
         baseline.log.name = f"{baseline.log.name}_baseline"
-        check_baseline(baseline)
+        _check_baseline(baseline)
         scratch = Path(tempfile.mkdtemp(prefix="nemo_gtp_losses_"))
         logs.setdefault("gtp", scratch / "gtp.jsonl")
         logs["baseline"] = scratch / "baseline.jsonl"
     for which, target in (("gtp", recipe), ("baseline", baseline)):
         if which in logs:
             path = str(logs[which])
-            _add_callback(target, run.Config(LossLog, path=path, val_path=val_log(path)))
-    gtp = with_gtp(recipe, args.num_weight_shards, **parse_gtp_options(args.gtp))
+            _add_callback(target, run.Config(LossLog, path=path, val_path=_val_log(path)))
+    gtp = with_gtp(recipe, args.num_weight_shards, **_parse_gtp_options(args.gtp))
     check_recipe(gtp)
     return gtp, baseline, logs
 
 
-def val_log(path: str | Path) -> str:
+def _val_log(path: str | Path) -> str:
     """Where :class:`~nemo_gtp.recipes.loader.LossLog` keeps the validation losses of
     ``path``: ``losses.jsonl`` -> ``losses.val.jsonl``."""
     where = Path(path)
     return str(where.with_name(f"{where.stem}.val{where.suffix}"))
 
 
-def make_executor(args: Any) -> Any:
+def _make_executor(args: Any) -> Any:
     """The NeMo-Run executor the arguments ask for (:mod:`nemo_gtp.recipes.executors`)."""
     from nemo_gtp.recipes.executors import local_executor, slurm_executor
 
     env = {"TORCH_FR_BUFFER_SIZE": "0"} if args.cpu else {}
     if args.executor == "local":
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if v not in os.environ]
+        if args.nodes > 1 and missing and not args.dryrun:
+            raise RecipeError(
+                f"--nodes {args.nodes} with --executor local: run this command on every node "
+                f"with MASTER_ADDR, MASTER_PORT and NODE_RANK set ({', '.join(missing)} unset), "
+                "or use --executor slurm"
+            )
         return local_executor(args.devices, nodes=args.nodes, env=env)
     if not args.slurm_account:
         raise RecipeError("--executor slurm needs --slurm-account")
@@ -316,7 +347,7 @@ def make_executor(args: Any) -> Any:
     )
 
 
-def launch_task(gtp: Any, baseline: Any | None, args: Any) -> Any:
+def _launch_task(gtp: Any, baseline: Any | None, args: Any) -> Any:
     """What the executor runs: the recipe itself, or :func:`~nemo_gtp.recipes.sequence.
     run_recipes` over serialized recipes (a baseline after it, or ``--cpu``'s compat layer)."""
     import nemo_run as run
@@ -334,7 +365,12 @@ def launch_task(gtp: Any, baseline: Any | None, args: Any) -> Any:
 
 
 def main_recipe(args: Any) -> int:
-    """``python -m nemo_gtp.run --recipe ...``; returns the exit status (2: bad input)."""
+    """``python -m nemo_gtp.run --recipe ...``; returns the exit status (2: bad input).
+
+    Example::
+
+        main_recipe(build_parser().parse_intermixed_args(["--recipe", "llama3_8b", ...]))
+    """
     from nemo_gtp.recipes.quiet import quiet_known_warnings
 
     quiet_known_warnings()
@@ -344,12 +380,12 @@ def main_recipe(args: Any) -> int:
 
         if os.environ.get("NEMORUN_HOME"):  # read once at import: honour a later setting too
             run.config.set_nemorun_home(os.environ["NEMORUN_HOME"])
-        gtp, baseline, logs = build_recipes(args)
-        executor = make_executor(args)
+        gtp, baseline, logs = _build_recipes(args)
+        executor = _make_executor(args)
     except RecipeError as err:  # a user error: one line, before anything is launched
         print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
         return 2
-    task = launch_task(gtp, baseline, args)
+    task = _launch_task(gtp, baseline, args)
     title = args.name or f"{args.recipe.split(':')[-1]}_gtp"
     with run.Experiment(title, executor=executor, log_level="WARNING") as exp:
         exp.add(task, name=title, tail_logs=not args.dryrun)
@@ -367,23 +403,23 @@ def main_recipe(args: Any) -> int:
     from nemo_gtp.run import TOLERANCE, report_comparison
 
     loss_logs = {name: _read_jsonl(path) for name, path in logs.items()}
-    val_logs = {name: _read_jsonl(Path(val_log(path))) for name, path in logs.items()}
+    val_logs = {name: _read_jsonl(Path(_val_log(path))) for name, path in logs.items()}
     shutil.rmtree(logs["baseline"].parent, ignore_errors=True)
     tp = getattr(gtp.trainer.strategy, "tensor_model_parallel_size", 1)
     names = {
         "gtp": f"GTP (TP{tp}·GTP{args.num_weight_shards // tp})",
         "baseline": f"baseline (TP{tp}, no GTP)",
     }
-    precision = recipe_precision(gtp)
+    precision = _recipe_precision(gtp)
     tolerance = TOLERANCE.get(precision, TOLERANCE["bf16-mixed"])
-    val_ok = report_validation(val_logs["gtp"], val_logs["baseline"], tolerance)
+    val_ok = _report_validation(val_logs["gtp"], val_logs["baseline"], tolerance)
     status = report_comparison(
         {names[k]: v for k, v in loss_logs.items()}, precision, args.plot, title
     )
     return status if ok and val_ok else 1
 
 
-def report_validation(gtp: list[dict], baseline: list[dict], tolerance: float) -> bool:
+def _report_validation(gtp: list[dict], baseline: list[dict], tolerance: float) -> bool:
     """Print each in-fit validation loss of both runs; True when they agree within
     ``tolerance`` (relative) at the same steps (or neither run validated)."""
     base = {r["step"]: r["val_loss"] for r in baseline}

@@ -26,7 +26,12 @@ from typing import Any
 
 
 def serialize(recipe: Any) -> str:
-    """A recipe (any nemo_run ``Buildable``) as the string :func:`run_recipes` takes."""
+    """A recipe (any nemo_run ``Buildable``) as the string :func:`run_recipes` takes.
+
+    Example::
+
+        run.Partial(run_recipes, recipes=[serialize(recipe)], cpu_compat=True)
+    """
     from nemo_run.core.serialization.zlib_json import ZlibJSONSerializer
 
     return ZlibJSONSerializer().serialize(recipe)
@@ -37,7 +42,7 @@ def run_recipes(recipes: list[str], store_dir: str = "", cpu_compat: bool = Fals
 
     ``cpu_compat``: enable :mod:`nemo_gtp.testing.cpu_compat` first (recipes adapted with
     :func:`nemo_gtp.testing.nemo_cpu.on_cpu`). ``store_dir`` is required with more than one
-    recipe (see the module docstring).
+    recipe (see the module docstring). Example: the module docstring.
     """
     import fiddle as fdl
     import torch.distributed as dist

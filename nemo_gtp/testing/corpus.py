@@ -15,7 +15,12 @@ from pathlib import Path
 
 
 def package_documents(min_chars: int = 400) -> list[tuple[str, str]]:
-    """``(distribution name, README text)`` of every installed distribution that has one."""
+    """``(distribution name, README text)`` of every installed distribution that has one.
+
+    Example::
+
+        name, text = package_documents()[0]
+    """
     seen, out = set(), []
     dists = sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"] or "")
     for dist in dists:
@@ -30,7 +35,8 @@ def package_documents(min_chars: int = 400) -> list[tuple[str, str]]:
 
 
 def write_package_corpus(path: str | Path, max_bytes: int = 400_000) -> int:
-    """Write up to ``max_bytes`` of package READMEs as JSONL (``{"text": ...}`` per line)."""
+    """Write up to ``max_bytes`` of package READMEs as JSONL (``{"text": ...}`` per line);
+    returns the number of documents. Example: the module docstring."""
     written = size = 0
     with open(path, "w", encoding="utf-8") as out:
         for _, text in package_documents():

@@ -36,7 +36,10 @@ def _set_if_known(cfg: Any, name: str, value: Any) -> None:
 
 
 def on_cpu(recipe: Any) -> Any:
-    """``recipe`` (changed in place and returned) for CPU processes (see the module list)."""
+    """``recipe`` (changed in place and returned) for CPU processes (see the module list).
+
+    Example: the module docstring.
+    """
     import fiddle as fdl
     import torch
     from nemo.collections.llm.gpt.model.base import local_layer_spec

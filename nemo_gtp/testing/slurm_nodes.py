@@ -24,12 +24,20 @@ from pathlib import Path
 
 
 def sbatch_exports(script: str) -> dict[str, str]:
-    """The ``export NAME=value`` lines of an sbatch script."""
+    """The ``export NAME=value`` lines of an sbatch script.
+
+    Example::
+
+        sbatch_exports("export LOGLEVEL=INFO\n")  # {"LOGLEVEL": "INFO"}
+    """
     return dict(re.findall(r"^export (\w+)=(\S*)$", script, flags=re.M))
 
 
 def node_commands(script: str, nodes: int, port: int, host: str = "127.0.0.1") -> list[list[str]]:
-    """The script's torchrun command once per node, as Slurm would expand it there."""
+    """The script's torchrun command once per node, as Slurm would expand it there.
+
+    Example: the module docstring.
+    """
     match = re.search(r"\btorchrun (.*)$", script, flags=re.M)
     if match is None:
         raise ValueError("no torchrun command in the sbatch script")
@@ -46,7 +54,8 @@ def run_nodes(
     commands: list[list[str]], env: dict[str, str], cwd: str | None = None, timeout: float = 600
 ) -> list[str]:
     """Start every node's agent, wait for all; returns each one's output. ``RuntimeError``
-    with the failing node's output tail when one exits non-zero or the timeout passes."""
+    with the failing node's output tail when one exits non-zero or the timeout passes.
+    Example: the module docstring."""
     procs = [
         subprocess.Popen(
             command,
