@@ -96,6 +96,10 @@ def test_with_gtp_keeps_settings_and_notes_each_fix(caplog: pytest.LogCaptureFix
         assert any(setting in note for note in notes), (setting, notes)
     built = fdl.build(strategy)  # the strategy's own checks pass
     assert built.gtp_size == 8 and built.gtp_config.pad_for_alignment == 32
+    again = with_gtp(gtp, num_weight_shards=4, prefetch_depth=2)  # a GTP recipe re-converted
+    assert again.trainer.strategy.num_weight_shards == 4
+    assert fdl.build(again.trainer.strategy.gtp_config).pad_for_alignment == 32  # kept
+    assert again.trainer.strategy.gtp_config.prefetch_depth == 2
 
 
 @pytest.mark.parametrize(
@@ -285,6 +289,29 @@ def test_indexed_data_holds_each_document_then_eod(corpus: dict[str, str]) -> No
     for i in (0, len(texts) - 1):
         assert data[i].tolist() == [*tokenizer.text_to_ids(texts[i]), tokenizer.eod]
     assert tokenizer.vocab_size == 512 and data[0].dtype.name == "uint16"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["build", "--input", "/nonexistent.jsonl", "--output-prefix", "x", "--tokenizer", "byte"],
+         "--input '/nonexistent.jsonl' does not exist"),
+        (["build", "--input", "c.jsonl", "--output-prefix", "x", "--tokenizer", "tiktoken:o200k"],
+         "unknown kind 'tiktoken'"),
+        (["build", "--input", "c.jsonl", "--output-prefix", "x", "--tokenizer", "sentencepiece:no"],
+         "python -m nemo_gtp.data tokenizer trains one"),
+        (["tokenizer", "--input", "c.jsonl", "--output", "t", "--vocab-size", "100"],
+         "--vocab-size=100 is too small"),
+    ],
+)  # fmt: skip
+def test_data_cli_rejects_bad_input(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nemo_gtp.data.__main__ import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m nemo_gtp.data: error: ") and message in err[-1], err
 
 
 # ------------------------------------------------------------------------------- launches

@@ -72,11 +72,9 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
 
 
 class _Conversion:
-    """One :func:`with_gtp` call: the recipe being edited and the notes it produced."""
+    """The notes of one :func:`with_gtp` call (logged once the conversion succeeded)."""
 
-    def __init__(self, recipe: Any, num_weight_shards: int) -> None:
-        self.recipe = recipe
-        self.num_weight_shards = num_weight_shards
+    def __init__(self) -> None:
         self.notes: list[str] = []
 
     def fix(self, cfg: Any, name: str, where: str, value: Any, why: str) -> None:
@@ -128,7 +126,7 @@ def with_gtp(
             "nl.MegatronStrategy (what NeMo's llm.*.pretrain_recipe factories return)"
         )
     out = copy.deepcopy(recipe)
-    conv = _Conversion(out, num_weight_shards)
+    conv = _Conversion()
     strategy = out.trainer.strategy
     args = dict(strategy.__arguments__)
     for key in ("num_weight_shards", "expert_num_weight_shards", "gtp_config"):
