@@ -1,4 +1,9 @@
-"""Run a recipe: ``python -m nemo_gtp.run configs/<recipe>.yaml [key=value ...]``.
+"""Run a recipe: ``python -m nemo_gtp.run configs/<recipe>.yaml [key=value ...]``, or a NeMo
+recipe: ``python -m nemo_gtp.run --recipe llama3_8b --num-weight-shards 8 [key=value ...]``.
+
+NeMo recipes (``--recipe``) are handled by :mod:`nemo_gtp.recipes.nemo_cli`: NeMo's
+``llm.<name>.pretrain_recipe``, NeMo-Run's overrides, :func:`nemo_gtp.recipes.with_gtp`, launched
+through NeMo-Run (torchrun here, or Slurm). The rest of this docstring is about YAML recipes.
 
 The recipe and the overrides are checked in this process before any worker starts
 (:mod:`nemo_gtp.recipes.validate`): a wrong key or value exits with one ``error:`` line naming
@@ -31,7 +36,7 @@ from pathlib import Path
 
 PROG = "python -m nemo_gtp.run"
 EPILOG = f"""\
-overrides (OmegaConf dot paths, checked before anything starts):
+YAML recipe overrides (OmegaConf dot paths, checked before anything starts):
   key=value             change a key the recipe has, e.g. trainer.max_steps=50
   +key=value            add a key, e.g. +trainer.seed=3 or +model.activation_func=silu
   +checkpoint.dir=DIR +checkpoint.every_n_train_steps=N
@@ -40,6 +45,19 @@ overrides (OmegaConf dot paths, checked before anything starts):
   strategy.num_weight_shards=TPxGTP
                         the GTP degree is num_weight_shards / tensor_model_parallel_size;
                         data.global_batch_size must be a multiple of micro_batch_size x DP x GTP
+
+NeMo recipes (--recipe NAME: nemo.collections.llm.recipes.NAME.pretrain_recipe):
+  overrides are NeMo-Run's dotted keys into the recipe, e.g. trainer.max_steps=10
+  model.config.num_layers=2 trainer.strategy.tensor_model_parallel_size=2; the recipe is
+  converted by nemo_gtp.recipes.with_gtp (settings GTP cannot honour are fixed with a note or
+  rejected) and launched through NeMo-Run: torchrun on this machine (--executor local; for
+  several nodes run the same command on each with MASTER_ADDR, MASTER_PORT, NODE_RANK set) or
+  sbatch (--executor slurm). Everything is checked before anything is launched.
+  {PROG} --recipe llama3_8b --num-weight-shards 8 trainer.max_steps=100
+  {PROG} --recipe nemotron4_15b --num-weight-shards 8 --nodes 2 --executor slurm \\
+      --slurm-account ACCT --slurm-partition batch --job-dir /lustre/me/runs --dryrun
+  {PROG} --recipe llama3_8b --num-weight-shards 8 --data data/corpus \\
+      --tokenizer sentencepiece:data/tok.model   # python -m nemo_gtp.data builds them
 
 examples:
   {PROG} configs/tiny_cpu.yaml --compare-baseline
@@ -59,13 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser (``--help`` documents overrides and examples)."""
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Train a NeMo GPT recipe with GTP (GTPMegatronStrategy); see configs/.",
+        description="Train with GTP (GTPMegatronStrategy): a YAML recipe of configs/, or one of "
+        "NeMo 2's own recipes (--recipe) launched through NeMo-Run.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("config", help="recipe YAML, e.g. configs/tiny_cpu.yaml")
     parser.add_argument(
-        "overrides", nargs="*", help="key=value or +key=value (see below), applied in order"
+        "args",
+        nargs="*",
+        metavar="[CONFIG.yaml] [key=value ...]",
+        help="a recipe YAML (e.g. configs/tiny_cpu.yaml; not with --recipe), then overrides: "
+        "key=value or +key=value for YAML, NeMo-Run's key=value for --recipe (see below)",
     )
     parser.add_argument(
         "--compare-baseline",
@@ -76,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--loss-log",
         metavar="FILE",
-        help='append rank 0\'s per-step {"step", "loss", "ms"} JSON lines to FILE',
+        help='append rank 0\'s per-step {"step", "loss", "ms"} JSON lines to FILE (with '
+        '--recipe, in-fit validation losses go to FILE\'s ".val" sibling)',
     )
     parser.add_argument(
         "--log-dir",
@@ -91,6 +114,53 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --compare-baseline: where to draw both runs' loss, step time, exposed GTP "
         "communication and memory (default: <log dir>/gtp_vs_baseline.png); the VERDICT line "
         "names it",
+    )
+    nemo = parser.add_argument_group("NeMo recipes (--recipe)")
+    nemo.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help="a NeMo pretraining recipe (llama3_8b, llama3_70b, nemotron4_15b, ...) or "
+        "module:factory returning one",
+    )
+    nemo.add_argument("--num-weight-shards", type=int, metavar="N", help="TP x GTP")
+    nemo.add_argument(
+        "--gtp",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a GTPConfig option, e.g. --gtp pad_for_alignment=16 (repeatable)",
+    )
+    nemo.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    nemo.add_argument("--devices", type=int, default=8, help="GPUs (processes) per node")
+    nemo.add_argument("--name", help="run name (default <recipe>_gtp)")
+    nemo.add_argument("--dir", help="NeMo log/checkpoint directory (default ./nemo_experiments)")
+    nemo.add_argument(
+        "--data",
+        action="append",
+        metavar="PREFIX",
+        help="train on megatron indexed data PREFIX.bin/.idx (NeMo's PreTrainingDataModule, "
+        "keeping the recipe's sequence length and batch sizes); repeat to blend",
+    )
+    nemo.add_argument(
+        "--tokenizer",
+        metavar="SPEC",
+        help="the tokenizer --data was built with: sentencepiece:PATH, huggingface:DIR, byte",
+    )
+    nemo.add_argument("--executor", choices=("local", "slurm"), default="local")
+    nemo.add_argument("--slurm-account")
+    nemo.add_argument("--slurm-partition")
+    nemo.add_argument("--slurm-time", default="04:00:00")
+    nemo.add_argument("--container-image")
+    nemo.add_argument("--job-dir", help="Slurm: NeMo-Run's job files, on a shared filesystem")
+    nemo.add_argument(
+        "--dryrun",
+        action="store_true",
+        help="check and write what would be launched (Slurm: the sbatch script), launch nothing",
+    )
+    nemo.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run the recipe on CPU processes with gloo (tests; nemo_gtp.testing.nemo_cpu)",
     )
     return parser
 
@@ -188,6 +258,26 @@ def _compare(
         print(f"training failed: {err}", flush=True)
         print("VERDICT: GTP did not match the baseline (training failed)", flush=True)
         return 1
+    precision = str(cfg.get("precision", "32"))  # type: ignore[attr-defined]
+    return report_comparison(logs, precision, plot, Path(config).stem, start, log_dirs=dirs)
+
+
+def report_comparison(
+    logs: dict[str, list[dict]],
+    precision: str,
+    plot: str | None,
+    stem: str,
+    start: float | None = None,
+    log_dirs: dict[str, Path] | None = None,
+) -> int:
+    """Print both loss curves side by side and the ``VERDICT:`` line; 0 when they match.
+
+    ``logs`` maps the GTP run's name, then the baseline's, to rank 0's per-step records. With
+    ``log_dirs`` (the same names to each run's TensorBoard directory) the report of both runs is
+    drawn to ``plot`` (default ``<GTP run's log dir>/../gtp_vs_baseline.png``). Example::
+
+        report_comparison({"GTP": gtp_log, "baseline": base_log}, "32", None, "tiny_cpu")
+    """
     names = list(logs)
     print(f"\n{'step':>5} | {names[0]:>22} | {names[1]:>22} | rel diff")
     by_step = [{r["step"]: r["loss"] for r in logs[n]} for n in names]
@@ -202,14 +292,14 @@ def _compare(
         )
     if logs[names[0]]:
         first, last = logs[names[0]][0]["loss"], logs[names[0]][-1]["loss"]
-        print(
-            f"\nGTP loss {first:.3f} -> {last:.3f} over {len(logs[names[0]])} steps; "
-            f"both runs took {time.perf_counter() - start:.0f} s"
-        )
-    precision = str(cfg.get("precision", "32"))  # type: ignore[attr-defined]
+        took = f"; both runs took {time.perf_counter() - start:.0f} s" if start else ""
+        print(f"\nGTP loss {first:.3f} -> {last:.3f} over {len(logs[names[0]])} steps{took}")
     ok, line = verdict(logs[names[0]], logs[names[1]], precision)
-    png = Path(plot or root / "gtp_vs_baseline.png").absolute()
-    gtp_dir, base_dir = dirs.values()
+    if not log_dirs:
+        print(line + "; plot skipped (no TensorBoard logs given)", flush=True)
+        return 0 if ok else 1
+    gtp_dir, base_dir = log_dirs.values()
+    png = Path(plot or Path(gtp_dir).parent / "gtp_vs_baseline.png").absolute()
     print(f"\nTensorBoard logs: {gtp_dir} and {base_dir}", flush=True)
     print(f"report: python -m nemo_gtp.report {gtp_dir} {base_dir} -o {png}", flush=True)
     try:
@@ -232,7 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_gtp.recipes.config import RecipeError
     from nemo_gtp.recipes.quiet import quiet_known_warnings
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)  # options may sit between the overrides
+    if args.recipe is not None:
+        from nemo_gtp.recipes.nemo_cli import main_recipe
+
+        args.overrides = args.args
+        return main_recipe(args)
+    if not args.args:
+        parser.error("give a recipe YAML (e.g. configs/tiny_cpu.yaml) or --recipe NAME")
+    args.config, args.overrides = args.args[0], args.args[1:]
     try:
         cfg = check(args.config, args.overrides)
     except RecipeError as err:  # a user error: one line, no traceback, before any worker

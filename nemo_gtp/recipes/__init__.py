@@ -1,8 +1,14 @@
-"""NeMo-style recipes: YAML files in ``configs/`` turned into a trainer, model and data (layer 3).
+"""Recipes (layer 3): NeMo 2's own recipes converted to GTP, and this repo's YAML recipes.
+
+``with_gtp(recipe, num_weight_shards=N, **gtp_options)`` takes what NeMo's
+``llm.<model>.pretrain_recipe(...)`` returns and gives it ``GTPMegatronStrategy``
+(:mod:`nemo_gtp.recipes.convert`); YAML files in ``configs/`` become a trainer, model and data
+(:mod:`nemo_gtp.recipes.loader`). Both run through ``python -m nemo_gtp.run``.
 
 Example::
 
-    python -m nemo_gtp.run configs/tiny_cpu.yaml trainer.max_steps=50 strategy.num_weight_shards=4
+    recipe = with_gtp(llm.llama3_8b.pretrain_recipe(name="gtp", num_gpus_per_node=8), 8)
+    run.run(recipe, executor=run.LocalExecutor(ntasks_per_node=8, launcher="torchrun"))
 """
 
 from typing import Any
@@ -17,6 +23,13 @@ def build_fit(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
     return _build_fit(*args, **kwargs)
 
 
+def with_gtp(recipe: Any, num_weight_shards: int, **kwargs: Any) -> Any:
+    """See :func:`nemo_gtp.recipes.convert.with_gtp` (imported lazily: it pulls in NeMo)."""
+    from nemo_gtp.recipes.convert import with_gtp as _with_gtp
+
+    return _with_gtp(recipe, num_weight_shards, **kwargs)
+
+
 def __getattr__(name: str) -> Any:
     """``SyntheticGPTDataModule`` / ``ArithmeticGPTDataModule``, imported on first use (NeMo)."""
     if name in ("ArithmeticGPTDataModule", "SyntheticGPTDataModule"):
@@ -26,4 +39,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'nemo_gtp.recipes' has no attribute {name!r}")
 
 
-__all__ = ["ArithmeticGPTDataModule", "SyntheticGPTDataModule", "build_fit", "load_recipe"]
+__all__ = [
+    "ArithmeticGPTDataModule",
+    "SyntheticGPTDataModule",
+    "build_fit",
+    "load_recipe",
+    "with_gtp",
+]

@@ -243,16 +243,27 @@ def model_checkpoint(
 class LossLog(pl.Callback):
     """Rank 0 appends ``{"step", "loss", "ms"[, "peak_gib"]}`` JSON lines to a file.
 
-    ``loss`` is NeMo's ``reduced_train_loss`` (averaged over the data-parallel ranks).
+    ``loss`` is NeMo's ``reduced_train_loss`` (averaged over the data-parallel ranks). With
+    ``val_path``, every in-fit validation also appends ``{"step", "val_loss"}`` there.
 
     Example::
 
         fit = build_fit(cfg, callbacks=[LossLog("losses.jsonl")])
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, val_path: str | None = None) -> None:
         self.path = path
+        self.val_path = val_path
         self._start = 0.0
+
+    def on_validation_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.val_path is None or trainer.global_rank != 0 or trainer.sanity_checking:
+            return
+        loss = trainer.callback_metrics.get("val_loss")
+        if loss is not None:
+            with open(self.val_path, "a") as f:
+                record = {"step": trainer.global_step, "val_loss": float(loss)}
+                f.write(json.dumps(record) + "\n")
 
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if torch.cuda.is_available():  # peak of this fit, not of an earlier one in the process

@@ -21,4 +21,11 @@ Nothing here is needed to train with GTP on GPUs; the product is ``nemo_gtp.engi
     Real ``nl.Trainer`` fits with ``GTPMegatronStrategy`` or plain ``MegatronStrategy`` in
     spawned CPU/gloo processes (strategy tests); ``shared_launch``: the fits of several test
     modules in one spawn.
+``nemo_cpu``
+    ``on_cpu(recipe)``: a NeMo 2 recipe (``llm.*.pretrain_recipe``) adapted to CPU processes
+    with gloo (``python -m nemo_gtp.run --recipe ... --cpu``).
+``corpus``
+    A small offline corpus: the READMEs of installed packages, as JSONL.
+``slurm_nodes``
+    The per-node torchrun command of a NeMo-Run Slurm script, run here as N "nodes".
 """

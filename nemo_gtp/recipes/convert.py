@@ -1,0 +1,427 @@
+"""``with_gtp``: a NeMo 2 recipe (``llm.*.pretrain_recipe``) with ``GTPMegatronStrategy``.
+
+NeMo's recipe factories return a nemo_run ``run.Partial`` of ``llm.pretrain`` (or
+``llm.finetune``) whose ``trainer.strategy`` is a ``run.Config(nl.MegatronStrategy, ...)``.
+:func:`with_gtp` returns a copy whose strategy is ``run.Config(GTPMegatronStrategy, ...)`` with
+every ``MegatronStrategy`` argument kept, ``num_weight_shards`` (= TP x GTP) and the
+``GTPConfig`` options added. Settings GTP cannot honour are fixed when the fix leaves the
+training maths unchanged (a logged note names each) and rejected otherwise (:class:`RecipeError`
+naming the setting), all before anything is launched (design §2.1 "Bad input", §3.2):
+
+===============================================  =================================================
+setting                                          under GTP (num_weight_shards > TP)
+===============================================  =================================================
+``ddp.average_in_collective=True``               -> False (NeMo's recipes set it; GTP pre-scales by
+                                                 1/(DP x GTP) and sums: the same mean, §3.2)
+``ddp.overlap_param_gather=True`` (and the       -> False (DDP's param all-gather pre-hook would
+optimizer's, ``MegatronCommOverlapCallback``'s)  race GTP's prefetch; a speed knob)
+``context_parallel_size > 1``                    -> 1 (CP with GTP is not supported yet; the CP
+                                                 ranks become data-parallel ranks, same loss)
+``num_distributed_optimizer_instances > 1``      -> 1 (§3.2)
+``use_tp_pp_dp_mapping=True``                    -> False (megatron's data group must be DP x GTP)
+``model.config.delay_wgrad_compute=True``        -> False (TE would skip GTP's wgrad finalize)
+MoE (``model.config.num_moe_experts``)           kept: dense GTP, experts whole unless
+                                                 ``expert_num_weight_shards`` > ETP (expert GTP:
+                                                 ``moe_grouped_gemm=True`` rejected, §1.4)
+``fsdp``, Megatron FSDP, ``ddp="pytorch"``       rejected (GTP needs megatron DDP)
+per-layer CUDA graphs                            rejected (the full-iteration graph is kept, §3.5)
+FP8 primary weights                              rejected (not implemented, §1.3)
+``save_ckpt_format`` other than ``torch_dist``   rejected (§3.3)
+===============================================  =================================================
+
+Batch arithmetic (design §3.1): GTP peers eat distinct microbatches like data-parallel ranks, so
+``global_batch_size = micro_batch_size x (DP x GTP) x microbatches`` with ``DP x GTP = world /
+(TP x CP x PP)``: NeMo's sampler sees megatron's data-parallel group, which is DP x GTP. A
+global batch that does not divide is rejected, naming ``data.global_batch_size``.
+
+Example::
+
+    from nemo.collections import llm
+    recipe = llm.llama3_8b.pretrain_recipe(name="gtp", dir="/ckpt", num_nodes=1,
+                                           num_gpus_per_node=8)
+    recipe = with_gtp(recipe, num_weight_shards=8)   # TP1 x GTP8, CP 2 -> 1 (noted)
+    run.run(recipe, executor=run.LocalExecutor(ntasks_per_node=8, launcher="torchrun"))
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import logging
+from typing import Any
+
+from nemo_gtp.recipes.config import RecipeError
+
+logger = logging.getLogger(__name__)
+
+
+def _cls_name(cfg: Any) -> str:
+    target = getattr(cfg, "__fn_or_cls__", None)
+    return getattr(target, "__name__", repr(target))
+
+
+def _is_config_of(cfg: Any, cls: type) -> bool:
+    target = getattr(cfg, "__fn_or_cls__", None)
+    return isinstance(target, type) and issubclass(target, cls)
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    """A ``run.Config`` argument, the target's default when unset (``default`` if it has none)."""
+    try:
+        return getattr(cfg, name)
+    except (AttributeError, TypeError):
+        return default
+
+
+class _Conversion:
+    """The notes of one :func:`with_gtp` call (logged once the conversion succeeded)."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def fix(self, cfg: Any, name: str, where: str, value: Any, why: str) -> None:
+        """Set ``cfg.name = value`` when it differs, with a note naming ``where``."""
+        old = _get(cfg, name)
+        if old == value or (old is None and value in (False, 1)):
+            return
+        setattr(cfg, name, value)
+        self.notes.append(f"{where}={old!r} -> {value!r} ({why})")
+
+
+def with_gtp(
+    recipe: Any,
+    num_weight_shards: int,
+    *,
+    expert_num_weight_shards: int | None = None,
+    **gtp_options: Any,
+) -> Any:
+    """``recipe`` (a NeMo recipe ``run.Partial``) with ``GTPMegatronStrategy``; a copy.
+
+    Args:
+        recipe: what ``llm.<model>.pretrain_recipe(...)`` (or ``finetune_recipe``) returns: a
+            ``run.Partial`` with ``trainer.strategy`` a ``run.Config`` of ``MegatronStrategy``
+            (or already of ``GTPMegatronStrategy``: its GTP settings are replaced).
+        num_weight_shards: shards per dense linear weight, TP x GTP (design §2.1); equal to
+            ``tensor_model_parallel_size`` keeps GTP off (the strategy is then plain
+            ``MegatronStrategy``, e.g. for a baseline or an MoE model).
+        expert_num_weight_shards: the expert twin; only ETP (expert GTP off) is supported.
+        **gtp_options: ``GTPConfig`` fields (design §2.4), e.g. ``pad_for_alignment=16``.
+
+    Returns a new ``run.Partial``; the argument is not changed. Raises :class:`RecipeError`
+    naming the setting for what GTP cannot honour (see the module table); logs one note per
+    setting it changed.
+
+    Example::
+
+        recipe = with_gtp(llm.nemotron4_15b.pretrain_recipe(num_nodes=2), num_weight_shards=8)
+    """
+    from nemo.lightning.pytorch.strategies import MegatronStrategy
+
+    from nemo_gtp.strategy import GTPMegatronStrategy
+
+    trainer = _get(recipe, "trainer")
+    strategy = _get(trainer, "strategy")
+    if not _is_config_of(strategy, MegatronStrategy):
+        raise RecipeError(
+            f"trainer.strategy is {_cls_name(strategy) if strategy is not None else None}: "
+            "with_gtp converts a recipe whose trainer.strategy is a run.Config of "
+            "nl.MegatronStrategy (what NeMo's llm.*.pretrain_recipe factories return)"
+        )
+    out = copy.deepcopy(recipe)
+    conv = _Conversion()
+    strategy = out.trainer.strategy
+    args = dict(strategy.__arguments__)
+    for key in ("num_weight_shards", "expert_num_weight_shards", "gtp_config"):
+        args.pop(key, None)  # re-converting a GTP recipe: this call's settings replace them
+    gtp_config = _gtp_config(gtp_options, _get(strategy, "gtp_config"))
+    new = _strategy_config(GTPMegatronStrategy, args)
+    tp = _get(new, "tensor_model_parallel_size", 1)
+    if isinstance(num_weight_shards, int) and isinstance(tp, int) and num_weight_shards > tp:
+        _fix_strategy(conv, new)  # before the sizes are checked: e.g. CP 2 -> 1
+    dims = _static_dims(new, num_weight_shards, expert_num_weight_shards)
+    if dims.gtp > 1:
+        _fix_model(conv, out)
+        _fix_callbacks_and_optim(conv, out)
+        _reject(out, new, dims.gtp, dims.egtp)
+        _check_replicated_sharding(out, new, gtp_config)
+    new.num_weight_shards = num_weight_shards
+    if expert_num_weight_shards is not None:
+        new.expert_num_weight_shards = expert_num_weight_shards
+    if gtp_config is not None:
+        new.gtp_config = gtp_config
+    out.trainer.strategy = new
+    check_batch_arithmetic(out, dims)
+    for note in conv.notes:
+        logger.warning("with_gtp: %s", note)
+    return out
+
+
+def _strategy_config(cls: type, args: dict[str, Any]) -> Any:
+    import nemo_run as run
+
+    return run.Config(cls, **args)
+
+
+def _static_dims(strategy: Any, shards: int, expert_shards: int | None) -> Any:
+    from nemo_gtp.engine import GTPParallelDims
+
+    try:
+        return GTPParallelDims(
+            world_size=None,
+            tensor_model_parallel_size=_get(strategy, "tensor_model_parallel_size", 1),
+            num_weight_shards=shards,
+            context_parallel_size=_get(strategy, "context_parallel_size", 1),
+            pipeline_model_parallel_size=_get(strategy, "pipeline_model_parallel_size", 1),
+            expert_model_parallel_size=_get(strategy, "expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=_get(strategy, "expert_tensor_parallel_size"),
+            expert_num_weight_shards=expert_shards,
+            num_distributed_optimizer_instances=_get(
+                strategy, "num_distributed_optimizer_instances", 1
+            ),
+        )
+    except ValueError as err:
+        raise RecipeError(f"trainer.strategy: {err}") from None
+
+
+def _gtp_config(options: dict[str, Any], existing: Any) -> Any:
+    """``run.Config(GTPConfig, ...)`` of ``options`` over an existing one; fields checked."""
+    import fiddle as fdl
+    import nemo_run as run
+
+    from nemo_gtp.engine import GTPConfig
+
+    fields = [f.name for f in dataclasses.fields(GTPConfig)]
+    for key in options:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise RecipeError(
+                f"GTP option {key}={options[key]!r} is not a GTPConfig field{hint}: known are "
+                f"{', '.join(fields)}"
+            )
+    merged: dict[str, Any] = {}
+    if isinstance(existing, fdl.Buildable):
+        merged.update(existing.__arguments__)
+    elif isinstance(existing, GTPConfig):
+        merged.update(dataclasses.asdict(existing))
+    merged.update(options)
+    if not merged:
+        return None
+    try:
+        GTPConfig(**merged)  # its own value checks name the field
+    except (TypeError, ValueError) as err:
+        raise RecipeError(str(err)) from None
+    return run.Config(GTPConfig, **merged)
+
+
+def _fix_strategy(conv: _Conversion, strategy: Any) -> None:
+    import fiddle as fdl
+
+    conv.fix(
+        strategy,
+        "context_parallel_size",
+        "trainer.strategy.context_parallel_size",
+        1,
+        "context parallelism with GTP is not supported yet; the CP ranks become data-parallel "
+        "ranks, activation memory per GPU grows with the sequence it now holds",
+    )
+    conv.fix(
+        strategy,
+        "use_tp_pp_dp_mapping",
+        "trainer.strategy.use_tp_pp_dp_mapping",
+        False,
+        "megatron's data-parallel group must be DP x GTP, design §3.1",
+    )
+    conv.fix(
+        strategy,
+        "num_distributed_optimizer_instances",
+        "trainer.strategy.num_distributed_optimizer_instances",
+        1,
+        "GTP needs one distributed-optimizer instance, design §3.2",
+    )
+    ddp = _get(strategy, "ddp", "megatron")
+    if isinstance(ddp, fdl.Buildable):
+        conv.fix(
+            ddp,
+            "average_in_collective",
+            "trainer.strategy.ddp.average_in_collective",
+            False,
+            "GTP pre-scales by 1/(DP x GTP) and sums: the same mean, design §3.2",
+        )
+        conv.fix(
+            ddp,
+            "overlap_param_gather",
+            "trainer.strategy.ddp.overlap_param_gather",
+            False,
+            "DDP's param all-gather pre-hook would race GTP's weight prefetch; a speed knob",
+        )
+        conv.fix(
+            ddp,
+            "num_distributed_optimizer_instances",
+            "trainer.strategy.ddp.num_distributed_optimizer_instances",
+            1,
+            "GTP needs one distributed-optimizer instance, design §3.2",
+        )
+        conv.fix(
+            ddp,
+            "delay_wgrad_compute",
+            "trainer.strategy.ddp.delay_wgrad_compute",
+            False,
+            "TE's delayed wgrad skips GTP's wgrad reduce-scatter",
+        )
+
+
+def _fix_model(conv: _Conversion, recipe: Any) -> None:
+    config = _get(_get(recipe, "model"), "config")
+    if config is None:
+        return
+    conv.fix(
+        config,
+        "delay_wgrad_compute",
+        "model.config.delay_wgrad_compute",
+        False,
+        "TE's delayed wgrad skips GTP's wgrad reduce-scatter, design §3.1 'The bridge'",
+    )
+
+
+def _fix_callbacks_and_optim(conv: _Conversion, recipe: Any) -> None:
+    from nemo.lightning.pytorch.callbacks.megatron_comm_overlap import MegatronCommOverlapCallback
+
+    for i, callback in enumerate(_get(recipe.trainer, "callbacks") or []):
+        if _is_config_of(callback, MegatronCommOverlapCallback):
+            # None lets the callback turn it on whenever DP > 1 (DP x GTP here).
+            if _get(callback, "overlap_param_gather") is not False:
+                old = _get(callback, "overlap_param_gather")
+                callback.overlap_param_gather = False
+                conv.notes.append(
+                    f"trainer.callbacks[{i}] (MegatronCommOverlapCallback).overlap_param_gather="
+                    f"{old!r} -> False (the callback would turn DDP's param all-gather overlap on;"
+                    " it races GTP's weight prefetch)"
+                )
+    optim_config = _get(_get(recipe, "optim"), "config")
+    if optim_config is not None:
+        for name in ("overlap_param_gather", "overlap_param_gather_with_optimizer_step"):
+            if name in optim_config.__arguments__:
+                conv.fix(
+                    optim_config,
+                    name,
+                    f"optim.config.{name}",
+                    False,
+                    "mirrors the DDP setting GTP turns off",
+                )
+
+
+def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
+    """Settings GTP cannot honour and that change what the user asked for."""
+    import fiddle as fdl
+
+    from nemo_gtp.strategy.cuda_graphs import cuda_graphs_enabled, full_iteration_graphs
+
+    shards = f"num_weight_shards={_get(strategy, 'tensor_model_parallel_size', 1) * gtp}"
+    off = "or leave GTP off (num_weight_shards = tensor_model_parallel_size)"
+    if _get(strategy, "fsdp") is not None:
+        raise RecipeError(
+            f"trainer.strategy.fsdp={_get(strategy, 'fsdp')!r} is not supported with GTP "
+            f"({shards}): set trainer.strategy.fsdp=None (GTP shards the large weights itself) "
+            f"{off}"
+        )
+    ddp = _get(strategy, "ddp", "megatron")
+    if isinstance(ddp, str) and ddp != "megatron":
+        raise RecipeError(
+            f"trainer.strategy.ddp={ddp!r} is not supported with GTP: use ddp='megatron' or a "
+            "megatron DistributedDataParallelConfig"
+        )
+    if isinstance(ddp, fdl.Buildable):
+        for name in ("use_megatron_fsdp", "use_custom_fsdp"):
+            if _get(ddp, name):
+                raise RecipeError(
+                    f"trainer.strategy.ddp.{name}=True (Megatron FSDP) is not supported with GTP: "
+                    f"set it False {off}"
+                )
+        if _get(ddp, "fp8_param_gather"):
+            raise RecipeError(
+                "trainer.strategy.ddp.fp8_param_gather=True (FP8 primary weights) is not "
+                f"supported with GTP: set it False {off}"
+            )
+    fmt = _get(strategy, "save_ckpt_format", "torch_dist")
+    if fmt != "torch_dist":
+        raise RecipeError(
+            f"trainer.strategy.save_ckpt_format={fmt!r} is not supported with GTP: set "
+            "trainer.strategy.save_ckpt_format=torch_dist (design §3.3)"
+        )
+    config = _get(_get(recipe, "model"), "config")
+    experts = _get(config, "num_moe_experts")
+    if experts and egtp > 1 and _get(config, "moe_grouped_gemm"):
+        raise RecipeError(
+            f"model.config.num_moe_experts={experts} with expert GTP={egtp}: expert GTP shards "
+            "SequentialMLP experts only; set model.config.moe_grouped_gemm=False, or leave "
+            "expert_num_weight_shards=None (experts whole, dense GTP on)"
+        )
+    if config is not None and cuda_graphs_enabled(config) and not full_iteration_graphs(config):
+        raise RecipeError(
+            "model.config enables per-layer CUDA graphs (cuda_graph_impl / enable_cuda_graph / "
+            "external_cuda_graph with cuda_graph_scope other than 'full_iteration'): not "
+            "supported with GTP yet (design §3.5); use model.config.cuda_graph_impl='local' "
+            f"with cuda_graph_scope='full_iteration', turn graphs off, {off}"
+        )
+    plugins = _get(recipe.trainer, "plugins")
+    for i, plugin in enumerate(plugins if isinstance(plugins, list) else [plugins]):
+        for name in ("fp8_param_gather", "fp8_params"):
+            if plugin is not None and _get(plugin, name):
+                where = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
+                raise RecipeError(
+                    f"{where}.{name}=True (FP8 primary weights) is not supported with GTP "
+                    f"(design §1.3): set it False {off}"
+                )
+
+
+def _check_replicated_sharding(recipe: Any, strategy: Any, gtp_config: Any) -> None:
+    import fiddle as fdl
+
+    if gtp_config is None or not _get(gtp_config, "shard_replicated_params_over_gtp"):
+        return
+    ddp = _get(strategy, "ddp", "megatron")
+    optim = _get(_get(recipe, "optim"), "config")
+    if not (isinstance(ddp, fdl.Buildable) and _get(ddp, "use_distributed_optimizer")) or not (
+        optim is None or _get(optim, "use_distributed_optimizer")
+    ):
+        raise RecipeError(
+            "GTP option shard_replicated_params_over_gtp=True shards optimizer state: set "
+            "trainer.strategy.ddp.use_distributed_optimizer=True and "
+            "optim.config.use_distributed_optimizer=True, or drop the option"
+        )
+
+
+def check_batch_arithmetic(recipe: Any, dims: Any) -> None:
+    """The world tiles the layout and ``data.global_batch_size`` divides into microbatches.
+
+    World = ``trainer.devices x trainer.num_nodes``; data-parallel ranks = DP x GTP (each GTP
+    peer eats its own microbatch, design §3.1). Raises :class:`RecipeError` naming the setting.
+    Example::
+
+        check_batch_arithmetic(recipe, GTPParallelDims(num_weight_shards=8))  # 8 GPUs: gbs % 8
+    """
+    trainer, data = recipe.trainer, _get(recipe, "data")
+    devices, nodes = _get(trainer, "devices", 1), _get(trainer, "num_nodes", 1)
+    devices, nodes = (int(v) if isinstance(v, str) and v.isdigit() else v for v in (devices, nodes))
+    if not isinstance(devices, int) or not isinstance(nodes, int):
+        return  # "auto" and friends: the strategy checks the world it finds
+    try:
+        dims = dims.with_world_size(devices * nodes)
+    except ValueError as err:
+        raise RecipeError(
+            f"num_weight_shards={dims.num_weight_shards} on trainer.devices x trainer.num_nodes "
+            f"= {devices} x {nodes} ranks: {err}"
+        ) from None
+    micro, batch = _get(data, "micro_batch_size"), _get(data, "global_batch_size")
+    if not isinstance(micro, int) or not isinstance(batch, int):
+        return
+    ranks = dims.data_parallel_size
+    if batch % (micro * ranks) != 0:
+        fixed = max(1, round(batch / (micro * ranks))) * micro * ranks
+        raise RecipeError(
+            f"data.global_batch_size={batch} must be a multiple of data.micro_batch_size x "
+            f"data-parallel ranks (DP x GTP = {dims.dp} x {dims.gtp}) = {micro} x {ranks} = "
+            f"{micro * ranks}: set data.global_batch_size={fixed}"
+        )
