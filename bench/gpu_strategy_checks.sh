@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks of the NeMo-level paths on 2 GPUs (results under $OUT), run on every GPU round:
+# GPU checks of the NeMo-level paths on 2 GPUs (results under $OUT), run on every GPU round
+# (0 and 0b need TransformerEngine: bench/te_build.sh):
 #  1. the ~1B recipe, GTP2 vs DP2 in one launch (run.py --compare-baseline), 20 steps;
 #  2. the ~125M recipe through GTPMegatronStrategy checkpoints: 20 steps with a ModelCheckpoint
 #     every 10, resume from step 10 at GTP2 (optimizer + data position restored), and the same
@@ -27,6 +28,11 @@ run() {  # name, timeout, command...
 #    vs DP2 (the path most GPU users take; it once crashed in the strategy's setup). Needs TE.
 python3 -c "import transformer_engine.pytorch" 2>/dev/null && run te_spec_compare 300 \
   python3 -m nemo_gtp.run configs/gpt_1b_te.yaml trainer.max_steps=10 model.num_layers=4 --compare-baseline
+# 0b. The full-iteration CUDA graph under GTP (TE's RNG tracker: needs TE): GTP2 with the graph
+#     vs eager GTP2 on the 1B TE recipe at 2k tokens per GPU; bench_nemo's table shows both step
+#     times and the loss curves (design §3.5).
+python3 -c "import transformer_engine.pytorch" 2>/dev/null && run full_iteration_graph 240 \
+  python3 bench/bench_nemo.py --modes gtp2_te@graph,gtp2_te --tokens 2048 --timed 10 --out "$OUT/graph"
 [ "$SKIP_1B" = 1 ] || [ "${COMPACT:-0}" = 1 ] || run gpt1b_compare 300 python3 -m nemo_gtp.run configs/gpt_1b.yaml trainer.max_steps=20 --compare-baseline
 [ "${COMPACT:-0}" = 1 ] || run gpt125m_full 150 python3 -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=20 \
   +checkpoint.dir=$CK +checkpoint.every_n_train_steps=10 $PS --loss-log "$OUT/full.jsonl"
