@@ -16,7 +16,11 @@ Modes (1B recipe, 24 layers, hidden 2048): ``dp2_local`` / ``gtp2_local``
 (``configs/gpt_1b_te.yaml``, NeMo's default TransformerEngine spec), ``mfsdp_te`` (plain
 ``MegatronStrategy`` with Megatron-FSDP, when this stack runs it: its error is recorded
 otherwise). Tokens per GPU T: sequence 2048 (1024 for T=1024), micro-batch T / sequence,
-global batch = micro-batch x 2.
+global batch = micro-batch x 2. A mode takes modifiers: ``gtp2_local@coalesce_mb=96`` (a
+``GTPConfig`` field), ``@model.key=value`` (any recipe key), ``@graph`` (megatron's
+full-iteration CUDA graph, TE's RNG tracker: needs TE); its baseline is its base mode's.
+Per fit the table also splits three steps into the host's time to issue forward + backward
+from an idle GPU and what the GPU still had to do after it (a GPU tail near 0: host-bound).
 """
 
 from __future__ import annotations
