@@ -304,7 +304,7 @@ def _check_sizes(raw: dict[str, Any]) -> None:
 
 
 def _check_moe(raw: dict[str, Any], dims: Any) -> None:
-    """Expert GTP needs routed experts the local way; MoE GTP runs cannot checkpoint yet."""
+    """Expert GTP needs routed experts the local way; MoE GTP recipes cannot checkpoint yet."""
     model = raw.get("model") or {}
     experts = model.get("num_moe_experts")
     if dims.egtp > 1 and not experts:
@@ -325,7 +325,8 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
         )
     if experts and dims.gtp_enabled and (raw.get("checkpoint") or raw.get("resume")):
         raise RecipeError(
-            "checkpoint / resume of MoE models under GTP is not supported yet: drop the "
+            "checkpoint / resume of MoE models under GTP is not supported yet through recipes "
+            "(megatron-level save_gtp_checkpoint handles SequentialMLP experts): drop the "
             "checkpoint section (and resume) or run without GTP"
         )
 
