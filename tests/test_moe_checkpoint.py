@@ -1,11 +1,12 @@
 """Checkpoints of MoE models under expert GTP (design §3.3 "Routed experts").
 
 A MoE GPT (megatron ``SequentialMLP`` experts) trained two steps at EP2·EGTP2 (distributed Adam)
-is saved, then loaded into freshly built models at other expert layouts: the same one, EP2 without
-expert GTP (expert DP2) and EP1·EGTP4. Every full expert weight (gathered over EGTP and EP, keyed
-by global expert id) must equal the saved one bit for bit, and two more training steps must
-reproduce the uninterrupted run's losses: bitwise at the same layout, within the 1e-5 parity
-tolerance at the others (which sum in another order). One 4-rank spawn runs every case.
+is saved, then loaded into freshly built models at other layouts: the same one, EP2 without
+expert GTP (expert DP2), EP1·EGTP4, and EP2·EGTP2 with dense GTP2. Every full weight (expert
+ones gathered over EGTP and EP, keyed by global expert id) must equal the saved one bit for bit,
+and two more training steps must reproduce the uninterrupted run's losses: bitwise at the same
+layout, within the 1e-5 parity tolerance at the others (which sum in another order). One 4-rank
+spawn runs every case.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ LOADS = {
     "ep2-egtp2": SAVED,
     "ep2-egtp1": dataclasses.replace(SAVED, egtp=1),  # plain MoE at EP2, expert DP2
     "ep1-egtp4": dataclasses.replace(SAVED, ep=1, egtp=4),
+    "gtp2-ep2-egtp2": dataclasses.replace(SAVED, gtp=2),  # dense GTP2 too: both axes shard
 }
 _STATE: dict[str, object] = {}
 

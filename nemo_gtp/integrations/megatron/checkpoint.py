@@ -13,7 +13,11 @@ weight. :func:`make_gtp_sharded_state_dict` post-processes it:
   different data, not replicas); every entry GTP does not shard (norms, biases, embeddings,
   ``_extra_state`` objects) folds ``gtp_rank`` into its TP coordinate, so exactly one GTP peer
   writes it — also in the distributed optimizer's ``fully_sharded_model_space`` format, which
-  zeroes the DP coordinate.
+  zeroes the DP coordinate;
+- routed experts (megatron ``SequentialMLP``) do the same on the expert grid: megatron already
+  put the global expert index (EP) and the ETP offset in their entries, the EGTP offset goes on
+  the rows as above, the DP coordinate is the expert replicate rank (EDP) and the EGTP rank folds
+  into the TP coordinate of the entries EGTP leaves whole (design §3.3 "Routed experts").
 
 Because the factory keeps the parameter as its ``data``, megatron's optimizers match their state
 to it by identity and re-key it (``optimizer.state.exp_avg.<key>`` ...), so master weights and
