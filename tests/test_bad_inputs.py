@@ -88,7 +88,15 @@ BAD_MOE_OVERRIDES = [
     (["model.moe_grouped_gemm=true"], "set model.moe_grouped_gemm=false"),
     (["model.num_moe_experts=3"], "model.num_moe_experts=3 must be a multiple of"),
     (["strategy.expert_num_weight_shards=8"], "change expert_num_weight_shards"),
-    (["+checkpoint.dir=c", "+checkpoint.every_n_train_steps=5"], "MoE models under GTP"),
+    (
+        [
+            "strategy.expert_num_weight_shards=null",
+            "model.moe_grouped_gemm=true",
+            "+checkpoint.dir=c",
+            "+checkpoint.every_n_train_steps=5",
+        ],
+        "grouped-GEMM MoE experts under GTP",
+    ),
 ]
 
 

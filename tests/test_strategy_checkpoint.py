@@ -45,6 +45,15 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
+_MOE_MODEL = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=48,
+    moe_token_dispatcher_type="allgather",
+    moe_grouped_gemm=False,
+)
+_MOE_STRATEGY = {"expert_model_parallel_size": 2, "expert_num_weight_shards": 2}
+
 # Launch 1 needs no fresh processes: it shares its spawn with test_strategy.py's 4-rank fits.
 # Paths are relative to the shared launch's directory.
 FIRST_LAUNCH = [
@@ -57,6 +66,18 @@ FIRST_LAUNCH = [
         checkpoint_every=10,
         checkpoint_dir="gtp_ckpts",
         weights_to="gtp_killed.pt",
+    ),
+    # MoE: dense GTP2 + EP2·EGTP2 (SequentialMLP experts), killed after 5 of 10 steps
+    Fit("moe_10", gtp=2, steps=10, model_kwargs=_MOE_MODEL, strategy_kwargs=_MOE_STRATEGY),
+    Fit(
+        "moe_killed",
+        gtp=2,
+        steps=10,
+        stop_after=5,
+        checkpoint_every=5,
+        checkpoint_dir="moe_ckpts",
+        model_kwargs=_MOE_MODEL,
+        strategy_kwargs=_MOE_STRATEGY,
     ),
     Fit(
         "plain_tp1",
@@ -79,6 +100,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     saved = sorted(p for p in ckpts.iterdir() if not p.name.startswith("."))
     assert len(saved) == 1, saved  # one ModelCheckpoint save, at step 10
     plain_ckpt = max(plain_ckpts.iterdir())
+    moe_saved = [p for p in (root / "moe_ckpts").iterdir() if not p.name.startswith(".")]
+    assert len(moe_saved) == 1, moe_saved
     truncated = root / "truncated" / saved[0].name
     shutil.copytree(saved[0], truncated)
     data_files = sorted((truncated / "weights").glob("*.distcp"))
@@ -111,6 +134,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             resume_from=str(root / "gtp_20_saved"),
             weights_to=str(root / "gtp_from_save.pt"),
         ),
+        Fit(
+            "moe_resume",
+            gtp=2,
+            steps=10,
+            resume_from=str(moe_saved[0]),
+            model_kwargs=_MOE_MODEL,
+            strategy_kwargs=_MOE_STRATEGY,
+        ),
         # last: a failed fit leaves the launch going, but nothing after it is worth the risk
         Fit("gtp_truncated", gtp=2, steps=20, resume_from=str(truncated), expect_error=True),
     ]
@@ -138,6 +169,16 @@ def test_resume_continues_the_uninterrupted_curve_exactly(runs: dict[str, Any]) 
     assert resumed["lrs"] == full["lrs"][10:]
     assert resumed["global_step"] == 20
     assert resumed["logged_consumed_samples"] == full["logged_consumed_samples"] == 20 * 8
+
+
+def test_moe_resume_continues_the_uninterrupted_curve_exactly(runs: dict[str, Any]) -> None:
+    """A MoE GPT at dense GTP2 + EP2·EGTP2 resumed from NeMo's step-5 checkpoint (expert shards,
+    expert distributed-optimizer state) continues the uninterrupted run bit for bit."""
+    full, resumed = runs["moe_10"], runs["moe_resume"]
+    assert len(full["losses"]) == 10 and len(resumed["losses"]) == 5
+    assert runs["moe_killed"]["losses"] == full["losses"][:5]
+    assert resumed["losses"] == full["losses"][5:], (resumed["losses"], full["losses"][5:])
+    assert resumed["grad_norms"] == full["grad_norms"][5:]
 
 
 def test_resume_at_another_gtp_size(runs: dict[str, Any]) -> None:

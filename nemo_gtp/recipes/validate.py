@@ -304,7 +304,8 @@ def _check_sizes(raw: dict[str, Any]) -> None:
 
 
 def _check_moe(raw: dict[str, Any], dims: Any) -> None:
-    """Expert GTP needs routed experts the local way; MoE GTP runs cannot checkpoint yet."""
+    """Expert GTP needs routed experts the local way; experts divide over EP; grouped-GEMM experts
+    cannot checkpoint under GTP yet (design §3.3 "Routed experts")."""
     model = raw.get("model") or {}
     experts = model.get("num_moe_experts")
     if dims.egtp > 1 and not experts:
@@ -323,10 +324,11 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
             f"model.num_moe_experts={experts} must be a multiple of "
             f"strategy.expert_model_parallel_size={dims.expert_model_parallel_size}"
         )
-    if experts and dims.gtp_enabled and (raw.get("checkpoint") or raw.get("resume")):
+    grouped = experts and model.get("moe_grouped_gemm")
+    if grouped and dims.gtp_enabled and (raw.get("checkpoint") or raw.get("resume")):
         raise RecipeError(
-            "checkpoint / resume of MoE models under GTP is not supported yet: drop the "
-            "checkpoint section (and resume) or run without GTP"
+            "checkpoint / resume of grouped-GEMM MoE experts under GTP is not supported yet: set "
+            "model.moe_grouped_gemm=false, or drop the checkpoint section (and resume)"
         )
 
 

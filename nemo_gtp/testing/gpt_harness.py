@@ -293,15 +293,16 @@ def build(run: Run) -> dict:
     return dict(model=model, ddp=ddp, optimizer=optimizer, groups=groups, device=device)
 
 
-def train_built(setup: dict, run: Run) -> dict:
-    """Run ``run.steps`` training steps on a :func:`build` result."""
+def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
+    """Run ``run.steps`` training steps on a :func:`build` result, from step ``first_step``
+    (each step's batches depend on its number: a resumed run continues the same data)."""
     model, ddp, optimizer = setup["model"], setup["ddp"], setup["optimizer"]
     groups, device = setup["groups"], setup["device"]
     data_rank = parallel_state.get_data_parallel_rank()
     named = [(n, p) for n, p in ddp.module.named_parameters()]
     out = {"losses": [], "grad_norms": [], "grads": {}, "weights": {}, "data_rank": data_rank}
     forward_backward = get_forward_backward_func()
-    for step in range(run.steps):
+    for step in range(first_step, first_step + run.steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         data = iter([_batch(step, m, data_rank, device) for m in range(MICROBATCHES)])
@@ -315,7 +316,7 @@ def train_built(setup: dict, run: Run) -> dict:
             forward_only=False,
         )
         out["losses"].append([float(r["lm loss"]) for r in reduced])
-        if step == 0 and not run.distopt:
+        if step == first_step and not run.distopt:
             out["grads"] = {n: full_tensor(p, p.main_grad, groups) for n, p in named}
         _, grad_norm, _ = optimizer.step()
         out["grad_norms"].append(float(grad_norm))

@@ -13,7 +13,11 @@ weight. :func:`make_gtp_sharded_state_dict` post-processes it:
   different data, not replicas); every entry GTP does not shard (norms, biases, embeddings,
   ``_extra_state`` objects) folds ``gtp_rank`` into its TP coordinate, so exactly one GTP peer
   writes it — also in the distributed optimizer's ``fully_sharded_model_space`` format, which
-  zeroes the DP coordinate.
+  zeroes the DP coordinate;
+- routed experts (megatron ``SequentialMLP``) do the same on the expert grid: megatron already
+  put the global expert index (EP) and the ETP offset in their entries, the EGTP offset goes on
+  the rows as above, the DP coordinate is the expert replicate rank (EDP) and the EGTP rank folds
+  into the TP coordinate of the entries EGTP leaves whole (design §3.3 "Routed experts").
 
 Because the factory keeps the parameter as its ``data``, megatron's optimizers match their state
 to it by identity and re-key it (``optimizer.state.exp_avg.<key>`` ...), so master weights and
@@ -79,21 +83,32 @@ def gtp_sharded_state_dict(
 def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | None) -> dict:
     """Rewrite megatron's model sharded state dict for GTP, in place; returns it.
 
-    Raises ``NotImplementedError`` for a MoE model under GTP (design §3.3 "Routed experts"):
-    its expert entries would need megatron's expert offsets composed with the EGTP offsets and
-    replica ids over the expert grid, which are not implemented yet.
+    Routed experts (megatron ``SequentialMLP``, design §3.3 "Routed experts") take the expert
+    grid: megatron already composed the expert index (EP offset) with the ETP offset; the EGTP
+    offset goes on the out_features axis as for dense GTP shards, and the replica id counts the
+    expert replicate group (EGTP peers hold different rows, expert-DP ranks are replicas).
     """
     if groups is not None and groups.dims.gtp_enabled:
-        _reject_routed_experts(sharded_state_dict)
+        _reject_grouped_experts(sharded_state_dict)
     gtp_rank, gtp_size = (0, 1) if groups is None else (groups.gtp_rank, groups.gtp_size)
     if groups is None:
         replicate_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        expert_rank = parallel_state.get_expert_data_parallel_rank()
+        egtp_rank, egtp_size = 0, 1
     else:
         replicate_rank = dist.get_rank(groups.replicate)
+        expert_rank = dist.get_rank(groups.expert_replicate)
+        egtp_rank, egtp_size = groups.expert_gtp_rank, groups.expert_gtp_size
 
     over_gtp = groups is not None and _replicated_params_over_gtp(sharded_state_dict)
+    expert_modules = _expert_module_keys(sharded_state_dict)
 
-    def fold(replica_id: ReplicaId, gtp_sharded: bool, state_over_gtp: bool = False) -> ReplicaId:
+    def fold(
+        replica_id: ReplicaId, gtp_sharded: bool, expert: bool, state_over_gtp: bool = False
+    ) -> ReplicaId:
+        rank, size, replica = (
+            (egtp_rank, egtp_size, expert_rank) if expert else (gtp_rank, gtp_size, replicate_rank)
+        )
         if isinstance(replica_id, tuple) and len(replica_id) == 3:
             if state_over_gtp:
                 # shard_replicated_params_over_gtp: megatron's own DP coordinate (over DP x GTP)
@@ -101,14 +116,15 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
                 # it, writes every GTP peer's distinct slice of the replicated params' state.
                 return replica_id
             pp, tp, _ = replica_id  # megatron's (PP, TP, DP); its DP coordinate counts GTP peers
-            return (pp, tp if gtp_sharded else tp * gtp_size + gtp_rank, replicate_rank)
-        if gtp_sharded or gtp_rank == 0:  # not megatron's layout: only keep GTP peers apart
+            return (pp, tp if gtp_sharded else tp * size + rank, replica)
+        if gtp_sharded or rank == 0:  # not megatron's layout: only keep GTP peers apart
             return replica_id
-        return (replica_id, gtp_rank)
+        return (replica_id, rank)
 
     def visit(value: Any) -> Any:
+        expert = _module_key(value) in expert_modules
         if isinstance(value, ShardedObject):
-            return replace(value, replica_id=fold(value.replica_id, False))
+            return replace(value, replica_id=fold(value.replica_id, False, expert))
         if isinstance(value, (ShardedTensor, ShardedTensorFactory)):
             row_map = _row_map(value)
             gtp_sharded = is_gtp_param(value.data)
@@ -120,8 +136,9 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
                         f"{value.key}: cannot describe this GTP-sharded entry "
                         f"({type(value).__name__}) to the checkpoint"
                     )
-                return replace(value, replica_id=fold(value.replica_id, False, over_gtp))
-            replica_id = fold(value.replica_id, gtp_sharded, over_gtp and not gtp_sharded)
+                return replace(value, replica_id=fold(value.replica_id, False, expert, over_gtp))
+            state_over_gtp = over_gtp and not gtp_sharded and not expert
+            replica_id = fold(value.replica_id, gtp_sharded, expert, state_over_gtp)
             return row_map.factory(value.key, value.data, replica_id)
         return value
 
@@ -129,15 +146,42 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
     return sharded_state_dict
 
 
-def _reject_routed_experts(sharded_state_dict: dict) -> None:
+def _reject_grouped_experts(sharded_state_dict: dict) -> None:
+    """Grouped-GEMM experts (``GroupedMLP``/``TEGroupedMLP``) under GTP are not described yet."""
     for value in nested_values(sharded_state_dict):
-        if is_expert_param(getattr(value, "data", None)):
+        key = getattr(value, "key", "")
+        if is_expert_param(getattr(value, "data", None)) and key.rsplit(".", 1)[-1] not in (
+            "weight",
+            "bias",
+        ):
             raise NotImplementedError(
-                f"checkpoints of MoE models under GTP are not supported yet ({value.key} is a "
-                "routed-expert weight; num_weight_shards / expert_num_weight_shards > TP / ETP): "
-                "train without checkpoints (no ModelCheckpoint, no ckpt_path), or use "
-                "nemo_gtp.full_state_dict for the weights"
+                f"checkpoints of grouped-GEMM MoE experts under GTP are not supported yet ({key}):"
+                " set moe_grouped_gemm=False (megatron SequentialMLP experts), or train without "
+                "checkpoints and use nemo_gtp.full_state_dict for the weights"
             )
+
+
+def _module_key(value: Any) -> str | None:
+    """The sharded key of the module an entry belongs to (``...experts.linear_fc1``)."""
+    key = getattr(value, "key", None)
+    return key.rsplit(".", 1)[0] if isinstance(key, str) else None
+
+
+def _expert_module_keys(sharded_state_dict: dict) -> set[str]:
+    """Module keys of the routed experts, whose entries live on the expert grid.
+
+    Tagged expert params (under GTP) and megatron's ``SequentialMLP`` keys (``...experts.<linear>``
+    also without GTP, where nothing is tagged); ``_extra_state`` objects carry no param to ask and
+    are matched by their module key.
+    """
+    keys = set()
+    for value in nested_values(sharded_state_dict):
+        key = _module_key(value)
+        if key is not None and (
+            is_expert_param(getattr(value, "data", None)) or "experts" in key.split(".")[:-1]
+        ):
+            keys.add(key)
+    return keys
 
 
 def _replicated_params_over_gtp(sharded_state_dict: dict) -> bool:
