@@ -311,13 +311,19 @@ def test_indexed_data_holds_each_document_then_eod(corpus: dict[str, str]) -> No
     ],
 )  # fmt: skip
 def test_data_cli_rejects_bad_input(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from nemo_gtp.data.__main__ import main
 
+    monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("python -m nemo_gtp.data: error: ") and message in err[-1], err
+    assert not list(tmp_path.iterdir())  # no partial x.bin left behind
 
 
 # ------------------------------------------------------------------------------- launches

@@ -28,8 +28,9 @@ def build_indexed_dataset(
     """Tokenize every document of ``inputs`` into ``output_prefix``.bin/.idx.
 
     ``tokenizer`` is a NeMo ``TokenizerSpec`` (:func:`nemo_gtp.data.tokenizers.load_tokenizer`).
-    Returns the number of documents and tokens written. Raises ``ValueError`` when the corpus
-    holds no document (an empty ``.bin`` would fail only at training time).
+    Returns the number of documents and tokens written. Raises ``ValueError`` when an input is
+    missing or malformed or the corpus holds no document (an empty ``.bin`` would fail only at
+    training time); the partial ``.bin`` is removed first.
     """
     import numpy
     import torch
@@ -46,19 +47,22 @@ def build_indexed_dataset(
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
     documents = tokens = 0
-    for text in read_documents(inputs, json_key):
-        ids = list(tokenizer.text_to_ids(text))
-        if eod is not None:
-            ids.append(eod)
-        if not ids:
-            continue
-        builder.add_item(torch.from_numpy(numpy.asarray(ids, dtype=numpy.int64)))
-        builder.end_document()
-        documents += 1
-        tokens += len(ids)
-    if documents == 0:
+    try:
+        for text in read_documents(inputs, json_key):
+            ids = list(tokenizer.text_to_ids(text))
+            if eod is not None:
+                ids.append(eod)
+            if not ids:
+                continue
+            builder.add_item(torch.from_numpy(numpy.asarray(ids, dtype=numpy.int64)))
+            builder.end_document()
+            documents += 1
+            tokens += len(ids)
+        if documents == 0:
+            raise ValueError(f"--input {list(inputs)}: no non-empty document found")
+    except BaseException:  # a missing input, a bad line, no document: no partial .bin left
         builder.data_file.close()
         Path(get_bin_path(prefix)).unlink(missing_ok=True)
-        raise ValueError(f"--input {list(inputs)}: no non-empty document found")
+        raise
     builder.finalize(get_idx_path(prefix))
     return {"documents": documents, "tokens": tokens, "prefix": prefix, "dtype": dtype.__name__}
