@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from nemo_gtp.engine.buffers import BufferKey, GTPWeightCache, WgradPool
+from nemo_gtp.engine.buffers import BufferKey, CacheSlot, GTPWeightCache, WgradPool
 from nemo_gtp.engine.collectives import GroupCollectives, reduce_scatter_wgrad
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.copy_engine import (
@@ -471,15 +471,20 @@ class GTPRuntime:
             slot.pull_plan = self._mirror.pull_plan(buffer, param)
             slot.pull_work = slot.pull_work or EventWork(self._mirror.ops)
 
-    def _issue(self, param: GTPShardedParam, slot: GatherSlot, *, async_op: bool) -> bool:
-        if self.gather_backend is None:
-            with torch.inference_mode(False):  # the copy-engine mirror's buffers, likewise
-                self._resolve_gather_backend(param.device)
+    def _cache_of(self, param: GTPShardedParam, slot: GatherSlot) -> CacheSlot:
+        """``slot``'s cache slot, bound at its first gather (outside inference mode: the buffer
+        and the cached views outlive an evaluation loop that ran the first gather)."""
         cache = slot.cache
         if cache is None or cache.buffer is None:
-            with torch.inference_mode(False):  # the cached views outlive an evaluation loop
+            with torch.inference_mode(False):
                 self._bind(param, slot)
             cache = slot.cache
+        return cache
+
+    def _issue(self, param: GTPShardedParam, slot: GatherSlot, *, async_op: bool) -> bool:
+        if self.gather_backend is None:
+            self._resolve_gather_backend(param.device)
+        cache = self._cache_of(param, slot)
         if cache.try_acquire(slot):
             buffer, full = cache.buffer, slot.cache_full
             if self._use_mirror:
@@ -529,8 +534,7 @@ class GTPRuntime:
         if its cache slot is held); the others are prefetches, skipped when their buffer is held.
         """
         if self.gather_backend is None:
-            with torch.inference_mode(False):  # as in _issue
-                self._resolve_gather_backend(self.params[unit[0].index].device)
+            self._resolve_gather_backend(self.params[unit[0].index].device)
         if self._use_mirror:  # copy-engine pulls are per weight anyway
             for slot in unit:
                 if slot.state is _NONE:
@@ -544,11 +548,7 @@ class GTPRuntime:
             if slot.state is not _NONE:
                 continue
             param = self.params[slot.index]
-            cache = slot.cache
-            if cache is None or cache.buffer is None:
-                with torch.inference_mode(False):  # as in _issue
-                    self._bind(param, slot)
-                cache = slot.cache
+            cache = self._cache_of(param, slot)
             if cache.try_acquire(slot):
                 members.append(slot)
                 buffers.append(cache.buffer)
@@ -578,10 +578,12 @@ class GTPRuntime:
 
         Every GTP peer reaches its first gather at the same point of the same program, so the
         agreement (and the symmetric-memory rendezvous that follows) are collective-safe here.
+        The copy-engine mirror's buffers are made outside inference mode (they outlive it).
         """
         backend = self._choose_gather_backend(device)
         if backend is GatherBackend.COPY_ENGINE:
-            self._mirror = SymmetricShardMirror(self.params, self.group)
+            with torch.inference_mode(False):
+                self._mirror = SymmetricShardMirror(self.params, self.group)
         self.gather_backend = backend
         self._use_mirror = backend is GatherBackend.COPY_ENGINE
         for param in self.params:  # cache bindings carry backend-specific plans
