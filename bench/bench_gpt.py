@@ -85,11 +85,12 @@ FULL_RECOMPUTE = dict(
 
 
 def model_config(
-    args: argparse.Namespace, device: str = "cuda", recompute: bool = False
+    args: argparse.Namespace, device: str = "cuda", recompute: bool = False, bias: bool = False
 ) -> TransformerConfig:
     """The benchmark GPT's config: ``args.layers/hidden/heads`` (``args.ffn``, default 4 x
-    hidden), bf16, local-spec friendly (no fusions), no dropout. On ``device="cpu"`` the weights
-    are initialized on the host (megatron's default initializes them on the GPU)."""
+    hidden), bf16, local-spec friendly (no fusions), no dropout, linear biases if ``bias``. On
+    ``device="cpu"`` the weights are initialized on the host (megatron's default initializes
+    them on the GPU)."""
     return TransformerConfig(
         num_layers=args.layers,
         hidden_size=args.hidden,
@@ -98,7 +99,7 @@ def model_config(
         use_cpu_initialization=device == "cpu",
         bf16=True,
         params_dtype=torch.bfloat16,
-        add_bias_linear=False,
+        add_bias_linear=bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         masked_softmax_fusion=False,

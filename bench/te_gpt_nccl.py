@@ -38,6 +38,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from bench_gpt import model_config  # the same benchmark GPT (run from bench/, on sys.path)
 from host_profile import write_host_profile
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
@@ -49,7 +50,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from nemo_gtp.engine import GTPConfig, GTPShardedParam, is_gtp_param
@@ -124,28 +124,6 @@ def _count(name: str) -> None:
     setattr(GTPShardedParam, name, counted)
 
 
-def model_config(args: argparse.Namespace, bias: bool) -> TransformerConfig:
-    return TransformerConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        ffn_hidden_size=4 * args.hidden,
-        num_attention_heads=args.heads,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        add_bias_linear=bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        cross_entropy_loss_fusion=False,
-    )
-
-
 def layer_spec(kind: str):  # noqa: ANN201
     return (
         get_gpt_layer_with_transformer_engine_spec()
@@ -162,7 +140,7 @@ def reference_weights(args: argparse.Namespace, kind: str, bias: bool) -> dict:
     if (kind, bias) not in _REFERENCE:
         _seed(1234)
         torch.manual_seed(1234)
-        model = GPTModel(model_config(args, bias), layer_spec(kind), args.vocab, args.seq)
+        model = GPTModel(model_config(args, bias=bias), layer_spec(kind), args.vocab, args.seq)
         model = model.to(DEVICE)
         _REFERENCE[(kind, bias)] = {n: p.detach().clone() for n, p in model.named_parameters()}
         del model
@@ -202,7 +180,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     kind, gtp, presharded, fused, bias = MODES[mode]
     steps = args.bias_steps if bias else args.steps
     groups = gtp_groups(Run(gtp=gtp))
-    config = model_config(args, bias)
+    config = model_config(args, bias=bias)
     reference = reference_weights(args, kind, bias)
     gtp_config = GTPConfig()
     spec = layer_spec(kind)
@@ -379,7 +357,7 @@ def checks(args: argparse.Namespace) -> dict:
     groups = gtp_groups(Run(gtp=2))
     classes = presharded_classes()
     out["presharded_classes"] = sorted(c.__name__ for c in classes.values())
-    config = copy.copy(model_config(args, False))
+    config = copy.copy(model_config(args, bias=False))
     config.delay_wgrad_compute = True  # megatron's own check allows it only with MoE overlap
     cls = next(c for b, c in classes.items() if b.__name__ == "TEColumnParallelLinear")
     try:
