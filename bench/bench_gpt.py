@@ -114,6 +114,32 @@ def model_config(
     )
 
 
+def make_optimizer(
+    ddp: object, *, pg_collection: object = None, lr: float = 1e-4, fused: bool = False
+) -> object:
+    """The benchmarks' optimizer: megatron's distributed Adam (bf16, weight decay 0.01, clip 1),
+    over ``pg_collection`` when given; ``fused``: torch's fused AdamW / foreach norm kernels
+    (``torch_optimizer_kernels``) so every mode runs the same optimizer kernels."""
+    groups = {} if pg_collection is None else {"pg_collection": pg_collection}
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=0.01,
+            bf16=True,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+        ),
+        [ddp],
+        use_gloo_process_groups=False,
+        **groups,
+    )
+    if fused:
+        install_torch_kernels()
+        fuse_adam(optimizer)
+    return optimizer
+
+
 def seed_model_parallel(device: str, seed: int = 1234) -> None:
     """megatron's model-parallel RNG seeding on ``device`` (the CPU variant needs cpu_compat)."""
     if device == "cuda":
@@ -179,22 +205,9 @@ def build(
         grad_reduce_in_fp32=True,
     )
     ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-4,
-            weight_decay=0.01,
-            bf16=True,
-            use_distributed_optimizer=True,
-            clip_grad=1.0,
-        ),
-        [ddp],
-        use_gloo_process_groups=False,
-        pg_collection=pgs,
+    optimizer = make_optimizer(
+        ddp, pg_collection=pgs, fused=args.optimizer_kernels == "torch_fused"
     )
-    if args.optimizer_kernels == "torch_fused":
-        install_torch_kernels()
-        fuse_adam(optimizer)
     finalize = make_finalize_model_grads(groups)
 
     def step(batch: dict, marks: list | None = None) -> float:

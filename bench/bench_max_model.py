@@ -359,9 +359,7 @@ def build_megatron_fsdp(args: argparse.Namespace, world: int, device: str):
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
-    from torch_optimizer_kernels import fuse_adam, install_torch_kernels
 
     from nemo_gtp.engine import GTPParallelDims
     from nemo_gtp.integrations.megatron import initialize_gtp_parallel
@@ -383,21 +381,7 @@ def build_megatron_fsdp(args: argparse.Namespace, world: int, device: str):
         bucket_size=max(40_000_000, 1_000_000 * world),  # Megatron-LM's default
     )
     ddp = FullyShardedDataParallel(config, ddp_config, model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-4,
-            weight_decay=0.01,
-            bf16=True,
-            use_distributed_optimizer=True,
-            clip_grad=1.0,
-        ),
-        [ddp],
-        use_gloo_process_groups=False,
-    )
-    if args.optimizer_kernels == "torch_fused":
-        install_torch_kernels()
-        fuse_adam(optimizer)
+    optimizer = bench_gpt.make_optimizer(ddp, fused=args.optimizer_kernels == "torch_fused")
 
     def step(batch: dict, marks: list | None = None) -> float:
         ddp.zero_grad_buffer()

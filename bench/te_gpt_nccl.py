@@ -38,7 +38,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from bench_gpt import model_config  # the same benchmark GPT (run from bench/, on sys.path)
+from bench_gpt import (  # the same benchmark GPT (run from bench/, on sys.path)
+    make_optimizer,
+    model_config,
+)
 from host_profile import write_host_profile
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
@@ -47,7 +50,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
@@ -213,19 +215,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         model,
         pg_collection=pgs,
     )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=args.lr,
-            weight_decay=0.01,
-            bf16=True,
-            use_distributed_optimizer=True,
-            clip_grad=1.0,
-        ),
-        [ddp],
-        use_gloo_process_groups=False,
-        pg_collection=pgs,
-    )
+    optimizer = make_optimizer(ddp, pg_collection=pgs, lr=args.lr)
     config.finalize_model_grads_func = make_finalize_model_grads(groups)
     config.no_sync_func = ddp.no_sync
     data_rank = parallel_state.get_data_parallel_rank()
