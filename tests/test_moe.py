@@ -18,7 +18,7 @@ import pytest
 from nemo_gtp.engine import GTPParallelDims
 from nemo_gtp.testing.gpt_harness import Run, assert_parity, gtp_groups, rel_err, train
 from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
-from nemo_gtp.testing.strategy_harness import Fit, shared_launch
+from nemo_gtp.testing.strategy_harness import MOE_MODEL, Fit, shared_launch
 
 MOE = Run(experts=4, topk=2, hidden=32, ffn=64, moe_ffn=48, steps=6)
 
@@ -296,14 +296,7 @@ def test_refusals_name_the_setting(four_ranks: dict[str, list[Outcome]]) -> None
 
 
 # ------------------------------------------------------------------------------ NeMo Trainer
-_MOE_MODEL = dict(
-    num_moe_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=48,
-    moe_token_dispatcher_type="allgather",
-    moe_grouped_gemm=False,
-    moe_aux_loss_coeff=0.01,
-)
+_MOE_MODEL = {**MOE_MODEL, "moe_aux_loss_coeff": 0.01}
 NEMO_FITS = [
     Fit("moe_base_ep2", model_kwargs=_MOE_MODEL, strategy_kwargs={"expert_model_parallel_size": 2}),
     Fit(

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_gtp.testing.strategy_harness import Fit, run_fits, shared_launch
+from nemo_gtp.testing.strategy_harness import MOE_MODEL, Fit, run_fits, shared_launch
 
 WORLD = 4
 
@@ -45,13 +45,6 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
-_MOE_MODEL = dict(
-    num_moe_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=48,
-    moe_token_dispatcher_type="allgather",
-    moe_grouped_gemm=False,
-)
 _MOE_STRATEGY = {"expert_model_parallel_size": 2, "expert_num_weight_shards": 2}
 
 # Launch 1 needs no fresh processes: it shares its spawn with test_strategy.py's 4-rank fits.
@@ -68,7 +61,7 @@ FIRST_LAUNCH = [
         weights_to="gtp_killed.pt",
     ),
     # MoE: dense GTP2 + EP2·EGTP2 (SequentialMLP experts), killed after 5 of 10 steps
-    Fit("moe_10", gtp=2, steps=10, model_kwargs=_MOE_MODEL, strategy_kwargs=_MOE_STRATEGY),
+    Fit("moe_10", gtp=2, steps=10, model_kwargs=MOE_MODEL, strategy_kwargs=_MOE_STRATEGY),
     Fit(
         "moe_killed",
         gtp=2,
@@ -76,7 +69,7 @@ FIRST_LAUNCH = [
         stop_after=5,
         checkpoint_every=5,
         checkpoint_dir="moe_ckpts",
-        model_kwargs=_MOE_MODEL,
+        model_kwargs=MOE_MODEL,
         strategy_kwargs=_MOE_STRATEGY,
     ),
     Fit(
@@ -139,7 +132,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             gtp=2,
             steps=10,
             resume_from=str(moe_saved[0]),
-            model_kwargs=_MOE_MODEL,
+            model_kwargs=MOE_MODEL,
             strategy_kwargs=_MOE_STRATEGY,
         ),
         # last: a failed fit leaves the launch going, but nothing after it is worth the risk

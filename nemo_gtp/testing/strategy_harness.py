@@ -30,6 +30,15 @@ from nemo_gtp.testing.spawn import COLLECTIVE_TIMEOUT_S
 VOCAB, SEQ, MBS, GBS, STEPS = 128, 16, 2, 8, 10
 VAL_BATCHES = 2  # validation / test steps per evaluation (each a global batch of GBS samples)
 BANNER_PREFIX = "GTP enabled."
+# A tiny MoE for Fit.model_kwargs: 4 SequentialMLP experts (expert GTP's kind), top-2, the
+# allgather dispatcher (the alltoall one needs CUDA events).
+MOE_MODEL = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=48,
+    moe_token_dispatcher_type="allgather",
+    moe_grouped_gemm=False,
+)
 
 
 @dataclass(frozen=True)
