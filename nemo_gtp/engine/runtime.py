@@ -725,15 +725,7 @@ class GTPRuntime:
             recv = None
             work = self._rs_ops.reduce_scatter(output, scratch, average=self._average_in_collective)
         rs.issued(work, scratch, output, recv)
-        sync = state.is_head or not self.config.async_reduction
-        stats = self.stats
-        stats.reduce_scatters += 1
-        stats.reduce_scatter_bytes += (
-            scratch.numel() * scratch.element_size() * (self.size - 1) // self.size
-        )
-        if self.trace is not None:
-            self.record("rs_issue_sync" if sync else "rs_issue_async", param, _BWD)
-        self._after_reduce_scatter((param,), sync)
+        self._after_reduce_scatter((param,), state.is_head or not self.config.async_reduction)
 
     def _flush_staged(self) -> None:
         """Reduce-scatter the staged wgrads of one unit in one collective."""
@@ -750,19 +742,23 @@ class GTPRuntime:
             work = self._rs_ops.reduce_scatter_coalesced(outputs, scratches, average=average)
         shared = SharedWork()
         shared.work = work
-        sync = not self.config.async_reduction or any(p.gtp_state.is_head for p in params)
-        stats = self.stats
         for param, output, scratch in zip(params, outputs, scratches):
             param.gtp_state.rs.issued(shared, scratch, output, None)
+        sync = not self.config.async_reduction or any(p.gtp_state.is_head for p in params)
+        self._after_reduce_scatter(params, sync)
+
+    def _after_reduce_scatter(self, params: tuple[GTPShardedParam, ...], sync: bool) -> None:
+        """Count and trace the reduce-scatter just issued for ``params``, finalize the previous
+        one (the one-step deferral), and finalize these at once when ``sync``."""
+        stats = self.stats
+        for param in params:
+            scratch = param.gtp_state.rs.scratch
             stats.reduce_scatters += 1
             stats.reduce_scatter_bytes += (
                 scratch.numel() * scratch.element_size() * (self.size - 1) // self.size
             )
             if self.trace is not None:
                 self.record("rs_issue_sync" if sync else "rs_issue_async", param, _BWD)
-        self._after_reduce_scatter(params, sync)
-
-    def _after_reduce_scatter(self, params: tuple[GTPShardedParam, ...], sync: bool) -> None:
         pending = self._pending_rs
         if pending:  # the one-step-deferred finalize of the previous weight(s) or unit
             for previous in pending:
