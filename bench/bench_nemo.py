@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -85,8 +86,9 @@ def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
     """``base[@key=value...]`` → (config, overrides, baseline mode); each ``@key=value`` is a
     ``GTPConfig`` field (``gtp2_local@coalesce_mb=64@prefetch_depth=2``), or, with a dot, any
     recipe key (``@model.cuda_graph_scope=full_iteration``). A modified mode's baseline is its
-    base mode's baseline, or ``base@graph`` when the modifiers include ``@graph`` (below)."""
-    base, *knobs = mode.split("@")
+    base mode's baseline, or ``base@graph`` when the modifiers include ``@graph`` (below).
+    ``mode#k`` is repeat k of ``mode`` (``--repeat``); its baseline is the baseline's repeat k."""
+    base, *knobs = mode.split("#")[0].split("@")
     config, overrides = MODES[base]
     extra = []
     for knob in knobs:
@@ -97,6 +99,8 @@ def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
     baseline = BASELINE.get(base)
     if baseline and "graph" in knobs:
         baseline += "@graph"
+    if baseline and "#" in mode:
+        baseline += "#" + mode.split("#")[1]
     return config, [*overrides, *extra], baseline
 
 
@@ -131,6 +135,7 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             self.records: list[dict] = []
             self.exposed: dict[str, float] = {}
             self.split: list[dict[str, float]] = []
+            self.gtp_stats: dict[str, int] = {}  # CommStats of the last split-window step
             self.torch_profile: dict = {}
             self.host_profile = ""
             self._start = 0.0
@@ -194,6 +199,9 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             if w["host"] and step == w["host"].start:
                 self._prof = cProfile.Profile()
                 self._prof.enable()
+            if step in w["split"]:
+                for runtime in gtp_runtimes(trainer):
+                    runtime.stats.reset()
             torch.cuda.synchronize()
             self._start = time.perf_counter()
 
@@ -213,6 +221,11 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
                     "loss": float(loss) if loss is not None else None,
                 }
             )
+            if step in w["split"]:  # gathers, prefetches, skipped prefetches, fallbacks
+                self.gtp_stats = {}
+                for runtime in gtp_runtimes(trainer):
+                    for key, value in dataclasses.asdict(runtime.stats).items():
+                        self.gtp_stats[key] = self.gtp_stats.get(key, 0) + value
             if step == w["exposed"].stop - 1:
                 for runtime in gtp_runtimes(trainer):
                     for kind, seconds in runtime.wait_timer.collect().items():
@@ -236,17 +249,36 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
 def _summarize_torch_profile(prof, steps: int, step_ms: list[float]) -> dict:
     """GPU busy time per step (union of kernel / memcpy intervals on each stream's device),
     against the step's wall time: idle = wall - busy is time the GPU waited for the host."""
-    intervals = []
+    intervals, nccl = [], []
     for event in prof.events():
         if (
             getattr(event, "device_type", None) is not None
             and str(event.device_type).endswith("CUDA")
             and event.time_range.end > event.time_range.start
         ):
-            intervals.append((event.time_range.start, event.time_range.end))
-    intervals.sort()
+            span = (event.time_range.start, event.time_range.end)
+            (nccl if "nccl" in event.name.lower() else intervals).append(span)
+    per_step = 1000 * steps
+    wall_ms = statistics.mean(step_ms) if step_ms else float("nan")
+    busy_ms = _union_us(intervals + nccl) / per_step
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    return {
+        "gpu_busy_ms_per_step": round(busy_ms, 2),
+        # the same GEMMs and kernels in every mode: slower here = SMs shared with NCCL kernels
+        "compute_kernel_ms_per_step": round(sum(e - s for s, e in intervals) / per_step, 2),
+        "compute_busy_ms_per_step": round(_union_us(intervals) / per_step, 2),
+        # NCCL kernel time includes spinning while a peer has not arrived yet
+        "nccl_kernel_ms_per_step": round(sum(e - s for s, e in nccl) / per_step, 2),
+        "wall_ms_per_step": round(wall_ms, 2),
+        "gpu_idle_fraction": round(max(0.0, 1 - busy_ms / wall_ms), 3),
+        "top_cpu_ops": table,
+    }
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
     busy, current = 0.0, None
-    for start, end in intervals:
+    for start, end in sorted(intervals):
         if current is None or start > current[1]:
             if current is not None:
                 busy += current[1] - current[0]
@@ -255,15 +287,7 @@ def _summarize_torch_profile(prof, steps: int, step_ms: list[float]) -> dict:
             current[1] = max(current[1], end)
     if current is not None:
         busy += current[1] - current[0]
-    busy_ms = busy / 1000 / steps
-    wall_ms = statistics.mean(step_ms) if step_ms else float("nan")
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    return {
-        "gpu_busy_ms_per_step": round(busy_ms, 2),
-        "wall_ms_per_step": round(wall_ms, 2),
-        "gpu_idle_fraction": round(max(0.0, 1 - busy_ms / wall_ms), 3),
-        "top_cpu_ops": table,
-    }
+    return busy
 
 
 def _rank_main(spec_path: str) -> None:
@@ -306,6 +330,7 @@ def _rank_main(spec_path: str) -> None:
                 if steps.split
                 else {},
                 torch_profile={k: v for k, v in steps.torch_profile.items() if k != "top_cpu_ops"},
+                gtp_stats_per_step=steps.gtp_stats,
             )
             if rank == 0 and run["profile"]:
                 name = f"{run['mode']}_{run['tokens_per_gpu']}"
@@ -333,14 +358,15 @@ def _report(records: list[dict], out: Path) -> str:
     lines = [
         "| mode | tokens/GPU | step ms | vs baseline | tokens/s/GPU | peak GiB | "
         "exposed gather / RS ms | host issue / GPU tail ms | GPU idle | "
+        "compute / NCCL kernel ms | skipped prefetch / fallback | "
         "max loss rel diff vs baseline |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         if "error" in r:
             lines.append(
                 f"| {r['mode']} | {r['tokens_per_gpu']} | failed: {r['error'][:160]} "
-                "| | | | | | | |"
+                "| | | | | | | | | |"
             )
             continue
         base_mode = resolve_mode(r["mode"])[2] or ""
@@ -358,19 +384,61 @@ def _report(records: list[dict], out: Path) -> str:
         idle = r.get("torch_profile", {}).get("gpu_idle_fraction")
         split = r.get("split_ms", {})
         split_text = f"{split['host_issue_ms']:.1f} / {split['gpu_tail_ms']:.1f}" if split else ""
+        prof = r.get("torch_profile", {})
+        kernels = (
+            f"{prof['compute_kernel_ms_per_step']:.1f} / {prof['nccl_kernel_ms_per_step']:.1f}"
+            if "nccl_kernel_ms_per_step" in prof
+            else ""
+        )
+        stats = r.get("gtp_stats_per_step") or {}
+        misses = f"{stats['prefetch_skipped']} / {stats['fallback_allocations']}" if stats else ""
         lines.append(
             f"| {r['mode']} | {r['tokens_per_gpu']} | {r['step_ms']:.1f} | {ratio} | "
             f"{r['tokens_per_s_per_gpu']} | {r['peak_gib']} | "
             f"{exposed.get('gather', 0):.2f} / {exposed.get('reduce_scatter', 0):.2f} | "
-            f"{split_text} | {'' if idle is None else f'{idle:.0%}'} | {diff} |"
+            f"{split_text} | {'' if idle is None else f'{idle:.0%}'} | {kernels} | {misses} | "
+            f"{diff} |"
         )
-    table = "\n".join(lines)
+    table = "\n".join(lines) + _repeat_summary(records)
     (out / "bench_nemo.md").write_text(table + "\n")
     try:
         _plot(records, out / "bench_nemo_ratio.png")
     except Exception as err:  # noqa: BLE001 (matplotlib missing: the table is the result)
         print(f"plot skipped: {err}")
     return table
+
+
+def _repeat_summary(records: list[dict]) -> str:
+    """With ``--repeat``: per mode and size, the median step over the repeats and the ratio of
+    medians to its baseline (each repeat ran every mode once, interleaved)."""
+    if not any("#" in r["mode"] for r in records):
+        return ""
+    steps: dict[tuple[str, int], list[float]] = {}
+    for r in records:
+        if "error" not in r:
+            key = (r["mode"].split("#")[0], r["tokens_per_gpu"])
+            steps.setdefault(key, []).append(r["step_ms"])
+    lines = [
+        "",
+        "",
+        "Over the repeats (modes interleaved in each repeat):",
+        "",
+        "| mode | tokens/GPU | repeats | median step ms | steps ms | ratio of medians |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (mode, tokens), values in steps.items():
+        base = resolve_mode(mode)[2]
+        ratio = ""
+        if base and (base, tokens) in steps:
+            ratio = (
+                f"{statistics.median(values) / statistics.median(steps[(base, tokens)]):.3f}"
+                f"× {base}"
+            )
+        lines.append(
+            f"| {mode} | {tokens} | {len(values)} | {statistics.median(values):.1f} | "
+            f"{', '.join(f'{v:.1f}' for v in values)} | {ratio} |"
+        )
+    return "\n".join(lines)
 
 
 def _plot(records: list[dict], png: Path) -> None:
@@ -381,7 +449,7 @@ def _plot(records: list[dict], png: Path) -> None:
     modes = dict.fromkeys(m for m, _ in by)
     for mode in modes:
         base = resolve_mode(mode)[2]
-        if base is None:
+        if base is None or "#" in mode:  # repeats: the summary table has them
             continue
         xs = sorted(t for m, t in by if m == mode and (base, t) in by)
         series[f"{mode} / {base}"] = (
@@ -404,22 +472,25 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timed", type=int, default=20)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run every mode this many times, interleaved"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile = {int(t) for t in args.profile_tokens.split(",") if t}
     runs = []
-    for tokens in (int(t) for t in args.tokens.split(",")):
+    for tokens, repeat in ((int(t), k) for t in args.tokens.split(",") for k in range(args.repeat)):
         for mode in args.modes.split(","):
             config, overrides, _ = resolve_mode(mode)
             runs.append(
                 {
-                    "mode": mode,
+                    "mode": mode if repeat == 0 else f"{mode}#{repeat}",
                     "tokens_per_gpu": tokens,
                     "config": config,
                     "overrides": [*overrides, *_token_overrides(tokens)],
-                    "profile": tokens in profile,
+                    "profile": tokens in profile and repeat == 0,
                 }
             )
     with tempfile.TemporaryDirectory() as tmp:

@@ -184,7 +184,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     groups = gtp_groups(Run(gtp=gtp))
     config = model_config(args, bias=bias)
     reference = reference_weights(args, kind, bias)
-    gtp_config = GTPConfig()
+    gtp_config = GTPConfig(te_fuse_wgrad=fused)
     spec = layer_spec(kind)
     if presharded:
         spec = gtp_layer_spec(spec, groups, gtp_config)

@@ -38,6 +38,44 @@ def finalize_weight_grads(weights: list, wgrads: list) -> list:
     return _as_list(weights[0].finalize_group_grads(single))
 
 
+def _chain_steady_state(groups: object, rank: int, world: int) -> None:
+    """A TE model's protocol call order with coalescing units: after the first (observing)
+    step, every gather is prefetched into its own ticket — no skipped prefetch, no fallback
+    buffer, no weight gathered twice — although a protocol weight holds its buffer until the
+    next consume (across the chain's commit too), and the wgrads still reduce exactly."""
+    shapes = [(48, 16), (16, 16), (64, 16), (16, 64)]  # qkv, proj, fc1, fc2 of one layer
+    layer_bytes = sum(o * i * 4 for o, i in shapes)
+    config = GTPConfig(coalesce_mb=2 * layer_bytes / 2**20, pad_for_alignment=8)  # 2 layers
+    runtime = GTPRuntime(groups, config)
+    weights = []
+    for layer in range(3):
+        for j, (out_f, in_f) in enumerate(shapes):
+            torch.manual_seed(layer * 4 + j)
+            weight = shard_linear(torch.nn.Linear(in_f, out_f, bias=False), runtime, f"{layer}.{j}")
+            weight.main_grad = torch.zeros_like(weight)
+            weights.append(weight)
+    n = len(weights)
+    for step in range(3):
+        runtime.stats.reset()
+        for weight in weights:  # TE's forward: autograd functions run with grad mode off
+            weight.gtp_state.forward_grad_enabled = True  # what record_grad_mode notes
+            with torch.no_grad():
+                materialize_weight_for_forward([weight])
+        for weight in reversed(weights):
+            (full,) = materialize_weight_for_backward([weight])
+            finalize_weight_grads([weight], [torch.full_like(full, float(rank + 1))])
+        runtime.drain()
+        stats = runtime.stats
+        assert (stats.gathers, stats.reduce_scatters) == (2 * n, n), (step, stats)
+        if step:
+            assert (stats.prefetch_skipped, stats.fallback_allocations) == (0, 0), (step, stats)
+            assert stats.prefetches == 2 * n - 1, (step, stats)  # all but the chain head
+    mean = sum(range(1, world + 1)) / world
+    for weight in weights:
+        assert torch.equal(weight.main_grad, torch.full_like(weight, 3 * mean))
+    assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
+
+
 def _worker(rank: int, world: int) -> None:
     groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
     torch.manual_seed(0)
@@ -78,6 +116,8 @@ def _worker(rank: int, world: int) -> None:
     assert torch.allclose(weight.main_grad, expected[start : start + spec.shard_dim0], atol=1e-6)
     assert len(fired) == 2  # DDP's grad-ready hook fires once per finalize, after the add
     assert runtime.live_buffers[weight.gtp_state.chain_id] == 0
+
+    _chain_steady_state(groups, rank, world)
 
     with pytest.raises(ValueError, match=r"wgrad shape \(8, 16\) != logical weight shape"):
         weight.finalize_group_grads(torch.zeros(8, 16))

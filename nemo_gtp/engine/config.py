@@ -75,6 +75,21 @@ class GTPConfig:
             ``ColumnParallelLinear`` / ``RowParallelLinear``, whose weights are otherwise built
             full and sliced (a run that starts bit-identical to its non-GTP twin; pre-sharded
             weights are drawn per GTP peer instead).
+        te_fuse_wgrad: TransformerEngine linears whose weight is a GTP shard write their wgrad
+            GEMM straight into the runtime's reduce-scatter scratch (TE's
+            ``fuse_wgrad_accumulation`` through the DistributedWeight protocol's
+            ``grad_buffer()``), in ``main_grad``'s dtype, even when the model config leaves
+            ``gradient_accumulation_fusion`` off (NeMo's recipes must: megatron's local output
+            layer needs apex for it). Saves each weight a wgrad allocation and a copy per step;
+            the wgrad is then produced in FP32 with ``grad_reduce_in_fp32`` instead of rounded
+            to BF16 first. Off: TE hands over a wgrad it allocated, which is copied.
+        nccl_max_ctas: on NCCL, at most this many CTAs (SM blocks) per collective of the GTP
+            communicators (``ProcessGroupNCCL.Options.config.max_ctas``; 0: NCCL's choice).
+            A gather that starts before its peer spins on its CTAs; fewer of them leave more SMs
+            to the GEMMs it overlaps (§2.2).
+        nccl_high_priority_stream: run the GTP communicators' NCCL kernels on a high-priority
+            stream, so the block scheduler starts the next weight's gather ahead of queued GEMM
+            blocks.
     """
 
     pad_for_alignment: int = 16
@@ -89,6 +104,9 @@ class GTPConfig:
     separate_reduce_scatter_group: bool = False
     shard_replicated_params_over_gtp: bool = False
     preshard_linears: str = "te"
+    te_fuse_wgrad: bool = True
+    nccl_max_ctas: int = 0
+    nccl_high_priority_stream: bool = False
 
     @property
     def sums_over_gtp(self) -> bool:
@@ -111,6 +129,8 @@ class GTPConfig:
             raise ValueError(
                 f"GTPConfig.copy_engine_min_tokens must be >= 0, got {self.copy_engine_min_tokens}"
             )
+        if self.nccl_max_ctas < 0:
+            raise ValueError(f"GTPConfig.nccl_max_ctas must be >= 0, got {self.nccl_max_ctas}")
         if self.prefetch_depth < 1:
             raise ValueError(f"GTPConfig.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if not self.coalesce_mb >= 0:

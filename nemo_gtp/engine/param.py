@@ -175,10 +175,14 @@ class GatherSlot:
       ``recompute_ahead``: for a forward slot, the next weights in the recompute chain's order
       (the forward re-run inside the backward by activation recompute, design §3.1);
     - ``cache`` / ``cache_full``: the cache slot whose stable buffer this direction gathers
-      into, and that buffer's unpadded view;
+      into, and that buffer's unpadded view; ``rebind``: the ticket changed (the chain order
+      was committed, or the gather backend resolved) and is looked up again at the next
+      gather — never earlier, so a buffer held across the change is released to the slot
+      that holds it (a TE-protocol weight holds its buffer until the next consume);
     - ``unit``: the slots of this direction gathered together with this one in one collective
-      (its coalescing unit, design §3.1; ``(self,)`` when weights gather one by one), and
-      ``unit_work`` the :class:`SharedWork` their coalesced gather completes through. Links
+      (its coalescing unit, design §3.1; ``(self,)`` when weights gather one by one), in
+      consume order, with ``unit_pos`` this slot's position in it, and ``unit_work`` the
+      :class:`SharedWork` their coalesced gather completes through. Links
       (``ahead``, ``handover``) sit on the first slot of each unit in its direction.
     """
 
@@ -191,6 +195,7 @@ class GatherSlot:
         "full",
         "cache",
         "cache_full",
+        "rebind",
         "ahead",
         "handover",
         "recompute_ahead",
@@ -198,6 +203,7 @@ class GatherSlot:
         "pull_plan",
         "pull_work",
         "unit",
+        "unit_pos",
         "unit_work",
     )
 
@@ -210,6 +216,7 @@ class GatherSlot:
         self.full: torch.Tensor | None = None
         self.cache: Any = None
         self.cache_full: torch.Tensor | None = None
+        self.rebind = False
         self.ahead: tuple[GatherSlot, ...] = ()
         self.handover: tuple[GatherSlot, ...] = ()
         self.recompute_ahead: tuple[GatherSlot, ...] = ()  # forward slots, recompute order
@@ -217,6 +224,7 @@ class GatherSlot:
         self.pull_plan: Any = None  # copy-engine backend: (rows of cache buffer, peer mirror)
         self.pull_work: Any = None  # copy-engine backend: the slot's reusable event
         self.unit: tuple[GatherSlot, ...] = (self,)
+        self.unit_pos = 0
         self.unit_work: SharedWork | None = None
 
     def issued(self, work: Any, buffer: torch.Tensor, full: torch.Tensor) -> None:

@@ -180,7 +180,7 @@ class Chain:
                 window.append(param)
                 state.is_head = False
                 for slot in (state.fwd, state.bwd):  # parity may have changed the ticket
-                    slot.cache, slot.cache_full = None, None
+                    slot.rebind = True
                     slot.ahead, slot.handover = (), ()
             # One collective per unit and direction: members share its handle, and the slot
             # consumed first in each direction carries the links to the units it prefetches.
@@ -192,6 +192,8 @@ class Chain:
                 state = param.gtp_state
                 state.fwd.unit, state.fwd.unit_work = fwd_unit, fwd_work
                 state.bwd.unit, state.bwd.unit_work = bwd_unit, bwd_work
+                state.fwd.unit_pos = fwd_unit.index(state.fwd)
+                state.bwd.unit_pos = bwd_unit.index(state.bwd)
                 state.rs_unit = members if coalesced else None
             fwd_unit[0].ahead = tuple(
                 units[j][0].gtp_state.fwd for j in range(u + 1, u + 1 + depth) if j < n
@@ -398,8 +400,8 @@ class GTPRuntime:
         if slot.state is _NONE:
             if recompute or len(slot.unit) == 1:
                 self._issue(param, slot, async_op=False)
-            else:  # e.g. the chain head: its whole unit, in one collective
-                self._issue_unit(slot.unit, sync_slot=slot)
+            else:  # e.g. the chain head: the rest of its unit (not what was consumed), at once
+                self._issue_unit(slot.unit[slot.unit_pos :], sync_slot=slot)
         if slot.state is _ASYNC:
             if self.wait_timer.enabled:
                 self.wait_timer.timed_wait(slot.complete, "gather", param.device, state.name)
@@ -463,7 +465,7 @@ class GTPRuntime:
             slot.direction.value,
             state.parity,
         )
-        slot.cache = self.weight_cache.slot(key)
+        slot.cache, slot.rebind = self.weight_cache.slot(key), False
         slot.cache_full = param.gtp_spec.unpad(slot.cache.buffer)
         buffer = slot.cache.buffer
         slot.nbytes = buffer.numel() * buffer.element_size() * (self.size - 1) // self.size
@@ -475,7 +477,7 @@ class GTPRuntime:
         """``slot``'s cache slot, bound at its first gather (outside inference mode: the buffer
         and the cached views outlive an evaluation loop that ran the first gather)."""
         cache = slot.cache
-        if cache is None or cache.buffer is None:
+        if cache is None or cache.buffer is None or slot.rebind:
             with torch.inference_mode(False):
                 self._bind(param, slot)
             cache = slot.cache
@@ -588,7 +590,7 @@ class GTPRuntime:
         self._use_mirror = backend is GatherBackend.COPY_ENGINE
         for param in self.params:  # cache bindings carry backend-specific plans
             for slot in (param.gtp_state.fwd, param.gtp_state.bwd):
-                slot.cache, slot.cache_full = None, None
+                slot.rebind = True
 
     def _choose_gather_backend(self, device: torch.device) -> GatherBackend:
         requested = self.config.gather_backend

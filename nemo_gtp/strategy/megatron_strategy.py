@@ -53,6 +53,7 @@ from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, GTPRuntime, runtimes_of
 from nemo_gtp.engine.collectives import quiet_flight_recorder
 from nemo_gtp.integrations.megatron import (
+    gtp_nccl_options,
     gtp_process_groups,
     initialize_gtp_parallel,
     make_finalize_model_grads,
@@ -289,7 +290,10 @@ class GTPMegatronStrategy(MegatronStrategy):
             # megatron's, so initialize it the way NeMo would have.
             nemo_init_model_parallel(self.model)
         self.gtp_dims = dims
-        self.gtp_groups = initialize_gtp_parallel(dims)  # also checks megatron's DP == DP x GTP
+        # also checks megatron's DP == DP x GTP
+        self.gtp_groups = initialize_gtp_parallel(
+            dims, gtp_pg_options=gtp_nccl_options(self.gtp_config)
+        )
         self._gtp_world = dist.group.WORLD
         self._gtp_pgs = gtp_process_groups(self.gtp_groups, self.gtp_config)
         app_state = AppState()

@@ -32,7 +32,11 @@ from nemo_gtp.integrations.megatron.model_config import (
     mirror_per_token_loss,
     validate_model_config_for_gtp,
 )
-from nemo_gtp.integrations.megatron.parallel import gtp_process_groups, initialize_gtp_parallel
+from nemo_gtp.integrations.megatron.parallel import (
+    gtp_nccl_options,
+    gtp_process_groups,
+    initialize_gtp_parallel,
+)
 from nemo_gtp.integrations.megatron.sharding import (
     GTPShardPlan,
     default_should_shard,
@@ -54,6 +58,7 @@ __all__ = [
     "gtp_layer_spec",
     "gtp_process_groups",
     "gtp_sharded_state_dict",
+    "gtp_nccl_options",
     "initialize_gtp_parallel",
     "load_gtp_checkpoint",
     "make_finalize_model_grads",

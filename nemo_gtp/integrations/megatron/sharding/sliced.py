@@ -46,7 +46,7 @@ from nemo_gtp.integrations.megatron.sharding.experts import (
     route_expert_params,
 )
 from nemo_gtp.integrations.megatron.sharding.te import (
-    record_grad_mode,
+    adopt_te_linear,
     te_parallel_linear_kinds,
     warn_unsharded_te_modules,
 )
@@ -178,7 +178,7 @@ def shard_model(
         if isinstance(module, _MEGATRON_LINEARS):
             module._forward_impl = types.MethodType(_gtp_forward_impl, module)
         elif isinstance(module, te_linears):
-            record_grad_mode(module)  # TE drives the weight through the protocol
+            adopt_te_linear(module, config)  # TE drives the weight through the protocol
     if sliced_te:
         warnings.warn(
             f"shard_model sliced {len(sliced_te)} TransformerEngine linear(s) that were built "

@@ -8,7 +8,8 @@ straight into ``grad_buffer()``). What this module adds around that bridge:
 - which megatron TE wrappers opt in (:func:`te_parallel_linear_kinds`; the spec rewrite builds
   them pre-sharded, ``shard_model`` slices any built full),
 - the grad mode (and GEMM row count, for ``gather_backend="auto"``) of the module call,
-  recorded for the runtime (:func:`record_grad_mode`): TE
+  recorded for the runtime, and TE's fused wgrad accumulation into the runtime's scratch
+  (:func:`adopt_te_linear`, :func:`record_grad_mode`): TE
   materializes inside its autograd ``forward``, where grad mode is always off, so the runtime
   could not otherwise tell that a backward follows (the chain tail's hand-over prefetch, §1.1),
 - one warning naming the TE modules GTP leaves unsharded (:func:`warn_unsharded_te_modules`).
@@ -24,6 +25,7 @@ import warnings
 
 import torch
 
+from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.param import GTPShardedParam
 
 
@@ -94,6 +96,23 @@ def _record(module: torch.nn.Module, args: tuple) -> None:
             # Rows of TE's GEMM; under sequence parallelism TE gathers the sequence first.
             tp = getattr(module, "tp_size", 1) if getattr(module, "sequence_parallel", False) else 1
             runtime.note_tokens(x.numel() // x.shape[-1] * tp)
+
+
+def adopt_te_linear(module: torch.nn.Module, config: GTPConfig) -> None:
+    """Prepare a TE linear whose weight is now a GTP shard for the protocol (design §3.1 "The
+    bridge"): record its grad mode per call, and with ``config.te_fuse_wgrad`` switch on TE's
+    fused wgrad accumulation, so its wgrad GEMM writes into the runtime's reduce-scatter scratch
+    (``grad_buffer()``) instead of a tensor that ``finalize_group_grads`` then copies.
+
+    TE reads ``fuse_wgrad_accumulation`` from the module at each forward; for a distributed
+    weight it never accumulates into the buffer (it overwrites), so the pooled scratch needs no
+    zeroing. Example::
+
+        adopt_te_linear(layer.self_attention.linear_qkv, GTPConfig())
+    """
+    record_grad_mode(module)
+    if config.te_fuse_wgrad and hasattr(module, "fuse_wgrad_accumulation"):
+        module.fuse_wgrad_accumulation = True
 
 
 def record_grad_mode(module: torch.nn.Module) -> None:
