@@ -12,7 +12,9 @@ small-token step becomes host-bound.
 Modes: ``plain`` (torch linears; megatron-style ``main_grad`` accumulation in a post-accumulate
 hook), ``gtp`` (GTP over all ranks, process-group gather), ``gtp_coN`` (coalescing units of N
 weights: one gather / reduce-scatter per N weights), ``gtp_ce`` (copy-engine gather),
-``collectives`` (only the three collectives per weight, issued and waited through
+``te_plain`` / ``te_gtp`` / ``te_gtp_coN`` (the same with TransformerEngine ``te.Linear`` s in
+bf16, GTP through TE's DistributedWeight protocol; needs TE), ``collectives`` (only the three
+collectives per weight, issued and waited through
 :class:`~nemo_gtp.engine.collectives.GroupCollectives`: the floor any per-weight design pays).
 """
 
@@ -73,6 +75,51 @@ def _gtp(
         param = shard_linear(layer, runtime, f"{i}.weight")
         param.main_grad = torch.zeros_like(param)
         param.register_grad_accum_hook(lambda: None)  # DDP's grad-ready hook slot
+    model.gtp_runtime = runtime
+    return model, runtime
+
+
+def _te_chain(
+    n: int, hidden: int, device: torch.device, gtp: bool, unit: int = 1
+) -> tuple[torch.nn.Module, object]:
+    """The same chain of TransformerEngine ``te.Linear`` s (bf16): plain (TE hands its wgrad to
+    autograd; a megatron-style hook adds it into ``main_grad``, as NeMo's recipes without
+    ``gradient_accumulation_fusion``), or with GTP weights driven through TE's DistributedWeight
+    protocol (wgrad written into GTP's scratch, ``adopt_te_linear``)."""
+    import transformer_engine.pytorch as te
+
+    from nemo_gtp.integrations.megatron.sharding.te import adopt_te_linear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[
+            te.Linear(hidden, hidden, bias=False, params_dtype=torch.bfloat16, device=device)
+            for _ in range(n)
+        ]
+    )
+    if not gtp:
+        for p in model.parameters():
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+
+            def accumulate(param: torch.Tensor) -> None:
+                param.main_grad.add_(param.grad)
+                param.grad = None
+
+            p.register_post_accumulate_grad_hook(accumulate)
+        return model, None
+    groups = GTPParallelDims(
+        world_size=dist.get_world_size(), num_weight_shards=dist.get_world_size()
+    ).build()
+    options = {"gather_backend": "process_group"}
+    if unit > 1:
+        options["coalesce_mb"] = unit * hidden * hidden * 2 / 2**20
+    config = GTPConfig(**options)
+    runtime = GTPRuntime(groups, config)
+    for i, layer in enumerate(model):
+        param = runtime.shard_parameter(layer, "weight", f"{i}.weight")
+        param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+        param.register_grad_accum_hook(lambda: None)
+        adopt_te_linear(layer, config)
     model.gtp_runtime = runtime
     return model, runtime
 
@@ -157,6 +204,18 @@ def _profile(model: torch.nn.Module, runtime: object, x: torch.Tensor, steps: in
     return text.getvalue()
 
 
+def _api_profile(model: torch.nn.Module, runtime: object, x: torch.Tensor, steps: int) -> str:
+    """``torch.profiler`` CPU-side table of ``steps`` steps: time per op and per CUDA runtime /
+    driver call (stream waits, event records, launches), which cProfile cannot see."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(steps):
+            _step(model, runtime, x)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", type=int, default=32)
@@ -180,7 +239,8 @@ def main() -> None:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     device = torch.device("cuda", local_rank)
-    x = torch.randn(args.tokens, args.hidden, device=device, requires_grad=True)
+    x32 = torch.randn(args.tokens, args.hidden, device=device, requires_grad=True)
+    x16 = x32.detach().to(torch.bfloat16).requires_grad_()  # TE chains run in bf16
     seconds: dict[str, float] = {}
     walls: dict[str, float] = {}
     for mode in args.modes.split(","):
@@ -189,19 +249,23 @@ def main() -> None:
                 args.weights, args.hidden, device, args.steps, args.warmup
             )
             continue
+        x = x16 if mode.startswith("te_") else x32
         if mode == "plain":
             model, runtime = _plain(args.weights, args.hidden, device)
+        elif mode.startswith("te_"):  # te_plain, te_gtp, te_gtp_coN
+            unit = int(mode[len("te_gtp_co") :]) if mode.startswith("te_gtp_co") else 1
+            model, runtime = _te_chain(args.weights, args.hidden, device, mode != "te_plain", unit)
         else:
             backend = "copy_engine" if mode == "gtp_ce" else "process_group"
             unit = int(mode[len("gtp_co") :]) if mode.startswith("gtp_co") else 1
             model, runtime = _gtp(args.weights, args.hidden, device, backend, unit)
         seconds[mode], walls[mode] = _time(model, runtime, x, args.steps, args.warmup)
-        if args.profile and runtime is not None and dist.get_rank() == 0:
-            os.makedirs(args.profile, exist_ok=True)
-            with open(os.path.join(args.profile, f"host_cost_{mode}.txt"), "w") as f:
-                f.write(_profile(model, runtime, x, 20))
-        elif args.profile and runtime is not None:
-            _profile(model, runtime, x, 20)  # keep the peers' collectives matched
+        if args.profile:  # every rank runs the same steps (the peers' collectives match)
+            text = _profile(model, runtime, x, 20) + "\n" + _api_profile(model, runtime, x, 20)
+            if dist.get_rank() == 0:
+                os.makedirs(args.profile, exist_ok=True)
+                with open(os.path.join(args.profile, f"host_cost_{mode}.txt"), "w") as f:
+                    f.write(text)
         del model, runtime
     if dist.get_rank() == 0:
         n = args.weights
@@ -219,12 +283,15 @@ def main() -> None:
             "wall_us_per_step": {m: round(s * 1e6, 1) for m, s in walls.items()},
             "us_per_weight": {m: round(s * 1e6 / n, 2) for m, s in seconds.items()},
         }
-        if "plain" in seconds:
-            result["gtp_extra_us_per_weight"] = {
-                m: round((s - seconds["plain"]) * 1e6 / n, 2)
-                for m, s in seconds.items()
-                if m.startswith("gtp")
-            }
+        for base, prefix in (("plain", "gtp"), ("te_plain", "te_gtp")):
+            if base in seconds:
+                result.setdefault("gtp_extra_us_per_weight", {}).update(
+                    {
+                        m: round((s - seconds[base]) * 1e6 / n, 2)
+                        for m, s in seconds.items()
+                        if m.startswith(prefix)
+                    }
+                )
         print(json.dumps(result, indent=1), flush=True)
         if args.out:
             with open(args.out, "w") as f:

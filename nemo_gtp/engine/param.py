@@ -182,7 +182,9 @@ class GatherSlot:
     - ``unit``: the slots of this direction gathered together with this one in one collective
       (its coalescing unit, design §3.1; ``(self,)`` when weights gather one by one), in
       consume order, with ``unit_pos`` this slot's position in it, and ``unit_work`` the
-      :class:`SharedWork` their coalesced gather completes through. Links
+      :class:`SharedWork` their coalesced gather completes through;
+    - ``alias``: ``(full, alias)``, the requires-grad alias of the gathered view handed to TE
+      (made once per buffer, not per consume). Links
       (``ahead``, ``handover``) sit on the first slot of each unit in its direction.
     """
 
@@ -205,6 +207,7 @@ class GatherSlot:
         "unit",
         "unit_pos",
         "unit_work",
+        "alias",
     )
 
     def __init__(self, direction: Direction, index: int = -1) -> None:
@@ -225,6 +228,7 @@ class GatherSlot:
         self.pull_work: Any = None  # copy-engine backend: the slot's reusable event
         self.unit: tuple[GatherSlot, ...] = (self,)
         self.unit_pos = 0
+        self.alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (full, TE's alias of it)
         self.unit_work: SharedWork | None = None
 
     def issued(self, work: Any, buffer: torch.Tensor, full: torch.Tensor) -> None:

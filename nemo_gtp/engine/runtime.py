@@ -414,8 +414,10 @@ class GTPRuntime:
                 for target in slot.recompute_ahead:
                     if target.state is _NONE:
                         self._prefetch(target)
-            else:
-                self._prefetch_all(_forward_targets(slot, will_backward))
+            else:  # inlined _forward_targets: most consumes lead no unit (nothing to issue)
+                targets = slot.ahead if slot.ahead or not will_backward else slot.handover
+                if targets:
+                    self._prefetch_all(targets)
         self._label = None
         return slot.full
 
@@ -642,8 +644,17 @@ class GTPRuntime:
         chain.protocol_last[which] = param
         # An alias of the gathered buffer carrying the param's requires_grad: TE 2.20's
         # LayerNormLinear reads requires_grad from the tensor it is handed (not from the param)
-        # to decide whether to keep its input and compute the wgrad at all.
-        return full.detach().requires_grad_(param.requires_grad)
+        # to decide whether to keep its input and compute the wgrad at all. TE only reads it
+        # (its autograd forward runs without grad), so one alias per buffer serves every step.
+        slot = param.gtp_state.fwd if direction is _FWD else param.gtp_state.bwd
+        wants_grad = param.requires_grad
+        if full is not slot.cache_full:  # a fallback buffer: never kept past its consume
+            return full.detach().requires_grad_(wants_grad)
+        cached = slot.alias
+        if cached is None or cached[0] is not full or cached[1].requires_grad != wants_grad:
+            with torch.inference_mode(False):
+                cached = slot.alias = (full, full.detach().requires_grad_(wants_grad))
+        return cached[1]
 
     # ----------------------------------------------------------------- reduce-scatter side
     def _bind_pools(self, param: GTPShardedParam, dtype: torch.dtype) -> None:
@@ -704,7 +715,7 @@ class GTPRuntime:
         if rs.state is not _RS_NONE:  # same weight twice in one backward
             if rs.state is _RS_STAGED:
                 self._flush_staged()
-            self._finalize(param)
+            self._finalize_all((param,))
         unit = state.rs_unit
         staged = self._staged
         if staged and (unit is None or staged[0].gtp_state.rs_unit is not unit):
@@ -763,42 +774,54 @@ class GTPRuntime:
                 self.record("rs_issue_sync" if sync else "rs_issue_async", param, _BWD)
         pending = self._pending_rs
         if pending:  # the one-step-deferred finalize of the previous weight(s) or unit
-            for previous in pending:
-                self._finalize(previous)
+            self._finalize_all(pending)
             pending.clear()
         if sync:
-            for param in params:
-                self._finalize(param)
+            self._finalize_all(params)
         else:
             pending.extend(params)
 
-    def _finalize(self, param: GTPShardedParam) -> None:
-        state = param.gtp_state
-        rs = state.rs
-        if self.wait_timer.enabled:
-            self.wait_timer.timed_wait(rs.complete, "reduce_scatter", param.device, state.name)
-        else:
-            rs.complete()
-        main_grad = getattr(param, "main_grad", None)
-        if main_grad is not None:
-            main_grad.add_(rs.output)
-        elif param.grad is None:
-            param.grad = rs.output.to(param.dtype, copy=True)
-        else:
-            param.grad.add_(rs.output)
-        rs.finished()
-        if self.trace is not None:
-            self.record("finalize", param, _BWD)
-        if state.grad_ready_hook is not None:
-            state.grad_ready_hook()
+    def _finalize_all(self, params: list[GTPShardedParam] | tuple[GTPShardedParam, ...]) -> None:
+        """Finalize the reduce-scatters of ``params`` (one weight, or a unit): wait, add each
+        reduced shard into ``main_grad`` (one multi-tensor add for all of them: one launch per
+        unit, not per weight; ``.grad`` without DDP), return the buffers, fire DDP's grad-ready
+        hooks — each hook after its weight's add."""
+        main_grads, outputs = [], []
+        timed = self.wait_timer.enabled
+        for param in params:
+            state = param.gtp_state
+            rs = state.rs
+            if timed:
+                self.wait_timer.timed_wait(rs.complete, "reduce_scatter", param.device, state.name)
+            else:
+                rs.complete()
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None:
+                main_grads.append(main_grad)
+                outputs.append(rs.output)
+            elif param.grad is None:
+                param.grad = rs.output.to(param.dtype, copy=True)
+            else:
+                param.grad.add_(rs.output)
+        if len(main_grads) == 1:
+            main_grads[0].add_(outputs[0])
+        elif main_grads:
+            torch._foreach_add_(main_grads, outputs)
+        for param in params:
+            state = param.gtp_state
+            state.rs.finished()
+            if self.trace is not None:
+                self.record("finalize", param, _BWD)
+            if state.grad_ready_hook is not None:
+                state.grad_ready_hook()
 
     # ----------------------------------------------------------------- fences
     def drain_reduce_scatters(self) -> None:
         """Finalize every pending reduce-scatter (the fence before main_grad is read)."""
         self._flush_staged()
         pending, self._pending_rs = self._pending_rs, []
-        for param in pending:
-            self._finalize(param)
+        if pending:
+            self._finalize_all(pending)
 
     def drain_gathers(self) -> None:
         """Complete and release every outstanding gather (e.g. an unconsumed prefetch)."""

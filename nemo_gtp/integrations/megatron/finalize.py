@@ -31,12 +31,17 @@ from nemo_gtp.integrations.megatron.model_config import mirror_per_token_loss
 from nemo_gtp.integrations.megatron.sharding.experts import is_expert_param
 
 
-def _replicated_grads(
+def replicated_params(
     model_chunks: Sequence[torch.nn.Module], *, experts: bool = False
-) -> list[torch.Tensor]:
-    """main_grads of params replicated across the GTP group (``experts``: of the routed-expert
-    params replicated across the expert GTP group)."""
-    grads = []
+) -> list[torch.nn.Parameter]:
+    """Trainable params replicated across the GTP group (``experts``: the routed-expert params
+    replicated across the expert GTP group), in model order.
+
+    Example::
+
+        params = replicated_params([ddp_model])     # once; the step reads their main_grad
+    """
+    found = []
     for chunk in model_chunks:
         for param in chunk.parameters():
             if (
@@ -47,10 +52,9 @@ def _replicated_grads(
                     if experts
                     else getattr(param, "allreduce", True)  # megatron marks expert params False
                 )
-                and getattr(param, "main_grad", None) is not None
             ):
-                grads.append(param.main_grad)
-    return grads
+                found.append(param)
+    return found
 
 
 def allreduce_replicated_grads(
@@ -59,11 +63,13 @@ def allreduce_replicated_grads(
     *,
     per_token: bool,
     experts: bool = False,
+    params: Sequence[torch.nn.Parameter] | None = None,
 ) -> None:
     """Complete a GTP axis for replicated params: one coalesced all-reduce per dtype.
 
     ``experts=False``: the dense params over the GTP group; ``experts=True``: the routed-expert
-    params over the expert GTP group.
+    params over the expert GTP group. ``params``: :func:`replicated_params` found earlier (a
+    step then never walks the model).
 
     Example::
 
@@ -73,9 +79,13 @@ def allreduce_replicated_grads(
     size = dist.get_world_size(group)
     if size == 1:
         return
+    if params is None:
+        params = replicated_params(model_chunks, experts=experts)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in _replicated_grads(model_chunks, experts=experts):
-        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for param in params:
+        grad = getattr(param, "main_grad", None)
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = _flatten_dense_tensors(grads)
         if not per_token:
@@ -100,11 +110,15 @@ def make_finalize_model_grads(
     runtimes: list | None = None
     per_token = False
     ddp_reduces_over_gtp = False  # shard_replicated_params_over_gtp: DDP did step (3)
+    dense: list = []
+    experts: list = []
 
     def finalize_model_grads(model: Sequence[torch.nn.Module], *args, **kwargs) -> None:
-        nonlocal runtimes, per_token, ddp_reduces_over_gtp
+        nonlocal runtimes, per_token, ddp_reduces_over_gtp, dense, experts
         if runtimes is None:  # found once: no per-step walk over the parameters
             runtimes = runtimes_of(*model)
+            dense = replicated_params(model)
+            experts = replicated_params(model, experts=True)
             ddp_reduces_over_gtp = any(
                 rt.config.shard_replicated_params_over_gtp for rt in runtimes
             )
@@ -116,7 +130,9 @@ def make_finalize_model_grads(
             runtime.drain()
         base(model, *args, **kwargs)
         if not ddp_reduces_over_gtp:
-            allreduce_replicated_grads(model, groups.gtp, per_token=per_token)
-        allreduce_replicated_grads(model, groups.expert_gtp, per_token=per_token, experts=True)
+            allreduce_replicated_grads(model, groups.gtp, per_token=per_token, params=dense)
+        allreduce_replicated_grads(
+            model, groups.expert_gtp, per_token=per_token, experts=True, params=experts
+        )
 
     return finalize_model_grads

@@ -17,19 +17,20 @@ from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.grid import GTPGroups, GTPParallelDims
 
 
-def gtp_nccl_options(config: GTPConfig) -> object | None:
+def gtp_nccl_options(config: GTPConfig | None) -> object | None:
     """The GTP communicators' NCCL options from ``config`` (design §2.2), for
     :func:`initialize_gtp_parallel`'s ``gtp_pg_options``.
 
-    ``None`` (the defaults) unless ``nccl_max_ctas`` or ``nccl_high_priority_stream`` is set and
-    the default process group is NCCL (gloo has no such options: CPU runs ignore the knobs).
+    ``None`` (the defaults) unless ``config`` sets ``nccl_max_ctas`` or
+    ``nccl_high_priority_stream`` and the default process group is NCCL (gloo has no such
+    options: CPU runs ignore the knobs).
 
     Example::
 
         options = gtp_nccl_options(GTPConfig(nccl_max_ctas=8))
         groups = initialize_gtp_parallel(dims, gtp_pg_options=options)
     """
-    if not config.nccl_max_ctas and not config.nccl_high_priority_stream:
+    if config is None or not (config.nccl_max_ctas or config.nccl_high_priority_stream):
         return None
     if not dist.is_initialized() or dist.get_backend() != "nccl":
         return None
