@@ -375,6 +375,14 @@ class GTPMegatronStrategy(MegatronStrategy):
         installs its ``finalize_model_grads_func``; ours wraps whatever is there.
         """
         super().on_train_start()
+        # Also without GTP: NeMo 2.7.3 builds the full-iteration graph only under
+        # enable_cuda_graph, which megatron-core 0.15 rejects (design §3.5), so a DP baseline
+        # asking for cuda_graph_scope="full_iteration" would silently run eager.
+        note = install_full_iteration_graph(
+            self.megatron_parallel, get_model_config(self.megatron_parallel[0])
+        )
+        if note and self.is_global_zero:
+            nemo_logging.info(note)
         if not self.gtp_enabled:
             return
         for chunk in self.megatron_parallel:
@@ -386,11 +394,6 @@ class GTPMegatronStrategy(MegatronStrategy):
                 )
                 wrapped.gtp_finalize = True
                 config.finalize_model_grads_func = wrapped
-        note = install_full_iteration_graph(
-            self.megatron_parallel, get_model_config(self.megatron_parallel[0])
-        )
-        if note and self.is_global_zero:
-            nemo_logging.info(note)
         if self.is_global_zero and self.gtp_runtimes:
             nemo_logging.info(gtp_banner(self.gtp_runtimes[0].config, self.gtp_dims))
 
