@@ -17,12 +17,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_gtp.engine.fp8 import (
+    GATHER_FP8,
+    GATHER_TRAINING_DTYPE,
     FP8Scaling,
     FP8Shard,
     ScalingKind,
     all_gather_fp8,
     block_pad_for_alignment,
     check_block_alignment,
+    check_fp8_training_for_gtp,
     check_low_precision_recipe,
     dense_gather_nbytes,
     quantize_into,
@@ -508,3 +511,44 @@ def test_recipe_accepted() -> None:
         check_low_precision_recipe("e4m3", "mxfp8", capability=BLACKWELL)
     with pytest.raises(NotImplementedError, match="NVFP4"):
         check_low_precision_recipe(None, fp4="e2m1", capability=BLACKWELL)
+
+
+@pytest.mark.parametrize(
+    "kwargs, capability, match",
+    [
+        ({"fp8": "hybrid", "fp8_recipe": "mxfp8"}, HOPPER, "fp8_recipe='mxfp8'.*10.0.*9.0"),
+        ({"fp8": None, "fp4": "e2m1"}, HOPPER, "fp4='e2m1'.*10.0"),
+        ({"fp8": "e4m3", "fp8_param": True}, None, "fp8_param=True.*not supported with GTP"),
+        ({"fp8": "e4m3", "fp8_recipe": "tensorwise"}, AMPERE, "fp8='e4m3'.*8.9"),
+        ({"fp8": "e4m3", "fp8_recipe": "blockwise"}, ADA, "blockwise'.*9.0"),
+        ({"fp8": "e5m2"}, None, "fp8 must be one of"),
+        ({"fp8": "e4m3", "fp8_recipe": "current"}, None, "fp8_recipe must be one of"),
+    ],
+)
+def test_fp8_training_rejected(kwargs: dict, capability, match: str) -> None:
+    """FP8 compute under GTP: what this stack cannot run, with the setting named."""
+    with pytest.raises(ValueError, match=match):
+        check_fp8_training_for_gtp(capability=capability, **kwargs)
+    keys = {"fp8_recipe": "fp8.recipe", "fp8": "fp8.format", "fp8_param": "fp8.param_gather"}
+    with pytest.raises(ValueError, match=r"fp8\.(recipe|format|param_gather)|fp4"):
+        check_fp8_training_for_gtp(capability=capability, keys=keys, **kwargs)
+
+
+def test_fp8_training_gather_format() -> None:
+    """Which gather a GTP run gets: FP8 bytes for per-tensor current scaling, else bf16."""
+    assert check_fp8_training_for_gtp(None, capability=HOPPER) is None
+    assert check_fp8_training_for_gtp("hybrid", "tensorwise", capability=HOPPER) == GATHER_FP8
+    for recipe in ("delayed", "blockwise"):
+        assert check_fp8_training_for_gtp("e4m3", recipe, capability=HOPPER) == (
+            GATHER_TRAINING_DTYPE
+        )
+    # Blackwell (or an unknown device: the launcher) may run MXFP8 / NVFP4; bf16 is gathered
+    for capability in (BLACKWELL, None):
+        assert check_fp8_training_for_gtp("e4m3", "mxfp8", capability=capability) == (
+            GATHER_TRAINING_DTYPE
+        )
+        assert check_fp8_training_for_gtp(None, fp4="e2m1", capability=capability) == (
+            GATHER_TRAINING_DTYPE
+        )
+    # FP8 primary weights are a GTP question only when FP8 is on
+    assert check_fp8_training_for_gtp(None, fp8_param=True) is None

@@ -75,6 +75,13 @@ class GTPConfig:
             ``ColumnParallelLinear`` / ``RowParallelLinear``, whose weights are otherwise built
             full and sliced (a run that starts bit-identical to its non-GTP twin; pre-sharded
             weights are drawn per GTP peer instead).
+        fp8_gather: when a TransformerEngine linear runs its GEMM in FP8 with per-tensor
+            current scaling (megatron ``fp8_recipe="tensorwise"``), gather the FP8 copy of its
+            shard (quantized once per step with the scale agreed over GTP, design §1.3 "FP8
+            gather"): half the bytes of a BF16 gather, and TE uses the gathered ``Float8Tensor``
+            without quantizing it again. Off: the training dtype is gathered and TE quantizes
+            the gathered weight at every microbatch. No effect outside FP8 autocast, for other
+            recipes and for megatron-local linears.
     """
 
     pad_for_alignment: int = 16
@@ -89,6 +96,7 @@ class GTPConfig:
     separate_reduce_scatter_group: bool = False
     shard_replicated_params_over_gtp: bool = False
     preshard_linears: str = "te"
+    fp8_gather: bool = True
 
     @property
     def sums_over_gtp(self) -> bool:
