@@ -13,9 +13,9 @@ its forward takes the tensor's own quantizer and skips the cast (``quantize_weig
 already quantized and asks for column-wise usage, which on Hopper (no non-TN FP8 GEMM) writes
 the transpose into the stable buffer the runtime provides, once per gathered weight.
 
-The ``Float8Tensor`` objects are made once per gather slot and buffer (their ``_data``,
-``_scale_inv`` and ``_transpose`` are views of the runtime's stable tensors, reset at each hand
-out, since TE's usage updates drop fields on the object), so a step allocates nothing.
+The ``Float8Tensor`` objects are made once per gather slot and buffer; their ``_data``,
+``_scale_inv`` and ``_transpose`` are views of the runtime's stable tensors, set again at each
+hand-out (TE's usage updates drop fields of the object), so a step allocates no device memory.
 
 Recipes other than per-tensor current scaling gather the training dtype (TE quantizes the
 gathered weight itself, as before): delayed scaling's scale comes from TE's amax history, and
@@ -120,11 +120,14 @@ class TEFP8Gather:
         self, param: GTPShardedParam, direction: Direction, gathered: FP8Gathered
     ) -> torch.Tensor:
         """A TE ``Float8Tensor`` over the gathered FP8 rows (made once per gathered buffer)."""
-        made = gathered.consumer
-        if made is None:
+        # Fresh byte views at every hand-out: TE may drop or clear the fields of the object it
+        # was handed (update_usage, clear_tensor_data), never the runtime's buffers behind them.
+        data = gathered.data.view(torch.uint8)
+        transpose = None if gathered.transpose is None else gathered.transpose.view(torch.uint8)
+        tensor = gathered.consumer
+        if tensor is None:
             scaling = gathered.scaling
             te_dtype = self._te_dtypes[scaling.fp8_dtype]
-            data = gathered.data.view(torch.uint8)
             quantizer = self._quantizer(
                 te_dtype,
                 data.device,
@@ -133,7 +136,7 @@ class TEFP8Gather:
                 force_pow_2_scales=bool(scaling.power_2_scales),
                 amax_epsilon=scaling.epsilon,
             )
-            tensor = self._tensor(
+            tensor = gathered.consumer = self._tensor(
                 shape=data.shape,
                 dtype=param.dtype,
                 data=data,
@@ -146,10 +149,6 @@ class TEFP8Gather:
                 quantizer=quantizer,
                 device=data.device,
             )
-            transpose = None if gathered.transpose is None else gathered.transpose.view(torch.uint8)
-            made = gathered.consumer = (tensor, data, transpose)
-        tensor, data, transpose = made
-        # TE's update_usage may have dropped fields of this object during its last use.
         tensor._data = data
         tensor._scale_inv = gathered.scale_inv
         tensor._transpose = transpose
