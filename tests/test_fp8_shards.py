@@ -297,6 +297,10 @@ def _runtime_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
     assert bf16["fp8_gathers"] == 0
     # 2) FP8: same gathers, half the bytes; one amax all-reduce for all weights
     runtime.quantized_gather = consumer
+    with torch.inference_mode():  # a first FP8 use in evaluation: buffers usable in training
+        for i, p in enumerate(params):
+            check(i, "fwd", p.materialize_group_for_forward()[0])
+    runtime.drain()
     first = step()
     n = len(params)
     assert first["gathers"] == bf16["gathers"] == 2 * n and first["fp8_gathers"] == 2 * n

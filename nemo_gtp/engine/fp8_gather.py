@@ -157,6 +157,8 @@ class FP8ShardCache:
         self._amax: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
         self._scale_inv: torch.Tensor | None = None
+        self._nonempty: list[int] = []  # params with real rows on this rank
+        self._index: torch.Tensor | None = None  # the same, on the device (no copy per step)
 
     def mark_stale(self) -> None:
         """The shards may have changed (optimizer step, load): the next FP8 gather refreshes."""
@@ -190,14 +192,13 @@ class FP8ShardCache:
             self._allocate(params, scaling, device)
         masters = [p.detach() for p in params]
         real = [_real_rows(p.gtp_spec, p.shape[0]) for p in params]
+        nonempty = self._nonempty
         with torch.no_grad():
             # The amax of every non-empty shard in one multi-tensor kernel; empty ones stay 0.
-            nonempty = [i for i in range(n) if real[i] and masters[i].numel()]
             self._amax.zero_()
             if nonempty:
                 norms = torch._foreach_norm([masters[i][: real[i]] for i in nonempty], _INF)
-                index = torch.tensor(nonempty, device=device)
-                self._amax.index_copy_(0, index, torch.stack(norms).float())
+                self._amax.index_copy_(0, self._index, torch.stack(norms).float())
             dist.all_reduce(self._amax, op=dist.ReduceOp.MAX, group=group)
             self._scale.copy_(scale_from_amax(self._amax, scaling))
             torch.reciprocal(self._scale, out=self._scale_inv)
@@ -227,6 +228,10 @@ class FP8ShardCache:
                 )
                 state.fp8_wire = data.view(torch.uint8)
                 state.fp8_version = -1
+            self._nonempty = [
+                i for i, p in enumerate(params) if p.numel() and _real_rows(p.gtp_spec, p.shape[0])
+            ]
+            self._index = torch.tensor(self._nonempty, dtype=torch.long, device=device)
 
 
 def transposed_view(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -481,13 +481,15 @@ class GTPRuntime:
         if view is None or view.data is not full:
             transpose = None
             policy = self.quantized_gather
-            if direction is _BWD and policy is not None and policy.transpose_for_backward:
-                cache = slot.cache
-                if cache is not None and slot.buffer is cache.buffer:
-                    flat = self.weight_cache.companion(cache)
-                else:  # a fallback buffer (misprediction): its own column-wise buffer
-                    flat = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
-                transpose = transposed_view(flat, tuple(full.shape))
+            # Outside inference mode: the consumer writes the column-wise view later, in training.
+            with torch.inference_mode(False):
+                if direction is _BWD and policy is not None and policy.transpose_for_backward:
+                    cache = slot.cache
+                    if cache is not None and slot.buffer is cache.buffer:
+                        flat = self.weight_cache.companion(cache)
+                    else:  # a fallback buffer (misprediction): its own column-wise buffer
+                        flat = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
+                    transpose = transposed_view(flat, tuple(full.shape))
             view = FP8Gathered(full, state.fp8.scale_inv, transpose, slot.fmt)
             if slot.cache is not None and slot.buffer is slot.cache.buffer:
                 slot.fp8_view = view
