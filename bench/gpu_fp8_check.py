@@ -351,7 +351,7 @@ def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
     )
     fp8 = records.get("fp8_gtp2", {})
     bits = fp8.get("bit_checks") or result.get("cpu_fp8_gather")
-    ok = None if not bits or "error" in bits else bits.get("all_equal", bits.get("bit_exact"))
+    ok = None if not bits else "error" not in bits and bits.get("all_equal", bits.get("bit_exact"))
     reference = "TE's quantizer" if fp8.get("bit_checks") else "the engine's quantizer (CPU)"
     check = f"gathered FP8 weights and transposes bit-exact vs {reference} on the full weight"
     out.append((check, ok, str(bits)))
