@@ -100,6 +100,30 @@ BAD_MOE_OVERRIDES = [
 ]
 
 
+FP8_1B = str(ROOT / "configs" / "gpt_1b_fp8.yaml")
+BAD_FP8_OVERRIDES = [
+    (["fp8.format=e5m2"], "fp8.format='e5m2' is not supported"),
+    (["fp8.recipe=mxfp9"], "fp8.recipe='mxfp9' is not supported (did you mean 'mxfp8'?)"),
+    (["+fp8.margin=1"], "fp8.margin is not an fp8 setting"),
+    (["fp8.format=null"], "fp8.format is missing"),
+    (["fp8.param_gather=true"], "fp8.param_gather=true (FP8 primary weights)"),
+    (["precision=32"], "fp8 needs precision: bf16-mixed"),
+    (["model.layer_spec=local"], "set model.layer_spec=te"),
+    (["cpu_compat=true"], "set cpu_compat=false"),
+    (["fp8.param_gather=sure"], "fp8.param_gather='sure' must be true or false"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_FP8_OVERRIDES, ids=lambda x: str(x))
+def test_bad_fp8_recipe_override(overrides: list[str], message: str) -> None:
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(load_recipe(FP8_1B, overrides))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+    # FP8 primary weights are fine without GTP (the baseline of --compare-baseline)
+    validate_recipe(load_recipe(FP8_1B, ["fp8.param_gather=true", "strategy.num_weight_shards=1"]))
+
+
 @pytest.mark.parametrize("overrides, message", BAD_MOE_OVERRIDES, ids=lambda x: str(x))
 def test_bad_moe_recipe_override(overrides: list[str], message: str) -> None:
     with pytest.raises(RecipeError) as err:

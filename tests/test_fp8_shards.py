@@ -17,19 +17,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_gtp.engine.fp8 import (
+    GATHER_FP8,
+    GATHER_TRAINING_DTYPE,
     FP8Scaling,
     FP8Shard,
     ScalingKind,
     all_gather_fp8,
     block_pad_for_alignment,
     check_block_alignment,
+    check_fp8_training_for_gtp,
     check_low_precision_recipe,
     dense_gather_nbytes,
     quantize_into,
     quantize_shard,
     scale_from_amax,
 )
-from nemo_gtp.engine.param import ShardSpec
+from nemo_gtp.engine.fp8_gather import FP8Gathered
+from nemo_gtp.engine.param import Direction, GTPShardedParam, ShardSpec
 from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
 
 PAD_GARBAGE = 1.0e4  # written into master pad rows: must reach neither amax nor data
@@ -207,10 +211,144 @@ def _bad_buffer_worker(rank: int, world: int) -> str:
     return "ok"
 
 
+class _Consumer:
+    """A pure-torch stand-in for TE's FP8 consumer (``QuantizedGather``): asks for FP8 per
+    weight, fills the column-wise copy as TE's transpose kernel would, and hands back the
+    dequantized weight; records what it was given."""
+
+    transpose_for_backward = True
+
+    def __init__(self, scaling: FP8Scaling) -> None:
+        self.scaling = scaling
+        self.dense: set[str] = set()  # weights whose forward runs in the training dtype
+        self.seen: dict[tuple[str, str], FP8Gathered] = {}
+
+    def forward_scaling(self, param: GTPShardedParam) -> FP8Scaling | None:
+        return None if param.gtp_state.name in self.dense else FP8Scaling(**self.scaling_args)
+
+    @property
+    def scaling_args(self) -> dict:
+        return {"fp8_dtype": self.scaling.fp8_dtype, "power_2_scales": self.scaling.power_2_scales}
+
+    def wrap(self, param: GTPShardedParam, direction: Direction, gathered: FP8Gathered):
+        if gathered.transpose is not None:
+            gathered.transpose.copy_(gathered.data.t())
+        self.seen[(param.gtp_state.name, direction.value)] = gathered
+        return gathered.dequantize(param.dtype)
+
+
+RUNTIME_SHAPES = [(72, 64), (40, 48), (20, 64), (72, 64)]  # GTP 4: (20, 64) is one rank's rows
+
+
+def _runtime_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict:
+    """The runtime's FP8 gather through the protocol: bytes on the wire, bit-exact gathered
+    weights and transposes, one amax all-reduce per step, stable buffers, format edges."""
+    from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
+
+    groups = GTPParallelDims(world_size=world, num_weight_shards=gtp).build()
+    runtime = GTPRuntime(groups, GTPConfig(pad_for_alignment=8, coalesce_mb=coalesce_mb))
+    modules, fulls = [], []
+    for i, shape in enumerate(RUNTIME_SHAPES):
+        module = torch.nn.Module()
+        full = _weight(shape, seed=40 + i).to(torch.bfloat16)
+        module.weight = torch.nn.Parameter(full.clone())
+        runtime.shard_parameter(module, "weight", f"w{i}")
+        modules.append(module)
+        fulls.append(full)
+    params = [m.weight for m in modules]
+    scaling = FP8Scaling("tensorwise")
+    consumer = _Consumer(scaling)
+
+    def check(i: int, direction: str, out: torch.Tensor) -> None:
+        """At the consume: the buffer is reused by later gathers of the same ticket."""
+        name = params[i].gtp_state.name
+        if name in consumer.dense or runtime.quantized_gather is None:
+            assert torch.equal(out, fulls[i]), f"{name} {direction}: dense gather"
+            return
+        ref = quantize_shard(fulls[i].float(), scaling)
+        got = consumer.seen[(name, direction)]
+        _assert_same(FP8Shard(got.data, got.scale_inv, None, None, scaling), ref, name)
+        assert torch.equal(out, ref.dequantize(torch.bfloat16))
+        if direction == "bwd":
+            assert torch.equal(_bits(got.transpose), _bits(ref.data.t())), name
+        else:
+            assert got.transpose is None
+
+    def step(drain: bool = True) -> dict:
+        runtime.stats.reset()
+        for i, p in enumerate(params):
+            check(i, "fwd", p.materialize_group_for_forward()[0])
+        for i, p in reversed(list(enumerate(params))):
+            check(i, "bwd", p.materialize_group_for_backward()[0])
+            p.finalize_group_grads(torch.zeros(p.gtp_spec.logical_shape, dtype=p.dtype))
+        if drain:
+            runtime.drain()
+        else:  # the fences that do not mark the FP8 shards stale
+            runtime.drain_reduce_scatters()
+            runtime.drain_gathers()
+        return dict(vars(runtime.stats))
+
+    def update(i: int, factor: float) -> None:  # the optimizer: .data, invisible to versions
+        params[i].data.mul_(factor)
+        fulls[i] = (fulls[i].float() * factor).to(torch.bfloat16)
+
+    # 1) training dtype: no consumer
+    bf16 = step()
+    assert bf16["fp8_gathers"] == 0
+    # 2) FP8: same gathers, half the bytes; one amax all-reduce for all weights
+    runtime.quantized_gather = consumer
+    with torch.inference_mode():  # a first FP8 use in evaluation: buffers usable in training
+        for i, p in enumerate(params):
+            check(i, "fwd", p.materialize_group_for_forward()[0])
+    runtime.drain()
+    first = step()
+    n = len(params)
+    assert first["gathers"] == bf16["gathers"] == 2 * n and first["fp8_gathers"] == 2 * n
+    assert 2 * first["gather_bytes"] == bf16["gather_bytes"], (first, bf16)
+    assert first["fp8_quantizes"] == 1 and first["fallback_allocations"] == 0
+    # 3) steady state: weights change between steps, nothing is allocated, addresses stay
+    allocations = runtime.weight_cache.allocations
+    views = dict(consumer.seen)
+    ptrs = {
+        k: (v.data.data_ptr(), v.transpose is not None and v.transpose.data_ptr())
+        for k, v in views.items()
+    }
+    for factor in (1.5, -0.25):
+        update(1, factor)
+        stats = step()
+        assert stats["fp8_quantizes"] == 1 and stats["format_regathers"] == 0
+        assert stats["gather_bytes"] == first["gather_bytes"]
+    assert runtime.weight_cache.allocations == allocations
+    for key, view in consumer.seen.items():
+        assert view is views[key], f"{key}: the gathered view was rebuilt"
+        transpose = view.transpose is not None and view.transpose.data_ptr()
+        assert (view.data.data_ptr(), transpose) == ptrs[key]
+    # 4) without a drain the FP8 shards are reused; a weight changed in place (its version
+    #    counter moved) is quantized again
+    step(drain=False)
+    assert step(drain=False)["fp8_quantizes"] == 0
+    with torch.no_grad():
+        params[2].mul_(2.0)
+    fulls[2] = (fulls[2].float() * 2.0).to(torch.bfloat16)
+    assert step()["fp8_quantizes"] == 1
+    # 5) the edge of an FP8 region: one weight runs in the training dtype
+    consumer.dense = {"w1"}
+    edge = step()
+    assert edge["format_regathers"] > 0 and edge["fp8_gathers"] >= 2 * (n - 1)
+    consumer.dense = set()
+    step()
+    # 6) a recipe the runtime does not gather: refused before any collective
+    with pytest.raises(NotImplementedError, match="tensorwise"):
+        runtime.materialize(params[0], Direction.FWD, fp8=FP8Scaling("blockwise"))
+    assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
+    return {"bytes": first["gather_bytes"], "bf16_bytes": bf16["gather_bytes"]}
+
+
 TENSORWISE = [
     ((75, 40), 16, torch.float32),  # pad 53 rows at GTP 4, 21 at GTP 2
     ((20, 40), 16, torch.bfloat16),  # GTP 4: ranks 2 and 3 hold only pad rows
 ]
+RUNTIME_COALESCE = (0.0, 1.0)  # one weight per collective; all four weights in one unit
 BLOCKWISE = [
     ((300, 200), (128, 128), 128),  # partial last column block; pad rows in the last blocks
     ((70, 300), (1, 128), 16),  # TE's 1x128: any shard rows work
@@ -228,6 +366,9 @@ def _cases() -> list:
             cases.append((f"blockwise {gtp} {i}", _blockwise_worker, (gtp, shape, block, pad)))
         for kind in ("tensorwise", "blockwise"):
             cases.append((f"write-back {gtp} {kind}", _write_back_worker, (gtp, kind)))
+    for gtp in (2, 4):  # last: a failure here stops no other case
+        for coalesce_mb in RUNTIME_COALESCE:
+            cases.append((f"runtime {gtp} {coalesce_mb}", _runtime_worker, (gtp, coalesce_mb)))
     return cases
 
 
@@ -262,6 +403,14 @@ def test_blockwise_gather_bit_exact(four_ranks: dict, gtp: int, i: int) -> None:
 @pytest.mark.parametrize("kind", ["tensorwise", "blockwise"])
 def test_write_back_in_place(four_ranks: dict, gtp: int, kind: str) -> None:
     case_values(four_ranks[f"write-back {gtp} {kind}"])
+
+
+@pytest.mark.parametrize("gtp", [2, 4])
+@pytest.mark.parametrize("coalesce_mb", RUNTIME_COALESCE)
+def test_runtime_fp8_gather(four_ranks: dict, gtp: int, coalesce_mb: float) -> None:
+    """GTPRuntime gathers FP8 bytes for a quantized consumer (design §1.3 "FP8 gather")."""
+    values = case_values(four_ranks[f"runtime {gtp} {coalesce_mb}"])
+    assert all(2 * v["bytes"] == v["bf16_bytes"] for v in values)
 
 
 def test_bad_gather_buffer(four_ranks: dict) -> None:
@@ -366,3 +515,44 @@ def test_recipe_accepted() -> None:
         check_low_precision_recipe("e4m3", "mxfp8", capability=BLACKWELL)
     with pytest.raises(NotImplementedError, match="NVFP4"):
         check_low_precision_recipe(None, fp4="e2m1", capability=BLACKWELL)
+
+
+@pytest.mark.parametrize(
+    "kwargs, capability, match",
+    [
+        ({"fp8": "hybrid", "fp8_recipe": "mxfp8"}, HOPPER, "fp8_recipe='mxfp8'.*10.0.*9.0"),
+        ({"fp8": None, "fp4": "e2m1"}, HOPPER, "fp4='e2m1'.*10.0"),
+        ({"fp8": "e4m3", "fp8_param": True}, None, "fp8_param=True.*not supported with GTP"),
+        ({"fp8": "e4m3", "fp8_recipe": "tensorwise"}, AMPERE, "fp8='e4m3'.*8.9"),
+        ({"fp8": "e4m3", "fp8_recipe": "blockwise"}, ADA, "blockwise'.*9.0"),
+        ({"fp8": "e5m2"}, None, "fp8 must be one of"),
+        ({"fp8": "e4m3", "fp8_recipe": "current"}, None, "fp8_recipe must be one of"),
+    ],
+)
+def test_fp8_training_rejected(kwargs: dict, capability, match: str) -> None:
+    """FP8 compute under GTP: what this stack cannot run, with the setting named."""
+    with pytest.raises(ValueError, match=match):
+        check_fp8_training_for_gtp(capability=capability, **kwargs)
+    keys = {"fp8_recipe": "fp8.recipe", "fp8": "fp8.format", "fp8_param": "fp8.param_gather"}
+    with pytest.raises(ValueError, match=r"fp8\.(recipe|format|param_gather)|fp4"):
+        check_fp8_training_for_gtp(capability=capability, keys=keys, **kwargs)
+
+
+def test_fp8_training_gather_format() -> None:
+    """Which gather a GTP run gets: FP8 bytes for per-tensor current scaling, else bf16."""
+    assert check_fp8_training_for_gtp(None, capability=HOPPER) is None
+    assert check_fp8_training_for_gtp("hybrid", "tensorwise", capability=HOPPER) == GATHER_FP8
+    for recipe in ("delayed", "blockwise"):
+        assert check_fp8_training_for_gtp("e4m3", recipe, capability=HOPPER) == (
+            GATHER_TRAINING_DTYPE
+        )
+    # Blackwell (or an unknown device: the launcher) may run MXFP8 / NVFP4; bf16 is gathered
+    for capability in (BLACKWELL, None):
+        assert check_fp8_training_for_gtp("e4m3", "mxfp8", capability=capability) == (
+            GATHER_TRAINING_DTYPE
+        )
+        assert check_fp8_training_for_gtp(None, fp4="e2m1", capability=capability) == (
+            GATHER_TRAINING_DTYPE
+        )
+    # FP8 primary weights are a GTP question only when FP8 is on
+    assert check_fp8_training_for_gtp(None, fp8_param=True) is None

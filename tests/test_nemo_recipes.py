@@ -162,6 +162,13 @@ BAD = [
         _mutate("trainer.plugins.fp8_param_gather", True),
         "trainer.plugins.fp8_param_gather",
     ),  # fmt: skip
+    (
+        "llama3_8b",
+        8,
+        {},
+        _mutate("trainer.plugins.fp8", "e5m2"),
+        "trainer.plugins.fp8 must be one of",
+    ),  # fmt: skip
     ("llama3_8b", 8, {"prefetch_dept": 2}, None, "did you mean 'prefetch_depth'"),
     ("llama3_8b", 8, {"prefetch_depth": 0}, None, "prefetch_depth"),
     (

@@ -127,3 +127,46 @@ def _worker(rank: int, world: int) -> None:
 
 def test_protocol_dispatch_shapes_and_gradients() -> None:
     run_distributed(_worker, 2)
+
+
+def test_te_recipes_the_runtime_gathers_in_fp8() -> None:
+    """TE recipe -> the FP8Scaling of GTP's FP8 gather (TE's recipe API, duck-typed: no TE
+    here). Per-tensor current scaling only; its weights are E4M3 under E4M3 and HYBRID."""
+    from types import SimpleNamespace
+
+    from nemo_gtp.engine.fp8 import FP8Scaling
+    from nemo_gtp.integrations.megatron.sharding.te_fp8 import fp8_scaling_of_recipe
+
+    def recipe(current: bool, fmt: str, **extra) -> SimpleNamespace:
+        return SimpleNamespace(
+            float8_current_scaling=lambda: current, fp8_format=SimpleNamespace(name=fmt), **extra
+        )
+
+    assert fp8_scaling_of_recipe(recipe(True, "HYBRID")) == FP8Scaling("tensorwise")
+    assert fp8_scaling_of_recipe(recipe(True, "E4M3", use_power_2_scales=True)) == FP8Scaling(
+        "tensorwise", power_2_scales=True
+    )
+    e5m2 = fp8_scaling_of_recipe(recipe(True, "E5M2"))
+    assert e5m2 is not None and e5m2.fp8_dtype == torch.float8_e5m2
+    assert fp8_scaling_of_recipe(recipe(False, "HYBRID")) is None  # delayed, blockwise, MX...
+    assert fp8_scaling_of_recipe(object()) is None
+
+
+def test_model_config_low_precision_checked_for_gtp() -> None:
+    """The model config's FP8 settings, before any weight is built (design §1.3): FP8 primary
+    weights refused naming the setting; on CPU the device limits are unknown."""
+    from types import SimpleNamespace
+
+    from nemo_gtp.integrations.megatron.model_config import (
+        check_low_precision_for_gtp,
+        validate_model_config_for_gtp,
+    )
+
+    assert check_low_precision_for_gtp(SimpleNamespace()) is None
+    config = SimpleNamespace(fp8="hybrid", fp8_recipe="tensorwise", fp8_param=False)
+    assert check_low_precision_for_gtp(config) == "fp8"
+    config.fp8_recipe = "delayed"
+    assert check_low_precision_for_gtp(config) == "training_dtype"
+    config.fp8_param = True
+    with pytest.raises(ValueError, match=r"TransformerConfig\.fp8_param=True"):
+        validate_model_config_for_gtp(config)

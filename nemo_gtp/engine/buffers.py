@@ -27,14 +27,19 @@ class BufferKey:
 
 
 class CacheSlot:
-    """One gathered-weight buffer and the gather slot currently holding it (None: free)."""
+    """One gathered-weight buffer and the gather slot currently holding it (None: free).
 
-    __slots__ = ("key", "buffer", "owner")
+    ``companion``: an optional second flat buffer of the same size and dtype, held with the
+    buffer (an FP8 gathered weight's column-wise copy, design §1.3 "FP8 gather").
+    """
+
+    __slots__ = ("key", "buffer", "owner", "companion")
 
     def __init__(self, key: BufferKey) -> None:
         self.key = key
         self.buffer: torch.Tensor | None = None
         self.owner: object | None = None
+        self.companion: torch.Tensor | None = None
 
     def try_acquire(self, owner: object) -> bool:
         """Hold the buffer for ``owner``; False if another owner holds it (never overwritten)."""
@@ -83,6 +88,18 @@ class GTPWeightCache:
             self.allocations += 1
         return slot
 
+    def companion(self, slot: CacheSlot) -> torch.Tensor:
+        """``slot``'s flat companion buffer (buffer's numel and dtype), allocated on first use."""
+        if slot.companion is None:
+            key = slot.key
+            numel = 1
+            for size in key.shape:
+                numel *= size
+            with torch.inference_mode(False):
+                slot.companion = torch.empty(numel, dtype=key.dtype, device=key.device)
+            self.allocations += 1
+        return slot.companion
+
     def held(self) -> int:
         """Number of buffers currently held."""
         return sum(slot.owner is not None for slot in self._slots.values())
@@ -90,9 +107,10 @@ class GTPWeightCache:
     def nbytes(self) -> int:
         """Bytes of allocated gathered-weight storage."""
         return sum(
-            s.buffer.numel() * s.buffer.element_size()
+            t.numel() * t.element_size()
             for s in self._slots.values()
-            if s.buffer is not None
+            for t in (s.buffer, s.companion)
+            if t is not None
         )
 
     def clear(self) -> None:
@@ -100,7 +118,7 @@ class GTPWeightCache:
         for slot in self._slots.values():
             if slot.owner is not None:
                 raise RuntimeError("GTPWeightCache.clear() while a buffer is held; drain first")
-            slot.buffer = None
+            slot.buffer = slot.companion = None
 
 
 class FreeList:

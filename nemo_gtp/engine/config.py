@@ -90,6 +90,13 @@ class GTPConfig:
         nccl_high_priority_stream: run the GTP communicators' NCCL kernels on a high-priority
             stream, so the block scheduler starts the next weight's gather ahead of queued GEMM
             blocks.
+        fp8_gather: when a TransformerEngine linear runs its GEMM in FP8 with per-tensor
+            current scaling (megatron ``fp8_recipe="tensorwise"``), gather the FP8 copy of its
+            shard (quantized once per step with the scale agreed over GTP, design §1.3 "FP8
+            gather"): half the bytes of a BF16 gather, and TE uses the gathered ``Float8Tensor``
+            without quantizing it again. Off: the training dtype is gathered and TE quantizes
+            the gathered weight at every microbatch. No effect outside FP8 autocast, for other
+            recipes and for megatron-local linears.
     """
 
     pad_for_alignment: int = 16
@@ -107,6 +114,7 @@ class GTPConfig:
     te_fuse_wgrad: bool = True
     nccl_max_ctas: int = 0
     nccl_high_priority_stream: bool = False
+    fp8_gather: bool = True
 
     @property
     def sums_over_gtp(self) -> bool:

@@ -513,3 +513,92 @@ def check_low_precision_recipe(
             f"set fp8_recipe='tensorwise'"
         )
     return ScalingKind(fp8_recipe)
+
+
+GATHER_FP8 = "fp8"
+""":func:`check_fp8_training_for_gtp`: the runtime gathers FP8 bytes (design §1.3 "FP8 gather")."""
+GATHER_TRAINING_DTYPE = "training_dtype"
+""":func:`check_fp8_training_for_gtp`: the runtime gathers the training dtype and TE quantizes the
+gathered weight itself (recipes the FP8 gather does not cover yet)."""
+
+_KEYS = {
+    "fp8": "fp8",
+    "fp8_recipe": "fp8_recipe",
+    "fp8_param": "fp8_param",
+    "fp4": "fp4",
+    "fp4_recipe": "fp4_recipe",
+}
+
+
+def check_fp8_training_for_gtp(
+    fp8: str | None,
+    fp8_recipe: str | None = "delayed",
+    fp4: str | None = None,
+    fp4_recipe: str | None = "nvfp4",
+    *,
+    fp8_param: bool = False,
+    capability: tuple[int, int] | None = None,
+    keys: dict[str, str] | None = None,
+) -> str | None:
+    """Validate the FP8 / FP4 *compute* settings of a GTP run (shards in the training dtype).
+
+    Pure, no collective: run it before any process group. ``capability`` is the GPU's compute
+    capability, or ``None`` when unknown (a launcher without the GPU: only names are checked,
+    the device repeats the check). ``keys`` maps ``fp8``, ``fp8_recipe``, ``fp8_param``,
+    ``fp4``, ``fp4_recipe`` to the caller's names of those settings, so the error names the
+    key the user writes (e.g. ``fp8.recipe`` in a recipe YAML). Returns ``None`` when neither
+    is on, :data:`GATHER_FP8` when the runtime will gather FP8 bytes (per-tensor current
+    scaling, ``fp8_recipe="tensorwise"``), :data:`GATHER_TRAINING_DTYPE` for the recipes whose
+    gathered weight TE quantizes itself (``"delayed"``, ``"blockwise"``; MXFP8 / NVFP4 on
+    Blackwell). Raises ``ValueError`` for FP8 primary weights (``fp8_param``, design §1.3:
+    not implemented), unknown names and recipes the hardware cannot run (MXFP8 / NVFP4 below
+    compute capability 10.0, FP8 below 8.9, blockwise below 9.0).
+
+    Example::
+
+        check_fp8_training_for_gtp("hybrid", "tensorwise", capability=(9, 0))   # "fp8"
+        check_fp8_training_for_gtp("e4m3", "mxfp8", capability=(9, 0))         # ValueError
+    """
+    key = {**_KEYS, **(keys or {})}
+    where = "" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+    known = capability is not None
+    if fp8_param and (fp8 is not None or fp4 is not None):
+        raise ValueError(
+            f"{key['fp8_param']}=True (FP8 primary weights, megatron's fp8_param_gather) is not "
+            f"supported with GTP yet (design §1.3): set {key['fp8_param']}=False; the shards "
+            f"then stay in the training dtype and are gathered in FP8 under "
+            f"{key['fp8_recipe']}='tensorwise'"
+        )
+    if fp4 is not None:
+        if fp4_recipe != "nvfp4":
+            raise ValueError(f"{key['fp4_recipe']} must be 'nvfp4', got {fp4_recipe!r}")
+        if known and capability < (10, 0):
+            raise ValueError(
+                f"{key['fp4']}={fp4!r} (NVFP4) needs compute capability >= 10.0 (Blackwell); "
+                f"this is {where}: unset {key['fp4']}, or use {key['fp8']} with "
+                f"{key['fp8_recipe']}='tensorwise'"
+            )
+        return GATHER_TRAINING_DTYPE
+    if fp8 is None:
+        return None
+    if fp8 not in FP8_FORMATS:
+        raise ValueError(f"{key['fp8']} must be one of {FP8_FORMATS} or None, got {fp8!r}")
+    if fp8_recipe not in FP8_RECIPES:
+        raise ValueError(f"{key['fp8_recipe']} must be one of {FP8_RECIPES}, got {fp8_recipe!r}")
+    if known and capability < (8, 9):
+        raise ValueError(
+            f"{key['fp8']}={fp8!r} needs FP8 tensor cores (compute capability >= 8.9); this is "
+            f"{where}: unset {key['fp8']}"
+        )
+    if fp8_recipe == "mxfp8" and known and capability < (10, 0):
+        raise ValueError(
+            f"{key['fp8_recipe']}='mxfp8' needs compute capability >= 10.0 (Blackwell); this is "
+            f"{where}: set {key['fp8_recipe']}='tensorwise' (per-tensor current scaling, "
+            f"gathered in FP8 under GTP) or 'blockwise'"
+        )
+    if fp8_recipe == "blockwise" and known and capability < (9, 0):
+        raise ValueError(
+            f"{key['fp8_recipe']}='blockwise' needs compute capability >= 9.0 (Hopper); this is "
+            f"{where}: set {key['fp8_recipe']}='tensorwise'"
+        )
+    return GATHER_FP8 if fp8_recipe == "tensorwise" else GATHER_TRAINING_DTYPE

@@ -208,6 +208,10 @@ class GatherSlot:
         "unit_pos",
         "unit_work",
         "alias",
+        "fmt",
+        "bound_fmt",
+        "wire",
+        "fp8_view",
     )
 
     def __init__(self, direction: Direction, index: int = -1) -> None:
@@ -230,6 +234,13 @@ class GatherSlot:
         self.unit_pos = 0
         self.alias: tuple[torch.Tensor, torch.Tensor] | None = None  # (full, TE's alias of it)
         self.unit_work: SharedWork | None = None
+        # FP8 gathers (design §1.3 "FP8 gather"): the format of the gather in flight or held
+        # (None: the training dtype), the format ``cache`` is bound for, the byte view of the
+        # cache buffer a gather writes, and the consumer's view of that buffer.
+        self.fmt: Any = None
+        self.bound_fmt: Any = None
+        self.wire: torch.Tensor | None = None
+        self.fp8_view: Any = None
 
     def issued(self, work: Any, buffer: torch.Tensor, full: torch.Tensor) -> None:
         """NONE → ASYNC_WAIT: a gather into ``buffer`` was issued; ``work.wait()`` completes it."""
@@ -336,6 +347,10 @@ class GTPParamState:
         "forward_grad_enabled",
         "protocol_scratch",
         "rs_unit",
+        "fp8",
+        "fp8_wire",
+        "fp8_version",
+        "fp8_forward",
         "__weakref__",
     )
 
@@ -357,6 +372,14 @@ class GTPParamState:
         self.rs_unit: tuple | None = None
         """The params (forward order) whose wgrads reduce-scatter in one collective with this
         one; None: alone (not coalescing, or before the chain order is committed)."""
+        self.fp8: Any = None
+        """The FP8 copy of the shard the runtime gathers from (an ``FP8Shard``; design §1.3
+        "FP8 gather"), its byte view and the param version it was quantized at."""
+        self.fp8_wire: torch.Tensor | None = None
+        self.fp8_version = -1
+        self.fp8_forward: Any = None
+        """The FP8 scaling of this weight's last forward protocol consume (None: the training
+        dtype); its backward consume gathers the same way."""
 
     def slot(self, direction: Direction) -> GatherSlot:
         """The gather slot of ``direction``."""

@@ -39,12 +39,21 @@ from nemo_gtp.engine.copy_engine import (
     agree_on_copy_engine,
     copy_engine_available,
 )
+from nemo_gtp.engine.fp8 import FP8Scaling
+from nemo_gtp.engine.fp8_gather import (
+    FP8Gathered,
+    FP8ShardCache,
+    QuantizedGather,
+    check_gather_scaling,
+    transposed_view,
+)
 from nemo_gtp.engine.grid import GTPGroups, WeightAxis
 from nemo_gtp.engine.param import (
     Direction,
     GatherSlot,
     GatherState,
     GTPShardedParam,
+    GTPStateError,
     ReduceScatterState,
     ShardSpec,
     SharedWork,
@@ -240,6 +249,13 @@ class CommStats:
     reduce_scatters: int = 0
     reduce_scatter_bytes: int = 0
     fallback_allocations: int = 0
+    fp8_gathers: int = 0
+    """Gathers that moved FP8 bytes (design §1.3 "FP8 gather"); counted in ``gathers`` too."""
+    fp8_quantizes: int = 0
+    """Refreshes of the FP8 shard copies: one amax all-reduce each (once per step)."""
+    format_regathers: int = 0
+    """Prefetched gathers dropped because the consume wanted the other format (FP8 vs the
+    training dtype), e.g. at the edge of an FP8 region: time only, never results."""
 
     def reset(self) -> None:
         """Zero every counter."""
@@ -317,6 +333,13 @@ class GTPRuntime:
         self.chains = {cid: Chain(cid, self.config.prefetch_depth, unit_bytes) for cid in ChainId}
         self.weight_cache = GTPWeightCache()
         self.wgrad_pool = WgradPool()
+        # FP8 gathers (design §1.3 "FP8 gather"): the consumer that asks for them (set by the
+        # integration, e.g. TE's), the FP8 copies of the shards, the format of the gathers the
+        # consume being served issues, and the one FP8Scaling object in use.
+        self.quantized_gather: QuantizedGather | None = None
+        self.fp8_shards = FP8ShardCache()
+        self._fmt: FP8Scaling | None = None
+        self._fp8_known: FP8Scaling | None = None
         self.stats = CommStats()
         self.wait_timer = ExposedWaitTimer()
         self.trace: list[tuple[str, str, str]] | None = None
@@ -376,12 +399,19 @@ class GTPRuntime:
 
     # ----------------------------------------------------------------- all-gather side
     def materialize(
-        self, param: GTPShardedParam, direction: Direction, *, will_backward: bool = False
+        self,
+        param: GTPShardedParam,
+        direction: Direction,
+        *,
+        will_backward: bool = False,
+        fp8: FP8Scaling | None = None,
     ) -> torch.Tensor:
         """The full (unpadded) TP-local weight for a GEMM; prefetches the neighbour first.
 
         ``will_backward`` (forward only) lets the chain tail hand over to the backward by
-        prefetching its own backward gather.
+        prefetching its own backward gather. ``fp8``: gather the FP8 copy of the shards instead
+        (design §1.3 "FP8 gather"; per-tensor current scaling), and prefetch in FP8 too; the
+        result is then the FP8 rows (:meth:`fp8_gathered` has their ``scale_inv``).
         """
         state = param.gtp_state
         chain = state.chain
@@ -391,6 +421,13 @@ class GTPRuntime:
             recompute = _backward_task_id() != -1
         else:
             slot = state.bwd
+        if fp8 is not None and fp8 is not self._fp8_known:
+            fp8 = self._canonical_fp8(fp8)
+        if slot.state is not _NONE and slot.fmt is not fp8:
+            # Prefetched in the other format (the edge of an FP8 region): gather again.
+            self.release(param, direction)
+            self.stats.format_regathers += 1
+        self._fmt = fp8
         if chain.phase is ChainPhase.OBSERVING:
             chain.observe(param, direction)
         if recompute:
@@ -419,12 +456,55 @@ class GTPRuntime:
                 if targets:
                     self._prefetch_all(targets)
         self._label = None
+        self._fmt = None
         return slot.full
+
+    def _canonical_fp8(self, fp8: FP8Scaling) -> FP8Scaling:
+        """One ``FP8Scaling`` object per recipe in use (identity checks on the hot path)."""
+        if fp8 != self._fp8_known:
+            check_gather_scaling(fp8)
+            self._fp8_known = fp8
+        return self._fp8_known
+
+    def fp8_gathered(self, param: GTPShardedParam, direction: Direction) -> FP8Gathered:
+        """The FP8 gathered weight ``materialize(..., fp8=...)`` left in ``direction``'s slot.
+
+        Built once per cache buffer (stable object, stable tensors); a backward slot carries
+        the column-wise buffer when the consumer asked for one
+        (``QuantizedGather.transpose_for_backward``).
+        """
+        state = param.gtp_state
+        slot = state.slot(direction)
+        if slot.state is not _READY or slot.fmt is None:
+            raise GTPStateError(
+                f"{state.name}: no FP8 gathered weight in the {direction.value} slot "
+                f"(state {slot.state.value}, format {slot.fmt})"
+            )
+        full = slot.full
+        view = slot.fp8_view
+        if view is None or view.data is not full:
+            transpose = None
+            policy = self.quantized_gather
+            # Outside inference mode: the consumer writes the column-wise view later, in training.
+            with torch.inference_mode(False):
+                if direction is _BWD and policy is not None and policy.transpose_for_backward:
+                    cache = slot.cache
+                    if cache is not None and slot.buffer is cache.buffer:
+                        flat = self.weight_cache.companion(cache)
+                    else:  # a fallback buffer (misprediction): its own column-wise buffer
+                        flat = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
+                    transpose = transposed_view(flat, tuple(full.shape))
+            view = FP8Gathered(full, state.fp8.scale_inv, transpose, slot.fmt)
+            if slot.cache is not None and slot.buffer is slot.cache.buffer:
+                slot.fp8_view = view
+        view.scale_inv = state.fp8.scale_inv
+        return view
 
     def prefetch_neighbour(
         self, param: GTPShardedParam, direction: Direction, *, will_backward: bool = False
     ) -> None:
         """Issue the async gather the next consume in ``direction`` will need (design §3.1)."""
+        self._fmt = None  # the autograd path gathers the training dtype
         if self._prefetch_enabled:
             self._prefetch_all(_forward_targets(param.gtp_state.slot(direction), will_backward))
 
@@ -459,9 +539,10 @@ class GTPRuntime:
         state = param.gtp_state
         if not param.is_contiguous():
             raise ValueError(f"{state.name}: GTP shard is not contiguous")
+        fmt = self._fmt
         key = BufferKey(
             param.gtp_spec.gathered_shape,
-            param.dtype,
+            param.dtype if fmt is None else fmt.fp8_dtype,
             param.device,
             state.chain_id.value,
             slot.direction.value,
@@ -471,7 +552,10 @@ class GTPRuntime:
         slot.cache_full = param.gtp_spec.unpad(slot.cache.buffer)
         buffer = slot.cache.buffer
         slot.nbytes = buffer.numel() * buffer.element_size() * (self.size - 1) // self.size
-        if self._use_mirror:
+        slot.bound_fmt = fmt
+        slot.fp8_view = None
+        slot.wire = None if fmt is None else buffer.view(torch.uint8)  # what the wire moves
+        if self._use_mirror and fmt is None:
             slot.pull_plan = self._mirror.pull_plan(buffer, param)
             slot.pull_work = slot.pull_work or EventWork(self._mirror.ops)
 
@@ -479,38 +563,63 @@ class GTPRuntime:
         """``slot``'s cache slot, bound at its first gather (outside inference mode: the buffer
         and the cached views outlive an evaluation loop that ran the first gather)."""
         cache = slot.cache
-        if cache is None or cache.buffer is None or slot.rebind:
+        if cache is None or cache.buffer is None or slot.rebind or slot.bound_fmt is not self._fmt:
             with torch.inference_mode(False):
                 self._bind(param, slot)
             cache = slot.cache
         return cache
 
+    def _fp8_source(self, param: GTPShardedParam, fmt: FP8Scaling) -> torch.Tensor:
+        """The bytes of ``param``'s FP8 shard, quantized first if stale (collective: once per
+        step for all shards, design §1.3 "FP8 gather")."""
+        if not self.fp8_shards.is_fresh(param, fmt):
+            # Gathers of the previous FP8 shards still in flight read them: complete them first.
+            for other in self.params:
+                for slot in (other.gtp_state.fwd, other.gtp_state.bwd):
+                    if slot.state is _ASYNC and slot.fmt is not None:
+                        slot.complete()
+            self.fp8_shards.refresh(self.params, fmt, self.group)
+            self.stats.fp8_quantizes += 1
+            if self.trace is not None:
+                self.trace.append(("fp8_quantize", "", ""))
+        return param.gtp_state.fp8_wire
+
     def _issue(self, param: GTPShardedParam, slot: GatherSlot, *, async_op: bool) -> bool:
         if self.gather_backend is None:
             self._resolve_gather_backend(param.device)
+        fmt = self._fmt
+        # detached: gloo copies the local shard under autograd's eyes. FP8: the shard's FP8 copy,
+        # always through the process group (the copy-engine mirror holds the training dtype).
+        source = param.detach() if fmt is None else self._fp8_source(param, fmt)
+        mirror = self._use_mirror and fmt is None
         cache = self._cache_of(param, slot)
         if cache.try_acquire(slot):
             buffer, full = cache.buffer, slot.cache_full
-            if self._use_mirror:
+            if mirror:
                 work = self._mirror.pull(slot.pull_plan, param, slot.pull_work)
-            else:  # detached: gloo copies the local shard under autograd's eyes
-                work = self._ops.all_gather(buffer, param.detach())
+            else:
+                work = self._ops.all_gather(buffer if fmt is None else slot.wire, source)
         else:
             if async_op:
                 return False
             # Only reachable when the observed order mispredicts; correctness first.
             buffer = torch.empty(
-                param.gtp_spec.gathered_shape, dtype=param.dtype, device=param.device
+                param.gtp_spec.gathered_shape,
+                dtype=param.dtype if fmt is None else fmt.fp8_dtype,
+                device=param.device,
             )
             full = param.gtp_spec.unpad(buffer)
             self.stats.fallback_allocations += 1
-            if self._use_mirror:
+            if mirror:
                 work = self._mirror.pull(
                     self._mirror.pull_plan(buffer, param), param, EventWork(self._mirror.ops)
                 )
             else:
-                work = self._ops.all_gather(buffer, param.detach())
+                work = self._ops.all_gather(
+                    buffer if fmt is None else buffer.view(torch.uint8), source
+                )
         slot.issued(work, buffer, full)
+        slot.fmt = fmt
         self._note_issued(param, slot, async_op)
         return True
 
@@ -522,6 +631,8 @@ class GTPRuntime:
         stats = self.stats
         stats.gathers += 1
         stats.gather_bytes += slot.nbytes
+        if slot.fmt is not None:
+            stats.fp8_gathers += 1
         if self.trace is not None:
             self.record(
                 "ag_issue_async" if async_op else "ag_issue_sync",
@@ -539,7 +650,8 @@ class GTPRuntime:
         """
         if self.gather_backend is None:
             self._resolve_gather_backend(self.params[unit[0].index].device)
-        if self._use_mirror:  # copy-engine pulls are per weight anyway
+        fmt = self._fmt
+        if self._use_mirror and fmt is None:  # copy-engine pulls are per weight anyway
             for slot in unit:
                 if slot.state is _NONE:
                     if slot is sync_slot:
@@ -552,11 +664,12 @@ class GTPRuntime:
             if slot.state is not _NONE:
                 continue
             param = self.params[slot.index]
+            source = param.detach() if fmt is None else self._fp8_source(param, fmt)
             cache = self._cache_of(param, slot)
             if cache.try_acquire(slot):
                 members.append(slot)
-                buffers.append(cache.buffer)
-                shards.append(param.detach())
+                buffers.append(cache.buffer if fmt is None else slot.wire)
+                shards.append(source)
             elif slot is sync_slot:  # only when the observed order mispredicts
                 self._issue(param, slot, async_op=False)
             else:
@@ -573,6 +686,7 @@ class GTPRuntime:
         shared.work = work
         for slot in members:
             slot.issued(shared, slot.cache.buffer, slot.cache_full)
+            slot.fmt = fmt
             self._note_issued(self.params[slot.index], slot, slot is not sync_slot)
             if slot is not sync_slot:
                 self.stats.prefetches += 1
@@ -633,15 +747,34 @@ class GTPRuntime:
     def materialize_for_protocol(
         self, param: GTPShardedParam, direction: Direction
     ) -> torch.Tensor:
-        """:meth:`materialize` for TE's DistributedWeight protocol (see the param's Note)."""
-        chain = param.gtp_state.chain
+        """:meth:`materialize` for TE's DistributedWeight protocol (see the param's Note).
+
+        With a :attr:`quantized_gather` consumer, a forward consume asks it for the FP8 recipe
+        of the GEMM about to run and the backward consume of the weight reuses the answer: the
+        FP8 copy of the shards is gathered and handed over as ``consumer.wrap(...)`` (design
+        §1.3 "FP8 gather"); ``None`` gathers the training dtype.
+        """
+        state = param.gtp_state
+        chain = state.chain
         which = 0 if direction is _FWD else 1
         previous = chain.protocol_last[which]
         if previous is not None and previous is not param:
             self.release(previous, direction)
-        will_backward = torch.is_grad_enabled() or param.gtp_state.forward_grad_enabled
-        full = self.materialize(param, direction, will_backward=will_backward)
+        will_backward = torch.is_grad_enabled() or state.forward_grad_enabled
+        policy = self.quantized_gather
+        fp8 = None
+        if policy is not None:
+            if direction is _FWD:
+                fp8 = policy.forward_scaling(param)
+                if fp8 is not None and fp8 is not self._fp8_known:
+                    fp8 = self._canonical_fp8(fp8)
+                state.fp8_forward = fp8
+            else:
+                fp8 = state.fp8_forward
+        full = self.materialize(param, direction, will_backward=will_backward, fp8=fp8)
         chain.protocol_last[which] = param
+        if fp8 is not None:
+            return policy.wrap(param, direction, self.fp8_gathered(param, direction))
         # An alias of the gathered buffer carrying the param's requires_grad: TE 2.20's
         # LayerNormLinear reads requires_grad from the tensor it is handed (not from the param)
         # to decide whether to keep its input and compute the wgrad at all. TE only reads it
@@ -835,8 +968,8 @@ class GTPRuntime:
         """Both fences: no GTP communication is in flight afterwards.
 
         Also the step boundary: the optimizer may write the shards next (megatron's bf16 path
-        does so through ``.data``, invisibly to version counters), so the copy-engine mirror is
-        marked stale here and refreshed by the next gather.
+        does so through ``.data``, invisibly to version counters), so the copy-engine mirror and
+        the FP8 shard copies are marked stale here and refreshed by the next gather.
         """
         self.drain_reduce_scatters()
         self.drain_gathers()
@@ -844,6 +977,7 @@ class GTPRuntime:
             chain.commit_recompute()
         if self._mirror is not None:
             self._mirror.mark_stale()
+        self.fp8_shards.mark_stale()
 
     # ----------------------------------------------------------------- introspection
     def outstanding(self) -> dict[str, int]:

@@ -26,6 +26,10 @@ MoE (``model.config.num_moe_experts``)           kept: dense GTP, experts whole 
 ``fsdp``, Megatron FSDP, ``ddp="pytorch"``       rejected (GTP needs megatron DDP)
 per-layer CUDA graphs                            rejected (the full-iteration graph is kept, §3.5)
 FP8 primary weights                              rejected (not implemented, §1.3)
+FP8 compute (``trainer.plugins.fp8``)            kept: ``fp8_recipe="tensorwise"`` gathers FP8
+                                                 (§1.3 "FP8 gather"); unknown names rejected
+                                                 here, MXFP8 / NVFP4 below compute capability
+                                                 10.0 on the device (before any weight exists)
 ``save_ckpt_format`` other than ``torch_dist``   rejected (§3.3)
 ===============================================  =================================================
 
@@ -367,13 +371,32 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
         )
     plugins = _get(recipe.trainer, "plugins")
     for i, plugin in enumerate(plugins if isinstance(plugins, list) else [plugins]):
+        where = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
         for name in ("fp8_param_gather", "fp8_params"):
             if plugin is not None and _get(plugin, name):
-                where = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
                 raise RecipeError(
                     f"{where}.{name}=True (FP8 primary weights) is not supported with GTP "
                     f"(design §1.3): set it False {off}"
                 )
+        if plugin is not None and (_get(plugin, "fp8") or _get(plugin, "fp4")):
+            _check_low_precision_names(plugin, where)
+
+
+def _check_low_precision_names(plugin: Any, where: str) -> None:
+    """The precision plugin's FP8 / FP4 names (the hardware is checked on the device)."""
+    from nemo_gtp.engine.fp8 import check_fp8_training_for_gtp
+
+    names = ("fp8", "fp8_recipe", "fp4", "fp4_recipe")
+    try:
+        check_fp8_training_for_gtp(
+            _get(plugin, "fp8"),
+            _get(plugin, "fp8_recipe", "delayed"),
+            _get(plugin, "fp4"),
+            _get(plugin, "fp4_recipe", "nvfp4"),
+            keys={name: f"{where}.{name}" for name in names},
+        )
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
 
 
 def _check_replicated_sharding(recipe: Any, strategy: Any, gtp_config: Any) -> None:

@@ -6,11 +6,14 @@ A recipe has the sections NeMo users know from ``nemo llm pretrain`` recipes: ``
 ``DistributedDataParallelConfig``), ``gtp`` (``GTPConfig``), ``model`` (``llm.GPTConfig``,
 plus ``layer_spec``: ``te`` or ``local``, defaulting to ``te`` when TransformerEngine imports,
 as NeMo does), ``data``, ``optim`` (megatron ``OptimizerConfig``), ``precision`` and
-``cpu_compat``; optionally ``checkpoint`` (``dir``, ``every_n_train_steps``: NeMo
-``ModelCheckpoint`` saves, each a ``<dir>/step=N/`` torch_dist checkpoint) and ``resume`` (a
-checkpoint directory to continue from with ``trainer.fit(ckpt_path=...)``, at this recipe's
-layout, whatever layout saved it). ``build_fit(..., log_dir=DIR)`` logs through NeMo's
-``nl.NeMoLogger`` with its TensorBoard logger into ``DIR/tb_logs`` (``TB_SUBDIR``): loss, and
+``cpu_compat``; optionally ``fp8`` (``format``, ``recipe``, ``param_gather``: NeMo's
+``MegatronMixedPrecision(fp8=..., fp8_recipe=..., fp8_param_gather=...)``, TE's FP8 GEMMs;
+under GTP with ``recipe: tensorwise`` the weights are gathered in FP8, design §1.3),
+``checkpoint`` (``dir``, ``every_n_train_steps``: NeMo ``ModelCheckpoint`` saves, each a
+``<dir>/step=N/`` torch_dist checkpoint) and ``resume`` (a checkpoint directory to continue
+from with ``trainer.fit(ckpt_path=...)``, at this recipe's layout, whatever layout saved it).
+``build_fit(..., log_dir=DIR)`` logs through NeMo's ``nl.NeMoLogger`` with its TensorBoard
+logger into ``DIR/tb_logs`` (``TB_SUBDIR``): loss, and
 :class:`~nemo_gtp.strategy.GTPMetricsCallback`'s step time, memory and GTP metrics, which
 ``python -m nemo_gtp.report DIR`` draws.
 
@@ -122,11 +125,49 @@ def build_fit(
         trainer_kwargs["enable_checkpointing"] = True
     plugins = []
     if cfg.get("precision", "32") == "bf16-mixed":
-        plugins.append(nl.MegatronMixedPrecision(precision="bf16-mixed"))
+        plugins.append(nl.MegatronMixedPrecision(precision="bf16-mixed", **fp8_plugin_kwargs(cfg)))
     trainer = nl.Trainer(strategy=strategy, plugins=plugins, callbacks=callbacks, **trainer_kwargs)
     if log_dir is not None:
         setup_nemo_logger(trainer, log_dir)
     return Fit(trainer, model, data, ckpt_path=cfg.get("resume"))
+
+
+def fp8_plugin_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """The recipe's ``fp8`` section as ``MegatronMixedPrecision`` arguments, checked against
+    this device first (MXFP8 needs compute capability 10.0, ...; the error names the recipe
+    key). Empty without an ``fp8`` section.
+
+    Example::
+
+        fp8_plugin_kwargs(cfg)   # {"fp8": "hybrid", "fp8_recipe": "tensorwise", ...}
+    """
+    section = _plain(cfg.get("fp8"))
+    if not section:
+        return {}
+    from nemo_gtp.engine.fp8 import check_fp8_training_for_gtp
+
+    strategy = _plain(cfg.get("strategy"))
+    tp = strategy.get("tensor_model_parallel_size") or 1
+    gtp_on = (strategy.get("num_weight_shards") or tp) > tp
+    kwargs = {
+        "fp8": section["format"],
+        "fp8_recipe": section.get("recipe") or "delayed",
+        "fp8_param_gather": bool(section.get("param_gather", False)),
+    }
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    try:
+        check_fp8_training_for_gtp(
+            kwargs["fp8"],
+            kwargs["fp8_recipe"],
+            fp8_param=gtp_on and kwargs["fp8_param_gather"],
+            capability=capability,
+            keys={"fp8": "fp8.format", "fp8_recipe": "fp8.recipe", "fp8_param": "fp8.param_gather"},
+        )
+    except ValueError as err:
+        from nemo_gtp.recipes.config import RecipeError
+
+        raise RecipeError(str(err)) from None
+    return kwargs
 
 
 def setup_nemo_logger(trainer: Any, log_dir: str) -> Any:

@@ -38,8 +38,14 @@ SECTIONS = (
     "optim",
     "checkpoint",
     "resume",
+    "fp8",
 )
 CHECKPOINT_KEYS = ("dir", "every_n_train_steps")
+# The fp8 section: NeMo's MegatronMixedPrecision(fp8=format, fp8_recipe=recipe,
+# fp8_param_gather=param_gather), megatron's names (design §1.3 "FP8 gather").
+FP8_KEYS = ("format", "recipe", "param_gather")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 LAYER_SPECS = ("te", "local")
 PRECISIONS = ("32", "bf16-mixed")
 DATASETS = ("arithmetic", "random")
@@ -109,6 +115,9 @@ TYPED: dict[str, str] = {
     "optim.use_distributed_optimizer": _BOOL,
     "checkpoint.dir": _STR,
     "checkpoint.every_n_train_steps": _INT + "+",
+    "fp8.format": _STR,
+    "fp8.recipe": _STR,
+    "fp8.param_gather": _BOOL,
 }
 _GTP_KINDS = {"int": _INT, "bool": _BOOL, "str": _STR, "float": _FLOAT}
 _EXAMPLES = {_INT: "2", _FLOAT: "0.001", _BOOL: "true", _STR: "name"}
@@ -174,7 +183,7 @@ def _plain(cfg: DictConfig) -> dict[str, Any]:
 def validate_recipe(cfg: DictConfig) -> None:
     """Reject what would fail only after the workers started (or would silently do nothing).
 
-    Checks: top-level sections; ``gtp`` and ``checkpoint`` keys; the types of known keys;
+    Checks: top-level sections; ``gtp``, ``checkpoint`` and ``fp8`` keys; the types of known keys;
     ``precision``, ``data.dataset``, ``model.layer_spec``, ``model.activation_func`` and dtype
     names; the parallel sizes against the world size (``trainer.devices x trainer.num_nodes``);
     the global batch against micro x (DP x GTP); ``strategy.save_ckpt_format``; ``resume``.
@@ -186,7 +195,8 @@ def validate_recipe(cfg: DictConfig) -> None:
                 f"unknown recipe section {section!r}{_did_you_mean(section, SECTIONS)}: "
                 f"known sections are {', '.join(SECTIONS)}"
             )
-    for section in ("trainer", "strategy", "ddp", "gtp", "model", "data", "optim", "checkpoint"):
+    mappings = ("trainer", "strategy", "ddp", "gtp", "model", "data", "optim", "checkpoint", "fp8")
+    for section in mappings:
         if section in raw and not isinstance(raw[section], dict | type(None)):
             raise RecipeError(f"{section} must be a mapping of keys, got {raw[section]!r}")
     for key, kind in TYPED.items():
@@ -290,6 +300,7 @@ def _check_sizes(raw: dict[str, Any]) -> None:
                 "strategy.save_ckpt_format=torch_dist (GTP checkpoints are torch_dist, design §3.3)"
             )
     _check_moe(raw, dims)
+    _check_fp8(raw, dims)
     data = raw.get("data") or {}
     micro, batch = data.get("micro_batch_size"), data.get("global_batch_size")
     if micro is None or batch is None:
@@ -329,6 +340,45 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
         raise RecipeError(
             "checkpoint / resume of grouped-GEMM MoE experts under GTP is not supported yet: set "
             "model.moe_grouped_gemm=false, or drop the checkpoint section (and resume)"
+        )
+
+
+def _check_fp8(raw: dict[str, Any], dims: Any) -> None:
+    """The ``fp8`` section (TE's FP8 GEMMs through NeMo's precision plugin, design §1.3): names,
+    what it needs (bf16-mixed, the TE layer spec, GPUs), and what GTP cannot run yet (FP8
+    primary weights). The GPU's own limits (MXFP8 needs Blackwell) are checked on the device."""
+    section = raw.get("fp8")
+    if section is None:
+        return
+    for key in section:
+        if key not in FP8_KEYS:
+            raise RecipeError(
+                f"fp8.{key} is not an fp8 setting{_did_you_mean(key, FP8_KEYS)}: known are "
+                f"{', '.join(FP8_KEYS)}"
+            )
+    if section.get("format") is None:
+        raise RecipeError("fp8.format is missing: add fp8.format=hybrid (or drop the fp8 section)")
+    _one_of("fp8.format", section["format"], FP8_FORMATS)
+    _one_of("fp8.recipe", section.get("recipe"), FP8_RECIPES)
+    if str(raw.get("precision")) != "bf16-mixed":
+        raise RecipeError(
+            f"fp8 needs precision: bf16-mixed (TE's FP8 GEMMs run under NeMo's mixed-precision "
+            f"plugin), got precision={raw.get('precision')!r}: set precision=bf16-mixed"
+        )
+    if raw.get("cpu_compat"):
+        raise RecipeError(
+            "fp8 needs GPUs with TransformerEngine: set cpu_compat=false (or drop the fp8 section)"
+        )
+    if (raw.get("model") or {}).get("layer_spec") == "local":
+        raise RecipeError(
+            "fp8 runs TransformerEngine's FP8 GEMMs: set model.layer_spec=te (megatron's local "
+            "linears have none)"
+        )
+    if dims.gtp_enabled and section.get("param_gather"):
+        raise RecipeError(
+            "fp8.param_gather=true (FP8 primary weights) is not supported with GTP yet (design "
+            "§1.3): set fp8.param_gather=false; the shards stay bf16 and are gathered in FP8 "
+            "under fp8.recipe=tensorwise"
         )
 
 

@@ -101,8 +101,10 @@ class GTPMetricsCallback(pl.Callback):
     Every run, GTP or not (the baseline a GTP run is compared with logs them too):
     ``train/step_s`` (wall time of the step), ``train/model_state_gib`` (weights + gradient
     buffers + optimizer state of this rank) and :func:`process_memory_metrics`.
-    GTP runs, per step (counters reset at each step start): ``gtp/gather_bytes``,
+    GTP runs, per step (counters reset at each step start): ``gtp/gather_bytes`` (FP8 gathers
+    count their FP8 bytes, half of bf16's: design §1.3 "FP8 gather"),
     ``gtp/reduce_scatter_bytes``, ``gtp/gathers``, ``gtp/prefetches``, ``gtp/prefetch_skipped``,
+    ``gtp/fp8_gathers``,
     ``gtp/exposed_gather_s`` / ``gtp/exposed_reduce_scatter_s`` / ``gtp/exposed_comm_s`` (how
     long the compute stream stalled on GTP collectives: CUDA events on GPU, host time on CPU),
     ``gtp/step_s`` and ``gtp/exposed_comm_fraction``. Constant per run: ``gtp/weight_bytes``,
@@ -153,6 +155,7 @@ class GTPMetricsCallback(pl.Callback):
             "gathers",
             "prefetches",
             "prefetch_skipped",
+            "fp8_gathers",
         ):
             metrics[f"gtp/{name}"] = float(sum(getattr(r.stats, name) for r in runtimes))
         exposed: dict[str, float] = {}

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from nemo_gtp.engine.config import GTPConfig
+from nemo_gtp.engine.fp8 import check_fp8_training_for_gtp
 
 
 def mirror_per_token_loss(
@@ -64,3 +67,42 @@ def validate_model_config_for_gtp(config: object) -> None:
             "wgrad skips the DistributedWeight finalize_group_grads call, so GTP weight "
             "gradients would never reach main_grad. Set delay_wgrad_compute=False"
         )
+    check_low_precision_for_gtp(config)
+
+
+def _value(setting: object) -> object:
+    return getattr(setting, "value", setting)  # megatron's Fp8Recipe is a str enum
+
+
+FP8_CONFIG_KEYS = {
+    name: f"TransformerConfig.{name}" for name in ("fp8", "fp8_recipe", "fp8_param", "fp4")
+}
+"""How :func:`check_low_precision_for_gtp` names the model config's low-precision settings."""
+
+
+def check_low_precision_for_gtp(config: object) -> str | None:
+    """The model config's FP8 / FP4 settings, checked for GTP on this device (design §1.3).
+
+    ``None`` when neither is on; ``"fp8"`` when TE's GEMMs will get FP8 gathers (per-tensor
+    current scaling), ``"training_dtype"`` when TE quantizes the gathered weight itself
+    (other recipes). Raises ``ValueError`` naming the setting for FP8 primary weights
+    (``fp8_param``) and for recipes this GPU cannot run (MXFP8 / NVFP4 below compute
+    capability 10.0): before any weight is built or sharded.
+
+    Example::
+
+        check_low_precision_for_gtp(TransformerConfig(..., fp8="hybrid", fp8_recipe="tensorwise"))
+    """
+    fp8, fp4 = getattr(config, "fp8", None), getattr(config, "fp4", None)
+    if fp8 is None and fp4 is None:
+        return None
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    return check_fp8_training_for_gtp(
+        _value(fp8),
+        _value(getattr(config, "fp8_recipe", "delayed")),
+        _value(fp4),
+        _value(getattr(config, "fp4_recipe", "nvfp4")),
+        fp8_param=bool(getattr(config, "fp8_param", False)),
+        capability=capability,
+        keys=FP8_CONFIG_KEYS,
+    )

@@ -50,6 +50,7 @@ from nemo_gtp.integrations.megatron.sharding.te import (
     te_parallel_linear_kinds,
     warn_unsharded_te_modules,
 )
+from nemo_gtp.integrations.megatron.sharding.te_fp8 import install_te_fp8_gather
 
 _MEGATRON_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 
@@ -160,6 +161,7 @@ def shard_model(
     }
     te_linears = tuple(te_parallel_linear_kinds())
     sliced_te: list[str] = []
+    te_runtimes: dict[int, GTPRuntime] = {}
     for module_name, module in list(model.named_modules()):
         runtime = runtimes[WeightAxis.EXPERT if id(module) in expert_ids else WeightAxis.DENSE]
         if runtime is None:  # this axis does not shard: the linear stays full
@@ -179,6 +181,10 @@ def shard_model(
             module._forward_impl = types.MethodType(_gtp_forward_impl, module)
         elif isinstance(module, te_linears):
             adopt_te_linear(module, config)  # TE drives the weight through the protocol
+            te_runtimes[id(runtime)] = runtime
+    if config.fp8_gather:  # TE's FP8 GEMMs get FP8 gathers (design §1.3 "FP8 gather")
+        for runtime in te_runtimes.values():
+            install_te_fp8_gather(runtime)
     if sliced_te:
         warnings.warn(
             f"shard_model sliced {len(sliced_te)} TransformerEngine linear(s) that were built "

@@ -1,0 +1,488 @@
+"""FP8 gathers under GTP on 2 GPUs: GTP2 (FP8 gather) vs DP2 (TE's FP8 path), bytes, bit checks.
+
+    torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --out bench/results/fp8_check
+
+A small megatron-core GPT with the TransformerEngine layer spec (bf16 weights, Float16Module,
+GTP-aware DDP, distributed Adam), trained from the same initial weights on the same batches
+under TE's FP8 autocast with per-tensor current scaling (megatron ``fp8="hybrid"``,
+``fp8_recipe="tensorwise"``), in four modes:
+
+- ``fp8_dp2``: TP1·DP2, TE's own FP8 path (the reference);
+- ``fp8_gtp2``: TP1·GTP2, linears built as shards; the runtime gathers the FP8 copy of the
+  shards and TE gets ``Float8Tensor`` weights (design §1.3 "FP8 gather");
+- ``fp8_gtp2_bf16_gather``: as ``fp8_gtp2`` with ``GTPConfig(fp8_gather=False)``: bf16 is
+  gathered and TE quantizes the gathered weight itself (the path before the FP8 gather);
+- ``bf16_gtp2``: TP1·GTP2 without FP8 (the bf16 gather's bytes per step).
+
+Checks (``checks`` in the JSON): after ``fp8_gtp2`` trained, every GTP weight's gathered
+``Float8Tensor`` (forward) and its column-wise copy (backward) against TE's own
+``Float8CurrentScalingQuantizer`` applied to the full weight, bit for bit; the gathered buffers'
+addresses and the weight cache's allocation count over the steady-state steps; FP8 shard
+refreshes (amax all-reduces) and FP8 gathers per step.
+
+Success: ``summary.md`` says PASS on each line: |loss diff| fp8_gtp2 vs fp8_dp2 <= 0.02 on
+every step, gathered bytes fp8_gtp2 / bf16_gtp2 = 0.50 (+-3 %), bit-exact gathered weights and
+transposes, one FP8 refresh per step, no allocation after the second step. Step times are
+reported, not judged. Writes ``fp8_check.json`` and ``summary.md`` under ``--out`` (also on a
+failure or at the ``--deadline``: never hangs past it).
+
+``--cpu-smoke`` (2 gloo processes, no TE): the same script with the megatron-local spec in bf16
+(modes ``bf16_dp2`` / ``bf16_gtp2``), plus the runtime's FP8 gather through a pure-torch
+consumer on a few GTP linears (bytes, bit checks, refreshes): the plumbing, not TE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+CUDA = torch.cuda.is_available() and "--cpu-smoke" not in sys.argv
+DEVICE = "cuda" if CUDA else "cpu"
+MODES = {  # mode -> (gtp, fp8 compute, GTPConfig.fp8_gather)
+    "fp8_dp2": (1, True, True),
+    "fp8_gtp2": (2, True, True),
+    "fp8_gtp2_bf16_gather": (2, True, False),
+    "bf16_gtp2": (2, False, True),
+}
+SMOKE_MODES = {"bf16_dp2": (1, False, True), "bf16_gtp2": (2, False, True)}
+RESULT: dict = {}
+
+
+def _sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def _write(args: argparse.Namespace) -> None:
+    """JSON + markdown summary (rank 0), whatever has been measured so far."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fp8_check.json"), "w") as f:
+        json.dump(RESULT, f, indent=1, default=str)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(summary_markdown(RESULT))
+
+
+def _watchdog(args: argparse.Namespace) -> None:
+    """Past ``--deadline`` seconds: record it, write what exists, end the process (no hang)."""
+
+    def fire() -> None:
+        RESULT.setdefault("errors", []).append(f"deadline of {args.deadline} s exceeded")
+        try:
+            _write(args)
+        finally:
+            os._exit(3)
+
+    timer = threading.Timer(args.deadline, fire)
+    timer.daemon = True
+    timer.start()
+
+
+# ---------------------------------------------------------------------------------- training
+def fp8_config(config: object) -> object:
+    """The model config under TE's FP8 autocast, per-tensor current scaling (E4M3 forward)."""
+    return dataclasses.replace(config, fp8="hybrid", fp8_recipe="tensorwise")
+
+
+def run_mode(args: argparse.Namespace, mode: str, gtp: int, fp8: bool, fp8_gather: bool) -> dict:
+    from bench_gpt import make_optimizer, model_config
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
+    from te_gpt_nccl import _seed, batch, forward_step, layer_spec, reference_weights
+
+    from nemo_gtp.engine import GTPConfig
+    from nemo_gtp.integrations.megatron import (
+        GTPDistributedDataParallel,
+        gtp_layer_spec,
+        gtp_process_groups,
+        make_finalize_model_grads,
+        shard_model,
+    )
+    from nemo_gtp.testing.gpt_harness import Run, gtp_groups, load_full_weights
+
+    kind = "te" if CUDA else "local"
+    groups = gtp_groups(Run(gtp=gtp))
+    config = model_config(args)
+    if fp8:
+        config = fp8_config(config)
+    reference = reference_weights(args, kind, False)
+    gtp_config = GTPConfig(fp8_gather=fp8_gather)
+    spec = layer_spec(kind)
+    if gtp > 1 and kind == "te":
+        spec = gtp_layer_spec(spec, groups, gtp_config)
+    _seed(4321)
+    model = GPTModel(config, spec, args.vocab, args.seq).to(DEVICE)
+    load_full_weights(model, reference)
+    model = Float16Module(config, model)
+    runtime = shard_model(model, groups, gtp_config) if gtp > 1 else None
+    for module in model.modules():  # TE's fused wgrad accumulation (megatron's fusion)
+        if kind == "te" and hasattr(module, "fuse_wgrad_accumulation"):
+            module.fuse_wgrad_accumulation = True
+    pgs = gtp_process_groups(groups)
+    ddp = GTPDistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True
+        ),
+        model,
+        pg_collection=pgs,
+    )
+    optimizer = make_optimizer(ddp, pg_collection=pgs, lr=args.lr)
+    config.finalize_model_grads_func = make_finalize_model_grads(groups)
+    config.no_sync_func = ddp.no_sync
+    data_rank = parallel_state.get_data_parallel_rank()
+    forward_backward = get_forward_backward_func()
+    record: dict = dict(mode=mode, gtp=gtp, fp8=fp8, fp8_gather=fp8_gather, losses=[], norms=[])
+    consumer = None if runtime is None else runtime.quantized_gather
+    record["consumer"] = type(consumer).__name__ if consumer is not None else None
+    addresses: dict[tuple, set] = {}
+    if consumer is not None:  # every Float8Tensor handed to TE: its buffer addresses
+        wrap = consumer.wrap
+
+        def recording_wrap(param, direction, gathered):  # noqa: ANN001, ANN202
+            tensor = wrap(param, direction, gathered)
+            transpose = None if gathered.transpose is None else gathered.transpose.data_ptr()
+            key = (param.gtp_state.name, direction.value)
+            addresses.setdefault(key, set()).add((gathered.data.data_ptr(), transpose))
+            return tensor
+
+        consumer.wrap = recording_wrap
+    times, stats, allocations = [], [], []
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.steps):
+        if step == 2:
+            addresses.clear()  # the steady state: from the third step on
+        if runtime is not None:
+            runtime.stats.reset()
+        _sync()
+        start = time.perf_counter()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        data = iter([batch(args, step, m, data_rank) for m in range(args.microbatches)])
+        reduced = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=[ddp],
+            num_microbatches=args.microbatches,
+            seq_length=args.seq,
+            micro_batch_size=args.mbs,
+            forward_only=False,
+        )
+        _, grad_norm, _ = optimizer.step()
+        _sync()
+        times.append(time.perf_counter() - start)
+        if runtime is not None:
+            stats.append(dict(vars(runtime.stats)))
+            allocations.append(runtime.weight_cache.allocations)
+        loss = torch.stack([r["lm loss"] for r in reduced]).sum()
+        dist.all_reduce(loss)
+        tokens = args.mbs * args.seq * args.microbatches * dist.get_world_size()
+        record["losses"].append(float(loss) / tokens)
+        record["norms"].append(float(grad_norm))
+    timed = times[args.timing_from :] or times
+    record["step_ms_median"] = 1000 * statistics.median(timed)
+    record["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0
+    if runtime is not None:
+        steady = stats[args.timing_from :] or stats
+        record["per_step"] = {k: statistics.mean(s[k] for s in steady) for k in steady[0]}
+        record["gtp_weights"] = len(runtime.params)
+        record["allocations_after_step2"] = allocations[-1] - allocations[min(1, len(stats) - 1)]
+        record["fp8_refreshes_per_step"] = sorted({s["fp8_quantizes"] for s in stats[1:]})
+        record["buffer_addresses_stable"] = all(len(v) == 1 for v in addresses.values())
+        record["wrapped_gathers"] = len(addresses)
+    if mode == "fp8_gtp2" and CUDA:
+        try:
+            record["bit_checks"] = te_bit_checks(model, runtime, args)
+        except Exception:  # noqa: BLE001 - record, go on
+            record["bit_checks"] = {"error": traceback.format_exc()}
+    del model, ddp, optimizer, runtime
+    config.finalize_model_grads_func = None
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+    return record
+
+
+def te_bit_checks(model: torch.nn.Module, runtime: object, args: argparse.Namespace) -> dict:
+    """Every GTP weight's gathered Float8Tensor vs TE's quantizer on the full weight (bits)."""
+    import transformer_engine.pytorch as te
+    import transformer_engine_torch as tex
+    from transformer_engine.common.recipe import Float8CurrentScaling, Format
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    from nemo_gtp.engine.param import Direction
+
+    runtime.drain()
+    group, size = runtime.group, runtime.size
+    out = {"weights": 0, "data_equal": 0, "scale_inv_equal": 0, "transpose_equal": 0}
+    mismatched: list[str] = []
+    recipe = Float8CurrentScaling(fp8_format=Format.HYBRID)
+    for param in runtime.params:
+        shards = [torch.empty_like(param) for _ in range(size)]
+        dist.all_gather(shards, param.detach().contiguous(), group=group)
+        full = param.gtp_spec.unpad(torch.cat(shards))
+        quantizer = Float8CurrentScalingQuantizer(
+            tex.DType.kFloat8E4M3, full.device, rowwise=True, columnwise=True
+        )
+        ref = quantizer(full)
+        with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            fwd = runtime.materialize_for_protocol(param, Direction.FWD)
+            data, scale_inv = fwd._data.clone(), fwd._scale_inv.clone()
+            bwd = runtime.materialize_for_protocol(param, Direction.BWD)
+            bwd.update_usage(columnwise_usage=True)  # what TE's dgrad asks for
+            transpose = None if bwd._transpose is None else bwd._transpose.clone()
+        runtime.drain()
+        name = param.gtp_state.name
+        out["weights"] += 1
+        ok = torch.equal(data, ref._data)
+        out["data_equal"] += ok
+        ok_scale = torch.equal(scale_inv.view(torch.int32), ref._scale_inv.view(torch.int32))
+        out["scale_inv_equal"] += ok_scale
+        ref_t = ref._transpose if ref._transpose is not None else ref._data.t().contiguous()
+        ok_t = transpose is not None and torch.equal(transpose, ref_t)
+        out["transpose_equal"] += ok_t
+        if not (ok and ok_scale and ok_t):
+            mismatched.append(name)
+    out["mismatched"] = mismatched[:10]
+    out["all_equal"] = not mismatched
+    return out
+
+
+# ----------------------------------------------------------------------------- CPU plumbing
+def cpu_fp8_gather_check() -> dict:
+    """The runtime's FP8 gather through a pure-torch consumer (no TE): bytes and bits."""
+    from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
+    from nemo_gtp.engine.fp8 import FP8Scaling, quantize_shard
+
+    class Consumer:
+        transpose_for_backward = True
+
+        def forward_scaling(self, param):  # noqa: ANN001, ANN202
+            return FP8Scaling("tensorwise")
+
+        def wrap(self, param, direction, gathered):  # noqa: ANN001, ANN202
+            if gathered.transpose is not None:
+                gathered.transpose.copy_(gathered.data.t())
+            return gathered
+
+    groups = GTPParallelDims(world_size=dist.get_world_size(), num_weight_shards=2).build()
+    runtime = GTPRuntime(groups, GTPConfig())
+    torch.manual_seed(0)
+    params, fulls = [], []
+    for i, shape in enumerate([(96, 64), (200, 64), (64, 192)]):
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16))
+        fulls.append(module.weight.detach().clone())
+        params.append(runtime.shard_parameter(module, "weight", f"w{i}"))
+    result: dict = {"bit_exact": True}
+    for label, consumer in (("bf16", None), ("fp8", Consumer())):
+        runtime.quantized_gather = consumer
+        runtime.stats.reset()
+        for backward in (False, True):
+            for i in reversed(range(len(params))) if backward else range(len(params)):
+                param = params[i]
+                if backward:
+                    got = param.materialize_group_for_backward()[0]
+                else:
+                    got = param.materialize_group_for_forward()[0]
+                if consumer is None:
+                    continue
+                ref = quantize_shard(fulls[i].float(), FP8Scaling())
+                same = torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
+                if backward:
+                    expected = ref.data.t().contiguous().view(torch.uint8)
+                    same &= torch.equal(got.transpose.view(torch.uint8), expected)
+                result["bit_exact"] &= bool(same)
+        runtime.drain()
+        result[f"{label}_gather_bytes"] = runtime.stats.gather_bytes
+        result[f"{label}_refreshes"] = runtime.stats.fp8_quantizes
+    result["bytes_ratio"] = result["fp8_gather_bytes"] / result["bf16_gather_bytes"]
+    return result
+
+
+# ------------------------------------------------------------------------------- reporting
+def compare(a: dict, b: dict) -> dict:
+    n = min(len(a["losses"]), len(b["losses"]))
+    diffs = [abs(x - y) for x, y in zip(a["losses"][:n], b["losses"][:n])]
+    return dict(
+        steps=n,
+        max_abs_loss_diff=max(diffs),
+        final_losses=(a["losses"][n - 1], b["losses"][n - 1]),
+        step_time_ratio=a["step_ms_median"] / b["step_ms_median"],
+    )
+
+
+def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
+    """``(check, passed, detail)``; ``None``: not measured."""
+    records, comparisons = result.get("records", {}), result.get("comparisons", {})
+    out: list[tuple[str, bool | None, str]] = []
+    c = comparisons.get("fp8_gtp2 vs fp8_dp2")
+    out.append(
+        (
+            "loss: fp8_gtp2 vs fp8_dp2, max abs diff <= 0.02",
+            None if c is None else c["max_abs_loss_diff"] <= 0.02,
+            "" if c is None else f"{c['max_abs_loss_diff']:.3g} over {c['steps']} steps",
+        )
+    )
+    ratio = result.get("gather_bytes_ratio")
+    out.append(
+        (
+            "gathered bytes per step: fp8_gtp2 / bf16_gtp2 = 0.50 +- 3 %",
+            None if ratio is None else abs(ratio - 0.5) <= 0.015,
+            "" if ratio is None else f"{ratio:.4f}",
+        )
+    )
+    fp8 = records.get("fp8_gtp2", {})
+    bits = fp8.get("bit_checks") or result.get("cpu_fp8_gather")
+    ok = None if not bits else "error" not in bits and bits.get("all_equal", bits.get("bit_exact"))
+    reference = "TE's quantizer" if fp8.get("bit_checks") else "the engine's quantizer (CPU)"
+    check = f"gathered FP8 weights and transposes bit-exact vs {reference} on the full weight"
+    out.append((check, ok, str(bits)))
+    refreshes = fp8.get("fp8_refreshes_per_step")
+    out.append(
+        (
+            "one FP8 refresh (amax all-reduce) per step",
+            None if refreshes is None else refreshes == [1],
+            str(refreshes),
+        )
+    )
+    stable = fp8.get("allocations_after_step2")
+    out.append(
+        (
+            "no gather-buffer allocation after step 2, stable buffer addresses",
+            None if stable is None else stable == 0 and fp8.get("buffer_addresses_stable"),
+            f"allocations {stable}, addresses stable {fp8.get('buffer_addresses_stable')}",
+        )
+    )
+    return out
+
+
+def summary_markdown(result: dict) -> str:
+    lines = ["# FP8 gather under GTP: GTP2 vs DP2", ""]
+    lines.append(
+        f"device: {result.get('device')}, torch {result.get('torch')}, TE {result.get('te')}"
+    )
+    lines += ["", "| check | result | detail |", "|---|---|---|"]
+    for name, ok, detail in verdicts(result):
+        mark = "not measured" if ok is None else ("PASS" if ok else "FAIL")
+        lines.append(f"| {name} | {mark} | {detail[:200]} |")
+    lines += ["", "| mode | final loss | step ms (median) | gather MiB/step | peak GiB | error |"]
+    lines.append("|---|---|---|---|---|---|")
+    for mode, r in result.get("records", {}).items():
+        per = r.get("per_step", {})
+        mib = per.get("gather_bytes", 0) / 2**20
+        loss = r["losses"][-1] if r.get("losses") else float("nan")
+        error = (r.get("error") or "").strip().splitlines()[-1:] or [""]
+        lines.append(
+            f"| {mode} | {loss:.4f} | {r.get('step_ms_median', float('nan')):.1f} | {mib:.1f} | "
+            f"{r.get('peak_gib', 0):.2f} | {error[0][:120]} |"
+        )
+    lines += ["", "comparisons:", ""]
+    for name, c in result.get("comparisons", {}).items():
+        lines.append(f"- {name}: {json.dumps(c)}")
+    for error in result.get("errors", []):
+        lines.append(f"- error: {error}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--mbs", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--timing-from", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--modes", default=None, help="comma-separated; default: all")
+    parser.add_argument("--deadline", type=float, default=110.0, help="seconds, then exit 3")
+    parser.add_argument("--out", default="fp8_check_out")
+    parser.add_argument("--cpu-smoke", action="store_true", help="gloo, local spec, no TE")
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gpt, te_gpt_nccl
+    _watchdog(args)
+    if CUDA:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat()
+        args.layers, args.hidden, args.heads, args.vocab, args.seq = 2, 64, 4, 256, 32
+        args.steps, args.timing_from = min(args.steps, 4), 1
+    dist.init_process_group(
+        "nccl" if CUDA else "gloo", timeout=datetime.timedelta(seconds=max(30, args.deadline / 2))
+    )
+    RESULT.update(
+        args=vars(args),
+        device=torch.cuda.get_device_name() if CUDA else "cpu (smoke)",
+        torch=torch.__version__,
+        world=dist.get_world_size(),
+        records={},
+        comparisons={},
+        errors=[],
+    )
+    try:
+        import transformer_engine
+
+        RESULT["te"] = transformer_engine.__version__
+    except ImportError:
+        RESULT["te"] = None
+    modes = MODES if CUDA else SMOKE_MODES
+    selected = args.modes.split(",") if args.modes else list(modes)
+    if not CUDA:
+        try:
+            RESULT["cpu_fp8_gather"] = cpu_fp8_gather_check()
+        except Exception:  # noqa: BLE001
+            RESULT["errors"].append(traceback.format_exc())
+    for mode in selected:
+        try:
+            record = run_mode(args, mode, *modes[mode])
+        except Exception:  # noqa: BLE001 - record and go on with the next mode
+            record = {"mode": mode, "error": traceback.format_exc()}
+        RESULT["records"][mode] = record
+        if dist.get_rank() == 0:
+            brief = {k: v for k, v in record.items() if k not in ("losses", "norms")}
+            print(f"[fp8-check] {mode}: {json.dumps(brief, default=str)}", flush=True)
+        _write(args)
+    records = RESULT["records"]
+    for a, b in [
+        ("fp8_gtp2", "fp8_dp2"),
+        ("fp8_gtp2", "fp8_gtp2_bf16_gather"),
+        ("bf16_gtp2", "bf16_dp2"),
+    ]:
+        if records.get(a, {}).get("losses") and records.get(b, {}).get("losses"):
+            RESULT["comparisons"][f"{a} vs {b}"] = compare(records[a], records[b])
+    fp8_bytes = records.get("fp8_gtp2", {}).get("per_step", {}).get("gather_bytes")
+    bf16_bytes = records.get("bf16_gtp2", {}).get("per_step", {}).get("gather_bytes")
+    if fp8_bytes and bf16_bytes:
+        RESULT["gather_bytes_ratio"] = fp8_bytes / bf16_bytes
+    elif not CUDA and "cpu_fp8_gather" in RESULT:
+        RESULT["gather_bytes_ratio"] = RESULT["cpu_fp8_gather"]["bytes_ratio"]
+    _write(args)
+    if dist.get_rank() == 0:
+        print(summary_markdown(RESULT), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

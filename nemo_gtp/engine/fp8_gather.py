@@ -1,0 +1,246 @@
+"""FP8 gathers through the runtime: shards quantized once per step, gathered as FP8 bytes
+(design §1.3 "FP8 gather").
+
+When the consumer of a gathered weight runs its GEMM in FP8 with per-tensor current scaling
+(TransformerEngine under FP8 autocast), gathering the training dtype wastes half the bytes and
+makes the consumer quantize the whole gathered weight again at every microbatch. Instead the
+runtime keeps an FP8 copy of every shard (:class:`FP8ShardCache`), quantized once per optimizer
+step with a scale agreed over the GTP group, and gathers those bytes:
+
+- *one collective per runtime and step for the scales*: the local amax of every shard goes into
+  one fp32 vector, all-reduced (MAX) over the GTP group at the first FP8 gather after a drain
+  (the optimizer may have written the shards then; a param whose version counter moved also
+  triggers it). Every peer then casts its rows with the full weight's scale, so the gathered
+  bytes are the quantization of the full weight, bit for bit, and ``scale_inv`` is the same
+  tensor on every peer: it is not gathered at all;
+- *FP8 bytes on the wire*: the gather moves 1 byte per element into a ticket-cache buffer of the
+  FP8 dtype (stable addresses, as for the training dtype; ``CommStats.gather_bytes`` counts
+  them, half of a BF16 gather);
+- *what the consumer needs beside the rows*: a backward gather on hardware without non-TN FP8
+  GEMMs (Hopper) also gets a stable, contiguous buffer for the column-wise (transposed) copy,
+  which the consumer fills once per gathered weight (:attr:`FP8Gathered.transpose`).
+
+The consumer is abstract here (:class:`QuantizedGather`); the TransformerEngine one lives in
+``nemo_gtp.integrations`` and wraps :class:`FP8Gathered` in TE's ``Float8Tensor``. Pure torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from nemo_gtp.engine.fp8 import (
+    FP8Scaling,
+    FP8Shard,
+    ScalingKind,
+    _cast,
+    _real_rows,
+    scale_from_amax,
+)
+
+if TYPE_CHECKING:
+    from nemo_gtp.engine.param import Direction, GTPShardedParam
+
+_INF = float("inf")
+
+
+class FP8Gathered:
+    """One gather slot's FP8 gathered weight, as a consumer sees it (built once per buffer).
+
+    - ``data``: the unpadded FP8 rows, a view of the slot's ticket-cache buffer (contiguous);
+    - ``scale_inv``: the agreed per-tensor ``scale_inv`` (shape ``(1,)``, fp32), the same tensor
+      as the local FP8 shard's: identical on every GTP peer, so it is not gathered;
+    - ``transpose``: for a backward gather when the consumer asked for it, a contiguous buffer of
+      shape ``(data.shape[-1], *data.shape[:-1])`` in the FP8 dtype for the column-wise copy,
+      filled by the consumer (e.g. TE's transpose kernel) once per gathered weight; else None;
+    - ``scaling``: the recipe; ``consumer``: free for the consumer to cache its wrapper object
+      (a TE ``Float8Tensor``) across steps.
+
+    Example::
+
+        view = runtime.fp8_gathered(param, Direction.FWD)   # after materialize(..., fp8=...)
+        weight = view.data.float() * view.scale_inv          # the dequantized weight
+    """
+
+    __slots__ = ("data", "scale_inv", "transpose", "scaling", "consumer")
+
+    def __init__(
+        self,
+        data: torch.Tensor,
+        scale_inv: torch.Tensor,
+        transpose: torch.Tensor | None,
+        scaling: FP8Scaling,
+    ) -> None:
+        self.data = data
+        self.scale_inv = scale_inv
+        self.transpose = transpose
+        self.scaling = scaling
+        self.consumer: Any = None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``data * scale_inv`` in ``dtype``, a new tensor (tests, debugging)."""
+        return (self.data.float() * self.scale_inv).to(dtype)
+
+
+class QuantizedGather(Protocol):
+    """What a runtime asks the consumer of its protocol gathers (set as
+    ``GTPRuntime.quantized_gather``; design §1.3 "FP8 gather").
+
+    ``forward_scaling`` is asked at every forward protocol consume: the FP8 recipe the consumer's
+    GEMM runs with now, or ``None`` to gather the training dtype (FP8 off, or a recipe the
+    runtime does not gather in). The backward consume of a weight reuses what its forward got.
+    ``wrap`` turns the gathered view into what the consumer receives. With
+    ``transpose_for_backward`` backward gathers carry a :attr:`FP8Gathered.transpose` buffer.
+
+    Example (the pure-torch consumer of the tests)::
+
+        class Dequantizing:
+            transpose_for_backward = False
+            def forward_scaling(self, param): return SCALING
+            def wrap(self, param, direction, gathered): return gathered.dequantize(param.dtype)
+
+        runtime.quantized_gather = Dequantizing()
+    """
+
+    transpose_for_backward: bool
+
+    def forward_scaling(self, param: GTPShardedParam) -> FP8Scaling | None:
+        """The scaling this forward consume gathers in; None: the training dtype."""
+
+    def wrap(
+        self, param: GTPShardedParam, direction: Direction, gathered: FP8Gathered
+    ) -> torch.Tensor:
+        """What the consumer's GEMM receives for ``gathered``."""
+
+
+def check_gather_scaling(scaling: FP8Scaling) -> None:
+    """The runtime gathers per-tensor current scaling only (design §1.3 "FP8 gather").
+
+    Delayed scaling needs the consumer's own scale (its amax history) at each quantize, and
+    blockwise scales would travel with the data; both are consumed from the training-dtype
+    gather (the consumer quantizes) until they are wired in.
+
+    Example::
+
+        check_gather_scaling(FP8Scaling("tensorwise"))   # ok
+        check_gather_scaling(FP8Scaling("blockwise"))    # NotImplementedError
+    """
+    if scaling.kind is not ScalingKind.TENSORWISE:
+        raise NotImplementedError(
+            f"the GTP runtime gathers FP8 with per-tensor current scaling only "
+            f"(fp8_recipe='tensorwise'), got {scaling.kind.value!r}: a QuantizedGather must "
+            f"return None for it (the training dtype is gathered and the consumer quantizes)"
+        )
+
+
+class FP8ShardCache:
+    """The FP8 copy of every shard of one runtime, refreshed once per optimizer step.
+
+    Each param's :class:`FP8Shard` (``param.gtp_state.fp8``) is allocated once; its ``scale``,
+    ``scale_inv`` and ``amax`` are views into three runtime-wide fp32 vectors, so one
+    all-reduce agrees every weight's amax and one vector op computes every scale. Stale after
+    :meth:`mark_stale` (the runtime's drain) and when a param's version counter moved.
+
+    Example::
+
+        cache = FP8ShardCache()
+        cache.refresh(runtime.params, FP8Scaling(), runtime.group)   # collective over GTP
+        runtime.params[0].gtp_state.fp8.data                         # its FP8 shard
+    """
+
+    def __init__(self) -> None:
+        self.scaling: FP8Scaling | None = None  # what every cached shard holds; None: stale
+        self.refreshes = 0
+        self._amax: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None
+        self._scale_inv: torch.Tensor | None = None
+        self._nonempty: list[int] = []  # params with real rows on this rank
+        self._index: torch.Tensor | None = None  # the same, on the device (no copy per step)
+
+    def mark_stale(self) -> None:
+        """The shards may have changed (optimizer step, load): the next FP8 gather refreshes."""
+        self.scaling = None
+
+    def is_fresh(self, param: GTPShardedParam, scaling: FP8Scaling) -> bool:
+        """Whether ``param``'s FP8 shard holds the current weight quantized with ``scaling``."""
+        return self.scaling is scaling and param._version == param.gtp_state.fp8_version
+
+    def refresh(
+        self, params: list[GTPShardedParam], scaling: FP8Scaling, group: dist.ProcessGroup
+    ) -> None:
+        """Quantize every shard of ``params`` with its GTP-agreed scale (collective over
+        ``group``: every GTP peer calls it at the same point, with the same params).
+
+        Only each shard's real rows (design §1.3 pad rows excluded) enter the amax and the
+        cast; the pad rows of the FP8 shard are zero from its allocation on.
+        """
+        check_gather_scaling(scaling)
+        n = len(params)
+        device = params[0].device
+        if (
+            self._amax is None
+            or self._amax.numel() != n
+            or self._amax.device != device
+            or any(
+                p.gtp_state.fp8 is None or p.gtp_state.fp8.data.dtype != scaling.fp8_dtype
+                for p in params
+            )
+        ):
+            self._allocate(params, scaling, device)
+        masters = [p.detach() for p in params]
+        real = [_real_rows(p.gtp_spec, p.shape[0]) for p in params]
+        nonempty = self._nonempty
+        with torch.no_grad():
+            # The amax of every non-empty shard in one multi-tensor kernel; empty ones stay 0.
+            self._amax.zero_()
+            if nonempty:
+                norms = torch._foreach_norm([masters[i][: real[i]] for i in nonempty], _INF)
+                self._amax.index_copy_(0, self._index, torch.stack(norms).float())
+            dist.all_reduce(self._amax, op=dist.ReduceOp.MAX, group=group)
+            self._scale.copy_(scale_from_amax(self._amax, scaling))
+            torch.reciprocal(self._scale, out=self._scale_inv)
+            for i in nonempty:
+                shard = params[i].gtp_state.fp8
+                rows = real[i]
+                shard.data[:rows].copy_(_cast(masters[i][:rows].float(), shard.scale, scaling))
+        for param in params:
+            param.gtp_state.fp8_version = param._version
+        self.scaling = scaling
+        self.refreshes += 1
+
+    def _allocate(self, params: list[GTPShardedParam], scaling: FP8Scaling, device: torch.device):
+        n = len(params)
+        with torch.inference_mode(False):  # outlives an evaluation loop that ran the first gather
+            vectors = torch.zeros(3, n, dtype=torch.float32, device=device)
+            self._amax, self._scale, self._scale_inv = vectors[0], vectors[1], vectors[2]
+            for i, param in enumerate(params):
+                data = torch.zeros(param.shape, dtype=scaling.fp8_dtype, device=device)
+                state = param.gtp_state
+                state.fp8 = FP8Shard(
+                    data=data,
+                    scale_inv=self._scale_inv[i : i + 1],
+                    scale=self._scale[i : i + 1],
+                    amax=self._amax[i : i + 1],
+                    scaling=scaling,
+                )
+                state.fp8_wire = data.view(torch.uint8)
+                state.fp8_version = -1
+            self._nonempty = [
+                i for i, p in enumerate(params) if p.numel() and _real_rows(p.gtp_spec, p.shape[0])
+            ]
+            self._index = torch.tensor(self._nonempty, dtype=torch.long, device=device)
+
+
+def transposed_view(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous ``(shape[-1], *shape[:-1])`` view at the start of the flat buffer ``flat``
+    (the column-wise copy of a weight of ``shape``, whatever the buffer's padded size).
+
+    Example::
+
+        transposed_view(torch.empty(96 * 64, dtype=torch.uint8), (72, 64)).shape   # (64, 72)
+    """
+    columnwise = (shape[-1], *shape[:-1])
+    return flat[: math.prod(columnwise)].view(columnwise)

@@ -1,0 +1,175 @@
+"""TransformerEngine's FP8 GEMMs fed from GTP's FP8 gathers (design §1.3 "FP8 gather").
+
+Under ``te.autocast`` / ``fp8_autocast`` with per-tensor current scaling (megatron
+``fp8_recipe="tensorwise"``, TE's ``Float8CurrentScaling``), a TE ``Linear`` /
+``LayerNormLinear`` whose weight is a :class:`GTPShardedParam` would otherwise receive the
+gathered weight in the training dtype and quantize all of it again at every microbatch (twice:
+forward, and row- plus column-wise for the backward). :class:`TEFP8Gather` is the runtime's
+``QuantizedGather`` consumer instead: the runtime gathers the FP8 copy of the shards (quantized
+once per optimizer step with the GTP-agreed scale, half the bytes on the wire) and this class
+hands TE a ``Float8Tensor`` over that buffer, which TE uses as it uses an FP8 primary weight:
+its forward takes the tensor's own quantizer and skips the cast (``quantize_weight`` returns a
+``QuantizedTensor`` as is), its backward skips the re-quantize of a distributed weight that is
+already quantized and asks for column-wise usage, which on Hopper (no non-TN FP8 GEMM) writes
+the transpose into the stable buffer the runtime provides, once per gathered weight.
+
+The ``Float8Tensor`` objects are made once per gather slot and buffer; their ``_data``,
+``_scale_inv`` and ``_transpose`` are views of the runtime's stable tensors, set again at each
+hand-out (TE's usage updates drop fields of the object), so a step allocates no device memory.
+
+Recipes other than per-tensor current scaling gather the training dtype (TE quantizes the
+gathered weight itself, as before): delayed scaling's scale comes from TE's amax history, and
+blockwise / MXFP8 / NVFP4 scales are not gathered yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_gtp.engine.fp8 import FP8Scaling
+from nemo_gtp.engine.fp8_gather import FP8Gathered
+from nemo_gtp.engine.param import Direction, GTPShardedParam
+
+_FP8_DTYPES = {  # TE Format name -> the dtype of forward tensors (weights)
+    "E4M3": torch.float8_e4m3fn,
+    "HYBRID": torch.float8_e4m3fn,  # E4M3 forward, E5M2 gradients
+    "E5M2": torch.float8_e5m2,
+}
+
+
+def fp8_scaling_of_recipe(recipe: object) -> FP8Scaling | None:
+    """The :class:`FP8Scaling` the runtime gathers weights in under TE ``recipe``, or ``None``.
+
+    Per-tensor current scaling (``Float8CurrentScaling``) only: its weight quantizer is E4M3
+    under the ``E4M3`` and ``HYBRID`` formats, and uses power-of-two scales when the recipe
+    says so (``use_power_2_scales``). Duck-typed on TE's recipe API, so it runs without TE.
+
+    Example::
+
+        fp8_scaling_of_recipe(Float8CurrentScaling(fp8_format=Format.HYBRID))
+        # FP8Scaling(kind=TENSORWISE, fp8_dtype=torch.float8_e4m3fn, ...)
+        fp8_scaling_of_recipe(DelayedScaling())   # None: TE quantizes the gathered weight
+    """
+    current = getattr(recipe, "float8_current_scaling", None)
+    if current is None or not current():
+        return None
+    fmt = getattr(getattr(recipe, "fp8_format", None), "name", None)
+    dtype = _FP8_DTYPES.get(fmt)
+    if dtype is None:
+        return None
+    return FP8Scaling(
+        "tensorwise",
+        fp8_dtype=dtype,
+        power_2_scales=bool(getattr(recipe, "use_power_2_scales", False)),
+    )
+
+
+class TEFP8Gather:
+    """The runtime's ``QuantizedGather`` consumer for TE linears (module docstring).
+
+    Installed by ``shard_model`` on every runtime that drives TE linears when
+    ``GTPConfig.fp8_gather`` is on (default); inert outside FP8 autocast.
+
+    Example::
+
+        runtime.quantized_gather = TEFP8Gather()
+        with te.autocast(recipe=Float8CurrentScaling()):
+            out = model(x)          # TE's GEMMs get Float8Tensor weights gathered in FP8
+    """
+
+    def __init__(self) -> None:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+        from transformer_engine.pytorch.tensor.float8_tensor import (
+            Float8CurrentScalingQuantizer,
+            Float8Tensor,
+        )
+        from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
+
+        self._state = FP8GlobalStateManager
+        self._tensor = Float8Tensor
+        self._quantizer = Float8CurrentScalingQuantizer
+        self._te_dtypes = {
+            torch.float8_e4m3fn: tex.DType.kFloat8E4M3,
+            torch.float8_e5m2: tex.DType.kFloat8E5M2,
+        }
+        # Hopper runs FP8 GEMMs in the TN layout only: the dgrad GEMM needs the transpose.
+        self.transpose_for_backward = torch.cuda.is_available() and not (
+            is_non_tn_fp8_gemm_supported()
+        )
+        self._scalings: dict[tuple, FP8Scaling | None] = {}
+
+    def forward_scaling(self, param: GTPShardedParam) -> FP8Scaling | None:
+        """The scaling of the FP8 autocast region TE runs in now; None outside one or for a
+        recipe the runtime does not gather in."""
+        state = self._state
+        if not state.is_fp8_enabled():
+            return None
+        recipe = state.get_fp8_recipe()
+        # megatron makes a new recipe object per layer: key the cache on what decides.
+        key = (
+            type(recipe),
+            getattr(recipe, "fp8_format", None),
+            getattr(recipe, "use_power_2_scales", None),
+        )
+        if key not in self._scalings:
+            self._scalings[key] = fp8_scaling_of_recipe(recipe)
+        return self._scalings[key]
+
+    def wrap(
+        self, param: GTPShardedParam, direction: Direction, gathered: FP8Gathered
+    ) -> torch.Tensor:
+        """A TE ``Float8Tensor`` over the gathered FP8 rows (made once per gathered buffer)."""
+        # Fresh byte views at every hand-out: TE may drop or clear the fields of the object it
+        # was handed (update_usage, clear_tensor_data), never the runtime's buffers behind them.
+        data = gathered.data.view(torch.uint8)
+        transpose = None if gathered.transpose is None else gathered.transpose.view(torch.uint8)
+        tensor = gathered.consumer
+        if tensor is None:
+            scaling = gathered.scaling
+            te_dtype = self._te_dtypes[scaling.fp8_dtype]
+            quantizer = self._quantizer(
+                te_dtype,
+                data.device,
+                rowwise=True,
+                columnwise=direction is Direction.BWD,
+                force_pow_2_scales=bool(scaling.power_2_scales),
+                amax_epsilon=scaling.epsilon,
+            )
+            tensor = gathered.consumer = self._tensor(
+                shape=data.shape,
+                dtype=param.dtype,
+                data=data,
+                fp8_scale_inv=gathered.scale_inv,
+                fp8_dtype=te_dtype,
+                # TE's LayerNormLinear reads requires_grad from the tensor it is handed to decide
+                # on the wgrad (not from the param), as for the training-dtype gather.
+                requires_grad=param.requires_grad,
+                data_transpose=None,
+                quantizer=quantizer,
+                device=data.device,
+            )
+        tensor._data = data
+        tensor._scale_inv = gathered.scale_inv
+        tensor._transpose = transpose
+        # Invalid until TE's backward asks for column-wise usage: its transpose kernel then
+        # writes into this stable buffer (once per gathered weight).
+        tensor._transpose_invalid = True
+        return tensor
+
+
+def install_te_fp8_gather(runtime: object) -> bool:
+    """Make ``runtime`` gather FP8 for TE linears under per-tensor current scaling.
+
+    Returns False (nothing installed) when TransformerEngine cannot be imported.
+
+    Example::
+
+        install_te_fp8_gather(model.gtp_runtime)
+    """
+    try:
+        consumer = TEFP8Gather()
+    except ImportError:
+        return False
+    runtime.quantized_gather = consumer
+    return True
