@@ -34,7 +34,7 @@ from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.grid import GTPGroups, WeightAxis
 from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
 from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
-from nemo_gtp.engine.runtime import GTPRuntime
+from nemo_gtp.engine.runtime import ChainId, GTPRuntime
 from nemo_gtp.integrations.megatron.model_config import (
     mirror_per_token_loss,
     validate_model_config_for_gtp,
@@ -42,7 +42,10 @@ from nemo_gtp.integrations.megatron.model_config import (
 from nemo_gtp.integrations.megatron.sharding.built import is_presharded
 from nemo_gtp.integrations.megatron.sharding.experts import (
     check_moe_for_gtp,
+    expert_chain,
     expert_module_ids,
+    grouped_weight_names,
+    register_expert_groups,
     route_expert_params,
 )
 from nemo_gtp.integrations.megatron.sharding.te import (
@@ -55,8 +58,12 @@ _MEGATRON_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 
 
 def default_should_shard(name: str, module: torch.nn.Module) -> bool:
-    """Shard megatron-local, TE parallel and torch linears, except the output layer and tied
-    weights."""
+    """Shard megatron-local, TE parallel and torch linears and TE ``GroupedLinear``s (routed
+    experts, all ``weight0..N-1`` together), except the output layer and tied weights."""
+    grouped = grouped_weight_names(module)
+    if grouped:
+        weight = module._parameters[grouped[0]]
+        return weight.requires_grad and not is_gtp_param(weight)
     if not isinstance(module, (*_MEGATRON_LINEARS, torch.nn.Linear, *te_parallel_linear_kinds())):
         return False
     weight = getattr(module, "weight", None)
@@ -161,16 +168,30 @@ def shard_model(
     te_linears = tuple(te_parallel_linear_kinds())
     sliced_te: list[str] = []
     for module_name, module in list(model.named_modules()):
-        runtime = runtimes[WeightAxis.EXPERT if id(module) in expert_ids else WeightAxis.DENSE]
+        expert = id(module) in expert_ids
+        runtime = runtimes[WeightAxis.EXPERT if expert else WeightAxis.DENSE]
         if runtime is None:  # this axis does not shard: the linear stays full
             continue
+        # Routed experts run on one chain per role (fc1, fc2), design §3.4.
+        chain = expert_chain(module_name) if expert else ChainId.UNGRAPHED
         weight = module._parameters.get("weight")
+        grouped = grouped_weight_names(module)
         if is_presharded(weight):  # built as its shard from a gtp_layer_spec: register only
-            runtime.register(weight, f"{module_name}.weight")
+            runtime.register(weight, f"{module_name}.weight", chain)
+        elif grouped and should_shard(module_name, module):
+            # TE GroupedLinear: every expert's weight sliced, one weight group that TE
+            # materializes through weight0 (design §3.4 "Grouped-expert chains").
+            params = [
+                runtime.shard_parameter(module, attr, f"{module_name}.{attr}", chain)
+                for attr in grouped
+            ]
+            runtime.register_group(params, together=True)
+            record_grad_mode(module)
+            continue
         elif should_shard(module_name, module):
             if isinstance(module, (*_MEGATRON_LINEARS, *te_linears)):
-                runtime.shard_parameter(module, "weight", f"{module_name}.weight")
-                sliced_te += [module_name] if isinstance(module, te_linears) else []
+                runtime.shard_parameter(module, "weight", f"{module_name}.weight", chain)
+                sliced_te += [module_name] if isinstance(module, te_linears) and not expert else []
             else:
                 shard_linear(module, runtime, f"{module_name}.weight")
         else:
@@ -187,6 +208,8 @@ def shard_model(
             stacklevel=2,
         )
     warn_unsharded_te_modules(model)
+    if runtimes[WeightAxis.EXPERT] is not None:  # SequentialMLP: a block's role, one group
+        register_expert_groups(model, runtimes[WeightAxis.EXPERT])
     experts = {id(p) for p in route_expert_params(model, expert_ids)}
     _mark_shared(model, groups, config, experts)
     model.gtp_runtime = runtimes[WeightAxis.DENSE]

@@ -85,7 +85,9 @@ def warn_unsharded_te_modules(model: torch.nn.Module) -> list[str]:
 
 
 def _record(module: torch.nn.Module, args: tuple) -> None:
-    weight = module._parameters.get("weight")
+    # A GroupedLinear's leader (weights[0], design §3.4) is its first expert's weight.
+    params = module._parameters
+    weight = params.get("weight", params.get("weight0"))
     if isinstance(weight, GTPShardedParam):
         weight.gtp_state.forward_grad_enabled = torch.is_grad_enabled()
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -97,7 +99,8 @@ def _record(module: torch.nn.Module, args: tuple) -> None:
 
 
 def record_grad_mode(module: torch.nn.Module) -> None:
-    """Record the grad mode of each call of TE ``module`` on its GTP weight (see module doc)."""
+    """Record the grad mode of each call of TE ``module`` on its GTP weight (see module doc);
+    a ``GroupedLinear``'s on ``weight0``, the leader TE materializes the group through."""
     if not getattr(module, "_gtp_grad_mode_hook", False):
         module.register_forward_pre_hook(_record)
         module._gtp_grad_mode_hook = True
