@@ -347,7 +347,7 @@ class GTPParamState:
         """The params (forward order) whose wgrads reduce-scatter in one collective with this
         one; None: alone (not coalescing, or before the chain order is committed)."""
         self.group = -1
-        """Index of this param's weight group in its runtime's ``groups`` (design §3.4
+        """Index of this param's weight group in its runtime's ``weight_groups`` (design §3.4
         "Grouped-expert chains"); -1: in none."""
 
     def slot(self, direction: Direction) -> GatherSlot:
@@ -448,9 +448,7 @@ class GTPShardedParam(torch.nn.Parameter):
         """Full-size (unpadded view) wgrad scratch TE's fused wgrad GEMM writes into."""
         return self.runtime.protocol_grad_buffer(self)
 
-    def finalize_group_grads(
-        self, wgrads: torch.Tensor | list[torch.Tensor]
-    ) -> list[None] | None:
+    def finalize_group_grads(self, wgrads: torch.Tensor | list[torch.Tensor]) -> list[None] | None:
         """Reduce-scatter TE's full wgrad(s) of this param's group into ``main_grad``.
 
         Returns None for a group of one and N Nones for a group of N: TE returns them to

@@ -126,8 +126,9 @@ def coalescing_units(
     Greedy and order-preserving: a unit takes consecutive weights of one dtype while their
     gathered (padded) bytes stay within ``unit_bytes``; a weight larger than that is a unit
     alone, so ``unit_bytes=0`` gives one unit per weight. A weight of a :class:`WeightGroup`
-    (``groups[param.gtp_state.group]``) brings its whole group as one unit of its own, whatever
-    its size, at the place of the first member observed (members never observed are left out).
+    (``groups[param.gtp_state.group]``: the runtime's ``weight_groups``) brings its whole group
+    as one unit of its own, whatever its size, at the place of the first member observed
+    (members never observed are left out).
 
     Example::
 
@@ -177,7 +178,7 @@ class Chain:
         self.chain_id = chain_id
         self.depth = depth  # units gathered ahead of each consume
         self.unit_bytes = unit_bytes  # GTPConfig.coalesce_mb in bytes
-        self.groups = groups if groups is not None else []  # the runtime's weight groups
+        self.weight_groups = groups if groups is not None else []  # the runtime's
         self.phase = ChainPhase.OBSERVING
         self.order: list[GTPShardedParam] = []
         self.units: list[tuple[GTPShardedParam, ...]] = []
@@ -211,7 +212,7 @@ class Chain:
 
     def _commit(self) -> None:
         self.phase = ChainPhase.LINKED
-        units = self.units = coalescing_units(self.order, self.unit_bytes, self.groups)
+        units = self.units = coalescing_units(self.order, self.unit_bytes, self.weight_groups)
         n, depth = len(units), self.depth
         for u, members in enumerate(units):
             # Weights of units within ``depth`` of each other can be live at once; same-shape
@@ -367,9 +368,10 @@ class GTPRuntime:
         self._prefetch_enabled = self.config.weight_prefetch
         self.params: list[GTPShardedParam] = []
         unit_bytes = self.config.coalesce_mb * 2**20
-        self.groups: list[WeightGroup] = []
+        self.weight_groups: list[WeightGroup] = []  # register_group's, design §3.4
         self.chains = {
-            cid: Chain(cid, self.config.prefetch_depth, unit_bytes, self.groups) for cid in ChainId
+            cid: Chain(cid, self.config.prefetch_depth, unit_bytes, self.weight_groups)
+            for cid in ChainId
         }
         self.weight_cache = GTPWeightCache()
         self.wgrad_pool = WgradPool()
@@ -458,14 +460,14 @@ class GTPRuntime:
             )
         group = WeightGroup(params, together)
         for param in params:
-            param.gtp_state.group = len(self.groups)
-        self.groups.append(group)
+            param.gtp_state.group = len(self.weight_groups)
+        self.weight_groups.append(group)
         return group
 
     def group_of(self, param: GTPShardedParam) -> WeightGroup | None:
         """The :class:`WeightGroup` ``param`` belongs to, or None."""
         index = param.gtp_state.group
-        return self.groups[index] if index >= 0 else None
+        return self.weight_groups[index] if index >= 0 else None
 
     @property
     def live_buffers(self) -> dict[ChainId, int]:
@@ -884,7 +886,9 @@ class GTPRuntime:
             work = self._rs_ops.reduce_scatter(output, scratch, average=self._average_in_collective)
         self.stats.reduce_scatter_collectives += 1
         rs.issued(work, scratch, output, recv)
-        self._after_reduce_scatter(chain, (param,), state.is_head or not self.config.async_reduction)
+        self._after_reduce_scatter(
+            chain, (param,), state.is_head or not self.config.async_reduction
+        )
 
     def _flush_staged(self, chain: Chain) -> None:
         """Reduce-scatter the staged wgrads of ``chain``'s unit in one collective."""
