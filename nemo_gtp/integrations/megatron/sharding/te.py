@@ -93,9 +93,11 @@ def _record(module: torch.nn.Module, args: tuple) -> None:
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         runtime = weight.gtp_state.runtime() if weight.gtp_state.runtime is not None else None
         if x is not None and x.dim() > 0 and runtime is not None:
-            # Rows of TE's GEMM; under sequence parallelism TE gathers the sequence first.
+            # Rows of TE's GEMM; under sequence parallelism TE gathers the sequence first. A
+            # GroupedLinear splits its rows over its experts' GEMMs (on average).
             tp = getattr(module, "tp_size", 1) if getattr(module, "sequence_parallel", False) else 1
-            runtime.note_tokens(x.numel() // x.shape[-1] * tp)
+            gemms = max(1, int(getattr(module, "num_gemms", 1) or 1))
+            runtime.note_tokens(x.numel() // x.shape[-1] * tp // gemms)
 
 
 def record_grad_mode(module: torch.nn.Module) -> None:
