@@ -16,9 +16,9 @@ protocol (:mod:`~nemo_gtp.integrations.megatron.sharding.te`).
 
 MoE (design §1.4 "EP / expert GTP"): a model gets up to two runtimes, one per weight axis: the
 dense one (GTP group: attention, dense MLPs, shared experts) and the expert one (EGTP group: the
-linears of the routed ``SequentialMLP`` experts, see
-:mod:`~nemo_gtp.integrations.megatron.sharding.experts`). An axis of size 1 gets no runtime and
-its linears stay full.
+weights of the routed ``SequentialMLP`` / ``TEGroupedMLP`` experts, one chain per role and one
+weight group per block and role, see :mod:`~nemo_gtp.integrations.megatron.sharding.experts`).
+An axis of size 1 gets no runtime and its linears stay full.
 """
 
 from __future__ import annotations
@@ -115,8 +115,10 @@ def shard_model(
     """Shard ``model``'s eligible linears in place; return its (primary) runtime.
 
     Call after the model is built and before DDP wraps it. Dense linears are sharded over
-    ``groups.gtp``; the linears of routed MoE experts (megatron ``SequentialMLP``) over
-    ``groups.expert_gtp`` by a second runtime (design §1.4). The model holds them as
+    ``groups.gtp``; the weights of routed MoE experts (megatron ``SequentialMLP``, and each
+    ``weight{i}`` of ``TEGroupedMLP``'s TE ``GroupedLinear``s) over ``groups.expert_gtp`` by a
+    second runtime, on one chain per role with a block's experts of a role one weight group
+    (design §1.4, §3.4). The model holds them as
     ``model.gtp_runtime`` (dense) and ``model.gtp_expert_runtime`` (experts); an axis of size 1
     gets none. Returned: the dense runtime, or the expert one when only experts are sharded;
     ``runtimes_of(model)`` lists both. With GTP and expert GTP both 1 nothing is touched and
@@ -141,9 +143,9 @@ def shard_model(
         model = GPTModel(model_config, spec, vocab_size, max_seq)
         runtime = shard_model(model, groups, config)
 
-    Raises ``ValueError`` for settings GTP cannot honour (grouped-GEMM experts under expert
-    GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, ...) and warns once
-    naming TE ``LayerNormMLP``s, which stay unsharded.
+    Raises ``ValueError`` for settings GTP cannot honour (megatron's legacy ``GroupedMLP``
+    under expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, ...)
+    and warns once naming TE ``LayerNormMLP``s, which stay unsharded.
     """
     if hasattr(model, "param_to_bucket_group") or isinstance(
         model, torch.nn.parallel.DistributedDataParallel
