@@ -381,6 +381,11 @@ def _grouped_experts_case(rank: int, world: int) -> float:
         torch.testing.assert_close(value, full.state_dict()[key], rtol=0, atol=0)
     with pytest.raises(NotImplementedError, match="grouped-GEMM MoE experts under GTP"):
         make_gtp_sharded_state_dict(sharded.blocks[0].sharded_state_dict(prefix="moe."), groups)
+    # TE's grouped-tensor path never finalizes the weights' grads: refused before slicing
+    fused = Blocks()
+    fused.blocks[1].linear_fc2.use_grouped_tensor = True
+    with pytest.raises(ValueError, match="blocks.1.linear_fc2: TransformerEngine's grouped-tensor"):
+        shard_model(fused, groups, GTPConfig(pad_for_alignment=1))
     return worst
 
 

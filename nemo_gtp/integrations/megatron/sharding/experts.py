@@ -127,6 +127,24 @@ def route_expert_params(model: torch.nn.Module, expert_ids: set[int]) -> list[to
     return tagged
 
 
+def check_grouped_linear_for_gtp(name: str, module: torch.nn.Module) -> None:
+    """Refuse a TE ``GroupedLinear`` whose path skips the weight protocol (before slicing).
+
+    TE's native grouped-tensor path (``use_grouped_tensor=True``, which the deprecated
+    ``NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_GEMM=1`` selects) and its single grouped parameter
+    never call ``finalize_group_grads``: the experts' gradients would silently be lost.
+    """
+    if getattr(module, "use_grouped_tensor", False) or getattr(
+        module, "single_grouped_weight", False
+    ):
+        raise ValueError(
+            f"{name}: TransformerEngine's grouped-tensor GroupedLinear path (use_grouped_tensor="
+            "True or single_grouped_weight=True, e.g. from NVTE_GROUPED_LINEAR_USE_FUSED_GROUPED_"
+            "GEMM=1 / NVTE_GROUPED_LINEAR_SINGLE_PARAM) does not finalize GTP weights' gradients: "
+            "unset those environment variables (or set them 0), or expert_num_weight_shards=None"
+        )
+
+
 def register_expert_groups(model: torch.nn.Module, runtime: GTPRuntime) -> list[WeightGroup]:
     """Make each ``SequentialMLP`` block's local experts of one role one weight group.
 

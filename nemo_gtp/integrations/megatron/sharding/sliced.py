@@ -41,6 +41,7 @@ from nemo_gtp.integrations.megatron.model_config import (
 )
 from nemo_gtp.integrations.megatron.sharding.built import is_presharded
 from nemo_gtp.integrations.megatron.sharding.experts import (
+    check_grouped_linear_for_gtp,
     check_moe_for_gtp,
     expert_chain,
     expert_module_ids,
@@ -183,6 +184,7 @@ def shard_model(
         elif grouped and should_shard(module_name, module):
             # TE GroupedLinear: every expert's weight sliced, one weight group that TE
             # materializes through weight0 (design §3.4 "Grouped-expert chains").
+            check_grouped_linear_for_gtp(module_name, module)
             params = [
                 runtime.shard_parameter(module, attr, f"{module_name}.{attr}", chain)
                 for attr in grouped
