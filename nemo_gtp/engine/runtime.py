@@ -777,14 +777,17 @@ class GTPRuntime:
                 self.release(member, _FWD)
             last[0] = None
         will_backward = torch.is_grad_enabled() or param.gtp_state.forward_grad_enabled
-        # A unit's links sit on the slot its direction consumes first: the first member
-        # forward, the last one backward (Chain._commit).
-        order = members if direction is _FWD else members[::-1]
-        fulls = {id(m): self.materialize(m, direction, will_backward=will_backward) for m in order}
         last[which] = param
         # Aliases of the gathered buffers carrying the param's requires_grad: TE 2.20's
         # LayerNormLinear reads requires_grad from the tensor it is handed (not from the param)
         # to decide whether to keep its input and compute the wgrad at all.
+        if len(members) == 1:  # every dense TE linear: keep the host path short
+            full = self.materialize(param, direction, will_backward=will_backward)
+            return [full.detach().requires_grad_(param.requires_grad)]
+        # A unit's links sit on the slot its direction consumes first: the first member
+        # forward, the last one backward (Chain._commit).
+        order = members if direction is _FWD else members[::-1]
+        fulls = {id(m): self.materialize(m, direction, will_backward=will_backward) for m in order}
         return [fulls[id(m)].detach().requires_grad_(m.requires_grad) for m in members]
 
     def finalize_group_for_protocol(
