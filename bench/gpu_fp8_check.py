@@ -243,9 +243,9 @@ def te_bit_checks(model: torch.nn.Module, runtime: object, args: argparse.Namesp
         )
         ref = quantizer(full)
         with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=recipe):
-            fwd = runtime.materialize_for_protocol(param, Direction.FWD)
+            fwd = runtime.materialize_group_for_protocol(param, Direction.FWD)[0]
             data, scale_inv = fwd._data.clone(), fwd._scale_inv.clone()
-            bwd = runtime.materialize_for_protocol(param, Direction.BWD)
+            bwd = runtime.materialize_group_for_protocol(param, Direction.BWD)[0]
             bwd.update_usage(columnwise_usage=True)  # what TE's dgrad asks for
             transpose = None if bwd._transpose is None else bwd._transpose.clone()
         runtime.drain()

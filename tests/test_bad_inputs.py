@@ -86,6 +86,14 @@ MOE_TINY = str(ROOT / "configs" / "moe_tiny_cpu.yaml")
 BAD_MOE_OVERRIDES = [
     (["model.num_moe_experts=null"], "model.num_moe_experts is not set"),
     (["model.moe_grouped_gemm=true"], "set model.moe_grouped_gemm=false"),
+    (
+        [
+            "model.layer_spec=te",
+            "model.moe_grouped_gemm=true",
+            "+model.moe_use_legacy_grouped_gemm=true",
+        ],
+        "model.moe_use_legacy_grouped_gemm=true builds megatron's legacy GroupedMLP",
+    ),
     (["model.num_moe_experts=3"], "model.num_moe_experts=3 must be a multiple of"),
     (["strategy.expert_num_weight_shards=8"], "change expert_num_weight_shards"),
     (
@@ -130,6 +138,11 @@ def test_bad_moe_recipe_override(overrides: list[str], message: str) -> None:
         validate_recipe(load_recipe(MOE_TINY, overrides))
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_grouped_experts_with_te_spec_pass_the_checks() -> None:
+    """TEGroupedMLP (grouped GEMM on the TE spec) is sharded by expert GTP (design §1.4)."""
+    validate_recipe(load_recipe(MOE_TINY, ["model.layer_spec=te", "model.moe_grouped_gemm=true"]))
 
 
 @pytest.mark.parametrize("overrides, message", BAD_OVERRIDES, ids=lambda x: str(x))

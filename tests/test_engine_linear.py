@@ -119,7 +119,8 @@ def _parity_worker(rank: int, world: int, per_token: bool, options: dict) -> Non
     if runtime.config.coalesce_mb:  # weights of 4, 5 and 3 KiB (padded, fp32)
         assert units == ([2, 1] if runtime.config.coalesce_mb < 0.011 else [3]), units
         # the unit's wgrads were reduce-scattered together: nothing left staged or pending
-        assert not runtime._staged and not runtime._pending_rs
+        chain = runtime.chains[ChainId.UNGRAPHED]
+        assert not chain.staged and not chain.pending_rs
     else:
         assert units == [1, 1, 1]
     walk = units + units[::-1]  # forward units, then the backward's (handed over at the tail)

@@ -61,23 +61,38 @@ def test_invalid_expert_sizes(kwargs: dict, message: str) -> None:
         GTPParallelDims(**kwargs)
 
 
-def test_strategy_refuses_expert_gtp_without_sequential_experts() -> None:
-    """Checked on the model config in ``setup_distributed``, before any process group."""
+def test_strategy_refuses_expert_gtp_on_legacy_grouped_experts() -> None:
+    """Checked on the model config in ``setup_distributed``, before any process group: expert
+    GTP needs experts, and grouped GEMM only as TEGroupedMLP (TE spec), not the legacy
+    GroupedMLP (design §1.4)."""
+    import importlib.util
+
     from nemo.collections import llm
+    from nemo.collections.llm.gpt.model.base import local_layer_spec
 
     from nemo_gtp.strategy.validation import validate_moe_config
 
     def config(**kwargs: Any) -> Any:
         return llm.GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=1, **kwargs)
 
+    grouped = dict(num_moe_experts=4, moe_grouped_gemm=True)
     with pytest.raises(ValueError, match="num_moe_experts is not set"):
         validate_moe_config(config(), egtp=2, gtp_enabled=True)
-    with pytest.raises(ValueError, match="moe_grouped_gemm=False"):
+    with pytest.raises(ValueError, match="local layer spec.*moe_grouped_gemm=False"):
         validate_moe_config(
-            config(num_moe_experts=4, moe_grouped_gemm=True), egtp=2, gtp_enabled=True
+            config(**grouped, transformer_layer_spec=local_layer_spec), egtp=2, gtp_enabled=True
         )
+    with pytest.raises(ValueError, match="moe_use_legacy_grouped_gemm=True"):
+        validate_moe_config(
+            config(**grouped, moe_use_legacy_grouped_gemm=True), egtp=2, gtp_enabled=True
+        )
+    if importlib.util.find_spec("transformer_engine") is None:  # NeMo's spec falls back to local
+        with pytest.raises(ValueError, match="without TransformerEngine installed"):
+            validate_moe_config(config(**grouped), egtp=2, gtp_enabled=True)
+    else:  # NeMo's default TE spec: TEGroupedMLP
+        validate_moe_config(config(**grouped), egtp=2, gtp_enabled=True)
     validate_moe_config(config(num_moe_experts=4), egtp=2, gtp_enabled=True)
-    validate_moe_config(config(num_moe_experts=4, moe_grouped_gemm=True), egtp=1, gtp_enabled=True)
+    validate_moe_config(config(**grouped), egtp=1, gtp_enabled=True)
 
 
 # ------------------------------------------------------------------------------ megatron level
@@ -109,6 +124,17 @@ def _parity_case(rank: int, world: int, case: Run) -> float:
         assert len(experts.params) == 2 * local_experts * layers
         assert experts.size == case.egtp and experts.axis.value == "expert"
         assert experts.stats.prefetches > 0 and experts.stats.fallback_allocations == 0
+        # one chain per role, each block's local experts of the role one unit (a group), the
+        # next block's prefetched into other buffers (design §3.4 "Grouped-expert chains")
+        from nemo_gtp.engine import ChainId
+
+        assert not experts.chains[ChainId.UNGRAPHED].order
+        for cid in (ChainId.EXPERT_FC1, ChainId.EXPERT_FC2):
+            units = experts.chains[cid].units
+            assert [len(u) for u in units] == [local_experts] * layers
+            assert units[0][0].gtp_state.fwd.ahead == (units[1][0].gtp_state.fwd,)
+            for a, b in zip(units, units[1:]):
+                assert not {p.gtp_state.parity for p in a} & {p.gtp_state.parity for p in b}
     try:
         worst = assert_parity(result, _REFERENCES[reference_run])
     except AssertionError as err:
@@ -221,6 +247,148 @@ def _zero_token_experts_case(rank: int, world: int) -> float:
     return worst
 
 
+def _grouped_experts_case(rank: int, world: int) -> float:
+    """megatron's ``TEGroupedMLP`` (one weight per expert in a ``GroupedLinear``) under EGTP2,
+    two MoE blocks at EP2, driven through TE's weight protocol as TE's ``GroupedLinear`` drives
+    it (``nemo_gtp.testing.te_grouped``: TE cannot run on CPU), through GTP DDP and finalize.
+
+    Each block's fc1 experts are one weight group that ``weight0`` materializes (its followers
+    only hand out ``grad_buffer()``s: fc1 runs TE's fused-wgrad path, fc2 the packed one), on a
+    chain per role: in the linked steady state each group is one coalesced gather per direction,
+    prefetched one block ahead into a buffer the other block does not use, and one coalesced
+    reduce-scatter. Ranks have experts (rank 1 everything) without tokens. Parity as in
+    ``_zero_token_experts_case``: outputs and every ``main_grad`` against the unsharded module.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from nemo_gtp.engine import ChainId, GTPConfig, GTPStateError
+    from nemo_gtp.integrations.megatron import (
+        GTPDistributedDataParallel,
+        gtp_process_groups,
+        make_finalize_model_grads,
+        shard_model,
+    )
+    from nemo_gtp.testing.gpt_harness import full_tensor
+    from nemo_gtp.testing.te_grouped import CPUGroupedLinear
+
+    run = dataclasses.replace(MOE, ep=2, egtp=2)
+    groups = gtp_groups(run)
+    local = 3
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=2 * local,
+        expert_model_parallel_size=2,
+        moe_ffn_hidden_size=24,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    submodules = MLPSubmodules(linear_fc1=CPUGroupedLinear, linear_fc2=CPUGroupedLinear)
+    pgs = gtp_process_groups(groups)
+
+    class Blocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = config
+            self.blocks = torch.nn.ModuleList(
+                TEGroupedMLP(local, config, submodules, pg_collection=pgs) for _ in range(2)
+            )
+
+        def forward(self, x: torch.Tensor, split: torch.Tensor, probs: torch.Tensor) -> Any:
+            for block in self.blocks:
+                x = block(x, split, probs)[0]
+            return x
+
+    torch.manual_seed(11)
+    full, sharded = Blocks(), Blocks()
+    sharded.load_state_dict(full.state_dict())
+    runtime = shard_model(sharded, groups, GTPConfig(pad_for_alignment=1))
+    assert runtime is sharded.gtp_expert_runtime and sharded.gtp_runtime is None
+    assert [(len(g.params), g.together) for g in runtime.weight_groups] == [(local, True)] * 4
+    ddp = GTPDistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=2_000),
+        sharded,
+        pg_collection=pgs,
+    )
+    finalize = make_finalize_model_grads(groups)
+    counts = {0: [3, 0, 2], 1: [0, 0, 0], 2: [1, 4, 0], 3: [2, 0, 1]}[rank]
+    fc1 = [block.linear_fc1 for block in sharded.blocks]
+    worst = 0.0
+    for step in range(2):  # observe, then a linked (traced) step
+        if step == 1:
+            runtime.stats.reset()
+            trace = runtime.enable_trace()
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        tokens = torch.randn(sum(counts), 16, generator=gen)
+        probs = torch.rand(sum(counts), generator=gen)
+        weight = torch.randn(sum(counts), 16, generator=gen)
+        split = torch.tensor(counts)
+        ddp.zero_grad_buffer()
+        full.zero_grad()
+        out = ddp(tokens, split, probs)
+        (out * weight).sum().backward()
+        finalize([ddp])
+        want = full(tokens, split, probs)
+        (want * weight).sum().backward()
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+        for (name, param), ref in zip(sharded.named_parameters(), full.parameters(), strict=True):
+            expected = ref.grad.clone()
+            dist.all_reduce(expected, group=groups.expert_data)  # every holder of the expert
+            expected /= world  # the data ranks: each rank's tokens are its own
+            err = rel_err(full_tensor(param, param.main_grad, groups), expected)
+            worst = max(worst, err)
+            assert err <= 1e-5, f"step {step} {name}: rel err {err:.2e}"
+    stats = runtime.stats
+    # per role: forward head (sync) + next block, backward hand-over + next block; one
+    # coalesced collective each, and one reduce-scatter per group
+    assert (stats.gather_collectives, stats.gathers) == (8, 8 * local), stats
+    assert (stats.reduce_scatter_collectives, stats.reduce_scatters) == (4, 4 * local), stats
+    assert stats.prefetch_skipped == stats.fallback_allocations == 0, stats
+    gathers = [(event, name) for event, name, _ in trace if event.startswith("ag_")]
+    names = [f"blocks.{b}.linear_fc1.weight{i}" for b in range(2) for i in range(local)]
+    # the step's first consume: block 0's fc1 group in one synchronous gather (the chain head,
+    # its followers ride along), then block 1's prefetched, before any fc2 gather
+    assert [n for _, n in gathers[: 2 * local]] == names and gathers[0][0] == "ag_issue_sync"
+    assert {e for e, _ in gathers[1 : 2 * local]} == {"ag_issue_async"}, gathers
+    for cid in (ChainId.EXPERT_FC1, ChainId.EXPERT_FC2):
+        first, second = runtime.chains[cid].units
+        assert len(first) == len(second) == local
+        assert first[0].gtp_state.fwd.ahead == (second[0].gtp_state.fwd,)
+        # double-buffered: neighbouring blocks of a role never share a gathered buffer
+        assert not {p.gtp_state.parity for p in first} & {p.gtp_state.parity for p in second}
+        assert runtime.max_live_buffers[cid] <= 2 * local
+    assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
+    follower = fc1[0].weight1
+    with pytest.raises(GTPStateError, match="through its leader"):
+        follower.materialize_group_for_forward()
+    with pytest.raises(ValueError, match=f"leads a group of {local} weights, got 1 wgrads"):
+        fc1[0].weight0.finalize_group_grads(torch.zeros(24, 16))
+    assert follower.grad_buffer().shape == (24, 16)
+    # the weights as a run without GTP has them; checkpoints of grouped experts are refused
+    from nemo_gtp import full_state_dict
+    from nemo_gtp.integrations.megatron.checkpoint import make_gtp_sharded_state_dict
+
+    for key, value in full_state_dict(ddp).items():
+        torch.testing.assert_close(value, full.state_dict()[key], rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="grouped-GEMM MoE experts under GTP"):
+        make_gtp_sharded_state_dict(sharded.blocks[0].sharded_state_dict(prefix="moe."), groups)
+    # TE's grouped-tensor path never finalizes the weights' grads: refused before slicing
+    fused = Blocks()
+    fused.blocks[1].linear_fc2.use_grouped_tensor = True
+    with pytest.raises(ValueError, match="blocks.1.linear_fc2: TransformerEngine's grouped-tensor"):
+        shard_model(fused, groups, GTPConfig(pad_for_alignment=1))
+    return worst
+
+
 def _full_state_dict_case(rank: int, world: int) -> int:
     """``full_state_dict`` of a GTP2·EGTP2·EP2 MoE GPT equals the state dict of the model
     built without GTP (bit for bit after the build): expert shards gather over EGTP."""
@@ -268,6 +436,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outco
     cases = [
         ("setup", _setup, ()),
         ("zero-token experts", _zero_token_experts_case, ()),
+        ("grouped experts", _grouped_experts_case, ()),
         *((f"parity {run}", _parity_case, (run,)) for run in CASES),
         ("full_state_dict", _full_state_dict_case, ()),
         ("refusals", _refusals_case, ()),
@@ -285,6 +454,10 @@ def test_experts_without_tokens_keep_collectives_matched(
     four_ranks: dict[str, list[Outcome]],
 ) -> None:
     assert all(err <= 1e-5 for err in case_values(four_ranks["zero-token experts"]))
+
+
+def test_grouped_experts_through_te_protocol(four_ranks: dict[str, list[Outcome]]) -> None:
+    assert all(err <= 1e-5 for err in case_values(four_ranks["grouped experts"]))
 
 
 def test_full_state_dict_gathers_expert_shards(four_ranks: dict[str, list[Outcome]]) -> None:

@@ -1,8 +1,9 @@
 """GTPShardedParam's TransformerEngine DistributedWeight protocol, driven as TE's dispatchers do.
 
-TE cannot run on CPU, so the dispatchers are mirrored here from TE's documented contract
-(``transformer_engine/pytorch/distributed_weight.py``): list-shaped, leader = ``weights[0]``,
-a plain tensor passes through. Collectives are real (gloo).
+TE cannot run on CPU, so its dispatchers are mirrored from TE's documented contract
+(``nemo_gtp.testing.te_grouped``): list-shaped, leader = ``weights[0]``, a plain tensor passes
+through. Collectives are real (gloo). Weight groups (TE ``GroupedLinear`` experts) are driven
+through megatron's ``TEGroupedMLP`` in ``tests/test_moe.py``.
 """
 
 from __future__ import annotations
@@ -13,29 +14,11 @@ import torch.distributed as dist
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
 from nemo_gtp.testing.spawn import run_distributed
-
-
-def _as_list(value: object) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def materialize_weight_for_forward(weights: list) -> list:
-    if not getattr(weights[0], "is_distributed_weight", False):
-        return list(weights)
-    return _as_list(weights[0].materialize_group_for_forward())
-
-
-def materialize_weight_for_backward(weights: list) -> list:
-    if not getattr(weights[0], "is_distributed_weight", False):
-        return list(weights)
-    return _as_list(weights[0].materialize_group_for_backward())
-
-
-def finalize_weight_grads(weights: list, wgrads: list) -> list:
-    if not getattr(weights[0], "is_distributed_weight", False):
-        return list(wgrads)
-    single = wgrads[0] if len(wgrads) == 1 else wgrads
-    return _as_list(weights[0].finalize_group_grads(single))
+from nemo_gtp.testing.te_grouped import (
+    finalize_weight_grads,
+    materialize_weight_for_backward,
+    materialize_weight_for_forward,
+)
 
 
 def _chain_steady_state(groups: object, rank: int, world: int) -> None:

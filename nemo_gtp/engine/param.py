@@ -351,6 +351,7 @@ class GTPParamState:
         "fp8_wire",
         "fp8_version",
         "fp8_forward",
+        "group",
         "__weakref__",
     )
 
@@ -380,6 +381,9 @@ class GTPParamState:
         self.fp8_forward: Any = None
         """The FP8 scaling of this weight's last forward protocol consume (None: the training
         dtype); its backward consume gathers the same way."""
+        self.group = -1
+        """Index of this param's weight group in its runtime's ``weight_groups`` (design §3.4
+        "Grouped-expert chains"); -1: in none."""
 
     def slot(self, direction: Direction) -> GatherSlot:
         """The gather slot of ``direction``."""
@@ -459,30 +463,35 @@ class GTPShardedParam(torch.nn.Parameter):
 
     # [Note: TransformerEngine DistributedWeight protocol] (design §3.1 "The bridge")
     # TE >= 2.19 gates on ``is_distributed_weight`` and calls these on the leader of a weight
-    # group (``weights[0]``; a te.Linear has a group of one). TE never tells us when its GEMM is
+    # group (``weights[0]``): a te.Linear has a group of one, a GroupedLinear one weight per
+    # expert, registered as a runtime weight group (``GTPRuntime.register_group(...,
+    # together=True)``): the leader gathers the whole group in one collective and receives all
+    # of its wgrads; followers only answer ``grad_buffer()``. TE never tells us when its GEMM is
     # done, so a protocol-materialized buffer is released at the next protocol materialize of
     # the same chain and direction (stream order makes that safe) or at the next drain. TE gets
-    # a requires-grad alias of the buffer (LayerNormLinear decides on wgrad from it), and its
-    # wgrad through finalize_group_grads (or grad_buffer() under fuse_wgrad_accumulation).
+    # requires-grad aliases of the buffers (LayerNormLinear decides on wgrad from them), and its
+    # wgrads through finalize_group_grads (or grad_buffer() under fuse_wgrad_accumulation).
     def materialize_group_for_forward(self) -> list[torch.Tensor]:
-        """Full weights for TE's forward GEMM (prefetches ``next_w``)."""
-        return [self.runtime.materialize_for_protocol(self, Direction.FWD)]
+        """Full weights of this param's group for TE's forward GEMM (prefetches ahead)."""
+        return self.runtime.materialize_group_for_protocol(self, Direction.FWD)
 
     def materialize_group_for_backward(self) -> list[torch.Tensor]:
-        """Full weights for TE's dgrad GEMM (prefetches ``prev_w``)."""
-        return [self.runtime.materialize_for_protocol(self, Direction.BWD)]
+        """Full weights of this param's group for TE's dgrad GEMM (prefetches ahead)."""
+        return self.runtime.materialize_group_for_protocol(self, Direction.BWD)
 
     def grad_buffer(self) -> torch.Tensor:
         """Full-size (unpadded view) wgrad scratch TE's fused wgrad GEMM writes into."""
         return self.runtime.protocol_grad_buffer(self)
 
-    def finalize_group_grads(self, wgrads: torch.Tensor | list[torch.Tensor]) -> None:
-        """Reduce-scatter TE's full wgrad(s) into ``main_grad``; None tells TE it is async."""
+    def finalize_group_grads(self, wgrads: torch.Tensor | list[torch.Tensor]) -> list[None] | None:
+        """Reduce-scatter TE's full wgrad(s) of this param's group into ``main_grad``.
+
+        Returns None for a group of one and N Nones for a group of N: TE returns them to
+        autograd as the weights' grads (async: nothing reaches autograd).
+        """
         grads = list(wgrads) if isinstance(wgrads, (list, tuple)) else [wgrads]
-        if len(grads) != 1:
-            raise ValueError(f"{self!r} leads a group of 1 weight, got {len(grads)} wgrads")
-        self.runtime.reduce_scatter_foreign_wgrad(self, grads[0])
-        return None
+        size = self.runtime.finalize_group_for_protocol(self, grads)
+        return None if size == 1 else [None] * size
 
 
 def carry_param_attributes(old: torch.Tensor, new: torch.Tensor) -> None:

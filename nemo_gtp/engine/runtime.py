@@ -82,6 +82,13 @@ class ChainId(enum.Enum):
     """Weights that run eagerly (every weight until CUDA-graph capture is wired in)."""
     GRAPHED = "graphed"
     """Weights inside captured CUDA graphs; never linked to eager weights (design §1.2)."""
+    EXPERT_FC1 = "expert_fc1"
+    """Routed experts' first linears: one weight group per MoE block, linked block to block, so
+    a block's consume prefetches the next block's fc1 experts (design §3.4 "Grouped-expert
+    chains"). Eager only."""
+    EXPERT_FC2 = "expert_fc2"
+    """Routed experts' second linears, the same way (a chain of their own: a merged chain would
+    link fc1 to fc2 of the same block, one GEMM of runway)."""
 
 
 class GatherBackend(enum.Enum):
@@ -102,14 +109,34 @@ class ChainPhase(enum.Enum):
     """The order is committed and linked; every consume prefetches its neighbour."""
 
 
+@dataclass(frozen=True)
+class WeightGroup:
+    """Weights that always gather and reduce-scatter together, as one coalescing unit.
+
+    ``params`` in their module order; ``together``: TransformerEngine hands the whole group to
+    ``params[0]`` (``GroupedLinear``: ``weights[0]`` materializes every expert's weight, and its
+    ``finalize_group_grads`` receives every wgrad); otherwise each member is consumed on its own
+    (megatron ``SequentialMLP``: one linear per expert) and only the collectives are shared
+    (design §3.4 "Grouped-expert chains").
+    """
+
+    params: tuple[GTPShardedParam, ...]
+    together: bool
+
+
 def coalescing_units(
-    order: list[GTPShardedParam], unit_bytes: float
+    order: list[GTPShardedParam],
+    unit_bytes: float,
+    groups: list[WeightGroup] | tuple[WeightGroup, ...] = (),
 ) -> list[tuple[GTPShardedParam, ...]]:
     """Cut a chain's forward order into coalescing units (design §3.1 "Coalescing units").
 
     Greedy and order-preserving: a unit takes consecutive weights of one dtype while their
     gathered (padded) bytes stay within ``unit_bytes``; a weight larger than that is a unit
-    alone, so ``unit_bytes=0`` gives one unit per weight.
+    alone, so ``unit_bytes=0`` gives one unit per weight. A weight of a :class:`WeightGroup`
+    (``groups[param.gtp_state.group]``: the runtime's ``weight_groups``) brings its whole group
+    as one unit of its own, whatever its size, at the place of the first member observed
+    (members never observed are left out).
 
     Example::
 
@@ -117,8 +144,19 @@ def coalescing_units(
     """
     units: list[tuple[GTPShardedParam, ...]] = []
     current: list[GTPShardedParam] = []
+    observed = {id(param) for param in order}
+    placed: set[int] = set()
     size = 0
     for param in order:
+        index = param.gtp_state.group
+        if index >= 0:
+            if index not in placed:
+                placed.add(index)
+                if current:
+                    units.append(tuple(current))
+                    current, size = [], 0
+                units.append(tuple(q for q in groups[index].params if id(q) in observed))
+            continue
         nbytes = math.prod(param.gtp_spec.gathered_shape) * param.element_size()
         if current and (size + nbytes > unit_bytes or param.dtype != current[0].dtype):
             units.append(tuple(current))
@@ -138,10 +176,17 @@ class Chain:
     the steady-state step never searches.
     """
 
-    def __init__(self, chain_id: ChainId, depth: int = 1, unit_bytes: float = 0) -> None:
+    def __init__(
+        self,
+        chain_id: ChainId,
+        depth: int = 1,
+        unit_bytes: float = 0,
+        groups: list[WeightGroup] | None = None,
+    ) -> None:
         self.chain_id = chain_id
         self.depth = depth  # units gathered ahead of each consume
         self.unit_bytes = unit_bytes  # GTPConfig.coalesce_mb in bytes
+        self.weight_groups = groups if groups is not None else []  # the runtime's
         self.phase = ChainPhase.OBSERVING
         self.order: list[GTPShardedParam] = []
         self.units: list[tuple[GTPShardedParam, ...]] = []
@@ -152,6 +197,11 @@ class Chain:
         self.live = 0  # gathered buffers currently held by this chain's weights
         self.max_live = 0
         self.protocol_last: list[GTPShardedParam | None] = [None, None]  # TE: per direction
+        # Reduce-scatter bookkeeping is per chain, so interleaved chains (the expert fc1 / fc2
+        # roles, whose wgrads alternate in the backward) each stage their own unit and defer
+        # their finalize by one unit of their own chain (design §3.4).
+        self.staged: list[GTPShardedParam] = []  # wgrads waiting for the rest of their unit
+        self.pending_rs: list[GTPShardedParam] = []  # issued, finalized at the next issue
 
     def observe(self, param: GTPShardedParam, direction: Direction) -> bool:
         """Record a consume during the first pass; True when this consume committed the order.
@@ -170,7 +220,7 @@ class Chain:
 
     def _commit(self) -> None:
         self.phase = ChainPhase.LINKED
-        units = self.units = coalescing_units(self.order, self.unit_bytes)
+        units = self.units = coalescing_units(self.order, self.unit_bytes, self.weight_groups)
         n, depth = len(units), self.depth
         for u, members in enumerate(units):
             # Weights of units within ``depth`` of each other can be live at once; same-shape
@@ -256,6 +306,11 @@ class CommStats:
     format_regathers: int = 0
     """Prefetched gathers dropped because the consume wanted the other format (FP8 vs the
     training dtype), e.g. at the edge of an FP8 region: time only, never results."""
+    gather_collectives: int = 0
+    """All-gather calls issued (a coalesced gather of a unit counts once; ``gathers`` counts
+    weights)."""
+    reduce_scatter_collectives: int = 0
+    """Reduce-scatter calls issued (a unit's coalesced one counts once)."""
 
     def reset(self) -> None:
         """Zero every counter."""
@@ -330,7 +385,11 @@ class GTPRuntime:
         self._prefetch_enabled = self.config.weight_prefetch
         self.params: list[GTPShardedParam] = []
         unit_bytes = self.config.coalesce_mb * 2**20
-        self.chains = {cid: Chain(cid, self.config.prefetch_depth, unit_bytes) for cid in ChainId}
+        self.weight_groups: list[WeightGroup] = []  # register_group's, design §3.4
+        self.chains = {
+            cid: Chain(cid, self.config.prefetch_depth, unit_bytes, self.weight_groups)
+            for cid in ChainId
+        }
         self.weight_cache = GTPWeightCache()
         self.wgrad_pool = WgradPool()
         # FP8 gathers (design §1.3 "FP8 gather"): the consumer that asks for them (set by the
@@ -343,8 +402,6 @@ class GTPRuntime:
         self.stats = CommStats()
         self.wait_timer = ExposedWaitTimer()
         self.trace: list[tuple[str, str, str]] | None = None
-        self._pending_rs: list[GTPShardedParam] = []
-        self._staged: list[GTPShardedParam] = []  # wgrads waiting for the rest of their unit
         self._label: str | None = None  # trace label of the consume being served
 
     # ----------------------------------------------------------------- construction
@@ -386,6 +443,55 @@ class GTPRuntime:
         index = len(self.params)
         state.fwd.index = state.bwd.index = index
         self.params.append(param)
+
+    def register_group(
+        self, params: list[GTPShardedParam] | tuple[GTPShardedParam, ...], *, together: bool
+    ) -> WeightGroup:
+        """Make registered ``params`` one weight group: one coalescing unit of its own, so one
+        collective per direction gathers them and one reduce-scatters their wgrads, a whole
+        unit ahead of use on their chain (design §3.4 "Grouped-expert chains").
+
+        ``together=True``: TransformerEngine hands the group to ``params[0]`` (its
+        ``GroupedLinear``): ``materialize_group_for_forward`` / ``_backward`` of the leader
+        return every member's weight and its ``finalize_group_grads`` takes every wgrad.
+        Register before the group's chain is linked (before its first backward consume).
+
+        Example::
+
+            fc1 = [runtime.shard_parameter(grouped, f"weight{i}", f"fc1.weight{i}",
+                                           ChainId.EXPERT_FC1) for i in range(grouped.num_gemms)]
+            runtime.register_group(fc1, together=True)
+        """
+        params = tuple(params)
+        if not params:
+            raise ValueError("a weight group needs at least one weight")
+        chain = params[0].gtp_state.chain
+        for param in params:
+            state = param.gtp_state
+            if state.runtime is None or state.runtime() is not self:
+                raise ValueError(f"{param!r} is not registered with this GTPRuntime")
+            if state.group >= 0:
+                raise ValueError(f"{state.name} already belongs to a weight group")
+            if state.chain is not chain:
+                raise ValueError(
+                    f"a weight group lives on one chain: {state.name} is on "
+                    f"{state.chain_id.value}, {params[0].gtp_state.name} on {chain.chain_id.value}"
+                )
+        if chain.phase is not ChainPhase.OBSERVING:
+            raise ValueError(
+                f"chain {chain.chain_id.value} is already linked: register weight groups before "
+                "the first training step"
+            )
+        group = WeightGroup(params, together)
+        for param in params:
+            param.gtp_state.group = len(self.weight_groups)
+        self.weight_groups.append(group)
+        return group
+
+    def group_of(self, param: GTPShardedParam) -> WeightGroup | None:
+        """The :class:`WeightGroup` ``param`` belongs to, or None."""
+        index = param.gtp_state.group
+        return self.weight_groups[index] if index >= 0 else None
 
     @property
     def live_buffers(self) -> dict[ChainId, int]:
@@ -620,6 +726,7 @@ class GTPRuntime:
                 )
         slot.issued(work, buffer, full)
         slot.fmt = fmt
+        self.stats.gather_collectives += 1
         self._note_issued(param, slot, async_op)
         return True
 
@@ -680,6 +787,7 @@ class GTPRuntime:
             work = self._ops.all_gather(buffers[0], shards[0])
         else:
             work = self._ops.all_gather_coalesced(buffers, shards)
+        self.stats.gather_collectives += 1
         shared = members[0].unit_work
         if shared.work is not None:  # an earlier gather of this unit is still unwaited
             shared = SharedWork()
@@ -744,50 +852,104 @@ class GTPRuntime:
             self._mirror.close()
         self.gather_backend, self._mirror, self._use_mirror = None, None, False
 
-    def materialize_for_protocol(
-        self, param: GTPShardedParam, direction: Direction
-    ) -> torch.Tensor:
-        """:meth:`materialize` for TE's DistributedWeight protocol (see the param's Note).
+    def protocol_members(self, param: GTPShardedParam) -> tuple[GTPShardedParam, ...]:
+        """The weights TE hands to ``param`` as the leader of its group: the whole
+        :class:`WeightGroup` when it is consumed together (``GroupedLinear``), else ``param``.
 
-        With a :attr:`quantized_gather` consumer, a forward consume asks it for the FP8 recipe
-        of the GEMM about to run and the backward consume of the weight reuses the answer: the
-        FP8 copy of the shards is gathered and handed over as ``consumer.wrap(...)`` (design
-        §1.3 "FP8 gather"); ``None`` gathers the training dtype.
+        A follower of such a group is never a leader: TE calls the protocol on ``weights[0]``
+        only (``grad_buffer()`` excepted, which every member answers for itself).
         """
-        state = param.gtp_state
-        chain = state.chain
+        group = self.group_of(param)
+        if group is None or not group.together:
+            return (param,)
+        if group.params[0] is not param:
+            raise GTPStateError(
+                f"{param.gtp_state.name} follows {group.params[0].gtp_state.name} in a weight "
+                "group: TransformerEngine materializes and finalizes a group through its leader "
+                "(weights[0]) only"
+            )
+        return group.params
+
+    def materialize_group_for_protocol(
+        self, param: GTPShardedParam, direction: Direction
+    ) -> list[torch.Tensor]:
+        """:meth:`materialize` for TE's DistributedWeight protocol (see the param's Note): the
+        full weight of every member of ``param``'s group (:meth:`protocol_members`), in order.
+
+        TE never says when its GEMM is done: the group materialized before on the same chain
+        and direction is released here (stream order makes that safe), and a backward consume
+        also releases the chain's last forward group (TE keeps no gathered weight past its
+        forward call), so the chain tail's forward buffers do not live through the backward.
+        """
+        members = self.protocol_members(param)
+        chain = param.gtp_state.chain
+        last = chain.protocol_last
         which = 0 if direction is _FWD else 1
-        previous = chain.protocol_last[which]
+        previous = last[which]
         if previous is not None and previous is not param:
-            self.release(previous, direction)
+            for member in self.protocol_members(previous):
+                self.release(member, direction)
+        if direction is _BWD and last[0] is not None:
+            for member in self.protocol_members(last[0]):
+                self.release(member, _FWD)
+            last[0] = None
+        state = param.gtp_state
         will_backward = torch.is_grad_enabled() or state.forward_grad_enabled
-        policy = self.quantized_gather
-        fp8 = None
-        if policy is not None:
-            if direction is _FWD:
-                fp8 = policy.forward_scaling(param)
-                if fp8 is not None and fp8 is not self._fp8_known:
-                    fp8 = self._canonical_fp8(fp8)
-                state.fp8_forward = fp8
-            else:
-                fp8 = state.fp8_forward
-        full = self.materialize(param, direction, will_backward=will_backward, fp8=fp8)
-        chain.protocol_last[which] = param
-        if fp8 is not None:
-            return policy.wrap(param, direction, self.fp8_gathered(param, direction))
-        # An alias of the gathered buffer carrying the param's requires_grad: TE 2.20's
-        # LayerNormLinear reads requires_grad from the tensor it is handed (not from the param)
-        # to decide whether to keep its input and compute the wgrad at all. TE only reads it
-        # (its autograd forward runs without grad), so one alias per buffer serves every step.
+        last[which] = param
+        if len(members) == 1:  # every dense TE linear: keep the host path short
+            policy = self.quantized_gather
+            fp8 = None
+            if policy is not None:  # FP8 gathers (design §1.3 "FP8 gather"): ungrouped only
+                if direction is _FWD:
+                    fp8 = policy.forward_scaling(param)
+                    if fp8 is not None and fp8 is not self._fp8_known:
+                        fp8 = self._canonical_fp8(fp8)
+                    state.fp8_forward = fp8
+                else:
+                    fp8 = state.fp8_forward
+            full = self.materialize(param, direction, will_backward=will_backward, fp8=fp8)
+            if fp8 is not None:
+                return [policy.wrap(param, direction, self.fp8_gathered(param, direction))]
+            return [self._protocol_alias(param, direction, full)]
+        # A unit's links sit on the slot its direction consumes first: the first member
+        # forward, the last one backward (Chain._commit).
+        order = members if direction is _FWD else members[::-1]
+        fulls = {id(m): self.materialize(m, direction, will_backward=will_backward) for m in order}
+        return [self._protocol_alias(m, direction, fulls[id(m)]) for m in members]
+
+    def _protocol_alias(
+        self, param: GTPShardedParam, direction: Direction, full: torch.Tensor
+    ) -> torch.Tensor:
+        """The gathered ``full`` as TE is handed it: an alias carrying the param's
+        ``requires_grad`` (TE 2.20's LayerNormLinear reads requires_grad from the tensor it is
+        handed, not from the param, to decide whether to keep its input and compute the wgrad
+        at all). TE only reads it (its autograd forward runs without grad), so one alias per
+        cache buffer serves every step; a fallback buffer's is never kept."""
         slot = param.gtp_state.fwd if direction is _FWD else param.gtp_state.bwd
         wants_grad = param.requires_grad
-        if full is not slot.cache_full:  # a fallback buffer: never kept past its consume
+        if full is not slot.cache_full:
             return full.detach().requires_grad_(wants_grad)
         cached = slot.alias
         if cached is None or cached[0] is not full or cached[1].requires_grad != wants_grad:
             with torch.inference_mode(False):
                 cached = slot.alias = (full, full.detach().requires_grad_(wants_grad))
         return cached[1]
+
+    def finalize_group_for_protocol(
+        self, param: GTPShardedParam, wgrads: list[torch.Tensor]
+    ) -> int:
+        """TE's ``finalize_group_grads`` on ``param``: reduce-scatter one full wgrad per member
+        of its group (:meth:`protocol_members`, same order); returns the group's size."""
+        members = self.protocol_members(param)
+        if len(wgrads) != len(members):
+            plural = "s" if len(members) > 1 else ""
+            raise ValueError(
+                f"{param!r} leads a group of {len(members)} weight{plural}, got {len(wgrads)} "
+                "wgrads"
+            )
+        for member, wgrad in zip(members, wgrads):
+            self.reduce_scatter_foreign_wgrad(member, wgrad)
+        return len(members)
 
     # ----------------------------------------------------------------- reduce-scatter side
     def _bind_pools(self, param: GTPShardedParam, dtype: torch.dtype) -> None:
@@ -844,22 +1006,22 @@ class GTPRuntime:
         chain head (and everything when ``async_reduction`` is off), which is synchronous.
         """
         state = param.gtp_state
-        rs = state.rs
+        rs, chain = state.rs, state.chain
         if rs.state is not _RS_NONE:  # same weight twice in one backward
             if rs.state is _RS_STAGED:
-                self._flush_staged()
+                self._flush_staged(chain)
             self._finalize_all((param,))
         unit = state.rs_unit
-        staged = self._staged
+        staged = chain.staged
         if staged and (unit is None or staged[0].gtp_state.rs_unit is not unit):
-            self._flush_staged()  # a unit whose other wgrads never came (or came out of order)
+            self._flush_staged(chain)  # a unit whose other wgrads never came (or out of order)
         if self._prescale is not None:
             scratch.mul_(self._prescale)
         if unit is not None and not self._fp32_accumulation:
             rs.staged(scratch)
             staged.append(param)
             if len(staged) == len(unit):
-                self._flush_staged()
+                self._flush_staged(chain)
             return
         output = rs.output_pool.get()
         if self._fp32_accumulation:
@@ -870,13 +1032,16 @@ class GTPRuntime:
         else:
             recv = None
             work = self._rs_ops.reduce_scatter(output, scratch, average=self._average_in_collective)
+        self.stats.reduce_scatter_collectives += 1
         rs.issued(work, scratch, output, recv)
-        self._after_reduce_scatter((param,), state.is_head or not self.config.async_reduction)
+        self._after_reduce_scatter(
+            chain, (param,), state.is_head or not self.config.async_reduction
+        )
 
-    def _flush_staged(self) -> None:
-        """Reduce-scatter the staged wgrads of one unit in one collective."""
-        params = tuple(self._staged)
-        self._staged.clear()
+    def _flush_staged(self, chain: Chain) -> None:
+        """Reduce-scatter the staged wgrads of ``chain``'s unit in one collective."""
+        params = tuple(chain.staged)
+        chain.staged.clear()
         if not params:
             return
         outputs = [p.gtp_state.rs.output_pool.get() for p in params]
@@ -886,16 +1051,19 @@ class GTPRuntime:
             work = self._rs_ops.reduce_scatter(outputs[0], scratches[0], average=average)
         else:
             work = self._rs_ops.reduce_scatter_coalesced(outputs, scratches, average=average)
+        self.stats.reduce_scatter_collectives += 1
         shared = SharedWork()
         shared.work = work
         for param, output, scratch in zip(params, outputs, scratches):
             param.gtp_state.rs.issued(shared, scratch, output, None)
         sync = not self.config.async_reduction or any(p.gtp_state.is_head for p in params)
-        self._after_reduce_scatter(params, sync)
+        self._after_reduce_scatter(chain, params, sync)
 
-    def _after_reduce_scatter(self, params: tuple[GTPShardedParam, ...], sync: bool) -> None:
+    def _after_reduce_scatter(
+        self, chain: Chain, params: tuple[GTPShardedParam, ...], sync: bool
+    ) -> None:
         """Count and trace the reduce-scatter just issued for ``params``, finalize the previous
-        one (the one-step deferral), and finalize these at once when ``sync``."""
+        one of ``chain`` (the one-step deferral), and finalize these at once when ``sync``."""
         stats = self.stats
         for param in params:
             scratch = param.gtp_state.rs.scratch
@@ -905,7 +1073,7 @@ class GTPRuntime:
             )
             if self.trace is not None:
                 self.record("rs_issue_sync" if sync else "rs_issue_async", param, _BWD)
-        pending = self._pending_rs
+        pending = chain.pending_rs
         if pending:  # the one-step-deferred finalize of the previous weight(s) or unit
             self._finalize_all(pending)
             pending.clear()
@@ -951,10 +1119,11 @@ class GTPRuntime:
     # ----------------------------------------------------------------- fences
     def drain_reduce_scatters(self) -> None:
         """Finalize every pending reduce-scatter (the fence before main_grad is read)."""
-        self._flush_staged()
-        pending, self._pending_rs = self._pending_rs, []
-        if pending:
-            self._finalize_all(pending)
+        for chain in self.chains.values():  # ChainId order: the same on every GTP peer
+            self._flush_staged(chain)
+            pending, chain.pending_rs = chain.pending_rs, []
+            if pending:
+                self._finalize_all(pending)
 
     def drain_gathers(self) -> None:
         """Complete and release every outstanding gather (e.g. an unconsumed prefetch)."""

@@ -21,8 +21,8 @@ optimizer's, ``MegatronCommOverlapCallback``'s)  race GTP's prefetch; a speed kn
 ``use_tp_pp_dp_mapping=True``                    -> False (megatron's data group must be DP x GTP)
 ``model.config.delay_wgrad_compute=True``        -> False (TE would skip GTP's wgrad finalize)
 MoE (``model.config.num_moe_experts``)           kept: dense GTP, experts whole unless
-                                                 ``expert_num_weight_shards`` > ETP (expert GTP:
-                                                 ``moe_grouped_gemm=True`` rejected, §1.4)
+                                                 ``expert_num_weight_shards`` > ETP (expert GTP;
+                                                 the legacy ``GroupedMLP`` rejected, §1.4)
 ``fsdp``, Megatron FSDP, ``ddp="pytorch"``       rejected (GTP needs megatron DDP)
 per-layer CUDA graphs                            rejected (the full-iteration graph is kept, §3.5)
 FP8 primary weights                              rejected (not implemented, §1.3)
@@ -356,11 +356,14 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
         )
     config = _get(_get(recipe, "model"), "config")
     experts = _get(config, "num_moe_experts")
-    if experts and egtp > 1 and _get(config, "moe_grouped_gemm"):
+    grouped = experts and _get(config, "moe_grouped_gemm")
+    if grouped and egtp > 1 and _get(config, "moe_use_legacy_grouped_gemm"):
         raise RecipeError(
-            f"model.config.num_moe_experts={experts} with expert GTP={egtp}: expert GTP shards "
-            "SequentialMLP experts only; set model.config.moe_grouped_gemm=False, or leave "
-            "expert_num_weight_shards=None (experts whole, dense GTP on)"
+            f"model.config.num_moe_experts={experts} with expert GTP={egtp}: "
+            "moe_use_legacy_grouped_gemm=True builds megatron's legacy GroupedMLP, which expert "
+            "GTP does not shard; set model.config.moe_use_legacy_grouped_gemm=False (TEGroupedMLP)"
+            " or model.config.moe_grouped_gemm=False, or leave expert_num_weight_shards=None "
+            "(experts whole, dense GTP on)"
         )
     if config is not None and cuda_graphs_enabled(config) and not full_iteration_graphs(config):
         raise RecipeError(

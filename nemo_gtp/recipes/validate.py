@@ -100,6 +100,7 @@ TYPED: dict[str, str] = {
     "model.moe_router_topk": _INT + "+",
     "model.moe_ffn_hidden_size": _INT + "+",
     "model.moe_grouped_gemm": _BOOL,
+    "model.moe_use_legacy_grouped_gemm": _BOOL,
     "model.moe_token_dispatcher_type": _STR,
     "model.moe_aux_loss_coeff": _FLOAT,
     "data.vocab_size": _INT + "+",
@@ -315,8 +316,9 @@ def _check_sizes(raw: dict[str, Any]) -> None:
 
 
 def _check_moe(raw: dict[str, Any], dims: Any) -> None:
-    """Expert GTP needs routed experts the local way; experts divide over EP; grouped-GEMM experts
-    cannot checkpoint under GTP yet (design §3.3 "Routed experts")."""
+    """Expert GTP needs routed experts (``SequentialMLP``, or ``TEGroupedMLP``: grouped GEMM
+    with the TE layer spec, not the legacy ``GroupedMLP``); experts divide over EP; grouped-GEMM
+    experts cannot checkpoint under GTP yet (design §1.4, §3.3 "Routed experts")."""
     model = raw.get("model") or {}
     experts = model.get("num_moe_experts")
     if dims.egtp > 1 and not experts:
@@ -326,10 +328,21 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
             "strategy.expert_num_weight_shards"
         )
     if dims.egtp > 1 and model.get("moe_grouped_gemm"):
-        raise RecipeError(
-            "model.moe_grouped_gemm=true: expert GTP shards SequentialMLP experts only, set "
-            "model.moe_grouped_gemm=false (design §1.4)"
+        spec = model.get("layer_spec") or (
+            "te" if importlib.util.find_spec("transformer_engine") is not None else "local"
         )
+        if spec != "te" or model.get("moe_use_legacy_grouped_gemm"):
+            if model.get("moe_use_legacy_grouped_gemm"):
+                why = "model.moe_use_legacy_grouped_gemm=true"
+            elif model.get("layer_spec"):
+                why = f"model.layer_spec={spec}"
+            else:
+                why = "model.layer_spec unset (local: TransformerEngine is not installed)"
+            raise RecipeError(
+                f"model.moe_grouped_gemm=true with {why} builds megatron's legacy GroupedMLP, "
+                "which expert GTP does not shard: set model.moe_grouped_gemm=false, or "
+                "model.layer_spec=te (TEGroupedMLP, TransformerEngine; design §1.4)"
+            )
     if experts and experts % dims.expert_model_parallel_size != 0:
         raise RecipeError(
             f"model.num_moe_experts={experts} must be a multiple of "

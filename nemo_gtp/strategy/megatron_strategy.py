@@ -135,7 +135,8 @@ class GTPMegatronStrategy(MegatronStrategy):
         expert_num_weight_shards: shards per routed-expert linear weight, = ETP x EGTP (the
             expert twin of ``num_weight_shards``, beside ``expert_model_parallel_size`` and
             ``expert_tensor_parallel_size``); ``None`` means ETP (expert GTP off). Expert GTP
-            shards megatron ``SequentialMLP`` experts (``moe_grouped_gemm=False``), design §1.4.
+            shards megatron ``SequentialMLP`` and ``TEGroupedMLP`` experts (not the legacy
+            ``GroupedMLP``), design §1.4.
         gtp_config: GTP knobs (design §2.4); ``None`` uses the defaults.
             ``calculate_per_token_loss`` is mirrored from the model config.
         *args, **kwargs: every ``MegatronStrategy`` argument, unchanged.

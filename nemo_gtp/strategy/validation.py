@@ -10,6 +10,7 @@ checks the other ``MegatronStrategy`` arguments and the ``GTPConfig``.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from nemo_gtp.integrations.megatron.ddp import validate_ddp_config_for_gtp
@@ -89,8 +90,10 @@ def validate_moe_config(model_config: Any, egtp: int, gtp_enabled: bool) -> None
     """Check a model config against expert GTP before any process group (design §1.4).
 
     ``expert_num_weight_shards > ETP`` (``egtp > 1``) needs routed experts, built as megatron
-    ``SequentialMLP`` (``moe_grouped_gemm=False``). ``shard_model`` checks the built model again
-    for megatron-core users.
+    ``SequentialMLP`` (``moe_grouped_gemm=False``) or ``TEGroupedMLP`` (``moe_grouped_gemm=True``
+    with the TransformerEngine layer spec); megatron's legacy ``GroupedMLP`` (the local spec, or
+    ``moe_use_legacy_grouped_gemm=True``) is refused. ``shard_model`` checks the built model
+    again for megatron-core users.
 
     Example::
 
@@ -105,7 +108,26 @@ def validate_moe_config(model_config: Any, egtp: int, gtp_enabled: bool) -> None
             "experts (num_moe_experts is not set): leave expert_num_weight_shards=None"
         )
     if egtp > 1 and getattr(model_config, "moe_grouped_gemm", False):
-        raise ValueError(
-            f"expert GTP={egtp} shards SequentialMLP experts only: set the model's "
-            "moe_grouped_gemm=False, or expert_num_weight_shards=None"
-        )
+        legacy = legacy_grouped_experts_reason(model_config)
+        if legacy:
+            raise ValueError(
+                f"expert GTP={egtp} shards SequentialMLP and TEGroupedMLP experts, but {legacy} "
+                "builds megatron's legacy GroupedMLP (grouped_gemm package): use the "
+                "TransformerEngine layer spec with moe_use_legacy_grouped_gemm=False, set the "
+                "model's moe_grouped_gemm=False, or expert_num_weight_shards=None"
+            )
+
+
+def legacy_grouped_experts_reason(model_config: Any) -> str:
+    """Why a config with ``moe_grouped_gemm=True`` builds megatron's legacy ``GroupedMLP``
+    instead of ``TEGroupedMLP`` (empty when it builds ``TEGroupedMLP``): the legacy flag, NeMo's
+    local layer spec, or TransformerEngine not importable (NeMo's default spec falls back to the
+    local one)."""
+    if getattr(model_config, "moe_use_legacy_grouped_gemm", False):
+        return "moe_use_legacy_grouped_gemm=True"
+    spec = getattr(model_config, "transformer_layer_spec", None)
+    if getattr(spec, "__name__", "") == "local_layer_spec":
+        return "the local layer spec (local_layer_spec)"
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "moe_grouped_gemm=True without TransformerEngine installed"
+    return ""

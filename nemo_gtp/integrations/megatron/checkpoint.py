@@ -147,13 +147,19 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
 
 
 def _reject_grouped_experts(sharded_state_dict: dict) -> None:
-    """Grouped-GEMM experts (``GroupedMLP``/``TEGroupedMLP``) under GTP are not described yet."""
+    """Grouped-GEMM experts (``GroupedMLP``/``TEGroupedMLP``) under GTP are not described yet.
+
+    ``TEGroupedMLP`` names its per-expert entries like ``SequentialMLP``'s (``...weight``), so its
+    EGTP shards are recognized by their weight group (one TE ``GroupedLinear``, design §3.4).
+    """
     for value in nested_values(sharded_state_dict):
         key = getattr(value, "key", "")
-        if is_expert_param(getattr(value, "data", None)) and key.rsplit(".", 1)[-1] not in (
-            "weight",
-            "bias",
-        ):
+        data = getattr(value, "data", None)
+        state = getattr(data, "gtp_state", None)
+        runtime = state.runtime() if state is not None and state.runtime is not None else None
+        group = runtime.group_of(data) if runtime is not None else None
+        grouped = group is not None and group.together
+        if is_expert_param(data) and (grouped or key.rsplit(".", 1)[-1] not in ("weight", "bias")):
             raise NotImplementedError(
                 f"checkpoints of grouped-GEMM MoE experts under GTP are not supported yet ({key}):"
                 " set moe_grouped_gemm=False (megatron SequentialMLP experts), or train without "

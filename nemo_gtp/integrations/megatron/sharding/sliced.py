@@ -16,9 +16,9 @@ protocol (:mod:`~nemo_gtp.integrations.megatron.sharding.te`).
 
 MoE (design §1.4 "EP / expert GTP"): a model gets up to two runtimes, one per weight axis: the
 dense one (GTP group: attention, dense MLPs, shared experts) and the expert one (EGTP group: the
-linears of the routed ``SequentialMLP`` experts, see
-:mod:`~nemo_gtp.integrations.megatron.sharding.experts`). An axis of size 1 gets no runtime and
-its linears stay full.
+weights of the routed ``SequentialMLP`` / ``TEGroupedMLP`` experts, one chain per role and one
+weight group per block and role, see :mod:`~nemo_gtp.integrations.megatron.sharding.experts`).
+An axis of size 1 gets no runtime and its linears stay full.
 """
 
 from __future__ import annotations
@@ -34,15 +34,19 @@ from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.grid import GTPGroups, WeightAxis
 from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
 from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
-from nemo_gtp.engine.runtime import GTPRuntime
+from nemo_gtp.engine.runtime import ChainId, GTPRuntime
 from nemo_gtp.integrations.megatron.model_config import (
     mirror_per_token_loss,
     validate_model_config_for_gtp,
 )
 from nemo_gtp.integrations.megatron.sharding.built import is_presharded
 from nemo_gtp.integrations.megatron.sharding.experts import (
+    check_grouped_linear_for_gtp,
     check_moe_for_gtp,
+    expert_chain,
     expert_module_ids,
+    grouped_weight_names,
+    register_expert_groups,
     route_expert_params,
 )
 from nemo_gtp.integrations.megatron.sharding.te import (
@@ -56,8 +60,12 @@ _MEGATRON_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 
 
 def default_should_shard(name: str, module: torch.nn.Module) -> bool:
-    """Shard megatron-local, TE parallel and torch linears, except the output layer and tied
-    weights."""
+    """Shard megatron-local, TE parallel and torch linears and TE ``GroupedLinear``s (routed
+    experts, all ``weight0..N-1`` together), except the output layer and tied weights."""
+    grouped = grouped_weight_names(module)
+    if grouped:
+        weight = module._parameters[grouped[0]]
+        return weight.requires_grad and not is_gtp_param(weight)
     if not isinstance(module, (*_MEGATRON_LINEARS, torch.nn.Linear, *te_parallel_linear_kinds())):
         return False
     weight = getattr(module, "weight", None)
@@ -109,8 +117,10 @@ def shard_model(
     """Shard ``model``'s eligible linears in place; return its (primary) runtime.
 
     Call after the model is built and before DDP wraps it. Dense linears are sharded over
-    ``groups.gtp``; the linears of routed MoE experts (megatron ``SequentialMLP``) over
-    ``groups.expert_gtp`` by a second runtime (design §1.4). The model holds them as
+    ``groups.gtp``; the weights of routed MoE experts (megatron ``SequentialMLP``, and each
+    ``weight{i}`` of ``TEGroupedMLP``'s TE ``GroupedLinear``s) over ``groups.expert_gtp`` by a
+    second runtime, on one chain per role with a block's experts of a role one weight group
+    (design §1.4, §3.4). The model holds them as
     ``model.gtp_runtime`` (dense) and ``model.gtp_expert_runtime`` (experts); an axis of size 1
     gets none. Returned: the dense runtime, or the expert one when only experts are sharded;
     ``runtimes_of(model)`` lists both. With GTP and expert GTP both 1 nothing is touched and
@@ -135,9 +145,9 @@ def shard_model(
         model = GPTModel(model_config, spec, vocab_size, max_seq)
         runtime = shard_model(model, groups, config)
 
-    Raises ``ValueError`` for settings GTP cannot honour (grouped-GEMM experts under expert
-    GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, ...) and warns once
-    naming TE ``LayerNormMLP``s, which stay unsharded.
+    Raises ``ValueError`` for settings GTP cannot honour (megatron's legacy ``GroupedMLP``
+    under expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, ...)
+    and warns once naming TE ``LayerNormMLP``s, which stay unsharded.
     """
     if hasattr(model, "param_to_bucket_group") or isinstance(
         model, torch.nn.parallel.DistributedDataParallel
@@ -163,16 +173,31 @@ def shard_model(
     sliced_te: list[str] = []
     te_runtimes: dict[int, GTPRuntime] = {}
     for module_name, module in list(model.named_modules()):
-        runtime = runtimes[WeightAxis.EXPERT if id(module) in expert_ids else WeightAxis.DENSE]
+        expert = id(module) in expert_ids
+        runtime = runtimes[WeightAxis.EXPERT if expert else WeightAxis.DENSE]
         if runtime is None:  # this axis does not shard: the linear stays full
             continue
+        # Routed experts run on one chain per role (fc1, fc2), design §3.4.
+        chain = expert_chain(module_name) if expert else ChainId.UNGRAPHED
         weight = module._parameters.get("weight")
+        grouped = grouped_weight_names(module)
         if is_presharded(weight):  # built as its shard from a gtp_layer_spec: register only
-            runtime.register(weight, f"{module_name}.weight")
+            runtime.register(weight, f"{module_name}.weight", chain)
+        elif grouped and should_shard(module_name, module):
+            # TE GroupedLinear: every expert's weight sliced, one weight group that TE
+            # materializes through weight0 (design §3.4 "Grouped-expert chains").
+            check_grouped_linear_for_gtp(module_name, module)
+            params = [
+                runtime.shard_parameter(module, attr, f"{module_name}.{attr}", chain)
+                for attr in grouped
+            ]
+            runtime.register_group(params, together=True)
+            adopt_te_linear(module, config)
+            continue
         elif should_shard(module_name, module):
             if isinstance(module, (*_MEGATRON_LINEARS, *te_linears)):
-                runtime.shard_parameter(module, "weight", f"{module_name}.weight")
-                sliced_te += [module_name] if isinstance(module, te_linears) else []
+                runtime.shard_parameter(module, "weight", f"{module_name}.weight", chain)
+                sliced_te += [module_name] if isinstance(module, te_linears) and not expert else []
             else:
                 shard_linear(module, runtime, f"{module_name}.weight")
         else:
@@ -193,6 +218,8 @@ def shard_model(
             stacklevel=2,
         )
     warn_unsharded_te_modules(model)
+    if runtimes[WeightAxis.EXPERT] is not None:  # SequentialMLP: a block's role, one group
+        register_expert_groups(model, runtimes[WeightAxis.EXPERT])
     experts = {id(p) for p in route_expert_params(model, expert_ids)}
     _mark_shared(model, groups, config, experts)
     model.gtp_runtime = runtimes[WeightAxis.DENSE]

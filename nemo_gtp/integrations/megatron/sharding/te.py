@@ -87,15 +87,19 @@ def warn_unsharded_te_modules(model: torch.nn.Module) -> list[str]:
 
 
 def _record(module: torch.nn.Module, args: tuple) -> None:
-    weight = module._parameters.get("weight")
+    # A GroupedLinear's leader (weights[0], design §3.4) is its first expert's weight.
+    params = module._parameters
+    weight = params.get("weight", params.get("weight0"))
     if isinstance(weight, GTPShardedParam):
         weight.gtp_state.forward_grad_enabled = torch.is_grad_enabled()
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         runtime = weight.gtp_state.runtime() if weight.gtp_state.runtime is not None else None
         if x is not None and x.dim() > 0 and runtime is not None:
-            # Rows of TE's GEMM; under sequence parallelism TE gathers the sequence first.
+            # Rows of TE's GEMM; under sequence parallelism TE gathers the sequence first. A
+            # GroupedLinear splits its rows over its experts' GEMMs (on average).
             tp = getattr(module, "tp_size", 1) if getattr(module, "sequence_parallel", False) else 1
-            runtime.note_tokens(x.numel() // x.shape[-1] * tp)
+            gemms = max(1, int(getattr(module, "num_gemms", 1) or 1))
+            runtime.note_tokens(x.numel() // x.shape[-1] * tp // gemms)
 
 
 def adopt_te_linear(module: torch.nn.Module, config: GTPConfig) -> None:
@@ -116,7 +120,8 @@ def adopt_te_linear(module: torch.nn.Module, config: GTPConfig) -> None:
 
 
 def record_grad_mode(module: torch.nn.Module) -> None:
-    """Record the grad mode of each call of TE ``module`` on its GTP weight (see module doc)."""
+    """Record the grad mode of each call of TE ``module`` on its GTP weight (see module doc);
+    a ``GroupedLinear``'s on ``weight0``, the leader TE materializes the group through."""
     if not getattr(module, "_gtp_grad_mode_hook", False):
         module.register_forward_pre_hook(_record)
         module._gtp_grad_mode_hook = True

@@ -1,0 +1,143 @@
+"""TransformerEngine's weight-protocol callers, for CPU tests where TE cannot run.
+
+TE (>= 2.19) drives a custom-parallel weight through four calls, list-shaped, on the leader
+``weights[0]`` of a weight group (a ``Linear`` has one weight, a ``GroupedLinear`` one per
+expert): ``materialize_group_for_forward()`` before the forward GEMMs,
+``materialize_group_for_backward()`` before the dgrad GEMMs, ``finalize_group_grads(wgrads)``
+after the wgrad GEMMs (one wgrad per member; it returns what autograd gets as the weights'
+grads), and, under ``fuse_wgrad_accumulation``, every member's ``grad_buffer()`` as the wgrad
+GEMM's output. This module mirrors that contract from TE's documentation and its
+``GroupedLinear`` autograd function (design §3.1 "The bridge", §3.4 "Grouped-expert chains"):
+
+- :func:`materialize_weight_for_forward` / :func:`materialize_weight_for_backward` /
+  :func:`finalize_weight_grads`: TE's dispatchers (a plain tensor passes through);
+- :class:`CPUGroupedLinear`: a stand-in for megatron's ``TEGroupedLinear`` (constructor
+  signature of megatron's ``TEColumnParallelGroupedLinear``, parameters ``weight0..N-1``,
+  ``forward(x, m_splits) -> (out, None)``), so megatron's own ``TEGroupedMLP`` can be built on
+  CPU around it and sharded by ``shard_model``. Its autograd function makes the protocol calls
+  in TE's order: ``grad_buffer()`` of every member (fused path) before the backward
+  materialize; wgrads overwritten, not accumulated, for distributed weights; the returned
+  grads must be one per weight.
+
+Example::
+
+    submodules = MLPSubmodules(linear_fc1=CPUGroupedLinear, linear_fc2=CPUGroupedLinear)
+    experts = TEGroupedMLP(num_local_experts, config, submodules, pg_collection=pgs)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _as_list(value: object) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _distributed(weight: object) -> bool:
+    return bool(getattr(weight, "is_distributed_weight", False))
+
+
+def materialize_weight_for_forward(weights: list) -> list:
+    """TE's forward dispatcher: the leader materializes its whole group."""
+    if not _distributed(weights[0]):
+        return list(weights)
+    return _as_list(weights[0].materialize_group_for_forward())
+
+
+def materialize_weight_for_backward(weights: list) -> list:
+    """TE's backward dispatcher (same contract as the forward one)."""
+    if not _distributed(weights[0]):
+        return list(weights)
+    return _as_list(weights[0].materialize_group_for_backward())
+
+
+def finalize_weight_grads(weights: list, wgrads: list) -> list:
+    """TE's wgrad dispatcher: one wgrad is passed bare, several as a list."""
+    if not _distributed(weights[0]):
+        return list(wgrads)
+    single = wgrads[0] if len(wgrads) == 1 else wgrads
+    return _as_list(weights[0].finalize_group_grads(single))
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    """TE ``_GroupedLinear`` (the split-GEMM path, no FP8) reduced to what the protocol sees."""
+
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx: Any, inp: torch.Tensor, m_splits: list[int], fuse: bool, *weights: torch.Tensor
+    ):
+        origin = weights
+        dist_weight = _distributed(weights[0])
+        if dist_weight:
+            weights = tuple(materialize_weight_for_forward(list(weights)))
+            if len(weights) != len(origin):
+                raise AssertionError(f"leader returned {len(weights)} of {len(origin)} weights")
+        out = torch.cat([x @ w.t() for x, w in zip(torch.split(inp, m_splits), weights)])
+        # TE keeps the (distributed) origin weights for the backward, never the gathered ones.
+        ctx.save_for_backward(inp, *origin)
+        ctx.m_splits, ctx.dist_weight = m_splits, dist_weight
+        ctx.fuse = fuse and dist_weight
+        if ctx.fuse:
+            ctx.main_grad_funcs = [w.grad_buffer for w in origin]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):  # noqa: ANN205
+        inp, *origin = ctx.saved_tensors
+        main_grads = [f() for f in ctx.main_grad_funcs] if ctx.fuse else None
+        weights = materialize_weight_for_backward(origin) if ctx.dist_weight else origin
+        dys, xs = torch.split(dy, ctx.m_splits), torch.split(inp, ctx.m_splits)
+        dgrad = torch.cat([d @ w for d, w in zip(dys, weights)])
+        if ctx.fuse:
+            wgrads = main_grads
+        else:
+            packed = torch.empty(len(origin), *weights[0].shape, dtype=dy.dtype)
+            wgrads = [packed[i] for i in range(len(origin))]
+        for wgrad, d, x in zip(wgrads, dys, xs):
+            torch.matmul(d.t(), x, out=wgrad)  # accumulate=False for distributed weights
+        if ctx.dist_weight:
+            wgrads = finalize_weight_grads(origin, wgrads)
+        if len(wgrads) != len(origin):  # autograd needs one grad per weight input
+            raise AssertionError(f"finalize returned {len(wgrads)} grads for {len(origin)}")
+        return dgrad, None, None, *wgrads
+
+
+class CPUGroupedLinear(torch.nn.Module):
+    """CPU stand-in for megatron's ``TEGroupedLinear`` (see the module docstring).
+
+    ``fuse_wgrad_accumulation`` is on for the ``fc1`` instance and off for ``fc2``, so one
+    ``TEGroupedMLP`` exercises both of TE's wgrad paths (``grad_buffer()`` vs a packed wgrad).
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Any,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        tp_group: Any = None,
+    ) -> None:
+        super().__init__()
+        if bias:
+            raise NotImplementedError("CPUGroupedLinear has no bias (add_bias_linear=False)")
+        self.num_gemms = num_gemms
+        self.fuse_wgrad_accumulation = tp_comm_buffer_name == "fc1"
+        for i in range(num_gemms):
+            weight = torch.empty(output_size, input_size, dtype=config.params_dtype)
+            init_method(weight)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(weight))
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, None]:
+        """``y_i = x_i W_i^T`` per expert split, as TE's ``GroupedLinear``."""
+        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        splits = [int(m) for m in m_splits]
+        return _GroupedLinearFunction.apply(x, splits, self.fuse_wgrad_accumulation, *weights), None
