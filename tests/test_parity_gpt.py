@@ -189,6 +189,185 @@ FULL_STATE_DICT_CASES_4 = [
 ]
 
 
+# megatron's per-layer CUDA graphs (design §3.5), driven on CPU: no graph is captured here, but
+# every layer is a graph segment and runs the schedule a captured layer replays.
+LAYER_GRAPH_CASES_2 = [
+    Run(gtp=2, graph_scope="full", steps=4),
+    Run(gtp=2, graph_scope="attn", steps=4, coalesce_mb=1.0),  # one unit would span the layers
+]
+
+
+def _graphed_layers(model):  # noqa: ANN001, ANN202
+    from nemo_gtp.integrations.megatron.layer_graphs import captured_layers
+
+    return [layer for _, layer in captured_layers(model)]
+
+
+def _layer_warmup(layer, gen, *, grad_scale: float = 1.0) -> None:  # noqa: ANN001
+    """One of megatron's warmup iterations before it captures ``layer``: the layer's forward
+    (``forward``, as megatron calls it) and ``autograd.grad`` to its input and parameters."""
+    import torch
+
+    from nemo_gtp.testing.gpt_harness import MBS, SEQ
+
+    hidden = torch.randn(SEQ, MBS, layer.config.hidden_size, generator=gen, requires_grad=True)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    out, _ = layer.forward(hidden_states=hidden, attention_mask=mask)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    grad = torch.randn(out.shape, generator=gen) * grad_scale  # megatron passes zeros
+    torch.autograd.grad(out, [hidden, *params], grad, allow_unused=True)
+
+
+def _layer_graph_case(rank: int, world: int, case: Run) -> float:
+    """Per-layer graph segments: parity, no link across a layer, the capture warmup's grad guard
+    and the manual grad-ready hooks after a replay (a stand-in for megatron's replay node)."""
+    import torch
+
+    from nemo_gtp.engine import ChainId, is_gtp_param
+    from nemo_gtp.testing.gpt_harness import build, train_built
+
+    reference_run = _reference_run(dataclasses.replace(case, graph_scope=""))
+    if reference_run not in _REFERENCES:
+        _REFERENCES[reference_run] = train(reference_run)
+    setup = build(case)
+    result = train_built(setup, case)
+    worst = assert_parity(result, _REFERENCES[reference_run])
+    model, ddp = setup["model"], setup["ddp"]
+    runtime = model.gtp_runtime
+    layers = _graphed_layers(model)
+
+    # Chain split: every GTP weight of layer i is in segment i of the GRAPHED chain; links,
+    # coalescing units and heads stay inside a segment; no forward tail hands over.
+    assert [len(seg) for seg in runtime.segments] == [4, 4]
+    for layer, segment in zip(layers, runtime.segments, strict=True):
+        assert {id(p) for p in layer.parameters() if is_gtp_param(p)} == {id(p) for p in segment}
+    assert all(p.gtp_state.chain_id is ChainId.GRAPHED for p in runtime.params)
+    graphed = runtime.chains[ChainId.GRAPHED]
+    expected_units = [4, 4] if case.coalesce_mb else [1] * 8
+    assert [len(u) for u in graphed.units] == expected_units
+    assert all(len({p.gtp_state.segment for p in u}) == 1 for u in graphed.units)
+    for param in runtime.params:
+        state = param.gtp_state
+        for slot in (state.fwd, state.bwd):
+            targets = slot.ahead + slot.handover + slot.recompute_ahead
+            assert all(runtime.params[t.index].gtp_state.segment == state.segment for t in targets)
+            assert slot.handover == ()
+    heads = [p for p in runtime.params if p.gtp_state.is_head]
+    assert [id(p) for p in heads] == [id(seg[0]) for seg in runtime.segments], [
+        p.gtp_state.name for p in heads
+    ]
+    # No Python chain building once every weight ran a linked forward and backward (step 2).
+    assert len(set(result["builds"][1:])) == 1, result["builds"]
+    builds = runtime.builds
+
+    # megatron's capture warmup (2 iterations per layer, before each capture) under the grad
+    # guard: every main_grad as before, no grad-ready hook (no DDP bucket started), nothing in
+    # flight before or after each layer, no chain building.
+    ddp.zero_grad_buffer()
+    gen = torch.Generator().manual_seed(7 + rank)
+    params = list(ddp.module.parameters())
+    with torch.no_grad():
+        for param in params:
+            param.main_grad.copy_(torch.randn(param.main_grad.shape, generator=gen))
+    before = [param.main_grad.clone() for param in params]
+    for layer in layers:
+        with layer._gtp_graph_boundary.capturing(guard=True):
+            for _ in range(2):
+                _layer_warmup(layer, gen)
+    assert all(torch.equal(p.main_grad, b) for p, b in zip(params, before, strict=True))
+    groups = ddp.bucket_groups + ddp.expert_parallel_bucket_groups
+    assert all(not group.params_with_grad for group in groups)
+    assert runtime.builds == builds
+
+    # The manual hook plan: after a replayed backward (here a stand-in node) the layer's
+    # grad-ready hooks fire, in backward order, after the node and before anything later.
+    log: list[str] = []
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001, ANN205
+            log.append("replay")
+            return grad
+
+    boundary = layers[1]._gtp_graph_boundary
+    hooks = {}
+    for param in runtime.segments[1]:
+        state = param.gtp_state
+        hooks[id(param)] = original = state.grad_ready_hook
+
+        def logged(name=state.name, original=original) -> None:  # noqa: ANN001
+            log.append(name)
+            original()
+
+        state.grad_ready_hook = logged
+    x = torch.randn(3, requires_grad=True)
+    out = Replay.apply(x)
+    boundary.fire_after_backward((out, None))
+    out.sum().backward()
+    for param in runtime.segments[1]:
+        param.gtp_state.grad_ready_hook = hooks[id(param)]
+    assert log == ["replay"] + [p.gtp_state.name for p in reversed(runtime.segments[1])], log
+    ready = {id(p) for group in groups for p in group.params_with_grad}
+    assert ready == {id(p) for p in runtime.segments[1]}
+    ddp.zero_grad_buffer()
+    return worst
+
+
+def _grad_guard_case(rank: int, world: int) -> None:
+    """``GTPRuntime.grad_guard`` on a chain that crosses layers (no graph segments): the warmup
+    of layer 1 alone leaves its deferred reduce-scatter pending, to be finalized in layer 0's
+    backward (across the boundary a graph would have); the guard still restores that grad, and
+    a reduce-scatter pending on entry (training's) keeps its contribution."""
+    import torch
+
+    from nemo_gtp.testing.gpt_harness import build, train_built
+
+    case = Run(gtp=2, steps=1)
+    setup = build(case)
+    train_built(setup, case)
+    model, ddp = setup["model"], setup["ddp"]
+    runtime = model.gtp_runtime
+    layer = _graphed_layers(model)[1]
+    params = list(ddp.module.parameters())
+    hooks = [p.gtp_state.grad_ready_hook for p in runtime.params]
+    for param in runtime.params:  # grads only here (DDP's buckets: the layer-graph case)
+        param.gtp_state.grad_ready_hook = None
+    gen = torch.Generator().manual_seed(3 + rank)
+    start = [torch.randn(p.main_grad.shape, generator=gen) for p in params]
+    with torch.no_grad():
+        for param, grad in zip(params, start, strict=True):
+            param.main_grad.copy_(grad)
+
+    def layer_step(seed: int) -> None:
+        _layer_warmup(layer, torch.Generator().manual_seed(seed))
+
+    layer_step(1)  # training's backward of layer 1: its head-most reduce-scatter stays pending
+    assert runtime.outstanding()["reduce_scatters"] > 0
+    runtime.drain()
+    want = [p.main_grad.clone() for p in params]
+    with torch.no_grad():
+        for param, grad in zip(params, start, strict=True):
+            param.main_grad.copy_(grad)
+    layer_step(1)  # the same backward again, pending on entry to the guard
+    with runtime.grad_guard():
+        layer_step(2)  # a warmup: its own last reduce-scatter is finalized at the guard's exit
+        assert runtime.outstanding()["reduce_scatters"] > 0
+    assert runtime.outstanding()["reduce_scatters"] == 0
+    runtime.drain()
+    names = [name for name, _ in ddp.module.named_parameters()]
+    changed = [
+        n for n, p, w in zip(names, params, want, strict=True) if not torch.equal(p.main_grad, w)
+    ]
+    assert not changed, changed
+    for param, hook in zip(runtime.params, hooks, strict=True):
+        param.gtp_state.grad_ready_hook = hook
+    ddp.zero_grad_buffer()
+
+
 def _cases(runs: list[Run]) -> list:
     return [("setup", _setup, ()), *((f"parity {run}", _parity_case, (run,)) for run in runs)]
 
@@ -196,6 +375,8 @@ def _cases(runs: list[Run]) -> list:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
     cases = _cases(CASES_2) + [("wrong data group", _wrong_data_group_worker, ())]
+    cases += [(f"layer graphs {run}", _layer_graph_case, (run,)) for run in LAYER_GRAPH_CASES_2]
+    cases += [("grad guard", _grad_guard_case, ())]
     return run_cases(cases, 2, tmp_path_factory.mktemp("parity2"))
 
 
@@ -230,3 +411,14 @@ def test_parity_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:
 def test_full_state_dict_equals_the_model_without_gtp(four_ranks: dict[str, list[Outcome]]) -> None:
     for run in FULL_STATE_DICT_CASES_4:
         assert all(n > 0 for n in case_values(four_ranks[f"full_state_dict {run}"]))
+
+
+def test_layer_graph_segments_guard_and_hook_plan(two_ranks: dict[str, list[Outcome]]) -> None:
+    for run in LAYER_GRAPH_CASES_2:
+        assert max(case_values(two_ranks[f"layer graphs {run}"])) <= 1e-5
+
+
+def test_grad_guard_restores_grads_written_across_a_layer(
+    two_ranks: dict[str, list[Outcome]],
+) -> None:
+    case_values(two_ranks["grad guard"])

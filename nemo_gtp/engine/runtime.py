@@ -22,9 +22,11 @@ gathered synchronously, and a prefetch whose buffer is still held is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -45,6 +47,7 @@ from nemo_gtp.engine.param import (
     GatherSlot,
     GatherState,
     GTPShardedParam,
+    GTPStateError,
     ReduceScatterState,
     ShardSpec,
     SharedWork,
@@ -98,9 +101,10 @@ def coalescing_units(
 ) -> list[tuple[GTPShardedParam, ...]]:
     """Cut a chain's forward order into coalescing units (design §3.1 "Coalescing units").
 
-    Greedy and order-preserving: a unit takes consecutive weights of one dtype while their
-    gathered (padded) bytes stay within ``unit_bytes``; a weight larger than that is a unit
-    alone, so ``unit_bytes=0`` gives one unit per weight.
+    Greedy and order-preserving: a unit takes consecutive weights of one dtype and one CUDA-graph
+    segment (design §3.5: a collective never spans two graphs) while their gathered (padded)
+    bytes stay within ``unit_bytes``; a weight larger than that is a unit alone, so
+    ``unit_bytes=0`` gives one unit per weight.
 
     Example::
 
@@ -111,7 +115,11 @@ def coalescing_units(
     size = 0
     for param in order:
         nbytes = math.prod(param.gtp_spec.gathered_shape) * param.element_size()
-        if current and (size + nbytes > unit_bytes or param.dtype != current[0].dtype):
+        if current and (
+            size + nbytes > unit_bytes
+            or param.dtype != current[0].dtype
+            or param.gtp_state.segment != current[0].gtp_state.segment
+        ):
             units.append(tuple(current))
             current, size = [], 0
         current.append(param)
@@ -127,6 +135,14 @@ class Chain:
     Committing the order (:meth:`observe` returns True) cuts it into coalescing units and links
     every unit's leading gather slots to the units they prefetch (``GatherSlot.ahead``) once, so
     the steady-state step never searches.
+
+    [Note: graph segments] (design §3.5) A weight captured in a CUDA graph carries the index of
+    its graph (``GTPParamState.segment``; -1: eager). Links never leave a segment: a unit's
+    ``ahead`` names only units of its own segment, the first unit of every segment is a head
+    (its forward gather is not prefetched, so the graph issues it; its reduce-scatter is
+    synchronous, so the graph's deferred reduce-scatters finish inside it), and a captured
+    segment's forward tail hands nothing over (its backward is another graph). For a chain of
+    eager weights (all -1) this is the single-segment chain of design §1.1.
     """
 
     def __init__(self, chain_id: ChainId, depth: int = 1, unit_bytes: float = 0) -> None:
@@ -163,11 +179,13 @@ class Chain:
         self.phase = ChainPhase.LINKED
         units = self.units = coalescing_units(self.order, self.unit_bytes)
         n, depth = len(units), self.depth
+        seg = [unit[0].gtp_state.segment for unit in units]
         for u, members in enumerate(units):
             # Weights of units within ``depth`` of each other can be live at once; same-shape
             # ones get different parities (design §3.1), so a prefetch never lands in the buffer
             # a GEMM still reads. Greedy: the smallest parity no such earlier weight uses.
-            window = [q for unit in units[max(0, u - depth) : u] for q in unit]
+            # Units of another graph segment are never live with this one.
+            window = [q for j in range(max(0, u - depth), u) if seg[j] == seg[u] for q in units[j]]
             for param in members:
                 state = param.gtp_state
                 taken = {
@@ -194,17 +212,24 @@ class Chain:
                 state.bwd.unit, state.bwd.unit_work = bwd_unit, bwd_work
                 state.rs_unit = members if coalesced else None
             fwd_unit[0].ahead = tuple(
-                units[j][0].gtp_state.fwd for j in range(u + 1, u + 1 + depth) if j < n
+                units[j][0].gtp_state.fwd
+                for j in range(u + 1, u + 1 + depth)
+                if j < n and seg[j] == seg[u]
             )
             bwd_unit[0].ahead = tuple(
-                units[j][-1].gtp_state.bwd for j in range(u - 1, max(-1, u - 1 - depth), -1)
+                units[j][-1].gtp_state.bwd
+                for j in range(u - 1, max(-1, u - 1 - depth), -1)
+                if seg[j] == seg[u]
             )
-            if u == n - 1:  # the forward tail hands over to the backward's first units
+            if u == n - 1 and seg[u] == -1:  # the eager forward tail hands over to the backward
                 fwd_unit[0].handover = tuple(
-                    units[j][-1].gtp_state.bwd for j in range(n - 1, max(-1, n - 1 - depth), -1)
+                    units[j][-1].gtp_state.bwd
+                    for j in range(n - 1, max(-1, n - 1 - depth), -1)
+                    if seg[j] == -1
                 )
-        if units:
-            units[0][0].gtp_state.is_head = True
+        for u, unit in enumerate(units):  # the chain head, and each graph segment's head
+            if u == 0 or seg[u] != seg[u - 1]:
+                unit[0].gtp_state.is_head = True
 
     def observe_recompute(self, param: GTPShardedParam) -> None:
         """Record a recompute-forward consume of the first backward that has any (design §3.1
@@ -222,8 +247,11 @@ class Chain:
             return
         self.recompute_phase = ChainPhase.LINKED
         for i, param in enumerate(order):
+            segment = param.gtp_state.segment
             param.gtp_state.fwd.recompute_ahead = tuple(
-                order[j].gtp_state.fwd for j in range(i + 1, min(n, i + 1 + self.depth))
+                order[j].gtp_state.fwd
+                for j in range(i + 1, min(n, i + 1 + self.depth))
+                if order[j].gtp_state.segment == segment
             )
 
 
@@ -321,6 +349,14 @@ class GTPRuntime:
         self._pending_rs: list[GTPShardedParam] = []
         self._staged: list[GTPShardedParam] = []  # wgrads waiting for the rest of their unit
         self._label: str | None = None  # trace label of the consume being served
+        self.segments: list[tuple[GTPShardedParam, ...]] = []
+        """The weights of each captured CUDA graph (design §3.5); in forward order once the
+        chain is committed."""
+        self.builds = 0
+        """Python-side chain building and binding done so far: order commits, recompute links,
+        cache and pool bindings, the gather-backend decision. Constant once every weight ran a
+        linked forward and backward (the state a CUDA-graph capture must start from)."""
+        self._guard: dict[int, tuple[GTPShardedParam, torch.Tensor | None, bool]] | None = None
 
     # ----------------------------------------------------------------- construction
     def shard_parameter(
@@ -389,8 +425,8 @@ class GTPRuntime:
             recompute = _backward_task_id() != -1
         else:
             slot = state.bwd
-        if chain.phase is ChainPhase.OBSERVING:
-            chain.observe(param, direction)
+        if chain.phase is ChainPhase.OBSERVING and chain.observe(param, direction):
+            self._committed(chain)
         if recompute:
             self._label = "rc"  # trace only
             if chain.recompute_phase is ChainPhase.OBSERVING:
@@ -463,6 +499,7 @@ class GTPRuntime:
             slot.direction.value,
             state.parity,
         )
+        self.builds += 1
         slot.cache = self.weight_cache.slot(key)
         slot.cache_full = param.gtp_spec.unpad(slot.cache.buffer)
         buffer = slot.cache.buffer
@@ -580,6 +617,7 @@ class GTPRuntime:
         agreement (and the symmetric-memory rendezvous that follows) are collective-safe here.
         The copy-engine mirror's buffers are made outside inference mode (they outlive it).
         """
+        self.builds += 1
         backend = self._choose_gather_backend(device)
         if backend is GatherBackend.COPY_ENGINE:
             with torch.inference_mode(False):
@@ -645,6 +683,7 @@ class GTPRuntime:
 
     # ----------------------------------------------------------------- reduce-scatter side
     def _bind_pools(self, param: GTPShardedParam, dtype: torch.dtype) -> None:
+        self.builds += 1
         spec, rs = param.gtp_spec, param.gtp_state.rs
         rs.scratch_pool = self.wgrad_pool.free_list(
             spec.gathered_shape, dtype, param.device, zero_from=spec.logical_shape[0]
@@ -778,6 +817,9 @@ class GTPRuntime:
         else:
             rs.complete()
         main_grad = getattr(param, "main_grad", None)
+        guard = self._guard
+        if guard is not None and id(param) not in guard:
+            self._back_up_grad(param, main_grad)
         if main_grad is not None:
             main_grad.add_(rs.output)
         elif param.grad is None:
@@ -787,7 +829,7 @@ class GTPRuntime:
         rs.finished()
         if self.trace is not None:
             self.record("finalize", param, _BWD)
-        if state.grad_ready_hook is not None:
+        if state.grad_ready_hook is not None and guard is None:
             state.grad_ready_hook()
 
     # ----------------------------------------------------------------- fences
@@ -816,9 +858,163 @@ class GTPRuntime:
         self.drain_reduce_scatters()
         self.drain_gathers()
         for chain in self.chains.values():  # a recompute order seen in this step is now known
-            chain.commit_recompute()
+            if chain.recompute_order and chain.recompute_phase is ChainPhase.OBSERVING:
+                chain.commit_recompute()
+                self.builds += 1
         if self._mirror is not None:
             self._mirror.mark_stale()
+
+    # ----------------------------------------------------------------- CUDA-graph segments
+    def assign_graph_segments(self, segments: Sequence[Sequence[GTPShardedParam]]) -> None:
+        """Put each group of weights of ``segments`` into the GRAPHED chain as one captured graph.
+
+        ``segments[i]`` are the weights one CUDA graph captures (megatron's per-layer graphs:
+        the GTP weights of the i-th captured layer; an empty group is allowed). Every other
+        weight stays eager (``ChainId.UNGRAPHED``). Links, coalescing units and deferred
+        reduce-scatters then stay inside each graph (design §3.5, the Note on :class:`Chain`).
+        Must run before the first forward: a chain's membership is fixed once it is observed
+        (design §3.4 hazard table). Calling it again before then replaces the assignment.
+
+        Example::
+
+            runtime.assign_graph_segments([[qkv0, proj0, fc1_0, fc2_0], [qkv1, proj1, ...]])
+        """
+        for chain in self.chains.values():
+            if chain.order or chain.phase is not ChainPhase.OBSERVING:
+                raise GTPStateError(
+                    f"{self.name}: CUDA-graph segments must be assigned before the first forward "
+                    "(the chains are already observed)"
+                )
+        seen: set[int] = set()
+        for members in segments:
+            for param in members:
+                ref = param.gtp_state.runtime
+                if ref is None or ref() is not self:
+                    raise ValueError(f"{param!r} is not registered with runtime {self.name}")
+                if id(param) in seen:
+                    raise ValueError(f"{param.gtp_state.name} is in two CUDA-graph segments")
+                seen.add(id(param))
+        eager, graphed = self.chains[ChainId.UNGRAPHED], self.chains[ChainId.GRAPHED]
+        for param in self.params:
+            state = param.gtp_state
+            state.chain_id, state.chain, state.segment = ChainId.UNGRAPHED, eager, -1
+        for index, members in enumerate(segments):
+            for param in members:
+                state = param.gtp_state
+                state.chain_id, state.chain, state.segment = ChainId.GRAPHED, graphed, index
+        self.segments = [tuple(members) for members in segments]
+
+    def _committed(self, chain: Chain) -> None:
+        """A chain's order was committed: the graph segments take its order too."""
+        self.builds += 1
+        if chain.chain_id is ChainId.GRAPHED and self.segments:
+            rank = {id(p): i for i, p in enumerate(chain.order)}
+            last = len(rank)
+            self.segments = [
+                tuple(sorted(members, key=lambda p: rank.get(id(p), last)))
+                for members in self.segments
+            ]
+
+    def end_graph_forward(self, segment: int) -> None:
+        """End of a captured forward: no gather of ``segment`` outlives its graph.
+
+        The last weight of a segment prefetches nothing; what can remain is a buffer TE's
+        protocol still holds (released at the next protocol consume, design §3.1 "The bridge")
+        or a mispredicted prefetch. Both are completed and released here, inside the graph.
+        """
+        chain = self.chains[ChainId.GRAPHED]
+        last = chain.protocol_last[0]
+        if last is not None and last.gtp_state.segment == segment:
+            chain.protocol_last[0] = None
+        for param in self.segments[segment]:
+            self.release(param, _FWD)
+
+    def end_graph_backward(self, segment: int) -> None:
+        """End of a captured backward: the two-stage drain of ``segment`` (design §3.5).
+
+        Stage 1, gathers: every gather of the segment is completed and released (the head's
+        backward buffer TE's protocol holds, an unconsumed prefetch). Stage 2, reduce-scatters:
+        the segment's staged wgrads are reduce-scattered and every pending reduce-scatter of
+        the segment is finalized (wait, ``main_grad`` add, grad-ready hook), so no collective
+        issued in this graph is waited in another one.
+        """
+        chain = self.chains[ChainId.GRAPHED]
+        last = chain.protocol_last[1]
+        if last is not None and last.gtp_state.segment == segment:
+            chain.protocol_last[1] = None
+        members = self.segments[segment]
+        for param in members:
+            self.release(param, _BWD)
+            self.release(param, _FWD)
+        if self._staged and self._staged[0].gtp_state.segment == segment:
+            self._flush_staged()
+        pending = self._pending_rs
+        if pending:
+            mine = [p for p in pending if p.gtp_state.segment == segment]
+            self._pending_rs = [p for p in pending if p.gtp_state.segment != segment]
+            for param in mine:
+                self._finalize(param)
+
+    def fire_graph_hooks(self, segment: int) -> None:
+        """Fire the grad-ready hooks of ``segment``'s weights, in backward order (design §3.5).
+
+        A replayed graph runs no Python: its reduce-scatters and ``main_grad`` adds are
+        recorded stream work, but the hooks the finalizes called at capture are not. Call this
+        after the replayed backward (the manual hook plan): DDP's bucket collectives are then
+        ordered after the graph's ``main_grad`` adds on the stream, as in eager mode.
+
+        Example::
+
+            out = replay(x)            # a captured layer
+            out.grad_fn.register_hook(lambda *_: runtime.fire_graph_hooks(segment))
+        """
+        for param in reversed(self.segments[segment]):
+            hook = param.gtp_state.grad_ready_hook
+            if hook is not None:
+                hook()
+
+    @contextlib.contextmanager
+    def grad_guard(self) -> Iterator[None]:
+        """Steps run inside leave every gradient as it was (design §3.5 "Grad guard").
+
+        For the eager warmup iterations megatron runs before it captures a layer: reduce-scatters
+        pending on entry are finalized first (they belong to training); inside, the first
+        finalize of each weight backs up its ``main_grad`` (or ``.grad``) and grad-ready hooks
+        stay silent; on exit everything issued inside is finalized and every touched gradient
+        restored, also one written across a graph boundary by a deferred reduce-scatter.
+
+        Example::
+
+            with runtime.grad_guard():
+                out = layer(x); torch.autograd.grad(out, params, torch.ones_like(out))
+        """
+        if self._guard is not None:
+            raise GTPStateError(f"{self.name}: grad_guard is not reentrant")
+        self.drain_reduce_scatters()
+        self._guard = {}
+        try:
+            yield
+            self.drain_reduce_scatters()
+        finally:
+            saved, self._guard = self._guard, None
+            with torch.no_grad():
+                for param, grad, has_main_grad in saved.values():
+                    if has_main_grad:
+                        param.main_grad.copy_(grad)
+                    else:
+                        param.grad = grad
+
+    def _back_up_grad(self, param: GTPShardedParam, main_grad: torch.Tensor | None) -> None:
+        if param.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise GTPStateError(
+                f"{param.gtp_state.name}: a reduce-scatter was finalized inside a CUDA-graph "
+                "capture under grad_guard (only the eager warmup may be guarded)"
+            )
+        if main_grad is not None:
+            self._guard[id(param)] = (param, main_grad.detach().clone(), True)
+        else:
+            grad = param.grad
+            self._guard[id(param)] = (param, None if grad is None else grad.clone(), False)
 
     # ----------------------------------------------------------------- introspection
     def outstanding(self) -> dict[str, int]:

@@ -64,6 +64,10 @@ class Run:
     moe_ffn: int = 48  # moe_ffn_hidden_size
     capacity: float | None = None  # moe_expert_capacity_factor (token dropping when set)
     aux_loss: float = 0.0  # moe_aux_loss_coeff (load-balancing loss through the router)
+    # megatron's per-layer CUDA graphs (cuda_graph_impl="local"): "" off, "full" or "attn".
+    # On CUDA the layers are captured; on CPU (no graphs) the model is built with graphs off and
+    # the config switched after, so GTP runs the segmented schedule a captured model runs.
+    graph_scope: str = ""
 
     @property
     def gtp_on(self) -> bool:
@@ -188,6 +192,15 @@ def _moe_config(run: Run) -> dict:
     )
 
 
+def _graph_config(run: Run) -> dict:
+    """TransformerConfig fields of ``run``'s per-layer CUDA graphs (none when off)."""
+    if not run.graph_scope:
+        return {}
+    return dict(
+        cuda_graph_impl="local", cuda_graph_scope=run.graph_scope, cuda_graph_warmup_steps=2
+    )
+
+
 def train(run: Run) -> dict:
     """Train ``run`` on the current world; returns per-rank losses, grad norms, grads, weights.
 
@@ -209,7 +222,11 @@ def build(run: Run) -> dict:
         enable_cpu_compat(nemo=False)
     groups = gtp_groups(run)
     if on_gpu:
-        model_parallel_cuda_manual_seed(1234)
+        # megatron's graph manager needs a capturable RNG tracker (TE's, or its own graph-safe
+        # one); rebuilt for every run, since the tracker is process-global.
+        model_parallel_cuda_manual_seed(
+            1234, use_cudagraphable_rng=bool(run.graph_scope), force_reset_rng=True
+        )
     else:
         from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
 
@@ -241,6 +258,7 @@ def build(run: Run) -> dict:
         add_bias_linear=False,
         **_RECOMPUTE[run.recompute],
         **_moe_config(run),
+        **(_graph_config(run) if on_gpu else {}),
     )
     gtp_config = GTPConfig(
         calculate_per_token_loss=run.per_token,
@@ -265,6 +283,9 @@ def build(run: Run) -> dict:
         load_full_weights(model, reference)
     if run.bf16:  # norms and inputs in bf16 too, as NeMo's precision plugin does
         model = Float16Module(config, model)
+    if run.graph_scope and not on_gpu:
+        for key, value in _graph_config(run).items():
+            setattr(config, key, value)
     if run.gtp_on:
         shard_model(model, groups, gtp_config)
     pgs = gtp_process_groups(groups, gtp_config)
@@ -301,6 +322,8 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
     data_rank = parallel_state.get_data_parallel_rank()
     named = [(n, p) for n, p in ddp.module.named_parameters()]
     out = {"losses": [], "grad_norms": [], "grads": {}, "weights": {}, "data_rank": data_rank}
+    out["builds"] = []  # the runtime's chain-building count after each step
+    runtime = getattr(model, "gtp_runtime", None)
     forward_backward = get_forward_backward_func()
     for step in range(first_step, first_step + run.steps):
         ddp.zero_grad_buffer()
@@ -320,6 +343,7 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
             out["grads"] = {n: full_tensor(p, p.main_grad, groups) for n, p in named}
         _, grad_norm, _ = optimizer.step()
         out["grad_norms"].append(float(grad_norm))
+        out["builds"].append(runtime.builds if runtime is not None else 0)
     out["weights"] = {n: full_tensor(p, p.data, groups) for n, p in named}
     out["optimizer_state_numel"] = optimizer_state_numel(optimizer)
     out["runtime"] = getattr(model, "gtp_runtime", None)
