@@ -46,6 +46,7 @@ from megatron.core.transformer.cuda_graphs import (
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.param import GTPStateError, is_gtp_param
 from nemo_gtp.engine.runtime import GTPRuntime
+from nemo_gtp.integrations.megatron.sharding.te import drop_grad_mode_hooks
 
 MIN_LAYER_GRAPH_WARMUP_STEPS = 2
 """Warmup iterations megatron runs per layer before capturing it (``cuda_graph_warmup_steps``):
@@ -310,6 +311,7 @@ def install_layer_graphs(model: torch.nn.Module, runtime: GTPRuntime) -> list[st
     names = split_graph_chains(model, runtime)
     for segment, (name, layer) in enumerate(captured_layers(model)):
         setattr(layer, _BOUNDARY, LayerGraphBoundary(runtime, segment, name))
+        drop_grad_mode_hooks(layer)
         layer.forward = types.MethodType(_graphed_forward, layer)
         manager = getattr(layer, "cudagraph_manager", None)
         if manager is not None and type(manager) is CudaGraphManager:
