@@ -443,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_layer_graphs] {failed}", file=sys.stderr)
     result_file = Path(args.out) / "gpu_layer_graphs.json"
     ok = result_file.exists() and json.loads(result_file.read_text())["ok"] and failed is None
-    print(f"[gpu_layer_graphs] {'ok' if ok else 'FAILED'}: {Path(args.out) / 'gpu_layer_graphs.md'}")
+    summary = Path(args.out) / "gpu_layer_graphs.md"
+    print(f"[gpu_layer_graphs] {'ok' if ok else 'FAILED'}: {summary}")
     return 0 if ok else 1
 
 
