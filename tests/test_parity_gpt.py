@@ -317,6 +317,50 @@ def _layer_graph_case(rank: int, world: int, case: Run) -> float:
     return worst
 
 
+def _megatron_graph_flow_case(rank: int, world: int) -> None:
+    """megatron's own per-layer graph flow (recording step, ``create_cudagraphs`` with its
+    warmups and captures, replays through its autograd nodes) with GTP's manager and runner, on
+    CPU with an eager stand-in for CUDA graphs: every capture starts and ends with nothing in
+    flight, no Python gather or chain building after the capture step, and DDP's overlapped
+    bucket reductions complete (they assert unless the grad-ready hooks fire after each replay)."""
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    from nemo_gtp.integrations.megatron.layer_graphs import (
+        GTPCudaGraphManager,
+        GTPCudaGraphRunner,
+        reset_layer_graphs,
+    )
+    from nemo_gtp.testing.gpt_harness import MICROBATCHES, build, train_built
+    from nemo_gtp.testing.graph_stand_in import eager_cuda_graphs
+
+    case = Run(gtp=2, graph_scope="full", steps=1)
+    eager = dataclasses.replace(LAYER_GRAPH_CASES_2[0], graph_scope="")
+    reference = _REFERENCES[_reference_run(eager)]  # trained by the layer-graph cases
+    try:
+        with eager_cuda_graphs() as graphs:
+            setup = build(case)
+            runtime = setup["model"].gtp_runtime
+            first = train_built(setup, case)  # recorded eagerly, then captured
+            assert _CudagraphGlobalRecord.cudagraph_created and graphs.replays == 0
+            gathers, builds = runtime.stats.gathers, runtime.builds
+            train_built(setup, dataclasses.replace(case, steps=2), first_step=1)  # replayed
+            layers = _graphed_layers(setup["model"])
+            assert graphs.replays == len(layers) * 2 * MICROBATCHES * 2
+            assert (runtime.stats.gathers, runtime.builds) == (gathers, builds)
+            for layer in layers:
+                manager = layer.cudagraph_manager
+                assert type(manager) is GTPCudaGraphManager
+                assert all(type(r) is GTPCudaGraphRunner for r in manager.cudagraph_runners)
+                assert all(r.fwd_graph is not None for r in manager.cudagraph_runners)
+    finally:
+        reset_layer_graphs()
+    # the capture step itself trained as without graphs (its warmups left no trace)
+    for got, want in zip(first["losses"][0], reference["losses"][0], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    for name, grad in reference["grads"].items():
+        assert rel_err(first["grads"][name], grad) <= 1e-5, name
+
+
 def _grad_guard_case(rank: int, world: int) -> None:
     """``GTPRuntime.grad_guard`` on a chain that crosses layers (no graph segments): the warmup
     of layer 1 alone leaves its deferred reduce-scatter pending, to be finalized in layer 0's
@@ -377,6 +421,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcom
     cases = _cases(CASES_2) + [("wrong data group", _wrong_data_group_worker, ())]
     cases += [(f"layer graphs {run}", _layer_graph_case, (run,)) for run in LAYER_GRAPH_CASES_2]
     cases += [("grad guard", _grad_guard_case, ())]
+    cases += [("megatron graph flow", _megatron_graph_flow_case, ())]
     return run_cases(cases, 2, tmp_path_factory.mktemp("parity2"))
 
 
@@ -422,3 +467,9 @@ def test_grad_guard_restores_grads_written_across_a_layer(
     two_ranks: dict[str, list[Outcome]],
 ) -> None:
     case_values(two_ranks["grad guard"])
+
+
+def test_megatron_graph_flow_with_gtp_manager_and_runner(
+    two_ranks: dict[str, list[Outcome]],
+) -> None:
+    case_values(two_ranks["megatron graph flow"])

@@ -29,6 +29,7 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
     shard_model,
 )
+from nemo_gtp.testing import graph_stand_in
 
 VOCAB, SEQ, MBS, MICROBATCHES = 128, 16, 2, 2
 
@@ -66,7 +67,9 @@ class Run:
     aux_loss: float = 0.0  # moe_aux_loss_coeff (load-balancing loss through the router)
     # megatron's per-layer CUDA graphs (cuda_graph_impl="local"): "" off, "full" or "attn".
     # On CUDA the layers are captured; on CPU (no graphs) the model is built with graphs off and
-    # the config switched after, so GTP runs the segmented schedule a captured model runs.
+    # the config switched after, so GTP runs the segmented schedule a captured model runs (or,
+    # inside nemo_gtp.testing.graph_stand_in.eager_cuda_graphs, megatron's graph managers run
+    # their capture and replay flow with an eager stand-in for CUDA graphs).
     graph_scope: str = ""
 
     @property
@@ -258,7 +261,7 @@ def build(run: Run) -> dict:
         add_bias_linear=False,
         **_RECOMPUTE[run.recompute],
         **_moe_config(run),
-        **(_graph_config(run) if on_gpu else {}),
+        **(_graph_config(run) if on_gpu or graph_stand_in.active() else {}),
     )
     gtp_config = GTPConfig(
         calculate_per_token_loss=run.per_token,
@@ -283,7 +286,7 @@ def build(run: Run) -> dict:
         load_full_weights(model, reference)
     if run.bf16:  # norms and inputs in bf16 too, as NeMo's precision plugin does
         model = Float16Module(config, model)
-    if run.graph_scope and not on_gpu:
+    if run.graph_scope and not on_gpu and not graph_stand_in.active():
         for key, value in _graph_config(run).items():
             setattr(config, key, value)
     if run.gtp_on:
