@@ -28,6 +28,7 @@ _GTP_ONLY = {
     "ce_min_tokens": Run.ce_min_tokens,
     "separate_rs": Run.separate_rs,
     "coalesce_mb": Run.coalesce_mb,
+    "graph_ring": Run.graph_ring,
 }
 
 
@@ -194,6 +195,8 @@ FULL_STATE_DICT_CASES_4 = [
 LAYER_GRAPH_CASES_2 = [
     Run(gtp=2, graph_scope="full", steps=4),
     Run(gtp=2, graph_scope="attn", steps=4, coalesce_mb=1.0),  # one unit would span the layers
+    Run(gtp=2, graph_scope="full", steps=4, graph_ring=2),  # layer 1's head reduced in layer 0
+    Run(gtp=2, graph_scope="full", steps=4, graph_ring=2, coalesce_mb=1.0),  # ... all of layer 1
 ]
 
 
@@ -230,10 +233,12 @@ def _layer_graph_case(rank: int, world: int, case: Run) -> float:
     if reference_run not in _REFERENCES:
         _REFERENCES[reference_run] = train(reference_run)
     setup = build(case)
+    trace = setup["model"].gtp_runtime.enable_trace()
     result = train_built(setup, case)
     worst = assert_parity(result, _REFERENCES[reference_run])
     model, ddp = setup["model"], setup["ddp"]
     runtime = model.gtp_runtime
+    runtime.trace = None
     layers = _graphed_layers(model)
 
     # Chain split: every GTP weight of layer i is in segment i of the GRAPHED chain; links,
@@ -256,6 +261,26 @@ def _layer_graph_case(rank: int, world: int, case: Run) -> float:
     assert [id(p) for p in heads] == [id(seg[0]) for seg in runtime.segments], [
         p.gtp_state.name for p in heads
     ]
+    # The wgrad ring: layer 1's head unit (the backward's first graph) is carried into layer 0's
+    # backward graph: staged in its ring slot, reduce-scattered at layer 0's first backward
+    # consume (before its gather) and finalized there; layer 0's head (the backward's last
+    # graph) is never carried.
+    head_unit = graphed.units[len(graphed.units) // 2]
+    carried = [p.gtp_state.name for p in head_unit] if case.graph_ring else []
+    assert sorted(p.gtp_state.name for p in runtime.params if p.gtp_state.ring >= 0) == sorted(
+        carried
+    )
+    assert all(p.gtp_state.ring == 1 for p in head_unit if case.graph_ring)
+    assert sorted({n for e, n, _ in trace if e == "rs_carry"}) == sorted(carried)
+    segment0 = {p.gtp_state.name for p in runtime.segments[0]}
+    for name in carried:  # the first backward of the first step
+        at = trace.index(("rs_carry", name, "bwd"))
+        gather = next(
+            i for i, (e, n, d) in enumerate(trace) if i > at and n in segment0 and d == "bwd"
+        )
+        issue = trace.index(("rs_issue_async", name, "bwd"), at)
+        finalize = trace.index(("finalize", name, "bwd"), at)
+        assert at < issue < gather < finalize, (at, issue, gather, finalize)
     # No Python chain building once every weight ran a linked forward and backward (step 2).
     assert len(set(result["builds"][1:])) == 1, result["builds"]
     builds = runtime.builds
@@ -271,7 +296,7 @@ def _layer_graph_case(rank: int, world: int, case: Run) -> float:
             param.main_grad.copy_(torch.randn(param.main_grad.shape, generator=gen))
     before = [param.main_grad.clone() for param in params]
     for layer in layers:
-        with layer._gtp_graph_boundary.capturing(guard=True):
+        with layer._gtp_graph_boundary.capturing(backward=False):
             for _ in range(2):
                 _layer_warmup(layer, gen)
     assert all(torch.equal(p.main_grad, b) for p, b in zip(params, before, strict=True))
@@ -317,7 +342,7 @@ def _layer_graph_case(rank: int, world: int, case: Run) -> float:
     return worst
 
 
-def _megatron_graph_flow_case(rank: int, world: int) -> None:
+def _megatron_graph_flow_case(rank: int, world: int, ring: int) -> None:
     """megatron's own per-layer graph flow (recording step, ``create_cudagraphs`` with its
     warmups and captures, replays through its autograd nodes) with GTP's manager and runner, on
     CPU with an eager stand-in for CUDA graphs: every capture starts and ends with nothing in
@@ -333,7 +358,7 @@ def _megatron_graph_flow_case(rank: int, world: int) -> None:
     from nemo_gtp.testing.gpt_harness import MICROBATCHES, build, train_built
     from nemo_gtp.testing.graph_stand_in import eager_cuda_graphs
 
-    case = Run(gtp=2, graph_scope="full", steps=1)
+    case = Run(gtp=2, graph_scope="full", steps=1, graph_ring=ring)
     eager = dataclasses.replace(LAYER_GRAPH_CASES_2[0], graph_scope="")
     reference = _REFERENCES[_reference_run(eager)]  # trained by the layer-graph cases
     try:
@@ -347,6 +372,13 @@ def _megatron_graph_flow_case(rank: int, world: int) -> None:
             layers = _graphed_layers(setup["model"])
             assert graphs.replays == len(layers) * 2 * MICROBATCHES * 2
             assert (runtime.stats.gathers, runtime.builds) == (gathers, builds)
+            # the manual hook plans, recorded at capture: every weight announced once, layer
+            # 1's head by layer 0's graph under the wgrad ring
+            plans = runtime.graph_hook_plans
+            announced = sorted(p.gtp_state.name for plan in plans.values() for p in plan)
+            assert announced == sorted(p.gtp_state.name for p in runtime.params), announced
+            head1 = runtime.segments[1][0]
+            assert any(p is head1 for p in plans[0 if ring else 1])
             for layer in layers:
                 manager = layer.cudagraph_manager
                 assert type(manager) is GTPCudaGraphManager
@@ -421,7 +453,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcom
     cases = _cases(CASES_2) + [("wrong data group", _wrong_data_group_worker, ())]
     cases += [(f"layer graphs {run}", _layer_graph_case, (run,)) for run in LAYER_GRAPH_CASES_2]
     cases += [("grad guard", _grad_guard_case, ())]
-    cases += [("megatron graph flow", _megatron_graph_flow_case, ())]
+    cases += [(f"megatron graph flow ring={r}", _megatron_graph_flow_case, (r,)) for r in (0, 2)]
     return run_cases(cases, 2, tmp_path_factory.mktemp("parity2"))
 
 
@@ -472,4 +504,5 @@ def test_grad_guard_restores_grads_written_across_a_layer(
 def test_megatron_graph_flow_with_gtp_manager_and_runner(
     two_ranks: dict[str, list[Outcome]],
 ) -> None:
-    case_values(two_ranks["megatron graph flow"])
+    for ring in (0, 2):
+        case_values(two_ranks[f"megatron graph flow ring={ring}"])

@@ -176,9 +176,15 @@ class WgradPool:
         dtype: torch.dtype,
         device: torch.device,
         zero_from: int | None = None,
+        ring: int = -1,
     ) -> FreeList:
-        """The free list of ``(shape, dtype, device, zero_from)`` (created on first use)."""
-        key = (tuple(shape), dtype, device, zero_from)
+        """The free list of ``(shape, dtype, device, zero_from)`` (created on first use).
+
+        ``ring`` >= 0 names a slot of the cross-graph wgrad ring (design §3.5): its buffers are
+        never shared with the ordinary list of the same shape, whose buffers the next graph
+        reuses while the ring slot still waits for its reduce-scatter.
+        """
+        key = (tuple(shape), dtype, device, zero_from, ring)
         found = self._lists.get(key)
         if found is None:
             found = self._lists[key] = FreeList(self, tuple(shape), dtype, device, zero_from)

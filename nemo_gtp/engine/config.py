@@ -10,8 +10,7 @@ class GTPConfig:
     """GTP's tuning knobs (design §2.4), per model rather than process-global.
 
     Every field changes behaviour. (Megatron's ``check_param_states`` has no counterpart: the
-    state machines always check their transitions; ``graph_wgrad_ring_size`` arrives with
-    CUDA-graph capture.)
+    state machines always check their transitions.)
 
     Example::
 
@@ -75,6 +74,11 @@ class GTPConfig:
             ``ColumnParallelLinear`` / ``RowParallelLinear``, whose weights are otherwise built
             full and sliced (a run that starts bit-identical to its non-GTP twin; pre-sharded
             weights are drawn per GTP peer instead).
+        graph_wgrad_ring_size: per-layer CUDA graphs only (design §3.5 "Cross-graph
+            reduce-scatter overlap"): 0 (default) waits a layer's last reduce-scatter inside
+            its own backward graph; N >= 2 keeps that wgrad in a ring of N fixed-address slots
+            and reduce-scatters it inside the next layer's backward graph, overlapping its
+            compute, for N extra head-unit wgrad buffers. Needs ``async_reduction``.
     """
 
     pad_for_alignment: int = 16
@@ -89,6 +93,7 @@ class GTPConfig:
     separate_reduce_scatter_group: bool = False
     shard_replicated_params_over_gtp: bool = False
     preshard_linears: str = "te"
+    graph_wgrad_ring_size: int = 0
 
     @property
     def sums_over_gtp(self) -> bool:
@@ -115,6 +120,16 @@ class GTPConfig:
             raise ValueError(f"GTPConfig.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if not self.coalesce_mb >= 0:
             raise ValueError(f"GTPConfig.coalesce_mb must be >= 0, got {self.coalesce_mb}")
+        if self.graph_wgrad_ring_size < 0 or self.graph_wgrad_ring_size == 1:
+            raise ValueError(
+                "GTPConfig.graph_wgrad_ring_size must be 0 (off) or >= 2 (a layer writes one "
+                f"slot while the next reduces another), got {self.graph_wgrad_ring_size}"
+            )
+        if self.graph_wgrad_ring_size and not self.async_reduction:
+            raise ValueError(
+                "GTPConfig.graph_wgrad_ring_size > 0 defers reduce-scatters across graphs and "
+                "needs async_reduction=True (or set graph_wgrad_ring_size=0)"
+            )
         if self.pad_for_alignment < 1:
             raise ValueError(
                 f"GTPConfig.pad_for_alignment must be >= 1, got {self.pad_for_alignment}"

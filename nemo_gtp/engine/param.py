@@ -316,6 +316,7 @@ class GTPParamState:
         "chain_id",
         "chain",
         "segment",
+        "ring",
         "fwd",
         "bwd",
         "rs",
@@ -337,6 +338,9 @@ class GTPParamState:
         """The CUDA graph this weight is captured in (design §3.5: one segment per captured
         layer, numbered in model order); -1 for eager weights. Chain links, coalescing units and
         deferred reduce-scatters never cross from one segment into another."""
+        self.ring = -1
+        """With ``GTPConfig.graph_wgrad_ring_size``: the wgrad ring slot of this weight (it is in
+        its segment's head unit, whose reduce-scatter runs in the next graph); -1: none."""
         self.fwd = GatherSlot(Direction.FWD)
         self.bwd = GatherSlot(Direction.BWD)
         self.rs = ReduceScatterSlot()

@@ -357,6 +357,19 @@ class GTPRuntime:
         cache and pool bindings, the gather-backend decision. Constant once every weight ran a
         linked forward and backward (the state a CUDA-graph capture must start from)."""
         self._guard: dict[int, tuple[GTPShardedParam, torch.Tensor | None, bool]] | None = None
+        # The cross-graph wgrad ring (design §3.5): staged wgrads of a segment's head unit, to
+        # be reduce-scattered in the next segment's backward.
+        self._ring_size = self.config.graph_wgrad_ring_size
+        if self._ring_size and self._fp32_accumulation:
+            raise ValueError(
+                "GTPConfig.graph_wgrad_ring_size > 0 is not supported together with "
+                "reduce_scatter_with_fp32_accumulation at GTP > 2: set one of them off"
+            )
+        self._carry: list[GTPShardedParam] = []
+        self.graph_hook_plans: dict[int, tuple[GTPShardedParam, ...]] = {}
+        """Per segment, the weights whose finalize a captured backward graph replays, in order
+        (recorded by :meth:`recording_graph_hooks`; the manual hook plan of design §3.5)."""
+        self._recording: list[GTPShardedParam] | None = None
 
     # ----------------------------------------------------------------- construction
     def shard_parameter(
@@ -425,6 +438,8 @@ class GTPRuntime:
             recompute = _backward_task_id() != -1
         else:
             slot = state.bwd
+            if self._carry and self._carry[0].gtp_state.segment != state.segment:
+                self._issue_carry()  # the next graph's first backward consume
         if chain.phase is ChainPhase.OBSERVING and chain.observe(param, direction):
             self._committed(chain)
         if recompute:
@@ -686,7 +701,11 @@ class GTPRuntime:
         self.builds += 1
         spec, rs = param.gtp_spec, param.gtp_state.rs
         rs.scratch_pool = self.wgrad_pool.free_list(
-            spec.gathered_shape, dtype, param.device, zero_from=spec.logical_shape[0]
+            spec.gathered_shape,
+            dtype,
+            param.device,
+            zero_from=spec.logical_shape[0],
+            ring=param.gtp_state.ring,
         )
         rs.output_pool = self.wgrad_pool.free_list(spec.shard_shape, dtype, param.device)
         rs.recv_pool = self.wgrad_pool.free_list(spec.gathered_shape, dtype, param.device)
@@ -738,10 +757,15 @@ class GTPRuntime:
         """
         state = param.gtp_state
         rs = state.rs
+        if self._carry and (
+            rs.state is _RS_STAGED or self._carry[0].gtp_state.segment != state.segment
+        ):
+            self._issue_carry()  # the next graph's first wgrad (or the same weight again)
         if rs.state is not _RS_NONE:  # same weight twice in one backward
             if rs.state is _RS_STAGED:
                 self._flush_staged()
             self._finalize(param)
+            self._pending_rs = [p for p in self._pending_rs if p is not param]
         unit = state.rs_unit
         staged = self._staged
         if staged and (unit is None or staged[0].gtp_state.rs_unit is not unit):
@@ -752,7 +776,15 @@ class GTPRuntime:
             rs.staged(scratch)
             staged.append(param)
             if len(staged) == len(unit):
-                self._flush_staged()
+                if state.ring >= 0:  # the segment's head unit: reduced in the next graph
+                    self._carry_staged()
+                else:
+                    self._flush_staged()
+            return
+        if state.ring >= 0:
+            rs.staged(scratch)
+            self._staged.append(param)
+            self._carry_staged()
             return
         output = rs.output_pool.get()
         if self._fp32_accumulation:
@@ -770,8 +802,25 @@ class GTPRuntime:
         """Reduce-scatter the staged wgrads of one unit in one collective."""
         params = tuple(self._staged)
         self._staged.clear()
-        if not params:
-            return
+        if params:
+            self._reduce_scatter_staged(params)
+
+    def _carry_staged(self) -> None:
+        """Keep the staged head unit's wgrads (in their ring slots) for the next graph."""
+        self._carry.extend(self._staged)
+        if self.trace is not None:
+            for param in self._staged:
+                self.record("rs_carry", param, _BWD)
+        self._staged.clear()
+
+    def _issue_carry(self) -> None:
+        """Reduce-scatter the carried head unit now (design §3.5: in the next graph)."""
+        params = tuple(self._carry)
+        self._carry.clear()
+        self._reduce_scatter_staged(params)
+
+    def _reduce_scatter_staged(self, params: tuple[GTPShardedParam, ...]) -> None:
+        """One collective over ``params``' staged wgrads (a coalescing unit, or a carry)."""
         outputs = [p.gtp_state.rs.output_pool.get() for p in params]
         scratches = [p.gtp_state.rs.scratch for p in params]
         average = self._average_in_collective
@@ -783,7 +832,11 @@ class GTPRuntime:
         shared.work = work
         for param, output, scratch in zip(params, outputs, scratches):
             param.gtp_state.rs.issued(shared, scratch, output, None)
-        sync = not self.config.async_reduction or any(p.gtp_state.is_head for p in params)
+        # A head reduces synchronously (nothing follows it in its chain or graph), unless it
+        # is a carried head: then it is the next graph's, finalized by that graph's drain.
+        sync = not self.config.async_reduction or any(
+            p.gtp_state.is_head and p.gtp_state.ring < 0 for p in params
+        )
         self._after_reduce_scatter(params, sync)
 
     def _after_reduce_scatter(self, params: tuple[GTPShardedParam, ...], sync: bool) -> None:
@@ -820,6 +873,8 @@ class GTPRuntime:
         guard = self._guard
         if guard is not None and id(param) not in guard:
             self._back_up_grad(param, main_grad)
+        if self._recording is not None:
+            self._recording.append(param)
         if main_grad is not None:
             main_grad.add_(rs.output)
         elif param.grad is None:
@@ -836,6 +891,8 @@ class GTPRuntime:
     def drain_reduce_scatters(self) -> None:
         """Finalize every pending reduce-scatter (the fence before main_grad is read)."""
         self._flush_staged()
+        if self._carry:
+            self._issue_carry()
         pending, self._pending_rs = self._pending_rs, []
         for param in pending:
             self._finalize(param)
@@ -905,15 +962,25 @@ class GTPRuntime:
         self.segments = [tuple(members) for members in segments]
 
     def _committed(self, chain: Chain) -> None:
-        """A chain's order was committed: the graph segments take its order too."""
+        """A chain's order was committed: the graph segments take its order too, and with the
+        wgrad ring every segment's head unit but the backward's last gets its ring slot."""
         self.builds += 1
-        if chain.chain_id is ChainId.GRAPHED and self.segments:
-            rank = {id(p): i for i, p in enumerate(chain.order)}
-            last = len(rank)
-            self.segments = [
-                tuple(sorted(members, key=lambda p: rank.get(id(p), last)))
-                for members in self.segments
-            ]
+        if chain.chain_id is not ChainId.GRAPHED or not self.segments:
+            return
+        rank = {id(p): i for i, p in enumerate(chain.order)}
+        last = len(rank)
+        self.segments = [
+            tuple(sorted(members, key=lambda p: rank.get(id(p), last))) for members in self.segments
+        ]
+        if not self._ring_size or not chain.units:
+            return
+        final = chain.units[0][0].gtp_state.segment  # its backward is the last: nothing after
+        for unit in chain.units:
+            head = unit[0].gtp_state
+            if head.is_head and head.segment != final:
+                for param in unit:
+                    param.gtp_state.ring = head.segment % self._ring_size
+                    param.gtp_state.rs.scratch_pool = None  # rebound to its ring slot
 
     def end_graph_forward(self, segment: int) -> None:
         """End of a captured forward: no gather of ``segment`` outlives its graph.
@@ -934,9 +1001,10 @@ class GTPRuntime:
 
         Stage 1, gathers: every gather of the segment is completed and released (the head's
         backward buffer TE's protocol holds, an unconsumed prefetch). Stage 2, reduce-scatters:
-        the segment's staged wgrads are reduce-scattered and every pending reduce-scatter of
-        the segment is finalized (wait, ``main_grad`` add, grad-ready hook), so no collective
-        issued in this graph is waited in another one.
+        the segment's staged wgrads are reduce-scattered and every pending reduce-scatter issued
+        in this graph is finalized (wait, ``main_grad`` add, grad-ready hook), so no collective
+        issued in this graph is waited in another one. With the wgrad ring the segment's head
+        unit stays carried: its wgrads wait in their ring slots, not in a collective.
         """
         chain = self.chains[ChainId.GRAPHED]
         last = chain.protocol_last[1]
@@ -948,10 +1016,14 @@ class GTPRuntime:
             self.release(param, _FWD)
         if self._staged and self._staged[0].gtp_state.segment == segment:
             self._flush_staged()
+        if self._carry and (self._carry[0].gtp_state.segment != segment or self._guard is not None):
+            # a carry this graph did not consume must not pass on; under the grad guard (an
+            # eager warmup iteration) nothing is carried out of the layer either
+            self._issue_carry()
         pending = self._pending_rs
-        if pending:
-            mine = [p for p in pending if p.gtp_state.segment == segment]
-            self._pending_rs = [p for p in pending if p.gtp_state.segment != segment]
+        if pending:  # every graphed one was issued in this graph (its own, or a carry into it)
+            mine = [p for p in pending if p.gtp_state.segment >= 0]
+            self._pending_rs = [p for p in pending if p.gtp_state.segment < 0]
             for param in mine:
                 self._finalize(param)
 
@@ -961,17 +1033,39 @@ class GTPRuntime:
         A replayed graph runs no Python: its reduce-scatters and ``main_grad`` adds are
         recorded stream work, but the hooks the finalizes called at capture are not. Call this
         after the replayed backward (the manual hook plan): DDP's bucket collectives are then
-        ordered after the graph's ``main_grad`` adds on the stream, as in eager mode.
+        ordered after the graph's ``main_grad`` adds on the stream, as in eager mode. The plan
+        is the one recorded at capture (:meth:`recording_graph_hooks`), else the segment's
+        weights in backward order.
 
         Example::
 
             out = replay(x)            # a captured layer
             out.grad_fn.register_hook(lambda *_: runtime.fire_graph_hooks(segment))
         """
-        for param in reversed(self.segments[segment]):
+        plan = self.graph_hook_plans.get(segment)
+        for param in plan if plan is not None else reversed(self.segments[segment]):
             hook = param.gtp_state.grad_ready_hook
             if hook is not None:
                 hook()
+
+    @contextlib.contextmanager
+    def recording_graph_hooks(self, segment: int) -> Iterator[None]:
+        """Record the finalizes of a captured backward as ``segment``'s manual hook plan.
+
+        With the wgrad ring a graph also finalizes the previous graph's head unit and not its
+        own, so the plan is what the capture finalized, not the segment's weights.
+        """
+        self._recording = []
+        try:
+            yield
+        finally:
+            self.graph_hook_plans[segment] = tuple(self._recording)
+            self._recording = None
+
+    @property
+    def carried(self) -> int:
+        """Wgrads waiting in the wgrad ring for the next graph's reduce-scatter (design §3.5)."""
+        return len(self._carry)
 
     @contextlib.contextmanager
     def grad_guard(self) -> Iterator[None]:

@@ -71,6 +71,7 @@ class Run:
     # inside nemo_gtp.testing.graph_stand_in.eager_cuda_graphs, megatron's graph managers run
     # their capture and replay flow with an eager stand-in for CUDA graphs).
     graph_scope: str = ""
+    graph_ring: int = 0  # GTPConfig.graph_wgrad_ring_size (the cross-graph wgrad ring)
 
     @property
     def gtp_on(self) -> bool:
@@ -272,6 +273,7 @@ def build(run: Run) -> dict:
         separate_reduce_scatter_group=run.separate_rs,
         coalesce_mb=run.coalesce_mb,
         shard_replicated_params_over_gtp=run.shard_replicated,
+        graph_wgrad_ring_size=run.graph_ring,
     )
     spec = get_gpt_layer_local_spec(num_experts=run.experts or None, moe_grouped_gemm=False)
     reference = None

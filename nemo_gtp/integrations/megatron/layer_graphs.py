@@ -167,7 +167,7 @@ class LayerGraphBoundary:
     Example::
 
         boundary = LayerGraphBoundary(runtime, segment=0, name="decoder.layers.0")
-        with boundary.capturing(guard=True): ...     # megatron's warmup + forward capture
+        with boundary.capturing(backward=False): ...   # megatron's warmup + forward capture
     """
 
     def __init__(self, runtime: GTPRuntime, segment: int, name: str) -> None:
@@ -220,9 +220,13 @@ class LayerGraphBoundary:
 
         node.register_hook(after_replay)
 
-    def check_quiet(self, when: str) -> None:
-        """``GTPStateError`` unless no GTP collective of the runtime is in flight."""
-        outstanding = self.runtime.outstanding()
+    def check_quiet(self, when: str, *, carry: bool = False) -> None:
+        """``GTPStateError`` unless no GTP collective of the runtime is in flight (``carry``:
+        but for the head unit of the wgrad ring, which waits for the next graph)."""
+        runtime = self.runtime
+        outstanding = runtime.outstanding()
+        if carry:
+            outstanding["reduce_scatters"] -= runtime.carried
         if any(outstanding.values()):
             raise GTPStateError(
                 f"{self.name}: GTP communication in flight {when} its CUDA-graph capture "
@@ -230,22 +234,28 @@ class LayerGraphBoundary:
             )
 
     @contextlib.contextmanager
-    def capturing(self, *, guard: bool) -> Iterator[None]:
+    def capturing(self, *, backward: bool) -> Iterator[None]:
         """Around one of megatron's ``create_fwd_graph`` / ``create_bwd_graph`` calls.
 
-        Nothing may be in flight on entry or exit (each graph is self-contained); exposed-wait
-        timing is off (timing events cannot be captured); with ``guard`` the eager warmup
-        iterations run under ``GTPRuntime.grad_guard``.
+        Nothing may be in flight on entry or exit (each graph is self-contained; between
+        backward captures the wgrad ring's carried head unit waits, not in flight); exposed-wait
+        timing is off (timing events cannot be captured). The forward call (eager warmup
+        iterations, then the forward capture) runs under ``GTPRuntime.grad_guard``; the backward
+        capture records the layer's manual hook plan.
         """
         runtime = self.runtime
-        self.check_quiet("before")
+        self.check_quiet("before", carry=backward)
         timing, runtime.wait_timer.enabled = runtime.wait_timer.enabled, False
         try:
-            with runtime.grad_guard() if guard else contextlib.nullcontext():
-                yield
+            if backward:
+                with runtime.recording_graph_hooks(self.segment):
+                    yield
+            else:
+                with runtime.grad_guard():
+                    yield
         finally:
             runtime.wait_timer.enabled = timing
-        self.check_quiet("after")
+        self.check_quiet("after", carry=backward)
 
 
 def _graphed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -265,12 +275,13 @@ class GTPCudaGraphRunner(_CudaGraphRunner):
 
     def create_fwd_graph(self, args: Any, kwargs: Any, clone_inputs: bool = True) -> None:
         """megatron's warmup + forward capture, under the layer's grad guard."""
-        with getattr(self.base_module, _BOUNDARY).capturing(guard=True):
+        with getattr(self.base_module, _BOUNDARY).capturing(backward=False):
             super().create_fwd_graph(args, kwargs, clone_inputs=clone_inputs)
 
     def create_bwd_graph(self, static_grad_outputs: Any = None) -> None:
-        """megatron's backward capture (no kernel runs: nothing to guard)."""
-        with getattr(self.base_module, _BOUNDARY).capturing(guard=False):
+        """megatron's backward capture (no kernel runs: nothing to guard; the finalizes it
+        captures are the layer's manual hook plan)."""
+        with getattr(self.base_module, _BOUNDARY).capturing(backward=True):
             super().create_bwd_graph(static_grad_outputs)
 
 
