@@ -8,7 +8,9 @@ bucket reductions and the distributed optimizer, in these modes:
 - ``dp2_eager``  / ``dp2_full``: no GTP, eager / megatron's per-layer graphs (the baselines);
 - ``gtp2_eager``: GTP2, eager;
 - ``gtp2_full`` / ``gtp2_attn``: GTP2 with ``cuda_graph_impl="local"`` and ``cuda_graph_scope``
-  ``"full"`` / ``"attn"`` (megatron-core 0.15 captures whole layers for both).
+  ``"full"`` / ``"attn"`` (megatron-core 0.15 captures whole layers for both);
+- ``gtp2_full_ring``: ``gtp2_full`` with ``GTPConfig.graph_wgrad_ring_size=2`` (a layer's head
+  reduce-scatter runs in the next layer's graph).
 
 and compares per-step loss and grad norm (fp32 by default, TF32 off: the parity oracle's
 1e-5; ``--bf16``: 2e-2) of each graphed GTP2 mode against ``gtp2_eager`` (step 1, eager in
@@ -48,16 +50,18 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-MODES = {  # name -> (GTP size, cuda_graph_scope or "" for eager)
-    "dp2_eager": (1, ""),
-    "dp2_full": (1, "full"),
-    "gtp2_eager": (2, ""),
-    "gtp2_full": (2, "full"),
-    "gtp2_attn": (2, "attn"),
+MODES = {  # name -> (GTP size, cuda_graph_scope or "" for eager, graph_wgrad_ring_size)
+    "dp2_eager": (1, "", 0),
+    "dp2_full": (1, "full", 0),
+    "gtp2_eager": (2, "", 0),
+    "gtp2_full": (2, "full", 0),
+    "gtp2_attn": (2, "attn", 0),
+    "gtp2_full_ring": (2, "full", 2),
 }
 CHECKS = [  # (mode, reference, what)
     ("gtp2_full", "gtp2_eager", "graphed GTP2 (full) = eager GTP2"),
     ("gtp2_attn", "gtp2_eager", "graphed GTP2 (attn) = eager GTP2"),
+    ("gtp2_full_ring", "gtp2_eager", "graphed GTP2 (full, wgrad ring) = eager GTP2"),
     ("gtp2_eager", "dp2_eager", "eager GTP2 = eager DP2 (parity oracle)"),
     ("gtp2_full", "dp2_full", "graphed GTP2 = graphed DP2"),
     ("dp2_full", "dp2_eager", "graphed DP2 = eager DP2 (megatron alone)"),
@@ -81,9 +85,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timing-from", type=int, default=3, help="first step in the median")
     parser.add_argument("--coalesce-mb", type=float, default=192.0)
     parser.add_argument("--bf16", action="store_true", help="bf16 params (tolerance 2e-2)")
+    parser.add_argument(
+        "--spec",
+        choices=("local", "te"),
+        default="local",
+        help="layer spec: megatron-local linears, or TransformerEngine's (GPU only; TE's RNG "
+        "tracker, TE linears sliced to GTP shards by shard_model so every mode starts equal)",
+    )
     parser.add_argument("--timeout", type=float, default=115.0, help="whole launch, seconds")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU, tiny model")
     args = parser.parse_args(argv)
+    if args.cpu_smoke and args.spec == "te":
+        parser.error("--spec te needs TransformerEngine on GPUs: not with --cpu-smoke")
     if args.cpu_smoke:
         args.layers, args.hidden, args.ffn, args.heads = 2, 64, 128, 4
         args.vocab, args.seq, args.steps, args.timing_from = 128, 16, 4, 1
@@ -94,12 +107,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------- one mode
-def build(args: argparse.Namespace, gtp: int, scope: str, device: str) -> dict:
+def build(args: argparse.Namespace, gtp: int, scope: str, ring: int, device: str) -> dict:
     """GPT, GTP (if ``gtp`` > 1), DDP and optimizer for one mode, on this rank."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
@@ -127,7 +143,12 @@ def build(args: argparse.Namespace, gtp: int, scope: str, device: str) -> dict:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         # megatron's graph manager needs a capturable RNG tracker (TE's or its graph-safe one)
-        model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True, force_reset_rng=True)
+        model_parallel_cuda_manual_seed(
+            1234,
+            te_rng_tracker=args.spec == "te",
+            use_cudagraphable_rng=args.spec != "te",
+            force_reset_rng=True,
+        )
     torch.manual_seed(1234)
     graphs = dict(cuda_graph_impl="local", cuda_graph_scope=scope, cuda_graph_warmup_steps=2)
     config = TransformerConfig(
@@ -149,13 +170,22 @@ def build(args: argparse.Namespace, gtp: int, scope: str, device: str) -> dict:
         add_bias_linear=False,
         **(graphs if scope and device != "cpu" else {}),
     )
-    model = GPTModel(config, get_gpt_layer_local_spec(), args.vocab, args.seq).to(device)
+    spec = (
+        get_gpt_layer_with_transformer_engine_spec()
+        if args.spec == "te"
+        else get_gpt_layer_local_spec()
+    )
+    model = GPTModel(config, spec, args.vocab, args.seq).to(device)
     if args.bf16:
         model = Float16Module(config, model)
     if scope and device == "cpu":  # no graph manager on CPU: GTP's segmented schedule only
         for key, value in graphs.items():
             setattr(config, key, value)
-    gtp_config = GTPConfig(gather_backend="process_group", coalesce_mb=args.coalesce_mb)
+    gtp_config = GTPConfig(
+        gather_backend="process_group",
+        coalesce_mb=args.coalesce_mb,
+        graph_wgrad_ring_size=ring,
+    )
     runtime = shard_model(model, groups, gtp_config) if gtp > 1 else None
     pgs = gtp_process_groups(groups, gtp_config)
     ddp_config = DistributedDataParallelConfig(
@@ -224,13 +254,14 @@ def run_mode(args: argparse.Namespace, name: str, device: str) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    gtp, scope = MODES[name]
-    setup = build(args, gtp, scope, device)
+    gtp, scope, ring = MODES[name]
+    setup = build(args, gtp, scope, ring, device)
     ddp, optimizer, runtime = setup["ddp"], setup["optimizer"], setup["runtime"]
     data_rank = parallel_state.get_data_parallel_rank()
     data_group = parallel_state.get_data_parallel_group()
     forward_backward = get_forward_backward_func()
-    record = {"mode": name, "gtp": gtp, "scope": scope or None, "losses": [], "grad_norms": []}
+    record = {"mode": name, "gtp": gtp, "scope": scope or None, "ring": ring}
+    record.update(losses=[], grad_norms=[])
     record.update(step_s=[], python_gathers=[], builds=[])
     cuda = device != "cpu"
     for step in range(args.steps):
@@ -336,7 +367,8 @@ def write(args: argparse.Namespace, result: dict) -> None:
         f"`{' '.join(sys.argv)}` on {result['device']}, "
         f"{datetime.datetime.now().isoformat(timespec='seconds')}; GPT {args.layers} layers, "
         f"hidden {args.hidden}, ffn {args.ffn}, seq {args.seq}, micro-batch {args.mbs} x "
-        f"{args.microbatches}, {'bf16' if args.bf16 else 'fp32 (TF32 off)'}, {args.steps} steps; "
+        f"{args.microbatches}, {'bf16' if args.bf16 else 'fp32 (TF32 off)'}, {args.spec} spec, "
+        f"{args.steps} steps; "
         f"tolerance {result['tolerance']:g}. Overall: **{'ok' if result['ok'] else 'FAILED'}**",
         "",
         "| mode | median step (ms) | vs dp2_eager | final loss | graphs | error |",
