@@ -226,7 +226,7 @@ def _layer_graph_case(rank: int, world: int, case: Run) -> float:
     and the manual grad-ready hooks after a replay (a stand-in for megatron's replay node)."""
     import torch
 
-    from nemo_gtp.engine import ChainId, is_gtp_param
+    from nemo_gtp.engine import ChainId, GTPStateError, is_gtp_param
     from nemo_gtp.testing.gpt_harness import build, train_built
 
     reference_run = _reference_run(dataclasses.replace(case, graph_scope=""))
@@ -281,8 +281,11 @@ def _layer_graph_case(rank: int, world: int, case: Run) -> float:
         issue = trace.index(("rs_issue_async", name, "bwd"), at)
         finalize = trace.index(("finalize", name, "bwd"), at)
         assert at < issue < gather < finalize, (at, issue, gather, finalize)
-    # No Python chain building once every weight ran a linked forward and backward (step 2).
+    # No Python chain building once every weight ran a linked forward and backward (step 2);
+    # the segments cannot change once the chain is observed.
     assert len(set(result["builds"][1:])) == 1, result["builds"]
+    with pytest.raises(GTPStateError, match="before the first forward"):
+        runtime.assign_graph_segments(runtime.segments)
     builds = runtime.builds
 
     # megatron's capture warmup (2 iterations per layer, before each capture) under the grad
