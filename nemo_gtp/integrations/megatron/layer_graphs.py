@@ -16,8 +16,10 @@ step 1, eager (records the order)   the layer's forward is wrapped (:class:`Laye
                                     layer's input), so nothing crosses a layer boundary
 ``create_cudagraphs`` after the     per layer: warmup iterations (forward + backward) under
 step's ``finalize_model_grads``     ``GTPRuntime.grad_guard``, then capture; nothing in flight on
-                                    entry or exit of a capture, no allocation and no exposed-wait
-                                    timing inside (:class:`GTPCudaGraphRunner`)
+                                    entry or exit of a capture (but the wgrad ring's carried head
+                                    unit between backward captures), no allocation and no
+                                    exposed-wait timing inside; a backward capture records the
+                                    layer's manual hook plan (:class:`GTPCudaGraphRunner`)
 later steps: graph replay           after each replayed backward the layer's grad-ready hooks fire
                                     (the manual hook plan, :class:`GTPCudaGraphManager`)
 ==================================  ===============================================================
