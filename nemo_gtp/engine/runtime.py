@@ -22,17 +22,15 @@ gathered synchronously, and a prefetch whose buffer is still held is skipped.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import math
 import weakref
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
 from nemo_gtp.engine.buffers import BufferKey, CacheSlot, GTPWeightCache, WgradPool
+from nemo_gtp.engine.chain import Chain, ChainId, ChainPhase, coalescing_units
 from nemo_gtp.engine.collectives import GroupCollectives, reduce_scatter_wgrad
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.copy_engine import (
@@ -41,13 +39,13 @@ from nemo_gtp.engine.copy_engine import (
     agree_on_copy_engine,
     copy_engine_available,
 )
+from nemo_gtp.engine.graph_segments import GraphSegments
 from nemo_gtp.engine.grid import GTPGroups, WeightAxis
 from nemo_gtp.engine.param import (
     Direction,
     GatherSlot,
     GatherState,
     GTPShardedParam,
-    GTPStateError,
     ReduceScatterState,
     ShardSpec,
     SharedWork,
@@ -69,15 +67,6 @@ def _forward_targets(slot: GatherSlot, will_backward: bool) -> tuple[GatherSlot,
     return slot.ahead if slot.ahead or not will_backward else slot.handover
 
 
-class ChainId(enum.Enum):
-    """Prefetch chains; neighbours only ever link params of the same chain (design §1.2)."""
-
-    UNGRAPHED = "ungraphed"
-    """Weights that run eagerly (every weight until CUDA-graph capture is wired in)."""
-    GRAPHED = "graphed"
-    """Weights inside captured CUDA graphs; never linked to eager weights (design §1.2)."""
-
-
 class GatherBackend(enum.Enum):
     """How a runtime all-gathers its shards (``GTPConfig.gather_backend`` once resolved)."""
 
@@ -85,174 +74,6 @@ class GatherBackend(enum.Enum):
     """The process group's all-gather: NCCL kernels on SMs on CUDA, gloo threads on CPU."""
     COPY_ENGINE = "copy_engine"
     """Copy-engine pulls of the peers' shards from symmetric memory (no SMs; one host, CUDA)."""
-
-
-class ChainPhase(enum.Enum):
-    """Lifecycle of one chain's link table (design §3.4 "Linking", on the first forward)."""
-
-    OBSERVING = "observing"
-    """First forward: consumes are appended to the order; nothing is prefetched yet."""
-    LINKED = "linked"
-    """The order is committed and linked; every consume prefetches its neighbour."""
-
-
-def coalescing_units(
-    order: list[GTPShardedParam], unit_bytes: float
-) -> list[tuple[GTPShardedParam, ...]]:
-    """Cut a chain's forward order into coalescing units (design §3.1 "Coalescing units").
-
-    Greedy and order-preserving: a unit takes consecutive weights of one dtype and one CUDA-graph
-    segment (design §3.5: a collective never spans two graphs) while their gathered (padded)
-    bytes stay within ``unit_bytes``; a weight larger than that is a unit alone, so
-    ``unit_bytes=0`` gives one unit per weight.
-
-    Example::
-
-        coalescing_units(chain.order, 64 * 2**20)   # [(qkv, proj), (fc1,), (fc2, qkv'), ...]
-    """
-    units: list[tuple[GTPShardedParam, ...]] = []
-    current: list[GTPShardedParam] = []
-    size = 0
-    for param in order:
-        nbytes = math.prod(param.gtp_spec.gathered_shape) * param.element_size()
-        if current and (
-            size + nbytes > unit_bytes
-            or param.dtype != current[0].dtype
-            or param.gtp_state.segment != current[0].gtp_state.segment
-        ):
-            units.append(tuple(current))
-            current, size = [], 0
-        current.append(param)
-        size += nbytes
-    if current:
-        units.append(tuple(current))
-    return units
-
-
-class Chain:
-    """The observed forward order of one chain's weights.
-
-    Committing the order (:meth:`observe` returns True) cuts it into coalescing units and links
-    every unit's leading gather slots to the units they prefetch (``GatherSlot.ahead``) once, so
-    the steady-state step never searches.
-
-    [Note: graph segments] (design §3.5) A weight captured in a CUDA graph carries the index of
-    its graph (``GTPParamState.segment``; -1: eager). Links never leave a segment: a unit's
-    ``ahead`` names only units of its own segment, the first unit of every segment is a head
-    (its forward gather is not prefetched, so the graph issues it; its reduce-scatter is
-    synchronous, so the graph's deferred reduce-scatters finish inside it), and a captured
-    segment's forward tail hands nothing over (its backward is another graph). For a chain of
-    eager weights (all -1) this is the single-segment chain of design §1.1.
-    """
-
-    def __init__(self, chain_id: ChainId, depth: int = 1, unit_bytes: float = 0) -> None:
-        self.chain_id = chain_id
-        self.depth = depth  # units gathered ahead of each consume
-        self.unit_bytes = unit_bytes  # GTPConfig.coalesce_mb in bytes
-        self.phase = ChainPhase.OBSERVING
-        self.order: list[GTPShardedParam] = []
-        self.units: list[tuple[GTPShardedParam, ...]] = []
-        self._seen: set[int] = set()
-        self.recompute_phase = ChainPhase.OBSERVING
-        self.recompute_order: list[GTPShardedParam] = []
-        self._recompute_seen: set[int] = set()
-        self.live = 0  # gathered buffers currently held by this chain's weights
-        self.max_live = 0
-        self.protocol_last: list[GTPShardedParam | None] = [None, None]  # TE: per direction
-
-    def observe(self, param: GTPShardedParam, direction: Direction) -> bool:
-        """Record a consume during the first pass; True when this consume committed the order.
-
-        The pass ends at the first backward consume, or when a forward consume repeats a weight
-        (the next forward started, or a weight is used twice: either way the order is known).
-        """
-        if self.phase is not ChainPhase.OBSERVING:
-            raise RuntimeError(f"chain {self.chain_id.value} is already linked")
-        if direction is _BWD or id(param) in self._seen:
-            self._commit()
-            return True
-        self._seen.add(id(param))
-        self.order.append(param)
-        return False
-
-    def _commit(self) -> None:
-        self.phase = ChainPhase.LINKED
-        units = self.units = coalescing_units(self.order, self.unit_bytes)
-        n, depth = len(units), self.depth
-        seg = [unit[0].gtp_state.segment for unit in units]
-        for u, members in enumerate(units):
-            # Weights of units within ``depth`` of each other can be live at once; same-shape
-            # ones get different parities (design §3.1), so a prefetch never lands in the buffer
-            # a GEMM still reads. Greedy: the smallest parity no such earlier weight uses.
-            # Units of another graph segment are never live with this one.
-            window = [q for j in range(max(0, u - depth), u) if seg[j] == seg[u] for q in units[j]]
-            for param in members:
-                state = param.gtp_state
-                taken = {
-                    q.gtp_state.parity
-                    for q in window
-                    if q.gtp_spec.gathered_shape == param.gtp_spec.gathered_shape
-                    and q.dtype == param.dtype
-                }
-                state.parity = min(p for p in range(len(window) + 1) if p not in taken)
-                window.append(param)
-                state.is_head = False
-                for slot in (state.fwd, state.bwd):  # parity may have changed the ticket
-                    slot.cache, slot.cache_full = None, None
-                    slot.ahead, slot.handover = (), ()
-            # One collective per unit and direction: members share its handle, and the slot
-            # consumed first in each direction carries the links to the units it prefetches.
-            fwd_unit = tuple(q.gtp_state.fwd for q in members)
-            bwd_unit = tuple(q.gtp_state.bwd for q in reversed(members))
-            coalesced = len(members) > 1
-            fwd_work, bwd_work = (SharedWork(), SharedWork()) if coalesced else (None, None)
-            for param in members:
-                state = param.gtp_state
-                state.fwd.unit, state.fwd.unit_work = fwd_unit, fwd_work
-                state.bwd.unit, state.bwd.unit_work = bwd_unit, bwd_work
-                state.rs_unit = members if coalesced else None
-            fwd_unit[0].ahead = tuple(
-                units[j][0].gtp_state.fwd
-                for j in range(u + 1, u + 1 + depth)
-                if j < n and seg[j] == seg[u]
-            )
-            bwd_unit[0].ahead = tuple(
-                units[j][-1].gtp_state.bwd
-                for j in range(u - 1, max(-1, u - 1 - depth), -1)
-                if seg[j] == seg[u]
-            )
-            if u == n - 1 and seg[u] == -1:  # the eager forward tail hands over to the backward
-                fwd_unit[0].handover = tuple(
-                    units[j][-1].gtp_state.bwd
-                    for j in range(n - 1, max(-1, n - 1 - depth), -1)
-                    if seg[j] == -1
-                )
-        for u, unit in enumerate(units):  # the chain head, and each graph segment's head
-            if u == 0 or seg[u] != seg[u - 1]:
-                unit[0].gtp_state.is_head = True
-
-    def observe_recompute(self, param: GTPShardedParam) -> None:
-        """Record a recompute-forward consume of the first backward that has any (design §3.1
-        "Recompute-forward prefetch chain": membership is observed, not configured)."""
-        if id(param) not in self._recompute_seen:
-            self._recompute_seen.add(id(param))
-            self.recompute_order.append(param)
-
-    def commit_recompute(self) -> None:
-        """Link the observed recompute order (at the first drain after it was seen): each
-        recompute consume then prefetches the next ``depth`` recompute weights' forward slots,
-        across layers (the next layer recomputed runs after this layer's backward)."""
-        order, n = self.recompute_order, len(self.recompute_order)
-        if self.recompute_phase is not ChainPhase.OBSERVING or not n:
-            return
-        self.recompute_phase = ChainPhase.LINKED
-        for i, param in enumerate(order):
-            segment = param.gtp_state.segment
-            param.gtp_state.fwd.recompute_ahead = tuple(
-                order[j].gtp_state.fwd
-                for j in range(i + 1, min(n, i + 1 + self.depth))
-                if order[j].gtp_state.segment == segment
-            )
 
 
 @dataclass
@@ -273,7 +94,19 @@ class CommStats:
             setattr(self, f.name, 0)
 
 
-class GTPRuntime:
+__all__ = [  # the chain lives in nemo_gtp.engine.chain; re-exported for the runtime's users
+    "Chain",
+    "ChainId",
+    "ChainPhase",
+    "CommStats",
+    "GatherBackend",
+    "GTPRuntime",
+    "coalescing_units",
+    "runtimes_of",
+]
+
+
+class GTPRuntime(GraphSegments):
     """Per-model driver of every :class:`GTPShardedParam` (design §1.1, §3.1).
 
     Example::
@@ -441,7 +274,8 @@ class GTPRuntime:
             if self._carry and self._carry[0].gtp_state.segment != state.segment:
                 self._issue_carry()  # the next graph's first backward consume
         if chain.phase is ChainPhase.OBSERVING and chain.observe(param, direction):
-            self._committed(chain)
+            self.builds += 1
+            self._segments_committed(chain)
         if recompute:
             self._label = "rc"  # trace only
             if chain.recompute_phase is ChainPhase.OBSERVING:
@@ -805,20 +639,6 @@ class GTPRuntime:
         if params:
             self._reduce_scatter_staged(params)
 
-    def _carry_staged(self) -> None:
-        """Keep the staged head unit's wgrads (in their ring slots) for the next graph."""
-        self._carry.extend(self._staged)
-        if self.trace is not None:
-            for param in self._staged:
-                self.record("rs_carry", param, _BWD)
-        self._staged.clear()
-
-    def _issue_carry(self) -> None:
-        """Reduce-scatter the carried head unit now (design §3.5: in the next graph)."""
-        params = tuple(self._carry)
-        self._carry.clear()
-        self._reduce_scatter_staged(params)
-
     def _reduce_scatter_staged(self, params: tuple[GTPShardedParam, ...]) -> None:
         """One collective over ``params``' staged wgrads (a coalescing unit, or a carry)."""
         outputs = [p.gtp_state.rs.output_pool.get() for p in params]
@@ -920,195 +740,6 @@ class GTPRuntime:
                 self.builds += 1
         if self._mirror is not None:
             self._mirror.mark_stale()
-
-    # ----------------------------------------------------------------- CUDA-graph segments
-    def assign_graph_segments(self, segments: Sequence[Sequence[GTPShardedParam]]) -> None:
-        """Put each group of weights of ``segments`` into the GRAPHED chain as one captured graph.
-
-        ``segments[i]`` are the weights one CUDA graph captures (megatron's per-layer graphs:
-        the GTP weights of the i-th captured layer; an empty group is allowed). Every other
-        weight stays eager (``ChainId.UNGRAPHED``). Links, coalescing units and deferred
-        reduce-scatters then stay inside each graph (design §3.5, the Note on :class:`Chain`).
-        Must run before the first forward: a chain's membership is fixed once it is observed
-        (design §3.4 hazard table). Calling it again before then replaces the assignment.
-
-        Example::
-
-            runtime.assign_graph_segments([[qkv0, proj0, fc1_0, fc2_0], [qkv1, proj1, ...]])
-        """
-        for chain in self.chains.values():
-            if chain.order or chain.phase is not ChainPhase.OBSERVING:
-                raise GTPStateError(
-                    f"{self.name}: CUDA-graph segments must be assigned before the first forward "
-                    "(the chains are already observed)"
-                )
-        seen: set[int] = set()
-        for members in segments:
-            for param in members:
-                ref = param.gtp_state.runtime
-                if ref is None or ref() is not self:
-                    raise ValueError(f"{param!r} is not registered with runtime {self.name}")
-                if id(param) in seen:
-                    raise ValueError(f"{param.gtp_state.name} is in two CUDA-graph segments")
-                seen.add(id(param))
-        eager, graphed = self.chains[ChainId.UNGRAPHED], self.chains[ChainId.GRAPHED]
-        for param in self.params:
-            state = param.gtp_state
-            state.chain_id, state.chain, state.segment = ChainId.UNGRAPHED, eager, -1
-        for index, members in enumerate(segments):
-            for param in members:
-                state = param.gtp_state
-                state.chain_id, state.chain, state.segment = ChainId.GRAPHED, graphed, index
-        self.segments = [tuple(members) for members in segments]
-
-    def _committed(self, chain: Chain) -> None:
-        """A chain's order was committed: the graph segments take its order too, and with the
-        wgrad ring every segment's head unit but the backward's last gets its ring slot."""
-        self.builds += 1
-        if chain.chain_id is not ChainId.GRAPHED or not self.segments:
-            return
-        rank = {id(p): i for i, p in enumerate(chain.order)}
-        last = len(rank)
-        self.segments = [
-            tuple(sorted(members, key=lambda p: rank.get(id(p), last))) for members in self.segments
-        ]
-        if not self._ring_size or not chain.units:
-            return
-        final = chain.units[0][0].gtp_state.segment  # its backward is the last: nothing after
-        for unit in chain.units:
-            head = unit[0].gtp_state
-            if head.is_head and head.segment != final:
-                for param in unit:
-                    param.gtp_state.ring = head.segment % self._ring_size
-                    param.gtp_state.rs.scratch_pool = None  # rebound to its ring slot
-
-    def end_graph_forward(self, segment: int) -> None:
-        """End of a captured forward: no gather of ``segment`` outlives its graph.
-
-        The last weight of a segment prefetches nothing; what can remain is a buffer TE's
-        protocol still holds (released at the next protocol consume, design §3.1 "The bridge")
-        or a mispredicted prefetch. Both are completed and released here, inside the graph.
-        """
-        chain = self.chains[ChainId.GRAPHED]
-        last = chain.protocol_last[0]
-        if last is not None and last.gtp_state.segment == segment:
-            chain.protocol_last[0] = None
-        for param in self.segments[segment]:
-            self.release(param, _FWD)
-
-    def end_graph_backward(self, segment: int) -> None:
-        """End of a captured backward: the two-stage drain of ``segment`` (design §3.5).
-
-        Stage 1, gathers: every gather of the segment is completed and released (the head's
-        backward buffer TE's protocol holds, an unconsumed prefetch). Stage 2, reduce-scatters:
-        the segment's staged wgrads are reduce-scattered and every pending reduce-scatter issued
-        in this graph is finalized (wait, ``main_grad`` add, grad-ready hook), so no collective
-        issued in this graph is waited in another one. With the wgrad ring the segment's head
-        unit stays carried: its wgrads wait in their ring slots, not in a collective.
-        """
-        chain = self.chains[ChainId.GRAPHED]
-        last = chain.protocol_last[1]
-        if last is not None and last.gtp_state.segment == segment:
-            chain.protocol_last[1] = None
-        members = self.segments[segment]
-        for param in members:
-            self.release(param, _BWD)
-            self.release(param, _FWD)
-        if self._staged and self._staged[0].gtp_state.segment == segment:
-            self._flush_staged()
-        if self._carry and (self._carry[0].gtp_state.segment != segment or self._guard is not None):
-            # a carry this graph did not consume must not pass on; under the grad guard (an
-            # eager warmup iteration) nothing is carried out of the layer either
-            self._issue_carry()
-        pending = self._pending_rs
-        if pending:  # every graphed one was issued in this graph (its own, or a carry into it)
-            mine = [p for p in pending if p.gtp_state.segment >= 0]
-            self._pending_rs = [p for p in pending if p.gtp_state.segment < 0]
-            for param in mine:
-                self._finalize(param)
-
-    def fire_graph_hooks(self, segment: int) -> None:
-        """Fire the grad-ready hooks of ``segment``'s weights, in backward order (design §3.5).
-
-        A replayed graph runs no Python: its reduce-scatters and ``main_grad`` adds are
-        recorded stream work, but the hooks the finalizes called at capture are not. Call this
-        after the replayed backward (the manual hook plan): DDP's bucket collectives are then
-        ordered after the graph's ``main_grad`` adds on the stream, as in eager mode. The plan
-        is the one recorded at capture (:meth:`recording_graph_hooks`), else the segment's
-        weights in backward order.
-
-        Example::
-
-            out = replay(x)            # a captured layer
-            out.grad_fn.register_hook(lambda *_: runtime.fire_graph_hooks(segment))
-        """
-        plan = self.graph_hook_plans.get(segment)
-        for param in plan if plan is not None else reversed(self.segments[segment]):
-            hook = param.gtp_state.grad_ready_hook
-            if hook is not None:
-                hook()
-
-    @contextlib.contextmanager
-    def recording_graph_hooks(self, segment: int) -> Iterator[None]:
-        """Record the finalizes of a captured backward as ``segment``'s manual hook plan.
-
-        With the wgrad ring a graph also finalizes the previous graph's head unit and not its
-        own, so the plan is what the capture finalized, not the segment's weights.
-        """
-        self._recording = []
-        try:
-            yield
-        finally:
-            self.graph_hook_plans[segment] = tuple(self._recording)
-            self._recording = None
-
-    @property
-    def carried(self) -> int:
-        """Wgrads waiting in the wgrad ring for the next graph's reduce-scatter (design §3.5)."""
-        return len(self._carry)
-
-    @contextlib.contextmanager
-    def grad_guard(self) -> Iterator[None]:
-        """Steps run inside leave every gradient as it was (design §3.5 "Grad guard").
-
-        For the eager warmup iterations megatron runs before it captures a layer: reduce-scatters
-        pending on entry are finalized first (they belong to training); inside, the first
-        finalize of each weight backs up its ``main_grad`` (or ``.grad``) and grad-ready hooks
-        stay silent; on exit everything issued inside is finalized and every touched gradient
-        restored, also one written across a graph boundary by a deferred reduce-scatter.
-
-        Example::
-
-            with runtime.grad_guard():
-                out = layer(x); torch.autograd.grad(out, params, torch.ones_like(out))
-        """
-        if self._guard is not None:
-            raise GTPStateError(f"{self.name}: grad_guard is not reentrant")
-        self.drain_reduce_scatters()
-        self._guard = {}
-        try:
-            yield
-            self.drain_reduce_scatters()
-        finally:
-            saved, self._guard = self._guard, None
-            with torch.no_grad():
-                for param, grad, has_main_grad in saved.values():
-                    if has_main_grad:
-                        param.main_grad.copy_(grad)
-                    else:
-                        param.grad = grad
-
-    def _back_up_grad(self, param: GTPShardedParam, main_grad: torch.Tensor | None) -> None:
-        if param.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise GTPStateError(
-                f"{param.gtp_state.name}: a reduce-scatter was finalized inside a CUDA-graph "
-                "capture under grad_guard (only the eager warmup may be guarded)"
-            )
-        if main_grad is not None:
-            self._guard[id(param)] = (param, main_grad.detach().clone(), True)
-        else:
-            grad = param.grad
-            self._guard[id(param)] = (param, None if grad is None else grad.clone(), False)
 
     # ----------------------------------------------------------------- introspection
     def outstanding(self) -> dict[str, int]:
