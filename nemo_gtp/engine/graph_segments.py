@@ -27,6 +27,9 @@ _FWD, _BWD = Direction.FWD, Direction.BWD
 class GraphSegments:
     """CUDA-graph segments, the grad guard and the wgrad ring of a ``GTPRuntime`` (§3.5).
 
+    Works on the state ``GTPRuntime.__init__`` sets up (chains, params, pending reduce-scatters);
+    it is the runtime's, split off by concern, not a class of its own.
+
     Example::
 
         runtime.assign_graph_segments([layer0_weights, layer1_weights])   # before any forward

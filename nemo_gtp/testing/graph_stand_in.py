@@ -7,7 +7,7 @@ autograd nodes, with GTP's pieces in between (the segment drains, the grad guard
 checks, the grad-ready hooks after each replayed backward, DDP's bucket bookkeeping). Inside
 :func:`eager_cuda_graphs` a "capture" runs its body eagerly once and a "replay" does nothing:
 the replayed outputs and gradients are those of the capture, so training numbers are not
-meaningful, only the control flow (and :attr:`EagerGraph.replays` counts what was replayed).
+meaningful, only the control flow (and :attr:`StandIn.replays` counts what was replayed).
 The real capture runs on GPUs (``bench/gpu_layer_graphs.py``).
 """
 
@@ -16,36 +16,44 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-_ACTIVE: list[bool] = []
+
+@dataclass
+class StandIn:
+    """What :func:`eager_cuda_graphs` yields: the count of graph replays requested inside."""
+
+    replays: int = 0
 
 
-class EagerGraph:
-    """Stands in for ``torch.cuda.CUDAGraph``: capture is eager, replay does nothing."""
+def _eager_graph_class(stand_in: StandIn) -> type:
+    """A class standing in for ``torch.cuda.CUDAGraph``: capture eager, replay counted only."""
 
-    replays = 0
-    """Replays requested in this process (class-wide, reset by :func:`eager_cuda_graphs`)."""
+    class EagerGraph:
+        gtp_eager_stand_in = True
 
-    def register_generator_state(self, state: Any) -> None:
-        """RNG states are not captured on CPU."""
+        def register_generator_state(self, state: Any) -> None:
+            """RNG states are not captured on CPU."""
 
-    def replay(self) -> None:
-        """Count the replay; the captured work does not run again."""
-        EagerGraph.replays += 1
+        def replay(self) -> None:
+            """Count the replay; the captured work does not run again."""
+            stand_in.replays += 1
+
+    return EagerGraph
 
 
 def active() -> bool:
     """Whether :func:`eager_cuda_graphs` is in effect (model builders then ask megatron for its
     graph manager, which they cannot on a plain CPU run)."""
-    return bool(_ACTIVE)
+    return bool(getattr(torch.cuda.CUDAGraph, "gtp_eager_stand_in", False))
 
 
 @contextlib.contextmanager
-def eager_cuda_graphs() -> Iterator[type[EagerGraph]]:
-    """Run megatron's local per-layer graph code on CPU with :class:`EagerGraph` (see module).
+def eager_cuda_graphs() -> Iterator[StandIn]:
+    """Run megatron's local per-layer graph code on CPU with eager stand-in graphs (see module).
 
     Replaces the ``torch.cuda`` calls megatron's manager and runner make (graph objects and
     capture context, streams, memory pool handles and statistics, synchronization) and lets the
@@ -62,8 +70,9 @@ def eager_cuda_graphs() -> Iterator[type[EagerGraph]]:
     import megatron.core.transformer.cuda_graphs as megatron_graphs
     from megatron.core.tensor_parallel import random as mp_random
 
+    stand_in = StandIn()
     replaced = {
-        "CUDAGraph": EagerGraph,
+        "CUDAGraph": _eager_graph_class(stand_in),
         "graph": lambda graph, pool=None, capture_error_mode=None: contextlib.nullcontext(),
         "synchronize": lambda *args, **kwargs: None,
         "graph_pool_handle": lambda: 0,
@@ -82,12 +91,9 @@ def eager_cuda_graphs() -> Iterator[type[EagerGraph]]:
     megatron_graphs.get_all_rng_states = lambda: {}
     if tracker is not None:
         tracker.is_inference_rng_tracker = True  # megatron only checks it is capturable
-    EagerGraph.replays = 0
-    _ACTIVE.append(True)
     try:
-        yield EagerGraph
+        yield stand_in
     finally:
-        _ACTIVE.pop()
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
         megatron_graphs.get_all_rng_states = saved_rng_states
