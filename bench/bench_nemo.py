@@ -18,7 +18,9 @@ Modes (1B recipe, 24 layers, hidden 2048): ``dp2_local`` / ``gtp2_local``
 otherwise). Tokens per GPU T: sequence 2048 (1024 for T=1024), micro-batch T / sequence,
 global batch = micro-batch x 2. A mode takes modifiers: ``gtp2_local@coalesce_mb=96`` (a
 ``GTPConfig`` field), ``@model.key=value`` (any recipe key), ``@graph`` (megatron's
-full-iteration CUDA graph, TE's RNG tracker: needs TE); its baseline is its base mode's.
+full-iteration CUDA graph, TE's RNG tracker: needs TE), ``@layergraph`` /
+``@layergraph_attn`` (megatron's per-layer graphs, scope ``full`` / ``attn``, TE's RNG tracker);
+its baseline is its base mode's, with the same graphs.
 Per fit the table also splits three steps into the host's time to issue forward + backward
 from an idle GPU and what the GPU still had to do after it (a GPU tail near 0: host-bound).
 """
@@ -92,13 +94,14 @@ def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
     config, overrides = MODES[base]
     extra = []
     for knob in knobs:
-        if knob == "graph":  # megatron's full-iteration CUDA graph (NeMo's wrapper, TE's RNG)
-            extra += [f"+{k}" for k in GRAPH_OVERRIDES]
+        if knob in GRAPH_KINDS:  # megatron's CUDA graphs (local implementation, TE's RNG)
+            extra += [f"+{k}" for k in GRAPH_KINDS[knob]]
         else:
             extra.append(f"+{knob}" if "." in knob else f"+gtp.{knob}")
     baseline = BASELINE.get(base)
-    if baseline and "graph" in knobs:
-        baseline += "@graph"
+    for kind in GRAPH_KINDS:
+        if baseline and kind in knobs:
+            baseline += f"@{kind}"
     if baseline and "#" in mode:
         baseline += "#" + mode.split("#")[1]
     return config, [*overrides, *extra], baseline
@@ -109,6 +112,19 @@ GRAPH_OVERRIDES = (
     "model.cuda_graph_scope=full_iteration",
     "strategy.use_te_rng_tracker=true",
 )
+GRAPH_KINDS = {  # mode modifier -> recipe overrides (design §3.5)
+    "graph": GRAPH_OVERRIDES,  # one graph per step
+    "layergraph": (  # one graph per transformer layer (megatron's CudaGraphManager)
+        "model.cuda_graph_impl=local",
+        "model.cuda_graph_scope=full",
+        "strategy.use_te_rng_tracker=true",
+    ),
+    "layergraph_attn": (  # the same under megatron-core 0.15 (whole layers either way)
+        "model.cuda_graph_impl=local",
+        "model.cuda_graph_scope=attn",
+        "strategy.use_te_rng_tracker=true",
+    ),
+}
 
 
 def _token_overrides(tokens: int) -> list[str]:

@@ -154,7 +154,22 @@ BAD = [
         _mutate("trainer.strategy.save_ckpt_format", "zarr"),
         "save_ckpt_format",
     ),  # fmt: skip
-    ("llama3_8b", 8, {}, _mutate("model.config.cuda_graph_impl", "local"), "per-layer CUDA graphs"),
+    (
+        "llama3_8b",
+        8,
+        {},
+        _mutate("model.config.cuda_graph_impl", "local"),
+        "per-layer CUDA graphs (model.config, trainer.strategy): per-layer CUDA graphs "
+        "(cuda_graph_impl='local', cuda_graph_scope='full') need a capturable RNG tracker: "
+        "pass use_te_rng_tracker=True",
+    ),  # fmt: skip
+    (
+        "llama3_8b",
+        8,
+        {},
+        _mutate("model.config.cuda_graph_impl", "transformer_engine"),
+        "cuda_graph_impl='transformer_engine'",
+    ),  # fmt: skip
     (
         "llama3_8b",
         8,
@@ -202,6 +217,17 @@ def test_with_gtp_rejects_with_the_setting_named(
         recipe = change(recipe)
     with pytest.raises(RecipeError, match=re.escape(message)):
         with_gtp(recipe, num_weight_shards=shards, **options)
+
+
+def test_with_gtp_keeps_per_layer_graphs_with_the_te_rng_tracker() -> None:
+    from nemo_gtp.recipes import with_gtp
+
+    recipe = _recipe()
+    recipe.model.config.cuda_graph_impl = "local"
+    recipe.model.config.cuda_graph_scope = "attn"
+    recipe.trainer.strategy.use_te_rng_tracker = True
+    out = with_gtp(recipe, num_weight_shards=8)
+    assert out.model.config.cuda_graph_impl == "local" and out.trainer.strategy.use_te_rng_tracker
 
 
 def test_batch_arithmetic_counts_gtp_peers_as_data_ranks() -> None:

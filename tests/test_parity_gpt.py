@@ -28,6 +28,7 @@ _GTP_ONLY = {
     "ce_min_tokens": Run.ce_min_tokens,
     "separate_rs": Run.separate_rs,
     "coalesce_mb": Run.coalesce_mb,
+    "graph_ring": Run.graph_ring,
 }
 
 
@@ -189,6 +190,263 @@ FULL_STATE_DICT_CASES_4 = [
 ]
 
 
+# megatron's per-layer CUDA graphs (design §3.5), driven on CPU: no graph is captured here, but
+# every layer is a graph segment and runs the schedule a captured layer replays.
+LAYER_GRAPH_CASES_2 = [
+    Run(gtp=2, graph_scope="full", steps=4),
+    Run(gtp=2, graph_scope="attn", steps=4, coalesce_mb=1.0),  # one unit would span the layers
+    Run(gtp=2, graph_scope="full", steps=4, graph_ring=2),  # layer 1's head reduced in layer 0
+    Run(gtp=2, graph_scope="full", steps=4, graph_ring=2, coalesce_mb=1.0),  # ... all of layer 1
+]
+
+
+def _graphed_layers(model):  # noqa: ANN001, ANN202
+    from nemo_gtp.integrations.megatron.layer_graphs import captured_layers
+
+    return [layer for _, layer in captured_layers(model)]
+
+
+def _layer_warmup(layer, gen, *, grad_scale: float = 1.0) -> None:  # noqa: ANN001
+    """One of megatron's warmup iterations before it captures ``layer``: the layer's forward
+    (``forward``, as megatron calls it) and ``autograd.grad`` to its input and parameters."""
+    import torch
+
+    from nemo_gtp.testing.gpt_harness import MBS, SEQ
+
+    hidden = torch.randn(SEQ, MBS, layer.config.hidden_size, generator=gen, requires_grad=True)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    out, _ = layer.forward(hidden_states=hidden, attention_mask=mask)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    grad = torch.randn(out.shape, generator=gen) * grad_scale  # megatron passes zeros
+    torch.autograd.grad(out, [hidden, *params], grad, allow_unused=True)
+
+
+def _layer_graph_case(rank: int, world: int, case: Run) -> float:
+    """Per-layer graph segments: parity, no link across a layer, the capture warmup's grad guard
+    and the manual grad-ready hooks after a replay (a stand-in for megatron's replay node)."""
+    import torch
+
+    from nemo_gtp.engine import ChainId, GTPStateError, is_gtp_param
+    from nemo_gtp.testing.gpt_harness import build, train_built
+
+    reference_run = _reference_run(dataclasses.replace(case, graph_scope=""))
+    if reference_run not in _REFERENCES:
+        _REFERENCES[reference_run] = train(reference_run)
+    setup = build(case)
+    trace = setup["model"].gtp_runtime.enable_trace()
+    result = train_built(setup, case)
+    worst = assert_parity(result, _REFERENCES[reference_run])
+    model, ddp = setup["model"], setup["ddp"]
+    runtime = model.gtp_runtime
+    runtime.trace = None
+    layers = _graphed_layers(model)
+
+    # Chain split: every GTP weight of layer i is in segment i of the GRAPHED chain; links,
+    # coalescing units and heads stay inside a segment; no forward tail hands over.
+    assert [len(seg) for seg in runtime.segments] == [4, 4]
+    for layer, segment in zip(layers, runtime.segments, strict=True):
+        assert {id(p) for p in layer.parameters() if is_gtp_param(p)} == {id(p) for p in segment}
+    assert all(p.gtp_state.chain_id is ChainId.GRAPHED for p in runtime.params)
+    graphed = runtime.chains[ChainId.GRAPHED]
+    expected_units = [4, 4] if case.coalesce_mb else [1] * 8
+    assert [len(u) for u in graphed.units] == expected_units
+    assert all(len({p.gtp_state.segment for p in u}) == 1 for u in graphed.units)
+    for param in runtime.params:
+        state = param.gtp_state
+        for slot in (state.fwd, state.bwd):
+            targets = slot.ahead + slot.handover + slot.recompute_ahead
+            assert all(runtime.params[t.index].gtp_state.segment == state.segment for t in targets)
+            assert slot.handover == ()
+    heads = [p for p in runtime.params if p.gtp_state.is_head]
+    assert [id(p) for p in heads] == [id(seg[0]) for seg in runtime.segments], [
+        p.gtp_state.name for p in heads
+    ]
+    # The wgrad ring: layer 1's head unit (the backward's first graph) is carried into layer 0's
+    # backward graph: staged in its ring slot, reduce-scattered at layer 0's first backward
+    # consume (before its gather) and finalized there; layer 0's head (the backward's last
+    # graph) is never carried.
+    head_unit = graphed.units[len(graphed.units) // 2]
+    carried = [p.gtp_state.name for p in head_unit] if case.graph_ring else []
+    assert sorted(p.gtp_state.name for p in runtime.params if p.gtp_state.ring >= 0) == sorted(
+        carried
+    )
+    assert all(p.gtp_state.ring == 1 for p in head_unit if case.graph_ring)
+    assert sorted({n for e, n, _ in trace if e == "rs_carry"}) == sorted(carried)
+    segment0 = {p.gtp_state.name for p in runtime.segments[0]}
+    for name in carried:  # the first backward of the first step
+        at = trace.index(("rs_carry", name, "bwd"))
+        gather = next(
+            i for i, (e, n, d) in enumerate(trace) if i > at and n in segment0 and d == "bwd"
+        )
+        issue = trace.index(("rs_issue_async", name, "bwd"), at)
+        finalize = trace.index(("finalize", name, "bwd"), at)
+        assert at < issue < gather < finalize, (at, issue, gather, finalize)
+    # No Python chain building once every weight ran a linked forward and backward (step 2);
+    # the segments cannot change once the chain is observed.
+    assert len(set(result["builds"][1:])) == 1, result["builds"]
+    with pytest.raises(GTPStateError, match="before the first forward"):
+        runtime.assign_graph_segments(runtime.segments)
+    builds = runtime.builds
+
+    # megatron's capture warmup (2 iterations per layer, before each capture) under the grad
+    # guard: every main_grad as before, no grad-ready hook (no DDP bucket started), nothing in
+    # flight before or after each layer, no chain building.
+    ddp.zero_grad_buffer()
+    gen = torch.Generator().manual_seed(7 + rank)
+    params = list(ddp.module.parameters())
+    with torch.no_grad():
+        for param in params:
+            param.main_grad.copy_(torch.randn(param.main_grad.shape, generator=gen))
+    before = [param.main_grad.clone() for param in params]
+    for layer in layers:
+        with layer._gtp_graph_boundary.capturing(backward=False):
+            for _ in range(2):
+                _layer_warmup(layer, gen)
+    assert all(torch.equal(p.main_grad, b) for p, b in zip(params, before, strict=True))
+    groups = ddp.bucket_groups + ddp.expert_parallel_bucket_groups
+    assert all(not group.params_with_grad for group in groups)
+    assert runtime.builds == builds
+
+    # The manual hook plan: after a replayed backward (here a stand-in node) the layer's
+    # grad-ready hooks fire, in backward order, after the node and before anything later.
+    log: list[str] = []
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001, ANN205
+            log.append("replay")
+            return grad
+
+    boundary = layers[1]._gtp_graph_boundary
+    hooks = {}
+    for param in runtime.segments[1]:
+        state = param.gtp_state
+        hooks[id(param)] = original = state.grad_ready_hook
+
+        def logged(name=state.name, original=original) -> None:  # noqa: ANN001
+            log.append(name)
+            original()
+
+        state.grad_ready_hook = logged
+    x = torch.randn(3, requires_grad=True)
+    out = Replay.apply(x)
+    boundary.fire_after_backward((out, None))
+    out.sum().backward()
+    for param in runtime.segments[1]:
+        param.gtp_state.grad_ready_hook = hooks[id(param)]
+    assert log == ["replay"] + [p.gtp_state.name for p in reversed(runtime.segments[1])], log
+    ready = {id(p) for group in groups for p in group.params_with_grad}
+    assert ready == {id(p) for p in runtime.segments[1]}
+    ddp.zero_grad_buffer()
+    return worst
+
+
+def _megatron_graph_flow_case(rank: int, world: int, ring: int) -> None:
+    """megatron's own per-layer graph flow (recording step, ``create_cudagraphs`` with its
+    warmups and captures, replays through its autograd nodes) with GTP's manager and runner, on
+    CPU with an eager stand-in for CUDA graphs: every capture starts and ends with nothing in
+    flight, no Python gather or chain building after the capture step, and DDP's overlapped
+    bucket reductions complete (they assert unless the grad-ready hooks fire after each replay)."""
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    from nemo_gtp.integrations.megatron.layer_graphs import (
+        GTPCudaGraphManager,
+        GTPCudaGraphRunner,
+        reset_layer_graphs,
+    )
+    from nemo_gtp.testing.gpt_harness import MICROBATCHES, build, train_built
+    from nemo_gtp.testing.graph_stand_in import eager_cuda_graphs
+
+    case = Run(gtp=2, graph_scope="full", steps=1, graph_ring=ring)
+    eager = dataclasses.replace(LAYER_GRAPH_CASES_2[0], graph_scope="")
+    reference = _REFERENCES[_reference_run(eager)]  # trained by the layer-graph cases
+    try:
+        with eager_cuda_graphs() as graphs:
+            setup = build(case)
+            runtime = setup["model"].gtp_runtime
+            first = train_built(setup, case)  # recorded eagerly, then captured
+            assert _CudagraphGlobalRecord.cudagraph_created and graphs.replays == 0
+            gathers, builds = runtime.stats.gathers, runtime.builds
+            train_built(setup, dataclasses.replace(case, steps=2), first_step=1)  # replayed
+            layers = _graphed_layers(setup["model"])
+            assert graphs.replays == len(layers) * 2 * MICROBATCHES * 2
+            assert (runtime.stats.gathers, runtime.builds) == (gathers, builds)
+            # the manual hook plans, recorded at capture: every weight announced once, layer
+            # 1's head by layer 0's graph under the wgrad ring
+            plans = runtime.graph_hook_plans
+            announced = sorted(p.gtp_state.name for plan in plans.values() for p in plan)
+            assert announced == sorted(p.gtp_state.name for p in runtime.params), announced
+            head1 = runtime.segments[1][0]
+            assert any(p is head1 for p in plans[0 if ring else 1])
+            for layer in layers:
+                manager = layer.cudagraph_manager
+                assert type(manager) is GTPCudaGraphManager
+                assert all(type(r) is GTPCudaGraphRunner for r in manager.cudagraph_runners)
+                assert all(r.fwd_graph is not None for r in manager.cudagraph_runners)
+    finally:
+        reset_layer_graphs()
+    # the capture step itself trained as without graphs (its warmups left no trace)
+    for got, want in zip(first["losses"][0], reference["losses"][0], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    for name, grad in reference["grads"].items():
+        assert rel_err(first["grads"][name], grad) <= 1e-5, name
+
+
+def _grad_guard_case(rank: int, world: int) -> None:
+    """``GTPRuntime.grad_guard`` on a chain that crosses layers (no graph segments): the warmup
+    of layer 1 alone leaves its deferred reduce-scatter pending, to be finalized in layer 0's
+    backward (across the boundary a graph would have); the guard still restores that grad, and
+    a reduce-scatter pending on entry (training's) keeps its contribution."""
+    import torch
+
+    from nemo_gtp.testing.gpt_harness import build, train_built
+
+    case = Run(gtp=2, steps=1)
+    setup = build(case)
+    train_built(setup, case)
+    model, ddp = setup["model"], setup["ddp"]
+    runtime = model.gtp_runtime
+    layer = _graphed_layers(model)[1]
+    params = list(ddp.module.parameters())
+    hooks = [p.gtp_state.grad_ready_hook for p in runtime.params]
+    for param in runtime.params:  # grads only here (DDP's buckets: the layer-graph case)
+        param.gtp_state.grad_ready_hook = None
+    gen = torch.Generator().manual_seed(3 + rank)
+    start = [torch.randn(p.main_grad.shape, generator=gen) for p in params]
+    with torch.no_grad():
+        for param, grad in zip(params, start, strict=True):
+            param.main_grad.copy_(grad)
+
+    def layer_step(seed: int) -> None:
+        _layer_warmup(layer, torch.Generator().manual_seed(seed))
+
+    layer_step(1)  # training's backward of layer 1: its head-most reduce-scatter stays pending
+    assert runtime.outstanding()["reduce_scatters"] > 0
+    runtime.drain()
+    want = [p.main_grad.clone() for p in params]
+    with torch.no_grad():
+        for param, grad in zip(params, start, strict=True):
+            param.main_grad.copy_(grad)
+    layer_step(1)  # the same backward again, pending on entry to the guard
+    with runtime.grad_guard():
+        layer_step(2)  # a warmup: its own last reduce-scatter is finalized at the guard's exit
+        assert runtime.outstanding()["reduce_scatters"] > 0
+    assert runtime.outstanding()["reduce_scatters"] == 0
+    runtime.drain()
+    names = [name for name, _ in ddp.module.named_parameters()]
+    changed = [
+        n for n, p, w in zip(names, params, want, strict=True) if not torch.equal(p.main_grad, w)
+    ]
+    assert not changed, changed
+    for param, hook in zip(runtime.params, hooks, strict=True):
+        param.gtp_state.grad_ready_hook = hook
+    ddp.zero_grad_buffer()
+
+
 def _cases(runs: list[Run]) -> list:
     return [("setup", _setup, ()), *((f"parity {run}", _parity_case, (run,)) for run in runs)]
 
@@ -196,6 +454,9 @@ def _cases(runs: list[Run]) -> list:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
     cases = _cases(CASES_2) + [("wrong data group", _wrong_data_group_worker, ())]
+    cases += [(f"layer graphs {run}", _layer_graph_case, (run,)) for run in LAYER_GRAPH_CASES_2]
+    cases += [("grad guard", _grad_guard_case, ())]
+    cases += [(f"megatron graph flow ring={r}", _megatron_graph_flow_case, (r,)) for r in (0, 2)]
     return run_cases(cases, 2, tmp_path_factory.mktemp("parity2"))
 
 
@@ -230,3 +491,21 @@ def test_parity_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:
 def test_full_state_dict_equals_the_model_without_gtp(four_ranks: dict[str, list[Outcome]]) -> None:
     for run in FULL_STATE_DICT_CASES_4:
         assert all(n > 0 for n in case_values(four_ranks[f"full_state_dict {run}"]))
+
+
+def test_layer_graph_segments_guard_and_hook_plan(two_ranks: dict[str, list[Outcome]]) -> None:
+    for run in LAYER_GRAPH_CASES_2:
+        assert max(case_values(two_ranks[f"layer graphs {run}"])) <= 1e-5
+
+
+def test_grad_guard_restores_grads_written_across_a_layer(
+    two_ranks: dict[str, list[Outcome]],
+) -> None:
+    case_values(two_ranks["grad guard"])
+
+
+def test_megatron_graph_flow_with_gtp_manager_and_runner(
+    two_ranks: dict[str, list[Outcome]],
+) -> None:
+    for ring in (0, 2):
+        case_values(two_ranks[f"megatron graph flow ring={ring}"])

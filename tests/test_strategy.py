@@ -10,6 +10,7 @@ with ``test_strategy_checkpoint.py``'s first launch (``strategy_harness.shared_l
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import types
@@ -439,7 +440,7 @@ def test_io_records_gtp_arguments(nemo_env: Any) -> None:
     assert rebuilt.gtp_config == GTPConfig(pad_for_alignment=8) and rebuilt.gtp_size == 2
 
 
-def test_cuda_graph_warmup_bump(nemo_env: Any) -> None:
+def test_cuda_graph_warmup_bump(nemo_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from nemo.collections import llm
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
@@ -485,31 +486,62 @@ def test_cuda_graph_warmup_bump(nemo_env: Any) -> None:
         nemo_env.Strategy(num_weight_shards=shards).connect(gpt)
         assert gpt.config.cuda_graph_warmup_steps == expected
 
-    # Per-layer capture is not implemented: such a GTP model is refused before any process
-    # group exists; the full-iteration graph is accepted, its gather backend made capturable.
+    # Per-layer capture: megatron's local graphs with scope "full" / "attn" and the TE RNG
+    # tracker are accepted; everything else is refused, naming the setting, before any process
+    # group exists. The full-iteration graph is accepted; a graph's gather backend is made
+    # capturable.
     from nemo_gtp.engine import GTPConfig
+    from nemo_gtp.integrations.megatron.layer_graphs import check_layer_graph_settings
     from nemo_gtp.strategy.cuda_graphs import graph_safe_gtp_config, reject_cuda_graph_capture
 
     reject_cuda_graph_capture(off)
     for kw in (
         dict(cuda_graph_impl="local"),
         dict(enable_cuda_graph=True, cuda_graph_scope="attn"),
-        dict(cuda_graph_impl="transformer_engine"),
     ):
-        with pytest.raises(ValueError, match="cuda_graph_scope='full_iteration'"):
-            reject_cuda_graph_capture(config(**kw))
+        reject_cuda_graph_capture(config(**kw), use_te_rng_tracker=True)
+        with pytest.raises(ValueError, match="use_te_rng_tracker=True"):
+            reject_cuda_graph_capture(config(**kw), use_te_rng_tracker=False)
+    local = dict(cuda_graph_impl="local")
+    for kw, options, message in (
+        (dict(cuda_graph_impl="transformer_engine"), {}, "cuda_graph_impl='transformer_engine'"),
+        (dict(external_cuda_graph=True), {}, "TransformerEngine's graph helper"),
+        (dict(local, cuda_graph_scope="mlp"), {}, "cuda_graph_scope='mlp'"),
+        (dict(local, num_moe_experts=4), {}, "num_moe_experts=4"),
+        (dict(local, recompute_granularity="full"), {}, "recompute_granularity='full'"),
+        (local, dict(pipeline_parallel=2), "pipeline_model_parallel_size=2"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            reject_cuda_graph_capture(config(**kw), use_te_rng_tracker=True, **options)
+    with monkeypatch.context() as env:
+        env.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF"):
+            reject_cuda_graph_capture(config(**local), use_te_rng_tracker=True)
     full_iteration = config(enable_cuda_graph=True, cuda_graph_scope="full_iteration")
-    reject_cuda_graph_capture(full_iteration)
+    reject_cuda_graph_capture(full_iteration, use_te_rng_tracker=False)
     assert graph_safe_gtp_config(off, None) == (None, "")
-    safe, note = graph_safe_gtp_config(full_iteration, None)
-    assert safe.gather_backend == "process_group" and "'auto' -> 'process_group'" in note
-    kept = GTPConfig(gather_backend="process_group", coalesce_mb=8)
-    assert graph_safe_gtp_config(full_iteration, kept) == (kept, "")
-    with pytest.raises(ValueError, match="gather_backend='process_group'"):
-        graph_safe_gtp_config(full_iteration, GTPConfig(gather_backend="copy_engine"))
+    for graphed in (full_iteration, config(**local)):
+        safe, note = graph_safe_gtp_config(graphed, None)
+        assert safe.gather_backend == "process_group" and "'auto' -> 'process_group'" in note
+        kept = GTPConfig(gather_backend="process_group", coalesce_mb=8)
+        assert graph_safe_gtp_config(graphed, kept) == (kept, "")
+        with pytest.raises(ValueError, match="gather_backend='process_group'"):
+            graph_safe_gtp_config(graphed, GTPConfig(gather_backend="copy_engine"))
+    # shard_model's own checks (megatron-core users, no strategy in between)
+    warm = config(**local, cuda_graph_warmup_steps=2)
+    assert check_layer_graph_settings(warm, GTPConfig(), moe=False).gather_backend == (
+        "process_group"
+    )
+    for cfg, gtp_config, moe, message in (
+        (warm, GTPConfig(), True, "num_moe_experts"),
+        (config(**local, cuda_graph_warmup_steps=1), GTPConfig(), False, "warmup_steps=1"),
+        (warm, GTPConfig(gather_backend="copy_engine"), False, "gather_backend='copy_engine'"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_layer_graph_settings(cfg, gtp_config, moe=moe)
     strategy = nemo_env.Strategy(num_weight_shards=2)
     strategy.connect(gpt)
-    with pytest.raises(ValueError, match="per-layer CUDA-graph capture of a GTP model"):
+    with pytest.raises(ValueError, match="use_te_rng_tracker=True"):
         strategy.setup_distributed()
 
 

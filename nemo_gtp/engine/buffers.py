@@ -13,6 +13,20 @@ from dataclasses import dataclass
 import torch
 
 
+def refuse_allocation_in_capture(device: torch.device, what: str) -> None:
+    """``RuntimeError`` when a pooled buffer would be allocated inside a CUDA-graph capture.
+
+    A buffer born in a capture lives in the graph's private memory pool; the pools must reach
+    their steady state in the eager warmup before capture (design §3.5 "Stable addresses"), so
+    an allocation here means the warmup did not run the step the graph captures.
+    """
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"GTP allocated a {what} inside a CUDA-graph capture: the warmup before capture "
+            "did not run this step (raise cuda_graph_warmup_steps to >= 2; design §3.5)"
+        )
+
+
 @dataclass(frozen=True)
 class BufferKey:
     """Identity (ticket) of one gathered-weight buffer (design §3.1: shape, dtype, direction,
@@ -81,6 +95,7 @@ class GTPWeightCache:
         if slot is None:
             slot = self._slots[key] = CacheSlot(key)
         if slot.buffer is None:
+            refuse_allocation_in_capture(key.device, "gathered-weight buffer")
             # Never an inference tensor, even when the first gather runs under
             # torch.inference_mode (trainer.validate / test on NCCL): training writes into it next.
             with torch.inference_mode(False):
@@ -146,6 +161,7 @@ class FreeList:
         """A buffer of this list's shape; contents undefined except the zero tail."""
         if self.free:
             return self.free.pop()
+        refuse_allocation_in_capture(self.device, "wgrad / reduce-scatter buffer")
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         if self.zero_from is not None and self.zero_from < self.shape[0]:
             buffer[self.zero_from :].zero_()
@@ -178,9 +194,15 @@ class WgradPool:
         dtype: torch.dtype,
         device: torch.device,
         zero_from: int | None = None,
+        ring: int = -1,
     ) -> FreeList:
-        """The free list of ``(shape, dtype, device, zero_from)`` (created on first use)."""
-        key = (tuple(shape), dtype, device, zero_from)
+        """The free list of ``(shape, dtype, device, zero_from)`` (created on first use).
+
+        ``ring`` >= 0 names a slot of the cross-graph wgrad ring (design §3.5): its buffers are
+        never shared with the ordinary list of the same shape, whose buffers the next graph
+        reuses while the ring slot still waits for its reduce-scatter.
+        """
+        key = (tuple(shape), dtype, device, zero_from, ring)
         found = self._lists.get(key)
         if found is None:
             found = self._lists[key] = FreeList(self, tuple(shape), dtype, device, zero_from)

@@ -10,8 +10,7 @@ class GTPConfig:
     """GTP's tuning knobs (design §2.4), per model rather than process-global.
 
     Every field changes behaviour. (Megatron's ``check_param_states`` has no counterpart: the
-    state machines always check their transitions; ``graph_wgrad_ring_size`` arrives with
-    CUDA-graph capture.)
+    state machines always check their transitions.)
 
     Example::
 
@@ -97,6 +96,11 @@ class GTPConfig:
             without quantizing it again. Off: the training dtype is gathered and TE quantizes
             the gathered weight at every microbatch. No effect outside FP8 autocast, for other
             recipes and for megatron-local linears.
+        graph_wgrad_ring_size: per-layer CUDA graphs only (design §3.5 "Cross-graph
+            reduce-scatter overlap"): 0 (default) waits a layer's last reduce-scatter inside
+            its own backward graph; N >= 2 keeps that wgrad in a ring of N fixed-address slots
+            and reduce-scatters it inside the next layer's backward graph, overlapping its
+            compute, for N extra head-unit wgrad buffers. Needs ``async_reduction``.
     """
 
     pad_for_alignment: int = 16
@@ -115,6 +119,7 @@ class GTPConfig:
     nccl_max_ctas: int = 0
     nccl_high_priority_stream: bool = False
     fp8_gather: bool = True
+    graph_wgrad_ring_size: int = 0
 
     @property
     def sums_over_gtp(self) -> bool:
@@ -143,6 +148,16 @@ class GTPConfig:
             raise ValueError(f"GTPConfig.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if not self.coalesce_mb >= 0:
             raise ValueError(f"GTPConfig.coalesce_mb must be >= 0, got {self.coalesce_mb}")
+        if self.graph_wgrad_ring_size < 0 or self.graph_wgrad_ring_size == 1:
+            raise ValueError(
+                "GTPConfig.graph_wgrad_ring_size must be 0 (off) or >= 2 (a layer writes one "
+                f"slot while the next reduces another), got {self.graph_wgrad_ring_size}"
+            )
+        if self.graph_wgrad_ring_size and not self.async_reduction:
+            raise ValueError(
+                "GTPConfig.graph_wgrad_ring_size > 0 defers reduce-scatters across graphs and "
+                "needs async_reduction=True (or set graph_wgrad_ring_size=0)"
+            )
         if self.pad_for_alignment < 1:
             raise ValueError(
                 f"GTPConfig.pad_for_alignment must be >= 1, got {self.pad_for_alignment}"

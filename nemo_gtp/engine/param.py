@@ -338,6 +338,8 @@ class GTPParamState:
         "runtime",
         "chain_id",
         "chain",
+        "segment",
+        "ring",
         "fwd",
         "bwd",
         "rs",
@@ -360,11 +362,18 @@ class GTPParamState:
         self.runtime: weakref.ReferenceType[GTPRuntime] | None = None
         self.chain_id: Any = None
         self.chain: Any = None  # the runtime's Chain object for chain_id
+        self.segment = -1
+        """The CUDA graph this weight is captured in (design §3.5: one segment per captured
+        layer, numbered in model order); -1 for eager weights. Chain links, coalescing units and
+        deferred reduce-scatters never cross from one segment into another."""
+        self.ring = -1
+        """With ``GTPConfig.graph_wgrad_ring_size``: the wgrad ring slot of this weight (it is in
+        its segment's head unit, whose reduce-scatter runs in the next graph); -1: none."""
         self.fwd = GatherSlot(Direction.FWD)
         self.bwd = GatherSlot(Direction.BWD)
         self.rs = ReduceScatterSlot()
         self.parity = 0
-        self.is_head = False  # first in forward order: its reduce-scatter is synchronous
+        self.is_head = False  # first of its chain (segment) in forward order: synchronous RS
         self.grad_ready_hook: Callable[[], None] | None = None
         self.forward_grad_enabled = False
         """Grad mode at the owning TE module's call: TE materializes inside its autograd forward,

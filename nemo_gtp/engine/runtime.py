@@ -23,7 +23,6 @@ gathered synchronously, and a prefetch whose buffer is still held is skipped.
 from __future__ import annotations
 
 import enum
-import math
 import weakref
 from dataclasses import dataclass, fields
 
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_gtp.engine.buffers import BufferKey, CacheSlot, GTPWeightCache, WgradPool
+from nemo_gtp.engine.chain import Chain, ChainId, ChainPhase, WeightGroup, coalescing_units
 from nemo_gtp.engine.collectives import GroupCollectives, reduce_scatter_wgrad
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.copy_engine import (
@@ -47,6 +47,7 @@ from nemo_gtp.engine.fp8_gather import (
     check_gather_scaling,
     transposed_view,
 )
+from nemo_gtp.engine.graph_segments import GraphSegments
 from nemo_gtp.engine.grid import GTPGroups, WeightAxis
 from nemo_gtp.engine.param import (
     Direction,
@@ -75,22 +76,6 @@ def _forward_targets(slot: GatherSlot, will_backward: bool) -> tuple[GatherSlot,
     return slot.ahead if slot.ahead or not will_backward else slot.handover
 
 
-class ChainId(enum.Enum):
-    """Prefetch chains; neighbours only ever link params of the same chain (design §1.2)."""
-
-    UNGRAPHED = "ungraphed"
-    """Weights that run eagerly (every weight until CUDA-graph capture is wired in)."""
-    GRAPHED = "graphed"
-    """Weights inside captured CUDA graphs; never linked to eager weights (design §1.2)."""
-    EXPERT_FC1 = "expert_fc1"
-    """Routed experts' first linears: one weight group per MoE block, linked block to block, so
-    a block's consume prefetches the next block's fc1 experts (design §3.4 "Grouped-expert
-    chains"). Eager only."""
-    EXPERT_FC2 = "expert_fc2"
-    """Routed experts' second linears, the same way (a chain of their own: a merged chain would
-    link fc1 to fc2 of the same block, one GEMM of runway)."""
-
-
 class GatherBackend(enum.Enum):
     """How a runtime all-gathers its shards (``GTPConfig.gather_backend`` once resolved)."""
 
@@ -98,194 +83,6 @@ class GatherBackend(enum.Enum):
     """The process group's all-gather: NCCL kernels on SMs on CUDA, gloo threads on CPU."""
     COPY_ENGINE = "copy_engine"
     """Copy-engine pulls of the peers' shards from symmetric memory (no SMs; one host, CUDA)."""
-
-
-class ChainPhase(enum.Enum):
-    """Lifecycle of one chain's link table (design §3.4 "Linking", on the first forward)."""
-
-    OBSERVING = "observing"
-    """First forward: consumes are appended to the order; nothing is prefetched yet."""
-    LINKED = "linked"
-    """The order is committed and linked; every consume prefetches its neighbour."""
-
-
-@dataclass(frozen=True)
-class WeightGroup:
-    """Weights that always gather and reduce-scatter together, as one coalescing unit.
-
-    ``params`` in their module order; ``together``: TransformerEngine hands the whole group to
-    ``params[0]`` (``GroupedLinear``: ``weights[0]`` materializes every expert's weight, and its
-    ``finalize_group_grads`` receives every wgrad); otherwise each member is consumed on its own
-    (megatron ``SequentialMLP``: one linear per expert) and only the collectives are shared
-    (design §3.4 "Grouped-expert chains").
-    """
-
-    params: tuple[GTPShardedParam, ...]
-    together: bool
-
-
-def coalescing_units(
-    order: list[GTPShardedParam],
-    unit_bytes: float,
-    groups: list[WeightGroup] | tuple[WeightGroup, ...] = (),
-) -> list[tuple[GTPShardedParam, ...]]:
-    """Cut a chain's forward order into coalescing units (design §3.1 "Coalescing units").
-
-    Greedy and order-preserving: a unit takes consecutive weights of one dtype while their
-    gathered (padded) bytes stay within ``unit_bytes``; a weight larger than that is a unit
-    alone, so ``unit_bytes=0`` gives one unit per weight. A weight of a :class:`WeightGroup`
-    (``groups[param.gtp_state.group]``: the runtime's ``weight_groups``) brings its whole group
-    as one unit of its own, whatever its size, at the place of the first member observed
-    (members never observed are left out).
-
-    Example::
-
-        coalescing_units(chain.order, 64 * 2**20)   # [(qkv, proj), (fc1,), (fc2, qkv'), ...]
-    """
-    units: list[tuple[GTPShardedParam, ...]] = []
-    current: list[GTPShardedParam] = []
-    observed = {id(param) for param in order}
-    placed: set[int] = set()
-    size = 0
-    for param in order:
-        index = param.gtp_state.group
-        if index >= 0:
-            if index not in placed:
-                placed.add(index)
-                if current:
-                    units.append(tuple(current))
-                    current, size = [], 0
-                units.append(tuple(q for q in groups[index].params if id(q) in observed))
-            continue
-        nbytes = math.prod(param.gtp_spec.gathered_shape) * param.element_size()
-        if current and (size + nbytes > unit_bytes or param.dtype != current[0].dtype):
-            units.append(tuple(current))
-            current, size = [], 0
-        current.append(param)
-        size += nbytes
-    if current:
-        units.append(tuple(current))
-    return units
-
-
-class Chain:
-    """The observed forward order of one chain's weights.
-
-    Committing the order (:meth:`observe` returns True) cuts it into coalescing units and links
-    every unit's leading gather slots to the units they prefetch (``GatherSlot.ahead``) once, so
-    the steady-state step never searches.
-    """
-
-    def __init__(
-        self,
-        chain_id: ChainId,
-        depth: int = 1,
-        unit_bytes: float = 0,
-        groups: list[WeightGroup] | None = None,
-    ) -> None:
-        self.chain_id = chain_id
-        self.depth = depth  # units gathered ahead of each consume
-        self.unit_bytes = unit_bytes  # GTPConfig.coalesce_mb in bytes
-        self.weight_groups = groups if groups is not None else []  # the runtime's
-        self.phase = ChainPhase.OBSERVING
-        self.order: list[GTPShardedParam] = []
-        self.units: list[tuple[GTPShardedParam, ...]] = []
-        self._seen: set[int] = set()
-        self.recompute_phase = ChainPhase.OBSERVING
-        self.recompute_order: list[GTPShardedParam] = []
-        self._recompute_seen: set[int] = set()
-        self.live = 0  # gathered buffers currently held by this chain's weights
-        self.max_live = 0
-        self.protocol_last: list[GTPShardedParam | None] = [None, None]  # TE: per direction
-        # Reduce-scatter bookkeeping is per chain, so interleaved chains (the expert fc1 / fc2
-        # roles, whose wgrads alternate in the backward) each stage their own unit and defer
-        # their finalize by one unit of their own chain (design §3.4).
-        self.staged: list[GTPShardedParam] = []  # wgrads waiting for the rest of their unit
-        self.pending_rs: list[GTPShardedParam] = []  # issued, finalized at the next issue
-
-    def observe(self, param: GTPShardedParam, direction: Direction) -> bool:
-        """Record a consume during the first pass; True when this consume committed the order.
-
-        The pass ends at the first backward consume, or when a forward consume repeats a weight
-        (the next forward started, or a weight is used twice: either way the order is known).
-        """
-        if self.phase is not ChainPhase.OBSERVING:
-            raise RuntimeError(f"chain {self.chain_id.value} is already linked")
-        if direction is _BWD or id(param) in self._seen:
-            self._commit()
-            return True
-        self._seen.add(id(param))
-        self.order.append(param)
-        return False
-
-    def _commit(self) -> None:
-        self.phase = ChainPhase.LINKED
-        units = self.units = coalescing_units(self.order, self.unit_bytes, self.weight_groups)
-        n, depth = len(units), self.depth
-        for u, members in enumerate(units):
-            # Weights of units within ``depth`` of each other can be live at once; same-shape
-            # ones get different parities (design §3.1), so a prefetch never lands in the buffer
-            # a GEMM still reads. Greedy: the smallest parity no such earlier weight uses.
-            window = [q for unit in units[max(0, u - depth) : u] for q in unit]
-            for param in members:
-                state = param.gtp_state
-                taken = {
-                    q.gtp_state.parity
-                    for q in window
-                    if q.gtp_spec.gathered_shape == param.gtp_spec.gathered_shape
-                    and q.dtype == param.dtype
-                }
-                state.parity = min(p for p in range(len(window) + 1) if p not in taken)
-                window.append(param)
-                state.is_head = False
-                for slot in (state.fwd, state.bwd):  # parity may have changed the ticket
-                    slot.rebind = True
-                    slot.ahead, slot.handover = (), ()
-            # One collective per unit and direction: members share its handle, and the slot
-            # consumed first in each direction carries the links to the units it prefetches.
-            fwd_unit = tuple(q.gtp_state.fwd for q in members)
-            bwd_unit = tuple(q.gtp_state.bwd for q in reversed(members))
-            coalesced = len(members) > 1
-            fwd_work, bwd_work = (SharedWork(), SharedWork()) if coalesced else (None, None)
-            for param in members:
-                state = param.gtp_state
-                state.fwd.unit, state.fwd.unit_work = fwd_unit, fwd_work
-                state.bwd.unit, state.bwd.unit_work = bwd_unit, bwd_work
-                state.fwd.unit_pos = fwd_unit.index(state.fwd)
-                state.bwd.unit_pos = bwd_unit.index(state.bwd)
-                state.rs_unit = members if coalesced else None
-            fwd_unit[0].ahead = tuple(
-                units[j][0].gtp_state.fwd for j in range(u + 1, u + 1 + depth) if j < n
-            )
-            bwd_unit[0].ahead = tuple(
-                units[j][-1].gtp_state.bwd for j in range(u - 1, max(-1, u - 1 - depth), -1)
-            )
-            if u == n - 1:  # the forward tail hands over to the backward's first units
-                fwd_unit[0].handover = tuple(
-                    units[j][-1].gtp_state.bwd for j in range(n - 1, max(-1, n - 1 - depth), -1)
-                )
-        if units:
-            units[0][0].gtp_state.is_head = True
-
-    def observe_recompute(self, param: GTPShardedParam) -> None:
-        """Record a recompute-forward consume of the first backward that has any (design §3.1
-        "Recompute-forward prefetch chain": membership is observed, not configured)."""
-        if id(param) not in self._recompute_seen:
-            self._recompute_seen.add(id(param))
-            self.recompute_order.append(param)
-
-    def commit_recompute(self) -> None:
-        """Link the observed recompute order (at the first drain after it was seen): each
-        recompute consume then prefetches the next ``depth`` recompute weights' forward slots,
-        across layers (the next layer recomputed runs after this layer's backward)."""
-        order, n = self.recompute_order, len(self.recompute_order)
-        if self.recompute_phase is not ChainPhase.OBSERVING or not n:
-            return
-        self.recompute_phase = ChainPhase.LINKED
-        for i, param in enumerate(order):
-            param.gtp_state.fwd.recompute_ahead = tuple(
-                order[j].gtp_state.fwd for j in range(i + 1, min(n, i + 1 + self.depth))
-            )
 
 
 @dataclass
@@ -318,7 +115,19 @@ class CommStats:
             setattr(self, f.name, 0)
 
 
-class GTPRuntime:
+__all__ = [  # the chain lives in nemo_gtp.engine.chain; re-exported for the runtime's users
+    "Chain",
+    "ChainId",
+    "ChainPhase",
+    "CommStats",
+    "GatherBackend",
+    "GTPRuntime",
+    "coalescing_units",
+    "runtimes_of",
+]
+
+
+class GTPRuntime(GraphSegments):
     """Per-model driver of every :class:`GTPShardedParam` (design §1.1, §3.1).
 
     Example::
@@ -403,6 +212,27 @@ class GTPRuntime:
         self.wait_timer = ExposedWaitTimer()
         self.trace: list[tuple[str, str, str]] | None = None
         self._label: str | None = None  # trace label of the consume being served
+        self.segments: list[tuple[GTPShardedParam, ...]] = []
+        """The weights of each captured CUDA graph (design §3.5); in forward order once the
+        chain is committed."""
+        self.builds = 0
+        """Python-side chain building and binding done so far: order commits, recompute links,
+        cache and pool bindings, the gather-backend decision. Constant once every weight ran a
+        linked forward and backward (the state a CUDA-graph capture must start from)."""
+        self._guard: dict[int, tuple[GTPShardedParam, torch.Tensor | None, bool]] | None = None
+        # The cross-graph wgrad ring (design §3.5): staged wgrads of a segment's head unit, to
+        # be reduce-scattered in the next segment's backward.
+        self._ring_size = self.config.graph_wgrad_ring_size
+        if self._ring_size and self._fp32_accumulation:
+            raise ValueError(
+                "GTPConfig.graph_wgrad_ring_size > 0 is not supported together with "
+                "reduce_scatter_with_fp32_accumulation at GTP > 2: set one of them off"
+            )
+        self._carry: list[GTPShardedParam] = []
+        self.graph_hook_plans: dict[int, tuple[GTPShardedParam, ...]] = {}
+        """Per segment, the weights whose finalize a captured backward graph replays, in order
+        (recorded by :meth:`recording_graph_hooks`; the manual hook plan of design §3.5)."""
+        self._recording: list[GTPShardedParam] | None = None
 
     # ----------------------------------------------------------------- construction
     def shard_parameter(
@@ -527,6 +357,8 @@ class GTPRuntime:
             recompute = _backward_task_id() != -1
         else:
             slot = state.bwd
+            if self._carry and self._carry[0].gtp_state.segment != state.segment:
+                self._issue_carry()  # the next graph's first backward consume
         if fp8 is not None and fp8 is not self._fp8_known:
             fp8 = self._canonical_fp8(fp8)
         if slot.state is not _NONE and slot.fmt is not fp8:
@@ -534,8 +366,9 @@ class GTPRuntime:
             self.release(param, direction)
             self.stats.format_regathers += 1
         self._fmt = fp8
-        if chain.phase is ChainPhase.OBSERVING:
-            chain.observe(param, direction)
+        if chain.phase is ChainPhase.OBSERVING and chain.observe(param, direction):
+            self.builds += 1
+            self._segments_committed(chain)
         if recompute:
             self._label = "rc"  # trace only
             if chain.recompute_phase is ChainPhase.OBSERVING:
@@ -654,6 +487,7 @@ class GTPRuntime:
             slot.direction.value,
             state.parity,
         )
+        self.builds += 1
         slot.cache, slot.rebind = self.weight_cache.slot(key), False
         slot.cache_full = param.gtp_spec.unpad(slot.cache.buffer)
         buffer = slot.cache.buffer
@@ -806,6 +640,7 @@ class GTPRuntime:
         agreement (and the symmetric-memory rendezvous that follows) are collective-safe here.
         The copy-engine mirror's buffers are made outside inference mode (they outlive it).
         """
+        self.builds += 1
         backend = self._choose_gather_backend(device)
         if backend is GatherBackend.COPY_ENGINE:
             with torch.inference_mode(False):
@@ -953,9 +788,14 @@ class GTPRuntime:
 
     # ----------------------------------------------------------------- reduce-scatter side
     def _bind_pools(self, param: GTPShardedParam, dtype: torch.dtype) -> None:
+        self.builds += 1
         spec, rs = param.gtp_spec, param.gtp_state.rs
         rs.scratch_pool = self.wgrad_pool.free_list(
-            spec.gathered_shape, dtype, param.device, zero_from=spec.logical_shape[0]
+            spec.gathered_shape,
+            dtype,
+            param.device,
+            zero_from=spec.logical_shape[0],
+            ring=param.gtp_state.ring,
         )
         rs.output_pool = self.wgrad_pool.free_list(spec.shard_shape, dtype, param.device)
         rs.recv_pool = self.wgrad_pool.free_list(spec.gathered_shape, dtype, param.device)
@@ -1007,10 +847,15 @@ class GTPRuntime:
         """
         state = param.gtp_state
         rs, chain = state.rs, state.chain
+        if self._carry and (
+            rs.state is _RS_STAGED or self._carry[0].gtp_state.segment != state.segment
+        ):
+            self._issue_carry()  # the next graph's first wgrad (or the same weight again)
         if rs.state is not _RS_NONE:  # same weight twice in one backward
             if rs.state is _RS_STAGED:
                 self._flush_staged(chain)
             self._finalize_all((param,))
+            chain.pending_rs[:] = [p for p in chain.pending_rs if p is not param]
         unit = state.rs_unit
         staged = chain.staged
         if staged and (unit is None or staged[0].gtp_state.rs_unit is not unit):
@@ -1021,7 +866,15 @@ class GTPRuntime:
             rs.staged(scratch)
             staged.append(param)
             if len(staged) == len(unit):
-                self._flush_staged(chain)
+                if state.ring >= 0:  # the segment's head unit: reduced in the next graph
+                    self._carry_staged(chain)
+                else:
+                    self._flush_staged(chain)
+            return
+        if state.ring >= 0:
+            rs.staged(scratch)
+            staged.append(param)
+            self._carry_staged(chain)
             return
         output = rs.output_pool.get()
         if self._fp32_accumulation:
@@ -1042,8 +895,11 @@ class GTPRuntime:
         """Reduce-scatter the staged wgrads of ``chain``'s unit in one collective."""
         params = tuple(chain.staged)
         chain.staged.clear()
-        if not params:
-            return
+        if params:
+            self._reduce_scatter_staged(params)
+
+    def _reduce_scatter_staged(self, params: tuple[GTPShardedParam, ...]) -> None:
+        """One collective over ``params``' staged wgrads (a coalescing unit, or a carry)."""
         outputs = [p.gtp_state.rs.output_pool.get() for p in params]
         scratches = [p.gtp_state.rs.scratch for p in params]
         average = self._average_in_collective
@@ -1056,8 +912,12 @@ class GTPRuntime:
         shared.work = work
         for param, output, scratch in zip(params, outputs, scratches):
             param.gtp_state.rs.issued(shared, scratch, output, None)
-        sync = not self.config.async_reduction or any(p.gtp_state.is_head for p in params)
-        self._after_reduce_scatter(chain, params, sync)
+        # A head reduces synchronously (nothing follows it in its chain or graph), unless it
+        # is a carried head: then it is the next graph's, finalized by that graph's drain.
+        sync = not self.config.async_reduction or any(
+            p.gtp_state.is_head and p.gtp_state.ring < 0 for p in params
+        )
+        self._after_reduce_scatter(params[0].gtp_state.chain, params, sync)
 
     def _after_reduce_scatter(
         self, chain: Chain, params: tuple[GTPShardedParam, ...], sync: bool
@@ -1086,9 +946,10 @@ class GTPRuntime:
         """Finalize the reduce-scatters of ``params`` (one weight, or a unit): wait, add each
         reduced shard into ``main_grad`` (one multi-tensor add for all of them: one launch per
         unit, not per weight; ``.grad`` without DDP), return the buffers, fire DDP's grad-ready
-        hooks — each hook after its weight's add."""
+        hooks — each hook after its weight's add, none under the grad guard (design §3.5)."""
         main_grads, outputs = [], []
         timed = self.wait_timer.enabled
+        guard, recording = self._guard, self._recording
         for param in params:
             state = param.gtp_state
             rs = state.rs
@@ -1097,6 +958,10 @@ class GTPRuntime:
             else:
                 rs.complete()
             main_grad = getattr(param, "main_grad", None)
+            if guard is not None and id(param) not in guard:
+                self._back_up_grad(param, main_grad)
+            if recording is not None:
+                recording.append(param)
             if main_grad is not None:
                 main_grads.append(main_grad)
                 outputs.append(rs.output)
@@ -1113,7 +978,7 @@ class GTPRuntime:
             state.rs.finished()
             if self.trace is not None:
                 self.record("finalize", param, _BWD)
-            if state.grad_ready_hook is not None:
+            if state.grad_ready_hook is not None and guard is None:
                 state.grad_ready_hook()
 
     # ----------------------------------------------------------------- fences
@@ -1121,6 +986,9 @@ class GTPRuntime:
         """Finalize every pending reduce-scatter (the fence before main_grad is read)."""
         for chain in self.chains.values():  # ChainId order: the same on every GTP peer
             self._flush_staged(chain)
+        if self._carry:
+            self._issue_carry()
+        for chain in self.chains.values():
             pending, chain.pending_rs = chain.pending_rs, []
             if pending:
                 self._finalize_all(pending)
@@ -1143,7 +1011,9 @@ class GTPRuntime:
         self.drain_reduce_scatters()
         self.drain_gathers()
         for chain in self.chains.values():  # a recompute order seen in this step is now known
-            chain.commit_recompute()
+            if chain.recompute_order and chain.recompute_phase is ChainPhase.OBSERVING:
+                chain.commit_recompute()
+                self.builds += 1
         if self._mirror is not None:
             self._mirror.mark_stale()
         self.fp8_shards.mark_stale()

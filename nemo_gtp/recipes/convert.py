@@ -24,7 +24,10 @@ MoE (``model.config.num_moe_experts``)           kept: dense GTP, experts whole 
                                                  ``expert_num_weight_shards`` > ETP (expert GTP;
                                                  the legacy ``GroupedMLP`` rejected, §1.4)
 ``fsdp``, Megatron FSDP, ``ddp="pytorch"``       rejected (GTP needs megatron DDP)
-per-layer CUDA graphs                            rejected (the full-iteration graph is kept, §3.5)
+per-layer CUDA graphs                            kept for ``cuda_graph_impl="local"``, scope
+                                                 ``"full"`` / ``"attn"`` with
+                                                 ``use_te_rng_tracker=True``; otherwise rejected
+                                                 (TE's graph helper, MoE, PP, recompute; §3.5)
 FP8 primary weights                              rejected (not implemented, §1.3)
 FP8 compute (``trainer.plugins.fp8``)            kept: ``fp8_recipe="tensorwise"`` gathers FP8
                                                  (§1.3 "FP8 gather"); unknown names rejected
@@ -53,6 +56,7 @@ import copy
 import dataclasses
 import difflib
 import logging
+import types
 from typing import Any
 
 from nemo_gtp.recipes.config import RecipeError
@@ -320,7 +324,11 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
     """Settings GTP cannot honour and that change what the user asked for."""
     import fiddle as fdl
 
-    from nemo_gtp.strategy.cuda_graphs import cuda_graphs_enabled, full_iteration_graphs
+    from nemo_gtp.strategy.cuda_graphs import (
+        cuda_graphs_enabled,
+        full_iteration_graphs,
+        reject_cuda_graph_capture,
+    )
 
     shards = f"num_weight_shards={_get(strategy, 'tensor_model_parallel_size', 1) * gtp}"
     off = "or leave GTP off (num_weight_shards = tensor_model_parallel_size)"
@@ -366,12 +374,29 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
             "(experts whole, dense GTP on)"
         )
     if config is not None and cuda_graphs_enabled(config) and not full_iteration_graphs(config):
-        raise RecipeError(
-            "model.config enables per-layer CUDA graphs (cuda_graph_impl / enable_cuda_graph / "
-            "external_cuda_graph with cuda_graph_scope other than 'full_iteration'): not "
-            "supported with GTP yet (design §3.5); use model.config.cuda_graph_impl='local' "
-            f"with cuda_graph_scope='full_iteration', turn graphs off, {off}"
+        settings = types.SimpleNamespace(
+            **{
+                name: _get(config, name, default)
+                for name, default in (
+                    ("cuda_graph_impl", "none"),
+                    ("enable_cuda_graph", False),
+                    ("external_cuda_graph", False),
+                    ("cuda_graph_scope", "full"),
+                    ("num_moe_experts", None),
+                    ("recompute_granularity", None),
+                )
+            }
         )
+        try:
+            reject_cuda_graph_capture(
+                settings,
+                use_te_rng_tracker=bool(_get(strategy, "use_te_rng_tracker", False)),
+                pipeline_parallel=_get(strategy, "pipeline_model_parallel_size", 1) or 1,
+            )
+        except ValueError as err:
+            raise RecipeError(
+                f"per-layer CUDA graphs (model.config, trainer.strategy): {err} (design §3.5)"
+            ) from None
     plugins = _get(recipe.trainer, "plugins")
     for i, plugin in enumerate(plugins if isinstance(plugins, list) else [plugins]):
         where = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")

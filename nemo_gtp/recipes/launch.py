@@ -30,8 +30,9 @@ def teardown_fit() -> None:
 
     Megatron's parallel state and microbatch calculator are module globals that NeMo sets once
     per fit; the default process group is destroyed so the next fit's strategy creates its own.
-    So is megatron's full-iteration CUDA graph (class attributes of ``FullCudaGraphWrapper``):
-    left in place, the next fit would replay the previous model's graph.
+    So are megatron's CUDA graphs (class attributes of ``FullCudaGraphWrapper`` for the
+    full-iteration graph, of the per-layer graph manager and its capture record): left in
+    place, the next fit would replay the previous model's graphs.
     """
     import gc
 
@@ -52,6 +53,9 @@ def teardown_fit() -> None:
             FullCudaGraphWrapper.cuda_graph[stage] = None
             FullCudaGraphWrapper.result[stage] = None
             StaticBufferLoader.static_buffers[stage] = []
+    from nemo_gtp.integrations.megatron.layer_graphs import reset_layer_graphs
+
+    reset_layer_graphs()
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()

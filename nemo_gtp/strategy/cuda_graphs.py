@@ -1,16 +1,22 @@
-"""CUDA-graph warmup under GTP (design §2.4 "CUDA-graph warmup under GTP_remat").
+"""CUDA graphs under GTP through the strategy (design §2.4, §3.5).
 
-The first warmup iteration builds the weight-prefetch chain (chains are observed on the first
-forward, §3.4) and the second exercises the prefetch path, so capture must not start before two
-warmup steps have run.
+Two kinds are supported, both megatron-core's local implementation: the full-iteration graph
+(``cuda_graph_scope="full_iteration"``, one graph per step: :class:`FullIterationGraph`) and
+per-layer graphs (``cuda_graph_impl="local"`` with scope ``"full"`` or ``"attn"``: each
+transformer layer one graph; ``shard_model`` installs the GTP side, see
+:mod:`nemo_gtp.integrations.megatron.layer_graphs`). Either way capture must not start before two
+warmup steps have run: the first builds the weight-prefetch chain (chains are observed on the
+first forward, §3.4) and binds the buffers, the second exercises the steady state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from nemo_gtp.engine.config import GTPConfig
+from nemo_gtp.integrations.megatron.layer_graphs import layer_graph_scope
 
 MIN_GTP_CUDA_GRAPH_WARMUP_STEPS = 2
 
@@ -71,68 +77,104 @@ def full_iteration_graphs(config: Any) -> bool:
     )
 
 
-def reject_cuda_graph_capture(config: Any) -> None:
-    """``ValueError`` when a GTP model asks for per-layer CUDA graphs (not supported yet).
+SUPPORTED_LAYER_SCOPES = ("full", "attn")
+"""Per-layer scopes GTP supports with ``cuda_graph_impl="local"`` (megatron-core 0.15 captures
+the whole layer for both)."""
 
-    Full-iteration graphs work under GTP (design §3.5): the whole forward-backward, prefetch
-    chains included, is one graph, so no chain crosses a graph boundary. Per-layer capture
-    (megatron's ``CudaGraphManager``, scopes ``"full"`` / ``"attn"``, or TE's graph helper) needs
-    chains split at every layer boundary, the warmup's gradient guard and the DDP hooks fired
-    after replay, none of which exists: a captured GTP layer would replay stale chain state.
-    Raised before any process group is created.
+
+def reject_cuda_graph_capture(
+    config: Any, *, use_te_rng_tracker: bool | None = None, pipeline_parallel: int = 1
+) -> None:
+    """``ValueError`` naming the setting when a GTP model asks for CUDA graphs GTP cannot take.
+
+    Supported (design §3.5): the full-iteration graph, and megatron's local per-layer graphs
+    with scope ``"full"`` or ``"attn"`` (one graph per transformer layer; the GTP chains are
+    split at every layer, see :mod:`nemo_gtp.integrations.megatron.layer_graphs`). Refused,
+    before any process group exists: TransformerEngine's graph helper
+    (``cuda_graph_impl="transformer_engine"`` / ``external_cuda_graph``: NeMo does not drive
+    it), other per-layer scopes, per-layer graphs with routed experts, with pipeline
+    parallelism, with activation recompute, without a capturable RNG tracker
+    (``use_te_rng_tracker``, when the caller knows it) and with ``expandable_segments``.
 
     Example::
 
-        reject_cuda_graph_capture(gpt_config)  # ValueError: cuda_graph_impl="local", scope "full"
+        reject_cuda_graph_capture(gpt_config, use_te_rng_tracker=False)  # ValueError
     """
     if not cuda_graphs_enabled(config) or full_iteration_graphs(config):
         return
-    settings = {
-        name: getattr(config, name, None)
-        for name in (
-            "cuda_graph_impl",
-            "enable_cuda_graph",
-            "external_cuda_graph",
-            "cuda_graph_scope",
+    off = "or turn graphs off (cuda_graph_impl='none')"
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "transformer_engine" or getattr(config, "external_cuda_graph", False):
+        raise ValueError(
+            f"cuda_graph_impl={impl!r} (TransformerEngine's graph helper) is not supported with "
+            "GTP: use cuda_graph_impl='local' with cuda_graph_scope='full', 'attn' or "
+            f"'full_iteration' {off}"
         )
-    }
-    raise ValueError(
-        f"per-layer CUDA-graph capture of a GTP model is not supported yet ({settings}): use the "
-        "full-iteration graph (enable_cuda_graph=True, cuda_graph_scope='full_iteration' on the "
-        "model config), turn graphs off (cuda_graph_impl='none', enable_cuda_graph=False, "
-        "external_cuda_graph=False), or turn GTP off (num_weight_shards="
-        "tensor_model_parallel_size)"
-    )
+    scope = layer_graph_scope(config)
+    if scope not in SUPPORTED_LAYER_SCOPES:
+        raise ValueError(
+            f"cuda_graph_scope={scope!r} with per-layer CUDA graphs is not supported with GTP: "
+            f"use one of {SUPPORTED_LAYER_SCOPES} or 'full_iteration' {off}"
+        )
+    what = f"per-layer CUDA graphs (cuda_graph_impl='local', cuda_graph_scope={scope!r})"
+    if getattr(config, "num_moe_experts", None):
+        raise ValueError(
+            f"{what} of a GTP model with routed experts (num_moe_experts="
+            f"{config.num_moe_experts}) are not supported: the token dispatch is not "
+            f"capturable: turn graphs off (cuda_graph_impl='none')"
+        )
+    if pipeline_parallel > 1:
+        raise ValueError(
+            f"{what} with pipeline_model_parallel_size={pipeline_parallel} are not supported "
+            f"with GTP: use pipeline_model_parallel_size=1 {off}"
+        )
+    if getattr(config, "recompute_granularity", None):
+        raise ValueError(
+            f"{what} with recompute_granularity={config.recompute_granularity!r}: megatron "
+            f"captures no recomputed layer; set recompute_granularity=None {off}"
+        )
+    if use_te_rng_tracker is False:
+        raise ValueError(
+            f"{what} need a capturable RNG tracker: pass use_te_rng_tracker=True to the "
+            f"strategy (as NeMo requires for CUDA graphs) {off}"
+        )
+    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        raise ValueError(
+            f"{what} are unsafe with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (megatron "
+            f"refuses it): remove expandable_segments from PYTORCH_CUDA_ALLOC_CONF {off}"
+        )
 
 
 def graph_safe_gtp_config(
     config: Any, gtp_config: GTPConfig | None
 ) -> tuple[GTPConfig | None, str]:
-    """The ``GTPConfig`` a full-iteration graph can replay, and a note when it was changed.
+    """The ``GTPConfig`` a CUDA graph can replay, and a note when it was changed.
 
     A replay runs no Python, so everything a step does must be stream work captured once: the
     copy-engine gather is not (its mirror refresh and barriers are decided on the host every
     step, on a cached stream), so ``gather_backend="auto"`` becomes ``"process_group"``, and an
-    explicit ``"copy_engine"`` is an error naming the setting. Graphs off: returned unchanged.
+    explicit ``"copy_engine"`` is an error naming the setting. The same holds for per-layer
+    graphs. Graphs off: returned unchanged.
 
     Example::
 
         gtp_config, note = graph_safe_gtp_config(model.config, GTPConfig())
         gtp_config.gather_backend   # "process_group" under full_iteration graphs
     """
-    if not full_iteration_graphs(config):
+    full = full_iteration_graphs(config)
+    if not full and layer_graph_scope(config) is None:
         return gtp_config, ""
+    kind = "the full-iteration CUDA graph" if full else "per-layer CUDA graphs"
     current = gtp_config or GTPConfig()
     if current.gather_backend == "copy_engine":
         raise ValueError(
-            "GTPConfig.gather_backend='copy_engine' cannot be captured in a full-iteration CUDA "
-            "graph: use gather_backend='process_group' (or 'auto'), or cuda_graph_scope other "
-            "than 'full_iteration'"
+            f"GTPConfig.gather_backend='copy_engine' cannot be captured in {kind}: use "
+            "gather_backend='process_group' (or 'auto'), or cuda_graph_impl='none'"
         )
     if current.gather_backend == "process_group":
         return gtp_config, ""
     return dataclasses.replace(current, gather_backend="process_group"), (
-        "GTP: gather_backend 'auto' -> 'process_group' under the full-iteration CUDA graph "
+        f"GTP: gather_backend 'auto' -> 'process_group' under {kind} "
         "(copy-engine pulls are host-driven each step; design §3.5)"
     )
 

@@ -10,6 +10,7 @@ Hooks, in the order NeMo / Lightning run them:
 ===========================  =====================================================================
 ``__init__``                 validate every GTP-relevant argument (no collectives yet)
 ``connect``                  CUDA-graph warmup >= 2 on the model config (design §2.4)
+                             (per-layer graphs: ``shard_model`` splits the chains per layer)
 ``setup_distributed``        NeMo's process groups, then the GTP groups (design §3.1; kept for a
                              second run on the same trainer); TE linears of the config's layer
                              spec set to build as their shard
@@ -260,7 +261,11 @@ class GTPMegatronStrategy(MegatronStrategy):
     def setup_distributed(self) -> None:
         """NeMo's process groups (megatron ``parallel_state``), then the GTP groups."""
         if self.gtp_enabled and getattr(self.model, "config", None) is not None:
-            reject_cuda_graph_capture(self.model.config)  # before any process group exists
+            reject_cuda_graph_capture(  # before any process group exists
+                self.model.config,
+                use_te_rng_tracker=bool(self.use_te_rng_tracker),
+                pipeline_parallel=self.pipeline_model_parallel_size,
+            )
             validate_moe_config(self.model.config, self.gtp_dims.egtp, self.gtp_enabled)
             self.gtp_config, note = graph_safe_gtp_config(self.model.config, self.gtp_config)
             if note:

@@ -29,6 +29,7 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
     shard_model,
 )
+from nemo_gtp.testing import graph_stand_in
 
 VOCAB, SEQ, MBS, MICROBATCHES = 128, 16, 2, 2
 
@@ -64,6 +65,13 @@ class Run:
     moe_ffn: int = 48  # moe_ffn_hidden_size
     capacity: float | None = None  # moe_expert_capacity_factor (token dropping when set)
     aux_loss: float = 0.0  # moe_aux_loss_coeff (load-balancing loss through the router)
+    # megatron's per-layer CUDA graphs (cuda_graph_impl="local"): "" off, "full" or "attn".
+    # On CUDA the layers are captured; on CPU (no graphs) the model is built with graphs off and
+    # the config switched after, so GTP runs the segmented schedule a captured model runs (or,
+    # inside nemo_gtp.testing.graph_stand_in.eager_cuda_graphs, megatron's graph managers run
+    # their capture and replay flow with an eager stand-in for CUDA graphs).
+    graph_scope: str = ""
+    graph_ring: int = 0  # GTPConfig.graph_wgrad_ring_size (the cross-graph wgrad ring)
 
     @property
     def gtp_on(self) -> bool:
@@ -188,6 +196,15 @@ def _moe_config(run: Run) -> dict:
     )
 
 
+def _graph_config(run: Run) -> dict:
+    """TransformerConfig fields of ``run``'s per-layer CUDA graphs (none when off)."""
+    if not run.graph_scope:
+        return {}
+    return dict(
+        cuda_graph_impl="local", cuda_graph_scope=run.graph_scope, cuda_graph_warmup_steps=2
+    )
+
+
 def train(run: Run) -> dict:
     """Train ``run`` on the current world; returns per-rank losses, grad norms, grads, weights.
 
@@ -209,7 +226,11 @@ def build(run: Run) -> dict:
         enable_cpu_compat(nemo=False)
     groups = gtp_groups(run)
     if on_gpu:
-        model_parallel_cuda_manual_seed(1234)
+        # megatron's graph manager needs a capturable RNG tracker (TE's, or its own graph-safe
+        # one); rebuilt for every run, since the tracker is process-global.
+        model_parallel_cuda_manual_seed(
+            1234, use_cudagraphable_rng=bool(run.graph_scope), force_reset_rng=True
+        )
     else:
         from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
 
@@ -241,6 +262,7 @@ def build(run: Run) -> dict:
         add_bias_linear=False,
         **_RECOMPUTE[run.recompute],
         **_moe_config(run),
+        **(_graph_config(run) if on_gpu or graph_stand_in.active() else {}),
     )
     gtp_config = GTPConfig(
         calculate_per_token_loss=run.per_token,
@@ -251,6 +273,7 @@ def build(run: Run) -> dict:
         separate_reduce_scatter_group=run.separate_rs,
         coalesce_mb=run.coalesce_mb,
         shard_replicated_params_over_gtp=run.shard_replicated,
+        graph_wgrad_ring_size=run.graph_ring,
     )
     spec = get_gpt_layer_local_spec(num_experts=run.experts or None, moe_grouped_gemm=False)
     reference = None
@@ -265,6 +288,9 @@ def build(run: Run) -> dict:
         load_full_weights(model, reference)
     if run.bf16:  # norms and inputs in bf16 too, as NeMo's precision plugin does
         model = Float16Module(config, model)
+    if run.graph_scope and not on_gpu and not graph_stand_in.active():
+        for key, value in _graph_config(run).items():
+            setattr(config, key, value)
     if run.gtp_on:
         shard_model(model, groups, gtp_config)
     pgs = gtp_process_groups(groups, gtp_config)
@@ -301,6 +327,8 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
     data_rank = parallel_state.get_data_parallel_rank()
     named = [(n, p) for n, p in ddp.module.named_parameters()]
     out = {"losses": [], "grad_norms": [], "grads": {}, "weights": {}, "data_rank": data_rank}
+    out["builds"] = []  # the runtime's chain-building count after each step
+    runtime = getattr(model, "gtp_runtime", None)
     forward_backward = get_forward_backward_func()
     for step in range(first_step, first_step + run.steps):
         ddp.zero_grad_buffer()
@@ -320,6 +348,7 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
             out["grads"] = {n: full_tensor(p, p.main_grad, groups) for n, p in named}
         _, grad_norm, _ = optimizer.step()
         out["grad_norms"].append(float(grad_norm))
+        out["builds"].append(runtime.builds if runtime is not None else 0)
     out["weights"] = {n: full_tensor(p, p.data, groups) for n, p in named}
     out["optimizer_state_numel"] = optimizer_state_numel(optimizer)
     out["runtime"] = getattr(model, "gtp_runtime", None)

@@ -35,6 +35,11 @@ from nemo_gtp.engine.grid import GTPGroups, WeightAxis
 from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
 from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
 from nemo_gtp.engine.runtime import ChainId, GTPRuntime
+from nemo_gtp.integrations.megatron.layer_graphs import (
+    check_layer_graph_settings,
+    install_layer_graphs,
+    layer_graph_scope,
+)
 from nemo_gtp.integrations.megatron.model_config import (
     mirror_per_token_loss,
     validate_model_config_for_gtp,
@@ -145,9 +150,15 @@ def shard_model(
         model = GPTModel(model_config, spec, vocab_size, max_seq)
         runtime = shard_model(model, groups, config)
 
+    A model config asking for megatron's per-layer CUDA graphs (``cuda_graph_impl="local"``,
+    scope ``"full"`` or ``"attn"``) gets one graph segment per captured layer and the GTP graph
+    boundary on each (:func:`~nemo_gtp.integrations.megatron.layer_graphs.install_layer_graphs`,
+    design §3.5); ``gather_backend="auto"`` then means the process group.
+
     Raises ``ValueError`` for settings GTP cannot honour (megatron's legacy ``GroupedMLP``
-    under expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, ...)
-    and warns once naming TE ``LayerNormMLP``s, which stay unsharded.
+    under expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch,
+    per-layer graphs with routed experts or fewer than 2 warmup steps, ...) and warns once
+    naming TE ``LayerNormMLP``s, which stay unsharded.
     """
     if hasattr(model, "param_to_bucket_group") or isinstance(
         model, torch.nn.parallel.DistributedDataParallel
@@ -159,6 +170,9 @@ def shard_model(
     config = mirror_per_token_loss(config, model_config)
     validate_model_config_for_gtp(model_config)
     is_moe = check_moe_for_gtp(model, groups, config)
+    graph_scope = layer_graph_scope(model_config)
+    if graph_scope is not None:  # megatron's per-layer CUDA graphs (design §3.5)
+        config = check_layer_graph_settings(model_config, config, moe=is_moe)
     expert_ids = expert_module_ids(model) if is_moe else set()
     name = type(model).__name__
     runtimes = {
@@ -224,6 +238,8 @@ def shard_model(
     _mark_shared(model, groups, config, experts)
     model.gtp_runtime = runtimes[WeightAxis.DENSE]
     model.gtp_expert_runtime = runtimes[WeightAxis.EXPERT]
+    if graph_scope is not None and runtimes[WeightAxis.DENSE] is not None:
+        install_layer_graphs(model, runtimes[WeightAxis.DENSE])
     return runtimes[WeightAxis.DENSE] or runtimes[WeightAxis.EXPERT]
 
 

@@ -122,6 +122,16 @@ def adopt_te_linear(module: torch.nn.Module, config: GTPConfig) -> None:
 def record_grad_mode(module: torch.nn.Module) -> None:
     """Record the grad mode of each call of TE ``module`` on its GTP weight (see module doc);
     a ``GroupedLinear``'s on ``weight0``, the leader TE materializes the group through."""
-    if not getattr(module, "_gtp_grad_mode_hook", False):
-        module.register_forward_pre_hook(_record)
-        module._gtp_grad_mode_hook = True
+    if not getattr(module, "_gtp_grad_mode_hook", None):
+        module._gtp_grad_mode_hook = module.register_forward_pre_hook(_record)
+
+
+def drop_grad_mode_hooks(module: torch.nn.Module) -> None:
+    """Remove :func:`record_grad_mode`'s hooks under ``module`` (a layer megatron captures as a
+    CUDA graph: its replay refuses modules with forward pre-hooks, and a captured layer's chain
+    hands nothing over to the backward, so the grad mode is not needed there)."""
+    for child in module.modules():
+        handle = getattr(child, "_gtp_grad_mode_hook", None)
+        if handle is not None and hasattr(handle, "remove"):
+            handle.remove()
+            child._gtp_grad_mode_hook = True  # never added again
