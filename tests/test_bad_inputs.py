@@ -28,7 +28,7 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 # ------------------------------------------------------------------------------------ GTPConfig
 BAD_GTP_CONFIGS = [
     (dict(gather_backend="nvshmem"), "gather_backend"),
-    (dict(preshard_linears="none"), "preshard_linears"),
+    (dict(preshard_linears="full"), "preshard_linears"),
     (dict(copy_engine_min_tokens=-1), "copy_engine_min_tokens"),
     (dict(prefetch_depth=0), "prefetch_depth"),
     (dict(pad_for_alignment=0), "pad_for_alignment"),

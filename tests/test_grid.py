@@ -71,7 +71,7 @@ def test_invalid_configurations(kwargs: dict, message: str) -> None:
     [
         (dict(pad_for_alignment=0), "pad_for_alignment must be >= 1"),
         (dict(gather_backend="nvlink"), "gather_backend must be 'process_group', 'copy_engine'"),
-        (dict(preshard_linears="local"), "preshard_linears must be 'te' or 'all'"),
+        (dict(preshard_linears="local"), "preshard_linears must be 'te', 'all' or 'none'"),
         (dict(graph_wgrad_ring_size=1), "graph_wgrad_ring_size must be 0 \\(off\\) or >= 2"),
         (dict(graph_wgrad_ring_size=2, async_reduction=False), "needs async_reduction=True"),
     ],

@@ -232,8 +232,13 @@ def test_strategy_config_spec_rewrite() -> None:
     config.transformer_layer_spec = get_gpt_layer_local_spec()
     assert preshard_config_layer_spec(config, groups, classes=presharded_classes())
     assert ColumnParallelLinear not in _linear_classes(config.transformer_layer_spec)
-    # GTP size 1: untouched.
+    # preshard_linears="none": "all" would swap the local linears; "none" swaps nothing.
     config.transformer_layer_spec = local_layer_spec
+    assert preshard_config_layer_spec(config, groups, GTPConfig(preshard_linears="all"))
+    config.transformer_layer_spec = local_layer_spec
+    assert preshard_config_layer_spec(config, groups, GTPConfig(preshard_linears="none")) is False
+    assert config.transformer_layer_spec is local_layer_spec
+    # GTP size 1: untouched.
     assert (
         preshard_config_layer_spec(config, _fake_rank_groups(1), classes=presharded_classes())
         is False

@@ -73,7 +73,9 @@ class GTPConfig:
             TransformerEngine parallel linears only; ``"all"`` also megatron's local
             ``ColumnParallelLinear`` / ``RowParallelLinear``, whose weights are otherwise built
             full and sliced (a run that starts bit-identical to its non-GTP twin; pre-sharded
-            weights are drawn per GTP peer instead).
+            weights are drawn per GTP peer instead); ``"none"``: every linear built full and
+            sliced, TE's too, so a TE model starts bit-identical to its non-GTP twin (for loss
+            comparisons; each weight is materialized in full once, at build).
         te_fuse_wgrad: TransformerEngine linears whose weight is a GTP shard write their wgrad
             GEMM straight into the runtime's reduce-scatter scratch (TE's
             ``fuse_wgrad_accumulation`` through the DistributedWeight protocol's
@@ -134,9 +136,10 @@ class GTPConfig:
                 f"GTPConfig.gather_backend must be 'process_group', 'copy_engine' or 'auto', "
                 f"got {self.gather_backend!r}"
             )
-        if self.preshard_linears not in ("te", "all"):
+        if self.preshard_linears not in ("te", "all", "none"):
             raise ValueError(
-                f"GTPConfig.preshard_linears must be 'te' or 'all', got {self.preshard_linears!r}"
+                "GTPConfig.preshard_linears must be 'te', 'all' or 'none', got "
+                f"{self.preshard_linears!r}"
             )
         if self.copy_engine_min_tokens < 0:
             raise ValueError(

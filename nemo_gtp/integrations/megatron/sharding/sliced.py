@@ -224,7 +224,7 @@ def shard_model(
     if config.fp8_gather:  # TE's FP8 GEMMs get FP8 gathers (design §1.3 "FP8 gather")
         for runtime in te_runtimes.values():
             install_te_fp8_gather(runtime)
-    if sliced_te:
+    if sliced_te and config.preshard_linears != "none":  # "none" slices them on purpose
         warnings.warn(
             f"shard_model sliced {len(sliced_te)} TransformerEngine linear(s) that were built "
             f"full (e.g. {sliced_te[0]}): pass the layer spec through gtp_layer_spec(spec, "

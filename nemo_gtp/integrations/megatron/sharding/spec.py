@@ -123,16 +123,17 @@ def preshard_config_layer_spec(
     function is wrapped so its result is rewritten when NeMo calls it. ``classes`` defaults to
     the loaded TransformerEngine wrappers (TE linears are never built full), plus megatron's
     local linears under ``GTPConfig.preshard_linears="all"``; otherwise local linears keep the
-    build-full-then-slice path that starts bit-identical to a run without GTP.
-    Returns whether anything can be swapped (False: GTP size 1, or no TE loaded).
+    build-full-then-slice path that starts bit-identical to a run without GTP
+    (``preshard_linears="none"``: every linear does, nothing is swapped).
+    Returns whether anything can be swapped (False: GTP size 1, ``"none"``, or no TE loaded).
 
     Example::
 
         preshard_config_layer_spec(gpt_config, groups, gtp_config)  # before configure_model
     """
-    if groups.gtp_size == 1:
-        return False
     config = config or GTPConfig()
+    if groups.gtp_size == 1 or (classes is None and config.preshard_linears == "none"):
+        return False
     if classes is None:
         kinds = dict(te_parallel_linear_kinds(import_te=False))
         if config.preshard_linears == "all":
