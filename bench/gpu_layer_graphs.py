@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="layer spec: megatron-local linears, or TransformerEngine's (GPU only; TE's RNG "
         "tracker, TE linears sliced to GTP shards by shard_model so every mode starts equal)",
     )
-    parser.add_argument("--timeout", type=float, default=115.0, help="whole launch, seconds")
+    parser.add_argument("--timeout", type=float, default=150.0, help="whole launch, seconds")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU, tiny model")
     args = parser.parse_args(argv)
     if args.cpu_smoke and args.spec == "te":
@@ -474,7 +474,13 @@ def main(argv: list[str] | None = None) -> int:
                 process.kill()
         print(f"[gpu_layer_graphs] {failed}", file=sys.stderr)
     result_file = Path(args.out) / "gpu_layer_graphs.json"
-    ok = result_file.exists() and json.loads(result_file.read_text())["ok"] and failed is None
+    written_ok = result_file.exists() and json.loads(result_file.read_text())["ok"]
+    if written_ok and failed is not None and failed.startswith("timed out"):
+        # every check ran and passed; the ranks were still tearing down (2xH200: NCCL's
+        # process-group teardown outlived a 115 s deadline once)
+        print("[gpu_layer_graphs] the deadline fired after the result was written", file=sys.stderr)
+        failed = None
+    ok = written_ok and failed is None
     summary = Path(args.out) / "gpu_layer_graphs.md"
     print(f"[gpu_layer_graphs] {'ok' if ok else 'FAILED'}: {summary}")
     return 0 if ok else 1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks of the NeMo-level paths on 2 GPUs (results under $OUT), run on every GPU round
-# (0 and 0b need TransformerEngine: bench/te_build.sh):
+# (0 and 0b need TransformerEngine: bench/te_build.sh; 0c runs without it):
 #  1. the ~1B recipe, GTP2 vs DP2 in one launch (run.py --compare-baseline), 20 steps;
 #  2. the ~125M recipe through GTPMegatronStrategy checkpoints: 20 steps with a ModelCheckpoint
 #     every 10, resume from step 10 at GTP2 (optimizer + data position restored), and the same
@@ -33,6 +33,9 @@ python3 -c "import transformer_engine.pytorch" 2>/dev/null && run te_spec_compar
 #     times and the loss curves (design §3.5).
 python3 -c "import transformer_engine.pytorch" 2>/dev/null && run full_iteration_graph 240 \
   python3 bench/bench_nemo.py --modes gtp2_te@graph,gtp2_te --tokens 2048 --timed 10 --out "$OUT/graph"
+# 0c. Per-layer CUDA graphs under GTP (megatron's local CudaGraphManager, fp32): graphed GTP2 vs
+#     eager GTP2 (bit for bit) vs DP2, and that every captured layer replays (design §3.5).
+run layer_graphs 180 python3 bench/gpu_layer_graphs.py --out "$OUT/layer_graphs"
 [ "$SKIP_1B" = 1 ] || [ "${COMPACT:-0}" = 1 ] || run gpt1b_compare 300 python3 -m nemo_gtp.run configs/gpt_1b.yaml trainer.max_steps=20 --compare-baseline
 [ "${COMPACT:-0}" = 1 ] || run gpt125m_full 150 python3 -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=20 \
   +checkpoint.dir=$CK +checkpoint.every_n_train_steps=10 $PS --loss-log "$OUT/full.jsonl"

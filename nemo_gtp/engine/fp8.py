@@ -1,7 +1,8 @@
 """FP8 GTP shards: quantize a master shard, gather it quantized, write back (design §1.3).
 
-Engine plumbing only (pure torch, ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``): nothing here
-is wired into :class:`GTPRuntime`, TransformerEngine or megatron yet (design §1.3 "FP8 shards").
+Engine plumbing (pure torch, ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``): the runtime's FP8
+gather (:mod:`nemo_gtp.engine.fp8_gather`) uses its scale formula and cast; FP8 primary weights
+are not wired in yet (design §1.3 "FP8 shards").
 
 Why the scales need care under GTP: a gathered weight is the concatenation of every peer's shard,
 and a GEMM consumes it with one ``scale_inv`` per scaling unit. A unit owned by one rank (a block
