@@ -9,7 +9,7 @@ busy vs idle per step) and a cProfile of the host (time in GTP code per call).
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     python bench/bench_nemo.py --modes dp2_local,gtp2_local,dp2_te,gtp2_te \\
-        --tokens 1024,2048,4096,8192 --out results_dir [--profile-tokens 2048,4096]
+        --tokens 1024,2048,4096,8192 --out results_dir [--profile-tokens 2048,4096 [--chrome-trace]]
 
 Modes (1B recipe, 24 layers, hidden 2048): ``dp2_local`` / ``gtp2_local``
 (``configs/gpt_1b.yaml``, megatron-local linears), ``dp2_te`` / ``gtp2_te``
@@ -30,10 +30,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import gzip
 import io
 import json
 import os
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
@@ -150,6 +152,7 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             self.warmup, self.timed, self.profile = warmup, timed, profile
             self.records: list[dict] = []
             self.exposed: dict[str, float] = {}
+            self.trace_path: str | None = None  # --chrome-trace: where rank 0 writes it
             self.split: list[dict[str, float]] = []
             self.gtp_stats: dict[str, int] = {}  # CommStats of the last split-window step
             self.torch_profile: dict = {}
@@ -248,6 +251,14 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
                         self.exposed[kind] = self.exposed.get(kind, 0.0) + seconds / 3
             if w["torch"] and step == w["torch"].stop - 1:
                 self._torch_prof.__exit__(None, None, None)
+                if self.trace_path:  # the profiled steps' timeline, for chrome://tracing
+                    self._torch_prof.export_chrome_trace(self.trace_path)
+                    with (
+                        open(self.trace_path, "rb") as raw,
+                        gzip.open(self.trace_path + ".gz", "wb") as packed,
+                    ):
+                        shutil.copyfileobj(raw, packed)
+                    os.remove(self.trace_path)
                 self.torch_profile = _summarize_torch_profile(
                     self._torch_prof, len(w["torch"]), [r["ms"] for r in self.records[-3:]]
                 )
@@ -320,6 +331,9 @@ def _rank_main(spec_path: str) -> None:
         record = {k: run[k] for k in ("mode", "tokens_per_gpu")}
         try:
             steps = _steps_callback(spec["warmup"], spec["timed"], run["profile"])
+            if rank == 0 and run["profile"] and spec.get("chrome_trace"):
+                name = f"{run['mode']}_{run['tokens_per_gpu']}"
+                steps.trace_path = str(Path(spec["out"], f"trace_{name}.json"))
             cfg = load_recipe(
                 str(ROOT / run["config"]),
                 [*run["overrides"], f"trainer.max_steps={steps.total_steps}"],
@@ -485,6 +499,12 @@ def main() -> int:
     parser.add_argument("--modes", default="dp2_local,gtp2_local,dp2_te,gtp2_te")
     parser.add_argument("--tokens", default="1024,2048,4096,8192")
     parser.add_argument("--profile-tokens", default="", help="also profile at these sizes")
+    parser.add_argument(
+        "--chrome-trace",
+        action="store_true",
+        help="with --profile-tokens: also write rank 0's timeline of the profiled steps "
+        "(trace_<mode>_<tokens>.json.gz, chrome://tracing or Perfetto)",
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timed", type=int, default=20)
     parser.add_argument("--devices", type=int, default=2)
@@ -518,6 +538,7 @@ def main() -> int:
                     "dir": tmp,
                     "out": str(out.resolve()),
                     "warmup": args.warmup,
+                    "chrome_trace": args.chrome_trace,
                     "timed": args.timed,
                 }
             )
