@@ -98,22 +98,21 @@ def fp8_config(config: object) -> object:
 
 
 def run_mode(args: argparse.Namespace, mode: str, gtp: int, fp8: bool, fp8_gather: bool) -> dict:
-    from bench_gpt import make_optimizer, model_config
+    from bench_gpt import model_config
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
-    from te_gpt_nccl import _seed, batch, forward_step, layer_spec, reference_weights
+    from te_gpt_nccl import (
+        _seed,
+        forward_backward_step,
+        layer_spec,
+        reference_weights,
+        wrap_for_training,
+    )
 
     from nemo_gtp.engine import GTPConfig
-    from nemo_gtp.integrations.megatron import (
-        GTPDistributedDataParallel,
-        gtp_layer_spec,
-        gtp_process_groups,
-        make_finalize_model_grads,
-        shard_model,
-    )
+    from nemo_gtp.integrations.megatron import gtp_layer_spec, shard_model
     from nemo_gtp.testing.gpt_harness import Run, gtp_groups, load_full_weights
 
     kind = "te" if CUDA else "local"
@@ -134,18 +133,7 @@ def run_mode(args: argparse.Namespace, mode: str, gtp: int, fp8: bool, fp8_gathe
     for module in model.modules():  # TE's fused wgrad accumulation (megatron's fusion)
         if kind == "te" and hasattr(module, "fuse_wgrad_accumulation"):
             module.fuse_wgrad_accumulation = True
-    pgs = gtp_process_groups(groups)
-    ddp = GTPDistributedDataParallel(
-        config,
-        DistributedDataParallelConfig(
-            use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True
-        ),
-        model,
-        pg_collection=pgs,
-    )
-    optimizer = make_optimizer(ddp, pg_collection=pgs, lr=args.lr)
-    config.finalize_model_grads_func = make_finalize_model_grads(groups)
-    config.no_sync_func = ddp.no_sync
+    ddp, optimizer = wrap_for_training(config, model, groups, args.lr)
     data_rank = parallel_state.get_data_parallel_rank()
     forward_backward = get_forward_backward_func()
     record: dict = dict(mode=mode, gtp=gtp, fp8=fp8, fp8_gather=fp8_gather, losses=[], norms=[])
@@ -173,18 +161,7 @@ def run_mode(args: argparse.Namespace, mode: str, gtp: int, fp8: bool, fp8_gathe
             runtime.stats.reset()
         _sync()
         start = time.perf_counter()
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        data = iter([batch(args, step, m, data_rank) for m in range(args.microbatches)])
-        reduced = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=data,
-            model=[ddp],
-            num_microbatches=args.microbatches,
-            seq_length=args.seq,
-            micro_batch_size=args.mbs,
-            forward_only=False,
-        )
+        reduced = forward_backward_step(args, ddp, optimizer, forward_backward, step, data_rank)
         _, grad_norm, _ = optimizer.step()
         _sync()
         times.append(time.perf_counter() - start)

@@ -165,6 +165,51 @@ def batch(args: argparse.Namespace, step: int, microbatch: int, data_rank: int) 
     )
 
 
+def wrap_for_training(
+    config: object, model: torch.nn.Module, groups: object, lr: float
+) -> tuple[object, object]:
+    """GTP-aware megatron DDP (distributed optimizer, overlapped fp32 grad reduce) and the
+    benchmarks' distributed Adam around ``model``, with the GTP finalize installed on
+    ``config``: ``(ddp, optimizer)``."""
+    pgs = gtp_process_groups(groups)
+    ddp = GTPDistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True
+        ),
+        model,
+        pg_collection=pgs,
+    )
+    optimizer = make_optimizer(ddp, pg_collection=pgs, lr=lr)
+    config.finalize_model_grads_func = make_finalize_model_grads(groups)
+    config.no_sync_func = ddp.no_sync
+    return ddp, optimizer
+
+
+def forward_backward_step(
+    args: argparse.Namespace,
+    ddp: object,
+    optimizer: object,
+    forward_backward: object,
+    step: int,
+    data_rank: int,
+) -> list:
+    """Zero the grads and run one step's micro-batches of this data rank forward and backward
+    (megatron's schedule); the reduced losses. The caller runs ``optimizer.step()``."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    data = iter([batch(args, step, m, data_rank) for m in range(args.microbatches)])
+    return forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=[ddp],
+        num_microbatches=args.microbatches,
+        seq_length=args.seq,
+        micro_batch_size=args.mbs,
+        forward_only=False,
+    )
+
+
 def forward_step(data_iterator, model):  # noqa: ANN001, ANN201
     data = next(data_iterator)
     out = model(data["tokens"], data["position_ids"], data["attention_mask"], labels=data["labels"])
@@ -206,18 +251,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
         for module in model.modules():
             if hasattr(module, "fuse_wgrad_accumulation"):
                 module.fuse_wgrad_accumulation = True
-    pgs = gtp_process_groups(groups)
-    ddp = GTPDistributedDataParallel(
-        config,
-        DistributedDataParallelConfig(
-            use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True
-        ),
-        model,
-        pg_collection=pgs,
-    )
-    optimizer = make_optimizer(ddp, pg_collection=pgs, lr=args.lr)
-    config.finalize_model_grads_func = make_finalize_model_grads(groups)
-    config.no_sync_func = ddp.no_sync
+    ddp, optimizer = wrap_for_training(config, model, groups, args.lr)
     data_rank = parallel_state.get_data_parallel_rank()
     forward_backward = get_forward_backward_func()
     losses, grad_norms, times, exposed, dummy_grads = [], [], [], {}, 0
@@ -242,18 +276,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
             runtime.wait_timer.collect()
         _sync()
         start = time.perf_counter()
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        data = iter([batch(args, step, m, data_rank) for m in range(args.microbatches)])
-        reduced = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=data,
-            model=[ddp],
-            num_microbatches=args.microbatches,
-            seq_length=args.seq,
-            micro_batch_size=args.mbs,
-            forward_only=False,
-        )
+        reduced = forward_backward_step(args, ddp, optimizer, forward_backward, step, data_rank)
         dummy_grads += sum(p.grad is not None for p in model.parameters() if is_gtp_param(p))
         _, grad_norm, _ = optimizer.step()
         _sync()
