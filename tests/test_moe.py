@@ -154,6 +154,53 @@ CASES = [
 ]
 
 
+def _expert_step_parity(
+    ddp: Any,
+    full: Any,
+    finalize: Any,
+    groups: Any,
+    counts: list[int],
+    step: int,
+    rank: int,
+    *,
+    rtol: float,
+) -> float:
+    """One step of the sharded experts (``ddp``: through GTP DDP and ``finalize``) and of the
+    unsharded ``full`` module on the same routed tokens (``counts`` per local expert): outputs
+    within ``rtol``, every ``main_grad`` within 1e-5 of ``full``'s grad averaged over the data
+    ranks; returns the worst relative grad error."""
+    import torch
+    import torch.distributed as dist
+
+    from nemo_gtp.testing.gpt_harness import full_tensor
+
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    tokens = torch.randn(sum(counts), 16, generator=gen)
+    probs = torch.rand(sum(counts), generator=gen)
+    weight = torch.randn(sum(counts), 16, generator=gen)
+    split = torch.tensor(counts)
+    ddp.zero_grad_buffer()
+    full.zero_grad()
+    out = ddp(tokens, split, probs)
+    out = out[0] if isinstance(out, tuple) else out  # SequentialMLP returns (output, bias)
+    (out * weight).sum().backward()
+    finalize([ddp])
+    want = full(tokens, split, probs)
+    want = want[0] if isinstance(want, tuple) else want
+    (want * weight).sum().backward()
+    assert torch.allclose(out, want, rtol=rtol, atol=1e-6)
+    worst = 0.0
+    sharded = ddp.module
+    for (name, param), ref in zip(sharded.named_parameters(), full.parameters(), strict=True):
+        expected = ref.grad.clone()
+        dist.all_reduce(expected, group=groups.expert_data)  # every holder of the expert
+        expected /= dist.get_world_size()  # the data ranks: each rank's tokens are its own
+        err = rel_err(full_tensor(param, param.main_grad, groups), expected)
+        worst = max(worst, err)
+        assert err <= 1e-5, f"step {step} {name}: rel err {err:.2e}"
+    return worst
+
+
 def _zero_token_experts_case(rank: int, world: int) -> float:
     """Experts that receive no tokens still gather, produce zero gradients and reduce-scatter.
 
@@ -166,7 +213,6 @@ def _zero_token_experts_case(rank: int, world: int) -> float:
     biases (replicated over EGTP) complete over the expert GTP group in the finalize.
     """
     import torch
-    import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
@@ -180,7 +226,6 @@ def _zero_token_experts_case(rank: int, world: int) -> float:
         make_finalize_model_grads,
         shard_model,
     )
-    from nemo_gtp.testing.gpt_harness import full_tensor
 
     run = dataclasses.replace(MOE, ep=2, egtp=2)
     groups = gtp_groups(run)  # EP {0, 1}, {2, 3}; EGTP {0, 2}, {1, 3}; EDP 1
@@ -219,27 +264,8 @@ def _zero_token_experts_case(rank: int, world: int) -> float:
     counts = {0: [3, 0], 2: [0, 4], 1: [0, 0], 3: [2, 0]}[rank]
     worst = 0.0
     for step in range(2):  # the first step observes the expert chain, the second prefetches
-        gen = torch.Generator().manual_seed(100 * step + rank)
-        tokens = torch.randn(sum(counts), 16, generator=gen)
-        probs = torch.rand(sum(counts), generator=gen)
-        weight = torch.randn(sum(counts), 16, generator=gen)
-        split = torch.tensor(counts)
-        ddp.zero_grad_buffer()
-        full.zero_grad()
-        out, _ = ddp(tokens, split, probs)
-        (out * weight).sum().backward()
-        finalize([ddp])
-        want, _ = full(tokens, split, probs)
-        (want * weight).sum().backward()
-        assert torch.allclose(out, want, rtol=1e-6, atol=1e-6)
-        for (name, param), ref in zip(sharded.named_parameters(), full.parameters(), strict=True):
-            expected = ref.grad.clone()
-            dist.all_reduce(expected, group=groups.expert_data)  # every holder of the expert
-            expected /= world  # the data ranks: each rank's tokens are its own
-            got = full_tensor(param, param.main_grad, groups)
-            err = rel_err(got, expected)
-            worst = max(worst, err)
-            assert err <= 1e-5, f"step {step} {name}: rel err {err:.2e}"
+        err = _expert_step_parity(ddp, full, finalize, groups, counts, step, rank, rtol=1e-6)
+        worst = max(worst, err)
         if rank % 2 == 1:  # local expert 1 of EGTP group {1, 3}: exactly zero, never missing
             for param in sharded.local_experts[1].parameters():
                 assert torch.count_nonzero(param.main_grad) == 0
@@ -260,7 +286,6 @@ def _grouped_experts_case(rank: int, world: int) -> float:
     ``_zero_token_experts_case``: outputs and every ``main_grad`` against the unsharded module.
     """
     import torch
-    import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.mlp import MLPSubmodules
@@ -273,7 +298,6 @@ def _grouped_experts_case(rank: int, world: int) -> float:
         make_finalize_model_grads,
         shard_model,
     )
-    from nemo_gtp.testing.gpt_harness import full_tensor
     from nemo_gtp.testing.te_grouped import CPUGroupedLinear
 
     run = dataclasses.replace(MOE, ep=2, egtp=2)
@@ -327,26 +351,8 @@ def _grouped_experts_case(rank: int, world: int) -> float:
         if step == 1:
             runtime.stats.reset()
             trace = runtime.enable_trace()
-        gen = torch.Generator().manual_seed(100 * step + rank)
-        tokens = torch.randn(sum(counts), 16, generator=gen)
-        probs = torch.rand(sum(counts), generator=gen)
-        weight = torch.randn(sum(counts), 16, generator=gen)
-        split = torch.tensor(counts)
-        ddp.zero_grad_buffer()
-        full.zero_grad()
-        out = ddp(tokens, split, probs)
-        (out * weight).sum().backward()
-        finalize([ddp])
-        want = full(tokens, split, probs)
-        (want * weight).sum().backward()
-        assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
-        for (name, param), ref in zip(sharded.named_parameters(), full.parameters(), strict=True):
-            expected = ref.grad.clone()
-            dist.all_reduce(expected, group=groups.expert_data)  # every holder of the expert
-            expected /= world  # the data ranks: each rank's tokens are its own
-            err = rel_err(full_tensor(param, param.main_grad, groups), expected)
-            worst = max(worst, err)
-            assert err <= 1e-5, f"step {step} {name}: rel err {err:.2e}"
+        err = _expert_step_parity(ddp, full, finalize, groups, counts, step, rank, rtol=1e-5)
+        worst = max(worst, err)
     stats = runtime.stats
     # per role: forward head (sync) + next block, backward hand-over + next block; one
     # coalesced collective each, and one reduce-scatter per group
