@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -141,14 +140,12 @@ def _expert_probe(reset_at: int):  # noqa: ANN202
 
 
 def _rank_main(spec_path: str) -> None:
-    import torch
-    import torch.distributed as dist
 
     sys.path.insert(0, str(HERE))
-    from bench_nemo import _steps_callback
+    from bench_nemo import _steps_callback, timed_fit
 
     from nemo_gtp.recipes.launch import teardown_fit
-    from nemo_gtp.recipes.loader import build_fit, load_recipe
+    from nemo_gtp.recipes.loader import load_recipe
 
     spec = json.loads(Path(spec_path).read_text())
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -162,22 +159,9 @@ def _rank_main(spec_path: str) -> None:
             cfg = load_recipe(
                 str(ROOT / CONFIG), [*run["overrides"], f"trainer.max_steps={steps.total_steps}"]
             )
-            fit = build_fit(cfg, callbacks=[steps, probe])
-            fit.trainer.strategy.store = dist.FileStore(str(Path(spec["dir"], f"store{i}")), world)
-            torch.cuda.reset_peak_memory_stats()
-            leftover = torch.cuda.memory_allocated()
-            fit.run()
-            timed = [r["ms"] for r in steps.records if r["step"] in steps.windows["timed"]]
-            median = statistics.median(timed)
-            record.update(
-                step_ms=round(median, 2),
-                tokens_per_s_per_gpu=round(spec["tokens_per_gpu"] / median * 1000),
-                peak_gib=round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2),
-                losses=[r["loss"] for r in steps.records],
-                exposed_ms={k: round(v * 1000, 3) for k, v in steps.exposed.items()},
-                **probe.numbers,
-            )
-            del fit
+            store = str(Path(spec["dir"], f"store{i}"))
+            fitted = timed_fit(cfg, [steps, probe], steps, store, world, spec["tokens_per_gpu"])
+            record.update(fitted, **probe.numbers)
         except Exception as err:  # record and go on: one broken mode must not hide the rest
             record["error"] = f"{type(err).__name__}: {err}"[:2000]
             if rank == 0:

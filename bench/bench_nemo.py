@@ -317,12 +317,40 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def _rank_main(spec_path: str) -> None:
+def timed_fit(
+    cfg: object, callbacks: list, steps: object, store: str, world: int, tokens_per_gpu: int
+) -> dict:
+    """Build and run one fit of recipe ``cfg`` (``steps``, one of ``callbacks``, is its
+    :func:`_steps_callback`; ``store``: a fresh file store path): the median step of the timed
+    window, tokens/s per GPU, peak memory above what earlier fits left allocated, the loss
+    curve and the exposed GTP communication."""
     import torch
     import torch.distributed as dist
 
+    from nemo_gtp.recipes.loader import build_fit
+
+    fit = build_fit(cfg, callbacks=callbacks)
+    fit.trainer.strategy.store = dist.FileStore(store, world)
+    torch.cuda.reset_peak_memory_stats()
+    leftover = torch.cuda.memory_allocated()  # what earlier fits left allocated
+    fit.run()
+    del fit
+    timed = [r["ms"] for r in steps.records if r["step"] in steps.windows["timed"]]
+    median = statistics.median(timed)
+    return dict(
+        step_ms=round(median, 2),
+        tokens_per_s_per_gpu=round(tokens_per_gpu / median * 1000),
+        peak_gib=round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2),
+        leftover_gib=round(leftover / 2**30, 2),
+        losses=[r["loss"] for r in steps.records],
+        exposed_ms={k: round(v * 1000, 3) for k, v in steps.exposed.items()},
+    )
+
+
+def _rank_main(spec_path: str) -> None:
+
     from nemo_gtp.recipes.launch import teardown_fit
-    from nemo_gtp.recipes.loader import build_fit, load_recipe
+    from nemo_gtp.recipes.loader import load_recipe
 
     spec = json.loads(Path(spec_path).read_text())
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -338,20 +366,9 @@ def _rank_main(spec_path: str) -> None:
                 str(ROOT / run["config"]),
                 [*run["overrides"], f"trainer.max_steps={steps.total_steps}"],
             )
-            fit = build_fit(cfg, callbacks=[steps])
-            fit.trainer.strategy.store = dist.FileStore(str(Path(spec["dir"], f"store{i}")), world)
-            torch.cuda.reset_peak_memory_stats()
-            leftover = torch.cuda.memory_allocated()  # what earlier fits left allocated
-            fit.run()
-            timed = [r["ms"] for r in steps.records if r["step"] in steps.windows["timed"]]
-            median = statistics.median(timed)
+            store = str(Path(spec["dir"], f"store{i}"))
+            record.update(timed_fit(cfg, [steps], steps, store, world, run["tokens_per_gpu"]))
             record.update(
-                step_ms=round(median, 2),
-                tokens_per_s_per_gpu=round(run["tokens_per_gpu"] / median * 1000),
-                peak_gib=round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2),
-                leftover_gib=round(leftover / 2**30, 2),
-                losses=[r["loss"] for r in steps.records],
-                exposed_ms={k: round(v * 1000, 3) for k, v in steps.exposed.items()},
                 # forward + backward: host issue time vs what the GPU still had left after it
                 split_ms={
                     key: round(statistics.median(s[key] for s in steps.split), 2)
@@ -368,7 +385,6 @@ def _rank_main(spec_path: str) -> None:
                 Path(spec["out"], f"torch_profile_{name}.txt").write_text(
                     steps.torch_profile.get("top_cpu_ops", "")
                 )
-            del fit
         except Exception as err:  # record and go on: one broken mode must not hide the rest
             record["error"] = f"{type(err).__name__}: {err}"[:2000]
             if rank == 0:
