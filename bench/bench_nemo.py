@@ -233,11 +233,13 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             step, w = trainer.global_step - 1, self.windows
             ms = 1000 * (time.perf_counter() - self._start)
             loss = trainer.callback_metrics.get("reduced_train_loss")
+            norm = trainer.callback_metrics.get("grad_norm")  # NeMo logs it at every step
             self.records.append(
                 {
                     "step": step,
                     "ms": round(ms, 2),
                     "loss": float(loss) if loss is not None else None,
+                    "grad_norm": float(norm) if norm is not None else None,
                 }
             )
             if step in w["split"]:  # gathers, prefetches, skipped prefetches, fallbacks
@@ -343,6 +345,7 @@ def timed_fit(
         peak_gib=round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2),
         leftover_gib=round(leftover / 2**30, 2),
         losses=[r["loss"] for r in steps.records],
+        grad_norms=[r["grad_norm"] for r in steps.records],
         exposed_ms={k: round(v * 1000, 3) for k, v in steps.exposed.items()},
     )
 
@@ -445,13 +448,66 @@ def _report(records: list[dict], out: Path) -> str:
             f"{split_text} | {'' if idle is None else f'{idle:.0%}'} | {kernels} | {misses} | "
             f"{diff} |"
         )
-    table = "\n".join(lines) + _repeat_summary(records)
+    table = "\n".join(lines) + _repeat_summary(records) + _graph_vs_eager(records)
     (out / "bench_nemo.md").write_text(table + "\n")
     try:
         _plot(records, out / "bench_nemo_ratio.png")
     except Exception as err:  # noqa: BLE001 (matplotlib missing: the table is the result)
         print(f"plot skipped: {err}")
     return table
+
+
+def _eager_twin(mode: str) -> str | None:
+    """``gtp2_te@graph`` -> ``gtp2_te``: the same mode without CUDA graphs (None: no graphs)."""
+    base, *knobs = mode.split("#")[0].split("@")
+    if not any(k in GRAPH_KINDS for k in knobs):
+        return None
+    return "@".join([base, *(k for k in knobs if k not in GRAPH_KINDS)])
+
+
+def _max_rel(a: list, b: list) -> float | None:
+    pairs = [(x, y) for x, y in zip(a or [], b or []) if x is not None and y]
+    return max(abs(x - y) / abs(y) for x, y in pairs) if pairs else None
+
+
+def _graph_vs_eager(records: list[dict]) -> str:
+    """A graphed mode against its eager twin at the same size (design §3.5): step 1's loss,
+    the largest relative loss and grad-norm differences over the run, step time and the host's
+    time to issue forward + backward."""
+    by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
+    lines = []
+    for (mode, tokens), r in by.items():
+        twin = by.get((_eager_twin(mode) or "", tokens))
+        if twin is None:
+            continue
+        first = (r["losses"] or [None])[0], (twin["losses"] or [None])[0]
+        loss_rel, norm_rel = (
+            _max_rel(r["losses"], twin["losses"]),
+            _max_rel(r.get("grad_norms"), twin.get("grad_norms")),
+        )
+        host = (
+            r.get("split_ms", {}).get("host_issue_ms"),
+            twin.get("split_ms", {}).get("host_issue_ms"),
+        )
+        lines.append(
+            f"| {mode} | {tokens} | {first[0]} / {first[1]} | "
+            f"{'' if loss_rel is None else f'{loss_rel:.1e}'} | "
+            f"{'' if norm_rel is None else f'{norm_rel:.1e}'} | "
+            f"{r['step_ms'] / twin['step_ms']:.3f} | "
+            f"{f'{host[1] / host[0]:.1f}×' if host[0] and host[1] else ''} |"
+        )
+    if not lines:
+        return ""
+    head = [
+        "",
+        "",
+        "Graphed vs the same mode eager (same size):",
+        "",
+        "| graphed mode | tokens/GPU | step-1 loss graphed / eager | max loss rel diff | "
+        "max grad-norm rel diff | step time graphed / eager | host issue eager / graphed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(head + lines)
 
 
 def _repeat_summary(records: list[dict]) -> str:

@@ -395,6 +395,12 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=110.0, help="seconds, then exit 3")
     parser.add_argument("--out", default="fp8_check_out")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo, local spec, no TE")
+    parser.add_argument(
+        "--probe-gemm",
+        action="store_true",
+        help="record the operands of a failing TE GEMM and which copied operand makes it run "
+        "(te_gemm_probe; gemm_probe in the JSON)",
+    )
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gpt, te_gpt_nccl
     _watchdog(args)
@@ -424,6 +430,14 @@ def main() -> None:
         RESULT["te"] = transformer_engine.__version__
     except ImportError:
         RESULT["te"] = None
+    if args.probe_gemm and CUDA:
+        import te_gemm_probe
+
+        te_gemm_probe.install()
+        RESULT["gemm_probe"] = {
+            "failures": te_gemm_probe.FINDINGS,
+            "first_successes": te_gemm_probe.SUCCESSES,
+        }
     modes = MODES if CUDA else SMOKE_MODES
     selected = args.modes.split(",") if args.modes else list(modes)
     if not CUDA:
