@@ -267,6 +267,8 @@ def _runtime_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
             return
         ref = quantize_shard(fulls[i].float(), scaling)
         got = consumer.seen[(name, direction)]
+        # cuBLAS refuses FP8 GEMMs whose scale pointer is not 16-byte aligned
+        assert got.scale_inv.data_ptr() % 16 == 0, f"{name}: scale_inv not 16-byte aligned"
         _assert_same(FP8Shard(got.data, got.scale_inv, None, None, scaling), ref, name)
         assert torch.equal(out, ref.dequantize(torch.bfloat16))
         if direction == "bwd":

@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     from nemo_gtp.engine.param import Direction, GTPShardedParam
 
 _INF = float("inf")
+# cuBLAS refuses an FP8 GEMM whose scale pointer is not 16-byte aligned ("the requested
+# functionality is not supported"): each weight's scale / scale_inv / amax sits at a multiple of
+# 4 fp32 elements of its runtime-wide vector (the pad elements stay 0 and are never read).
+_SCALAR_STRIDE = 4
 
 
 class FP8Gathered:
@@ -182,7 +186,7 @@ class FP8ShardCache:
         device = params[0].device
         if (
             self._amax is None
-            or self._amax.numel() != n
+            or self._amax.numel() != n * _SCALAR_STRIDE
             or self._amax.device != device
             or any(
                 p.gtp_state.fp8 is None or p.gtp_state.fp8.data.dtype != scaling.fp8_dtype
@@ -212,18 +216,20 @@ class FP8ShardCache:
         self.refreshes += 1
 
     def _allocate(self, params: list[GTPShardedParam], scaling: FP8Scaling, device: torch.device):
-        n = len(params)
+        n, k = len(params), _SCALAR_STRIDE
         with torch.inference_mode(False):  # outlives an evaluation loop that ran the first gather
-            vectors = torch.zeros(3, n, dtype=torch.float32, device=device)
-            self._amax, self._scale, self._scale_inv = vectors[0], vectors[1], vectors[2]
+            # Three separate allocations: each starts aligned, and so does every k-th element.
+            self._amax, self._scale, self._scale_inv = (
+                torch.zeros(n * k, dtype=torch.float32, device=device) for _ in range(3)
+            )
             for i, param in enumerate(params):
                 data = torch.zeros(param.shape, dtype=scaling.fp8_dtype, device=device)
                 state = param.gtp_state
                 state.fp8 = FP8Shard(
                     data=data,
-                    scale_inv=self._scale_inv[i : i + 1],
-                    scale=self._scale[i : i + 1],
-                    amax=self._amax[i : i + 1],
+                    scale_inv=self._scale_inv[i * k : i * k + 1],
+                    scale=self._scale[i * k : i * k + 1],
+                    amax=self._amax[i * k : i * k + 1],
                     scaling=scaling,
                 )
                 state.fp8_wire = data.view(torch.uint8)
@@ -231,7 +237,9 @@ class FP8ShardCache:
             self._nonempty = [
                 i for i, p in enumerate(params) if p.numel() and _real_rows(p.gtp_spec, p.shape[0])
             ]
-            self._index = torch.tensor(self._nonempty, dtype=torch.long, device=device)
+            self._index = torch.tensor(
+                [i * k for i in self._nonempty], dtype=torch.long, device=device
+            )
 
 
 def transposed_view(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

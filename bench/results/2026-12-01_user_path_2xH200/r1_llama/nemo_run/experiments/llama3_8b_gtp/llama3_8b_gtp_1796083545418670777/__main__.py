@@ -1,0 +1,375 @@
+"""Run a recipe: ``python -m nemo_gtp.run configs/<recipe>.yaml [key=value ...]``, or a NeMo
+recipe: ``python -m nemo_gtp.run --recipe llama3_8b --num-weight-shards 8 [key=value ...]``.
+
+NeMo recipes (``--recipe``) are handled by :mod:`nemo_gtp.recipes.nemo_cli`: NeMo's
+``llm.<name>.pretrain_recipe``, NeMo-Run's overrides, :func:`nemo_gtp.recipes.with_gtp`, launched
+through NeMo-Run (torchrun here, or Slurm). The rest of this docstring is about YAML recipes.
+
+The recipe and the overrides are checked in this process before any worker starts
+(:mod:`nemo_gtp.recipes.validate`): a wrong key or value exits with one ``error:`` line naming
+it. ``--compare-baseline`` trains the recipe twice, as written (GTP) and with
+``strategy.num_weight_shards`` (and ``strategy.expert_num_weight_shards``, if the recipe sets it)
+set to the tensor-parallel size (plain TP + DP, same global
+batch), both in one launch of ``trainer.devices`` processes (one after the other, see
+``nemo_gtp.recipes.launch``), prints both loss curves side by side and ends with one
+``VERDICT:`` line. Every run logs through NeMo's ``nl.NeMoLogger`` (TensorBoard) into
+``--log-dir`` (default ``runs/<recipe name>``; the two runs of ``--compare-baseline`` into its
+``gtp/`` and ``baseline/``), and the comparison is drawn from those logs by
+:mod:`nemo_gtp.report`.
+
+Examples::
+
+    python -m nemo_gtp.run configs/tiny_cpu.yaml --compare-baseline
+    python -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=50 strategy.num_weight_shards=2
+    python -m nemo_gtp.run configs/tiny_cpu.yaml trainer.max_steps=10 \
+        +checkpoint.dir=ckpts +checkpoint.every_n_train_steps=10
+    python -m nemo_gtp.run configs/tiny_cpu.yaml trainer.max_steps=20 +resume=ckpts/step=9
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+PROG = "python -m nemo_gtp.run"
+EPILOG = f"""\
+YAML recipe overrides (OmegaConf dot paths, checked before anything starts):
+  key=value             change a key the recipe has, e.g. trainer.max_steps=50
+  +key=value            add a key, e.g. +trainer.seed=3 or +model.activation_func=silu
+  +checkpoint.dir=DIR +checkpoint.every_n_train_steps=N
+                        save a full checkpoint every N steps, as DIR/step=K/ (torch_dist)
+  +resume=DIR/step=K    continue from that checkpoint, at this recipe's layout (any TP/GTP/DP)
+  strategy.num_weight_shards=TPxGTP
+                        the GTP degree is num_weight_shards / tensor_model_parallel_size;
+                        data.global_batch_size must be a multiple of micro_batch_size x DP x GTP
+
+NeMo recipes (--recipe NAME: nemo.collections.llm.recipes.NAME.pretrain_recipe):
+  overrides are NeMo-Run's dotted keys into the recipe, e.g. trainer.max_steps=10
+  model.config.num_layers=2 trainer.strategy.tensor_model_parallel_size=2; the recipe is
+  converted by nemo_gtp.recipes.with_gtp (settings GTP cannot honour are fixed with a note or
+  rejected) and launched through NeMo-Run: torchrun on this machine (--executor local; for
+  several nodes run the same command on each with MASTER_ADDR, MASTER_PORT, NODE_RANK set) or
+  sbatch (--executor slurm). Everything is checked before anything is launched.
+  {PROG} --recipe llama3_8b --num-weight-shards 8 trainer.max_steps=100
+  {PROG} --recipe nemotron4_15b --num-weight-shards 8 --nodes 2 --executor slurm \\
+      --slurm-account ACCT --slurm-partition batch --job-dir /lustre/me/runs --dryrun
+  {PROG} --recipe llama3_8b --num-weight-shards 8 --data data/corpus \\
+      --tokenizer sentencepiece:data/tok.model   # python -m nemo_gtp.data builds them
+
+examples:
+  {PROG} configs/tiny_cpu.yaml --compare-baseline
+  {PROG} configs/tiny_cpu.yaml trainer.max_steps=10 strategy.num_weight_shards=4
+  {PROG} configs/tiny_cpu.yaml trainer.max_steps=10 \\
+      +checkpoint.dir=ckpts +checkpoint.every_n_train_steps=10
+  {PROG} configs/tiny_cpu.yaml trainer.max_steps=20 +resume=ckpts/step=9
+  {PROG} configs/gpt_125m.yaml trainer.max_steps=50 --loss-log losses.jsonl   # 2 GPUs
+  python -m nemo_gtp.report runs/tiny_cpu/gtp runs/tiny_cpu/baseline -o plot.png
+"""
+# Relative loss difference under which GTP "matches" its baseline: fp32 runs agree to rounding
+# (≤ 2.2e-7 measured on the tiny recipe); bf16 runs differ by bf16 rounding of reduction orders.
+TOLERANCE = {"32": 1e-5, "bf16-mixed": 2e-2}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser (``--help`` documents overrides and examples)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Train with GTP (GTPMegatronStrategy): a YAML recipe of configs/, or one of "
+        "NeMo 2's own recipes (--recipe) launched through NeMo-Run.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "args",
+        nargs="*",
+        metavar="[CONFIG.yaml] [key=value ...]",
+        help="a recipe YAML (e.g. configs/tiny_cpu.yaml; not with --recipe), then overrides: "
+        "key=value or +key=value for YAML, NeMo-Run's key=value for --recipe (see below)",
+    )
+    parser.add_argument(
+        "--compare-baseline",
+        action="store_true",
+        help="also train without GTP (num_weight_shards = TP, same global batch) in the same "
+        "launch, print both loss curves and one VERDICT line (exit 1 if they do not match)",
+    )
+    parser.add_argument(
+        "--loss-log",
+        metavar="FILE",
+        help='append rank 0\'s per-step {"step", "loss", "ms"} JSON lines to FILE (with '
+        '--recipe, in-fit validation losses go to FILE\'s ".val" sibling)',
+    )
+    parser.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="TensorBoard logs (NeMo's NeMoLogger) and NeMo's text logs go here; with "
+        "--compare-baseline into DIR/gtp and DIR/baseline (default: runs/<recipe name>); a run "
+        "that does not resume replaces the TensorBoard logs it finds there",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="with --compare-baseline: where to draw both runs' loss, step time, exposed GTP "
+        "communication and memory (default: <log dir>/gtp_vs_baseline.png); the VERDICT line "
+        "names it",
+    )
+    nemo = parser.add_argument_group("NeMo recipes (--recipe)")
+    nemo.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help="a NeMo pretraining recipe (llama3_8b, llama3_70b, nemotron4_15b, ...) or "
+        "module:factory returning one",
+    )
+    nemo.add_argument("--num-weight-shards", type=int, metavar="N", help="TP x GTP")
+    nemo.add_argument(
+        "--gtp",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a GTPConfig option, e.g. --gtp pad_for_alignment=16 (repeatable)",
+    )
+    nemo.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    nemo.add_argument("--devices", type=int, default=8, help="GPUs (processes) per node")
+    nemo.add_argument("--name", help="run name (default <recipe>_gtp)")
+    nemo.add_argument("--dir", help="NeMo log/checkpoint directory (default ./nemo_experiments)")
+    nemo.add_argument(
+        "--data",
+        action="append",
+        metavar="PREFIX",
+        help="train on megatron indexed data PREFIX.bin/.idx (NeMo's PreTrainingDataModule, "
+        "keeping the recipe's sequence length and batch sizes); repeat to blend",
+    )
+    nemo.add_argument(
+        "--tokenizer",
+        metavar="SPEC",
+        help="the tokenizer --data was built with: sentencepiece:PATH, huggingface:DIR, byte",
+    )
+    nemo.add_argument("--executor", choices=("local", "slurm"), default="local")
+    nemo.add_argument("--slurm-account")
+    nemo.add_argument("--slurm-partition")
+    nemo.add_argument("--slurm-time", default="04:00:00")
+    nemo.add_argument("--container-image")
+    nemo.add_argument("--job-dir", help="Slurm: NeMo-Run's job files, on a shared filesystem")
+    nemo.add_argument(
+        "--dryrun",
+        action="store_true",
+        help="check and write what would be launched (Slurm: the sbatch script), launch nothing",
+    )
+    nemo.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run the recipe on CPU processes with gloo (tests; nemo_gtp.testing.nemo_cpu)",
+    )
+    return parser
+
+
+def default_log_dir(config: str) -> Path:
+    """``runs/<recipe name>``: where a run of ``config`` logs unless ``--log-dir`` says."""
+    return Path("runs", Path(config).stem)
+
+
+def fresh_tensorboard_dir(log_dir: Path) -> None:
+    """Remove the TensorBoard event files an earlier run left in ``log_dir`` (a new run's curve
+    would otherwise be merged with the old one's by step)."""
+    import shutil
+
+    from nemo_gtp.recipes.loader import TB_SUBDIR
+
+    shutil.rmtree(log_dir / TB_SUBDIR, ignore_errors=True)
+
+
+def check(config: str, overrides: list[str]) -> object:
+    """Load and check a recipe in this process (no torch / NeMo): the config, or RecipeError."""
+    from nemo_gtp.recipes.config import load_recipe
+    from nemo_gtp.recipes.validate import validate_recipe
+
+    cfg = load_recipe(config, overrides)
+    validate_recipe(cfg)
+    return cfg
+
+
+def verdict(
+    gtp: list[dict], baseline: list[dict], precision: str = "32", skip_steps: int = 5
+) -> tuple[bool, str]:
+    """Whether GTP's loss curve matches the baseline's, and the one-line ``VERDICT:`` text.
+
+    The step-time ratio uses the median step time past the first ``skip_steps`` (warm-up).
+    Example::
+
+        ok, line = verdict(logs["GTP"], logs["baseline"], precision="32")
+    """
+    tol = TOLERANCE.get(str(precision), TOLERANCE["32"])
+    base = {r["step"]: r["loss"] for r in baseline}
+    diffs = [
+        abs(r["loss"] - base[r["step"]]) / abs(base[r["step"]]) for r in gtp if r["step"] in base
+    ]
+    if not diffs or len(diffs) != len(baseline) or len(gtp) != len(baseline):
+        return False, (
+            f"VERDICT: GTP did not match the baseline (steps logged: GTP {len(gtp)}, "
+            f"baseline {len(baseline)})"
+        )
+    worst = max(diffs)
+    ok = worst <= tol
+    ratio = _median_ms(gtp, skip_steps) / _median_ms(baseline, skip_steps)
+    what = "matches" if ok else "did not match"
+    return ok, (
+        f"VERDICT: GTP {what} the baseline (max rel loss diff {worst:.1e} over {len(diffs)} "
+        f"steps, tolerance {tol:.0e}); step time GTP/baseline {ratio:.2f}"
+    )
+
+
+def _median_ms(log: list[dict], skip: int) -> float:
+    times = sorted(r["ms"] for r in (log[skip:] or log))
+    return times[len(times) // 2] if times else float("nan")
+
+
+def _compare(
+    config: str,
+    overrides: list[str],
+    cfg: object,
+    plot: str | None = None,
+    log_dir: str | None = None,
+) -> int:
+    from nemo_gtp.recipes.launch import launch_fits
+
+    strategy = cfg.strategy  # type: ignore[attr-defined]
+    tp = int(strategy.get("tensor_model_parallel_size", 1))
+    shards = int(strategy.get("num_weight_shards") or tp)
+    baseline = [*overrides, f"strategy.num_weight_shards={tp}"]
+    name = f"GTP (TP{tp}·GTP{shards // tp}"
+    if strategy.get("expert_num_weight_shards") is not None:  # expert GTP off too (MoE recipes)
+        etp = int(strategy.get("expert_tensor_parallel_size") or tp)
+        baseline.append(f"strategy.expert_num_weight_shards={etp}")
+        name += f"·EGTP{int(strategy.expert_num_weight_shards) // etp}"
+    check(config, baseline)  # e.g. the baseline's global batch (DP x GTP ranks are the same)
+    runs = {f"{name})": overrides, f"baseline (TP{tp}, no GTP)": baseline}
+    root = Path(log_dir) if log_dir else default_log_dir(config)
+    dirs = dict(zip(runs, (root / "gtp", root / "baseline"), strict=True))
+    for directory in dirs.values():
+        fresh_tensorboard_dir(directory)
+    start = time.perf_counter()
+    for name, args in runs.items():
+        print(f"=== {name}: {PROG} {config} {' '.join(args)}", flush=True)
+    try:
+        logs = launch_fits(config, runs, log_dirs={n: str(d) for n, d in dirs.items()})
+    except RuntimeError as err:
+        print(f"training failed: {err}", flush=True)
+        print("VERDICT: GTP did not match the baseline (training failed)", flush=True)
+        return 1
+    precision = str(cfg.get("precision", "32"))  # type: ignore[attr-defined]
+    return report_comparison(logs, precision, plot, Path(config).stem, start, log_dirs=dirs)
+
+
+def report_comparison(
+    logs: dict[str, list[dict]],
+    precision: str,
+    plot: str | None,
+    stem: str,
+    start: float | None = None,
+    log_dirs: dict[str, Path] | None = None,
+) -> int:
+    """Print both loss curves side by side and the ``VERDICT:`` line; 0 when they match.
+
+    ``logs`` maps the GTP run's name, then the baseline's, to rank 0's per-step records. With
+    ``log_dirs`` (the same names to each run's TensorBoard directory) the report of both runs is
+    drawn to ``plot`` (default ``<GTP run's log dir>/../gtp_vs_baseline.png``). Example::
+
+        report_comparison({"GTP": gtp_log, "baseline": base_log}, "32", None, "tiny_cpu")
+    """
+    names = list(logs)
+    print(f"\n{'step':>5} | {names[0]:>22} | {names[1]:>22} | rel diff")
+    by_step = [{r["step"]: r["loss"] for r in logs[n]} for n in names]
+    for step in sorted(by_step[0]):
+        a, b = by_step[0][step], by_step[1].get(step, float("nan"))
+        print(f"{step:>5} | {a:>22.5f} | {b:>22.5f} | {abs(a - b) / abs(b):.1e}")
+    for name in names:
+        peak = max((r.get("peak_gib", 0.0) for r in logs[name]), default=0.0)
+        print(
+            f"{name}: median step {_median_ms(logs[name], 5):.1f} ms"
+            + (f", peak memory {peak:.2f} GiB" if peak else "")
+        )
+    if logs[names[0]]:
+        first, last = logs[names[0]][0]["loss"], logs[names[0]][-1]["loss"]
+        took = f"; both runs took {time.perf_counter() - start:.0f} s" if start else ""
+        print(f"\nGTP loss {first:.3f} -> {last:.3f} over {len(logs[names[0]])} steps{took}")
+    ok, line = verdict(logs[names[0]], logs[names[1]], precision)
+    if not log_dirs:
+        print(line + "; plot skipped (no TensorBoard logs given)", flush=True)
+        return 0 if ok else 1
+    gtp_dir, base_dir = log_dirs.values()
+    png = Path(plot or Path(gtp_dir).parent / "gtp_vs_baseline.png").absolute()
+    print(f"\nTensorBoard logs: {gtp_dir} and {base_dir}", flush=True)
+    print(f"report: python -m nemo_gtp.report {gtp_dir} {base_dir} -o {png}", flush=True)
+    try:
+        from nemo_gtp.report import report
+
+        _, summary = report([gtp_dir, base_dir], png)
+        print(summary, flush=True)
+        line += f"; plot: {png}"
+    except ImportError:  # matplotlib is optional (the test extra)
+        line += "; plot skipped (no matplotlib)"
+    except FileNotFoundError as err:  # no TensorBoard events: the verdict still stands
+        print(err, flush=True)
+        line += "; plot skipped (no TensorBoard logs)"
+    print(line, flush=True)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m nemo_gtp.run``; returns the exit status (2: bad input)."""
+    from nemo_gtp.recipes.config import RecipeError
+    from nemo_gtp.recipes.quiet import quiet_known_warnings
+
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)  # options may sit between the overrides
+    if args.recipe is not None:
+        from nemo_gtp.recipes.nemo_cli import main_recipe
+
+        args.overrides = args.args
+        return main_recipe(args)
+    if not args.args:
+        parser.error("give a recipe YAML (e.g. configs/tiny_cpu.yaml) or --recipe NAME")
+    args.config, args.overrides = args.args[0], args.args[1:]
+    try:
+        cfg = check(args.config, args.overrides)
+    except RecipeError as err:  # a user error: one line, no traceback, before any worker
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    quiet_known_warnings()  # not inherited: every process started below installs it too
+    if str(cfg.trainer.get("accelerator", "")) == "cpu":  # type: ignore[attr-defined]
+        # No NCCL, so no flight recorder to quiet; set the new name so GTP's quiet_flight_recorder
+        # leaves the deprecated TORCH_NCCL_TRACE_BUFFER_SIZE alone (torch warns per rank on it).
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
+    if args.compare_baseline:
+        try:
+            return _compare(args.config, args.overrides, cfg, args.plot, args.log_dir)
+        except RecipeError as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+            return 2
+    from nemo_gtp.recipes.loader import LossLog, ProgressLog, build_fit
+
+    data, trainer = cfg.data, cfg.trainer  # type: ignore[attr-defined]
+    callbacks = [
+        ProgressLog(
+            tokens_per_step=int(data.global_batch_size) * int(data.seq_length),
+            every_n_steps=int(trainer.get("log_every_n_steps", 50)),  # Lightning's default
+        )
+    ]
+    if args.loss_log:
+        callbacks.append(LossLog(args.loss_log))
+    log_dir = Path(args.log_dir) if args.log_dir else default_log_dir(args.config)
+    resumes = cfg.get("resume") is not None  # type: ignore[attr-defined]
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if rank0 and not resumes:  # a resumed run continues its curve
+        fresh_tensorboard_dir(log_dir)
+    fit = build_fit(cfg, callbacks=callbacks, log_dir=str(log_dir))  # type: ignore[arg-type]
+    fit.run()
+    if fit.trainer.global_rank == 0:
+        print(f"TensorBoard logs: {log_dir}; plot: python -m nemo_gtp.report {log_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
