@@ -222,3 +222,21 @@ def test_pipeline_parallel_recipe_runs_with_gtp(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.strip().splitlines()[-1].startswith("VERDICT: GTP matches the baseline")
+
+
+def test_teardown_fit_lets_the_next_fit_choose_its_rng_tracker() -> None:
+    """megatron makes its RNG tracker once per process; a fit after teardown_fit must get the
+    tracker its own settings ask for (TE's capturable one for CUDA graphs), not the last fit's.
+    (CPU torch has no capturable generators: the inference tracker stands for the request.)"""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    from nemo_gtp.recipes.launch import teardown_fit
+
+    megatron_random.initialize_rng_tracker()  # a fit without graphs: the plain tracker
+    assert not megatron_random.get_cuda_rng_tracker().is_inference_rng_tracker
+    teardown_fit()
+    megatron_random.initialize_rng_tracker(inference_rng_tracker=True)  # the next fit's request
+    try:
+        assert megatron_random.get_cuda_rng_tracker().is_inference_rng_tracker
+    finally:
+        teardown_fit()

@@ -32,7 +32,10 @@ def teardown_fit() -> None:
     per fit; the default process group is destroyed so the next fit's strategy creates its own.
     So are megatron's CUDA graphs (class attributes of ``FullCudaGraphWrapper`` for the
     full-iteration graph, of the per-layer graph manager and its capture record): left in
-    place, the next fit would replay the previous model's graphs.
+    place, the next fit would replay the previous model's graphs. And megatron's RNG tracker:
+    it is made once per process (later requests are ignored), so a fit asking for TE's
+    capturable tracker after one without it would get the first fit's tracker and fail graph
+    capture ("RNG tracker does not support cudagraphs!").
     """
     import gc
 
@@ -40,9 +43,13 @@ def teardown_fit() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import unset_num_microbatches_calculator
+    from megatron.core.tensor_parallel import random as megatron_random
 
     parallel_state.destroy_model_parallel()
     unset_num_microbatches_calculator()
+    # The next fit's strategy makes the tracker its settings ask for (module globals).
+    megatron_random._CUDA_RNG_STATE_TRACKER = None
+    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     try:
         from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
     except ImportError:  # megatron-core without full-iteration graphs
