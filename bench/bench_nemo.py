@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import faulthandler
 import gzip
 import io
 import json
@@ -360,6 +361,8 @@ def _rank_main(spec_path: str) -> None:
     out = []
     for i, run in enumerate(spec["runs"]):
         record = {k: run[k] for k in ("mode", "tokens_per_gpu")}
+        if spec.get("fit_timeout"):  # a hung fit: every thread's stack in the rank's log, exit
+            faulthandler.dump_traceback_later(spec["fit_timeout"], exit=True)
         try:
             steps = _steps_callback(spec["warmup"], spec["timed"], run["profile"])
             if rank == 0 and run["profile"] and spec.get("chrome_trace"):
@@ -394,11 +397,12 @@ def _rank_main(spec_path: str) -> None:
                 traceback.print_exc()
         finally:
             teardown_fit()
+            faulthandler.cancel_dump_traceback_later()
         out.append(record)
         if rank == 0:
             print(json.dumps({k: v for k, v in record.items() if k != "losses"}), flush=True)
-    if rank == 0:
-        Path(spec["dir"], "records.json").write_text(json.dumps(out))
+            # after every fit: a later hang or kill leaves the earlier records to the report
+            Path(spec["dir"], "records.json").write_text(json.dumps(out))
 
 
 # ----------------------------------------------------------------------------- parent
@@ -566,6 +570,23 @@ def _plot(records: list[dict], png: Path) -> None:
     )
 
 
+def _wait_all(procs: list, grace_s: float = 60.0) -> list[int]:
+    """Wait for every rank; once one has failed, give the others ``grace_s`` and then kill
+    them (a rank that died leaves its peers blocked in a collective)."""
+    failed_at = None
+    while any(proc.poll() is None for proc, _ in procs):
+        if failed_at is None and any(proc.poll() not in (None, 0) for proc, _ in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            for proc, _ in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        time.sleep(1.0)
+    for _, log in procs:
+        log.close()
+    return [proc.returncode for proc, _ in procs]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="dp2_local,gtp2_local,dp2_te,gtp2_te")
@@ -582,6 +603,13 @@ def main() -> int:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument(
         "--repeat", type=int, default=1, help="run every mode this many times, interleaved"
+    )
+    parser.add_argument(
+        "--fit-timeout",
+        type=float,
+        default=0,
+        help="seconds per fit (build, steps, teardown); past it each rank writes every "
+        "thread's stack to its log and exits (finding a hang)",
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -612,6 +640,7 @@ def main() -> int:
                     "warmup": args.warmup,
                     "chrome_trace": args.chrome_trace,
                     "timed": args.timed,
+                    "fit_timeout": args.fit_timeout,
                 }
             )
         )
@@ -638,10 +667,7 @@ def main() -> int:
                     log,
                 )
             )
-        codes = []
-        for proc, log in procs:
-            codes.append(proc.wait())
-            log.close()
+        codes = _wait_all(procs)
         records_path = Path(tmp, "records.json")
         records = json.loads(records_path.read_text()) if records_path.exists() else []
     (out / "bench_nemo.json").write_text(json.dumps(records, indent=1))
