@@ -154,6 +154,7 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             self.records: list[dict] = []
             self.exposed: dict[str, float] = {}
             self.trace_path: str | None = None  # --chrome-trace: where rank 0 writes it
+            self.pstats_path: str | None = None  # rank 0: the host profile, every function
             self.split: list[dict[str, float]] = []
             self.gtp_stats: dict[str, int] = {}  # CommStats of the last split-window step
             self.torch_profile: dict = {}
@@ -267,6 +268,8 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
                 )
             if w["host"] and step == w["host"].stop - 1:
                 self._prof.disable()
+                if self.pstats_path:  # for offline diffs of two modes (pstats.Stats(path))
+                    self._prof.dump_stats(self.pstats_path)
                 text = io.StringIO()
                 stats = pstats.Stats(self._prof, stream=text)
                 stats.sort_stats("tottime").print_stats(30)
@@ -365,9 +368,11 @@ def _rank_main(spec_path: str) -> None:
             faulthandler.dump_traceback_later(spec["fit_timeout"], exit=True)
         try:
             steps = _steps_callback(spec["warmup"], spec["timed"], run["profile"])
-            if rank == 0 and run["profile"] and spec.get("chrome_trace"):
-                name = f"{run['mode']}_{run['tokens_per_gpu']}"
-                steps.trace_path = str(Path(spec["out"], f"trace_{name}.json"))
+            name = f"{run['mode']}_{run['tokens_per_gpu']}"
+            if rank == 0 and run["profile"]:
+                steps.pstats_path = str(Path(spec["out"], f"host_profile_{name}.pstats"))
+                if spec.get("chrome_trace"):
+                    steps.trace_path = str(Path(spec["out"], f"trace_{name}.json"))
             cfg = load_recipe(
                 str(ROOT / run["config"]),
                 [*run["overrides"], f"trainer.max_steps={steps.total_steps}"],
@@ -386,7 +391,6 @@ def _rank_main(spec_path: str) -> None:
                 gtp_stats_per_step=steps.gtp_stats,
             )
             if rank == 0 and run["profile"]:
-                name = f"{run['mode']}_{run['tokens_per_gpu']}"
                 Path(spec["out"], f"host_profile_{name}.txt").write_text(steps.host_profile)
                 Path(spec["out"], f"torch_profile_{name}.txt").write_text(
                     steps.torch_profile.get("top_cpu_ops", "")
