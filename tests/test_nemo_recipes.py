@@ -401,7 +401,8 @@ def one_node(corpus: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
     """GTP then its baseline in one NeMo-Run LocalExecutor launch (torchrun, 4 processes)."""
     where = tmp_path_factory.mktemp("one_node")
     argv = ["--recipe", "llama3_8b", "--num-weight-shards", "2", "--devices", "4", "--cpu"]
-    argv += [*_data_args(corpus, where / "exp"), *TINY_LLAMA, "--compare-baseline"]
+    tiny = [o for o in TINY_LLAMA if o != "log.tensorboard=None"]  # the plot reads TensorBoard
+    argv += [*_data_args(corpus, where / "exp"), *tiny, "--compare-baseline"]
     argv += ["--plot", str(where / "plot.png"), "--loss-log", str(where / "gtp.jsonl")]
     status, out = _cli(argv, where / "nemo_run")
     rows = re.findall(r"^\s+(\d+) \|\s+([\d.]+) \|\s+([\d.]+) \| ([\d.e+-]+)$", out, flags=re.M)
@@ -420,6 +421,12 @@ def test_llama3_recipe_gtp_matches_dp4_baseline_on_indexed_data(one_node: dict) 
     for _, gtp, base in one_node["val"]:
         assert abs(float(gtp) - float(base)) <= 1e-5 * abs(float(base))
     assert out.strip().splitlines()[-1].startswith("VERDICT: GTP matches the baseline")
+    # each run its own TensorBoard series, both drawn into the plot the last line names
+    plot = one_node["where"] / "plot.png"
+    assert out.strip().endswith(f"plot: {plot}"), out[-2000:]
+    assert plot.stat().st_size > 0
+    boards = sorted(p.name for p in (one_node["where"] / "exp" / "tb_logs").iterdir())
+    assert boards == ["llama3_8b_gtp", "llama3_8b_gtp_baseline"], boards
 
 
 @pytest.fixture(scope="module")

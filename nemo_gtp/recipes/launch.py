@@ -47,9 +47,13 @@ def teardown_fit() -> None:
 
     parallel_state.destroy_model_parallel()
     unset_num_microbatches_calculator()
-    # The next fit's strategy makes the tracker its settings ask for (module globals).
-    megatron_random._CUDA_RNG_STATE_TRACKER = None
-    megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    from nemo_gtp.testing.cpu_compat import CpuRNGStatesTracker
+
+    # The next fit's strategy makes the tracker its settings ask for (module globals); the CPU
+    # stand-in tracker of cpu_compat (no graphs on CPU) stays for the life of the process.
+    if not isinstance(megatron_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+        megatron_random._CUDA_RNG_STATE_TRACKER = None
+        megatron_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     try:
         from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
     except ImportError:  # megatron-core without full-iteration graphs

@@ -299,6 +299,9 @@ def _build_recipes(args: Any) -> tuple[Any, Any | None, dict[str, Path]]:
     if args.compare_baseline:
         baseline = copy.deepcopy(recipe)
         baseline.log.name = f"{baseline.log.name}_baseline"
+        board = getattr(baseline.log, "tensorboard", None)
+        if board is not None and getattr(board, "name", None):  # its own series, not GTP's
+            board.name = f"{board.name}_baseline"
         _check_baseline(baseline)
         scratch = Path(tempfile.mkdtemp(prefix="nemo_gtp_losses_"))
         logs.setdefault("gtp", scratch / "gtp.jsonl")
@@ -310,6 +313,26 @@ def _build_recipes(args: Any) -> tuple[Any, Any | None, dict[str, Path]]:
     gtp = with_gtp(recipe, args.num_weight_shards, **_parse_gtp_options(args.gtp))
     check_recipe(gtp)
     return gtp, baseline, logs
+
+
+def tensorboard_dir(recipe: Any) -> Path | None:
+    """Where NeMo's logger writes ``recipe``'s TensorBoard events: ``<log.log_dir>/tb_logs/
+    <tensorboard.name>`` (NeMo moves the logger under its log dir, ``update_logger_directory``),
+    else the logger's own ``save_dir/name``; None without a TensorBoard logger.
+
+    Example::
+
+        tensorboard_dir(llm.llama3_8b.pretrain_recipe(name="r", dir="/tmp/r"))
+        # Path('/tmp/r/tb_logs/r')
+    """
+    log = getattr(recipe, "log", None)
+    board = getattr(log, "tensorboard", None)
+    if board is None:
+        return None
+    name = str(getattr(board, "name", "") or "")
+    if getattr(log, "update_logger_directory", True) and getattr(log, "log_dir", None):
+        return Path(log.log_dir) / "tb_logs" / name
+    return Path(str(getattr(board, "save_dir", "tb_logs"))) / name
 
 
 def _val_log(path: str | Path) -> str:
@@ -413,8 +436,14 @@ def main_recipe(args: Any) -> int:
     precision = _recipe_precision(gtp)
     tolerance = TOLERANCE.get(precision, TOLERANCE["bf16-mixed"])
     val_ok = _report_validation(val_logs["gtp"], val_logs["baseline"], tolerance)
+    boards = {names["gtp"]: tensorboard_dir(gtp), names["baseline"]: tensorboard_dir(baseline)}
     status = report_comparison(
-        {names[k]: v for k, v in loss_logs.items()}, precision, args.plot, title
+        {names[k]: v for k, v in loss_logs.items()},
+        precision,
+        args.plot,
+        title,
+        # the plot of both runs, when both logged to TensorBoard
+        log_dirs=boards if all(d is not None and d.is_dir() for d in boards.values()) else None,
     )
     return status if ok and val_ok else 1
 
