@@ -16,8 +16,10 @@ consume it notes whether the module runs in FP8 (``module.fp8``, set by TE befor
 autograd forward) and with which weight quantizers (``module._get_weight_quantizers()``, the
 ones TE's forward quantizes with, one per weight of a ``GroupedLinear``); for delayed scaling
 (TE's ``Float8Quantizer``) it also copies that forward's scale into the weight's own buffer.
-The backward consume quantizes the gathered weight with them, column-wise usage only (what
-the dgrad GEMM reads: on Hopper the transpose), row-wise too when the recipe's
+The backward consume quantizes the gathered weight with them, row- and column-wise as TE
+quantizes a weight of its own (its per-tensor FP8 cast cannot write the column-wise copy
+alone), and hands TE the column-wise usage only (what the dgrad GEMM reads: on Hopper the
+transpose; the row-wise data is dropped at once), row-wise too when the recipe's
 ``backward_override`` dequantizes the weight. The result equals the column-wise part of what
 TE saves for a weight of its own: current-scaling, blockwise and MXFP8 quantization is a
 function of the full weight, and delayed scaling uses the forward's scale, with a scratch amax
@@ -123,8 +125,6 @@ class TEWeightQuantize:
                     torch.empty_like(quantizer.scale),
                     torch.zeros_like(quantizer.amax),
                     quantizer.dtype,
-                    rowwise=rowwise,
-                    columnwise=True,
                 )
                 delayed.internal = quantizer.internal
             # The scale this forward quantizes with; TE updates the module's at autocast exit.
@@ -136,16 +136,18 @@ class TEWeightQuantize:
 
     def backward(self, param: GTPShardedParam, note: TEWeightState, full: torch.Tensor) -> Any:
         """``full`` quantized as its forward was, with the usages TE's backward GEMMs read."""
-        if note.delayed is not None:
-            note.delayed.set_usage(rowwise=note.rowwise, columnwise=True)
-            return note.delayed(full)
-        quantizer = note.quantizer
+        quantizer = note.delayed if note.delayed is not None else note.quantizer
         usage = (quantizer.rowwise_usage, quantizer.columnwise_usage)
-        quantizer.set_usage(rowwise=note.rowwise, columnwise=True)
+        # Both usages, as TE quantizes a weight of its own (TE's per-tensor FP8 cast cannot
+        # write the column-wise copy alone); the row-wise data is dropped unless read.
+        quantizer.set_usage(rowwise=True, columnwise=True)
         try:
-            return quantizer(full)
+            out = quantizer(full)
         finally:
             quantizer.set_usage(rowwise=usage[0], columnwise=usage[1])
+        if not note.rowwise:
+            out.update_usage(rowwise_usage=False)
+        return out
 
 
 def install_te_weight_quantize(runtime: object) -> bool:

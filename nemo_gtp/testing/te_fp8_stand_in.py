@@ -16,7 +16,8 @@ does with a weight under FP8 autocast (design §1.3 "Consumer-quantized backward
 
 Quantizers: :class:`StandInCurrentQuantizer` (per-tensor current scaling: the scale from the
 tensor's amax) and :class:`StandInDelayedQuantizer` (the scale it is given; it records the amax;
-the constructor and attributes of TE's ``Float8Quantizer``). Both make
+the constructor and attributes of TE's ``Float8Quantizer``). Like TE's per-tensor FP8 cast
+on Hopper, neither quantizes column-wise without row-wise. Both make
 :class:`StandInFP8Tensor`, which holds a reference to the quantizer that made it, as TE's do.
 
 Example::
@@ -105,6 +106,8 @@ class _StandInQuantizer:
         raise NotImplementedError
 
     def __call__(self, tensor: torch.Tensor) -> StandInFP8Tensor:
+        if self.columnwise_usage and not self.rowwise_usage:  # TE's per-tensor cast (Hopper)
+            raise RuntimeError("Quantizing in only the columnwise direction not supported yet!")
         scale = self._scale_for(tensor)
         data = _cast(tensor, scale)
         return StandInFP8Tensor(
