@@ -31,7 +31,7 @@ class ConsumerQuantize(Protocol):
     ``GTPRuntime.consumer_quantize``; design §1.3 "Consumer-quantized backward").
 
     ``forward_notes`` is asked at every forward protocol consume gathered in the training dtype
-    (with a backward to follow), once per weight group, with the group's members in order (a
+    (whatever the grad mode), once per weight group, with the group's members in order (a
     group of one for an ungrouped weight): one note per member, or ``None`` when this forward
     does not quantize (e.g. outside FP8 autocast), in which case the backward gets the training
     dtype as before. ``backward(param, note, full)`` turns the backward gather ``full`` of a

@@ -758,7 +758,7 @@ class GTPRuntime(GraphSegments):
                 return [policy.wrap(param, direction, self.fp8_gathered(param, direction))]
             if requant is not None:  # design §1.3 "Consumer-quantized backward"
                 if direction is _FWD:
-                    self._note_forward(requant, members, will_backward)
+                    self._note_forward(requant, members)
                 elif state.quantize_note is not None:
                     return [requant.backward(param, state.quantize_note, full)]
             return [self._protocol_alias(param, direction, full)]
@@ -768,7 +768,7 @@ class GTPRuntime(GraphSegments):
         fulls = {id(m): self.materialize(m, direction, will_backward=will_backward) for m in order}
         if requant is not None:
             if direction is _FWD:
-                self._note_forward(requant, members, will_backward)
+                self._note_forward(requant, members)
             elif state.quantize_note is not None:  # the leader's stands for its group's
                 return [
                     requant.backward(m, m.gtp_state.quantize_note, fulls[id(m)]) for m in members
@@ -776,12 +776,11 @@ class GTPRuntime(GraphSegments):
         return [self._protocol_alias(m, direction, fulls[id(m)]) for m in members]
 
     @staticmethod
-    def _note_forward(
-        requant: ConsumerQuantize, members: tuple[GTPShardedParam, ...], will_backward: bool
-    ) -> None:
+    def _note_forward(requant: ConsumerQuantize, members: tuple[GTPShardedParam, ...]) -> None:
         """Keep on each member the consumer's note of this forward for its backward consume
-        (None: the forward does not quantize, or no backward follows)."""
-        notes = requant.forward_notes(members) if will_backward else None
+        (None: the forward does not quantize). Taken whatever the grad mode: a layer captured
+        in a CUDA graph records none (design §3.5), and a note without a backward is unused."""
+        notes = requant.forward_notes(members)
         if notes is None:
             for member in members:
                 member.gtp_state.quantize_note = None

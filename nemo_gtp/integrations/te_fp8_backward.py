@@ -121,11 +121,12 @@ class TEWeightQuantize:
         if isinstance(quantizer, self._delayed):
             delayed = state.delayed
             if delayed is None or state.quantizer is not quantizer:
-                delayed = state.delayed = self._delayed(
-                    torch.empty_like(quantizer.scale),
-                    torch.zeros_like(quantizer.amax),
-                    quantizer.dtype,
-                )
+                with torch.inference_mode(False):  # outlives an evaluation that made it
+                    delayed = state.delayed = self._delayed(
+                        torch.empty_like(quantizer.scale),
+                        torch.zeros_like(quantizer.amax),
+                        quantizer.dtype,
+                    )
                 delayed.internal = quantizer.internal
             # The scale this forward quantizes with; TE updates the module's at autocast exit.
             delayed.scale.copy_(quantizer.scale)
