@@ -59,6 +59,113 @@ def _chain_steady_state(groups: object, rank: int, world: int) -> None:
     assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
 
 
+def _fp8_backward_of_training_dtype_gathers(groups: object, rank: int) -> None:
+    """TE's FP8 backward of a weight gathered in the training dtype (design §1.3 "Consumer-
+    quantized backward"), driven through a stand-in of TE's LayerNormLinear: the backward
+    materialization hands TE the weight quantized column-wise only, by the forward's quantizer
+    (current scaling) or with the forward's scale (delayed scaling, whose scale moves on at the
+    autocast exit; the module's amax is left alone); outputs, dgrads and wgrads equal TE's
+    path for a weight of its own, bit for bit. Outside FP8 nothing changes. Without the
+    consumer, the stand-in fails as TE's dgrad GEMM does on the GPU."""
+    from nemo_gtp.integrations.te_fp8_backward import (
+        TEWeightQuantize,
+        attach_te_weight_states,
+    )
+    from nemo_gtp.testing.te_fp8_stand_in import (
+        StandInCurrentQuantizer,
+        StandInDelayedQuantizer,
+        StandInFP8Tensor,
+        StandInTELinear,
+    )
+
+    consumer = TEWeightQuantize(delayed_quantizer=StandInDelayedQuantizer)
+    config = GTPConfig(pad_for_alignment=16)
+
+    def quantizer(kind: str) -> object:
+        if kind == "current":
+            return StandInCurrentQuantizer()
+        return StandInDelayedQuantizer(torch.tensor(8.0), torch.zeros(1), "e4m3")
+
+    def build(kind: str, with_consumer: bool) -> tuple:
+        torch.manual_seed(3)
+        ref = StandInTELinear(16, 40, quantizer(kind))
+        gtp = StandInTELinear(16, 40, quantizer(kind))
+        gtp.load_state_dict(ref.state_dict())
+        runtime = GTPRuntime(groups, config)
+        weight = runtime.shard_parameter(gtp, "weight", "qkv.weight")
+        weight.main_grad = torch.zeros_like(weight)
+        # adopt_te_linear's part (the rest imports megatron, slow in spawned ranks)
+        attach_te_weight_states(gtp)
+        weight.gtp_state.forward_grad_enabled = True  # what its grad-mode hook records
+        runtime.consumer_quantize = consumer if with_consumer else None
+        return ref, gtp, runtime, weight
+
+    def step(module: StandInTELinear, x: torch.Tensor, dy: torch.Tensor) -> tuple:
+        x = x.clone().requires_grad_()
+        y = module(x)
+        module.autocast_exit()
+        y.backward(dy)
+        return y.detach(), x.grad
+
+    x, dy = torch.randn(6, 16), torch.randn(6, 40)  # the same on every rank (seeded)
+    _, gtp, runtime, _ = build("current", with_consumer=False)
+    gtp.fp8 = True
+    with pytest.raises(RuntimeError, match="cuBLAS"):
+        step(gtp, x, dy)
+    runtime.drain_gathers()
+
+    for kind in ("current", "delayed"):
+        ref, gtp, runtime, weight = build(kind, with_consumer=True)
+        module_q = gtp.quantizers["scaling_fwd"][1]
+        for fp8 in (True, False):
+            ref.fp8 = gtp.fp8 = fp8
+            want, got = step(ref, x, dy), step(gtp, x, dy)
+            runtime.drain()
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (kind, fp8)
+            want_w, got_w = ref.backward_weights[-1], gtp.backward_weights[-1]
+            if not fp8:  # the training-dtype alias, as before
+                assert not isinstance(got_w, StandInFP8Tensor), kind
+                assert torch.equal(got_w, ref.weight.detach())
+                assert weight.gtp_state.quantize_note is None
+                continue
+            assert isinstance(got_w, StandInFP8Tensor) and got_w._data is None, kind  # col only
+            bits = got_w._transpose.view(torch.uint8), want_w._transpose.view(torch.uint8)
+            assert torch.equal(*bits), kind
+            assert torch.equal(got_w._scale_inv, want_w._scale_inv), kind
+            if kind == "current":  # the module's quantizer, its usages restored after
+                assert got_w._quantizer is module_q
+                assert (module_q.rowwise_usage, module_q.columnwise_usage) == (True, True)
+            else:  # the forward's scale, not the module's now; its amax history untouched
+                assert got_w._scale_inv * module_q.scale == 0.5  # forward: twice the scale
+                assert float(module_q.amax) == 0.0
+        spec = weight.gtp_spec
+        start = rank * spec.shard_dim0
+        rows = ref.weight.grad[start : start + spec.shard_dim0]
+        assert torch.allclose(weight.main_grad[: rows.shape[0]], rows, rtol=1e-6, atol=1e-6)
+
+    # A GroupedLinear (weight group led by weight0): each member by its own quantizer.
+    grouped = torch.nn.Module()
+    for i in range(2):
+        grouped.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(24, 16)))
+    quantizers = [StandInCurrentQuantizer(), StandInCurrentQuantizer()]
+    grouped.fp8, grouped.fp8_meta = True, {"recipe": None}
+    grouped._get_weight_quantizers = lambda: quantizers
+    runtime = GTPRuntime(groups, GTPConfig(pad_for_alignment=8))
+    members = [runtime.shard_parameter(grouped, f"weight{i}", f"fc1.weight{i}") for i in range(2)]
+    runtime.register_group(members, together=True)
+    assert attach_te_weight_states(grouped) == 2
+    runtime.consumer_quantize = consumer
+    members[0].gtp_state.forward_grad_enabled = True
+    with torch.no_grad():
+        fulls = [f.clone() for f in materialize_weight_for_forward(members)]
+    got = materialize_weight_for_backward(members)
+    for q, tensor, full in zip(quantizers, got, fulls):
+        assert tensor._quantizer is q and tensor._data is None
+        bits = tensor._transpose.view(torch.uint8), q(full)._transpose.view(torch.uint8)
+        assert torch.equal(*bits)
+    runtime.drain()
+
+
 def _worker(rank: int, world: int) -> None:
     groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
     torch.manual_seed(0)
@@ -101,6 +208,7 @@ def _worker(rank: int, world: int) -> None:
     assert runtime.live_buffers[weight.gtp_state.chain_id] == 0
 
     _chain_steady_state(groups, rank, world)
+    _fp8_backward_of_training_dtype_gathers(groups, rank)
 
     with pytest.raises(ValueError, match=r"wgrad shape \(8, 16\) != logical weight shape"):
         weight.finalize_group_grads(torch.zeros(8, 16))

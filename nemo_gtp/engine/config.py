@@ -96,8 +96,9 @@ class GTPConfig:
             shard (quantized once per step with the scale agreed over GTP, design §1.3 "FP8
             gather"): half the bytes of a BF16 gather, and TE uses the gathered ``Float8Tensor``
             without quantizing it again. Off: the training dtype is gathered and TE quantizes
-            the gathered weight at every microbatch. No effect outside FP8 autocast, for other
-            recipes and for megatron-local linears.
+            the gathered weight at every microbatch (its backward gets the weight quantized as
+            the forward did, design §1.3 "Consumer-quantized backward"). No effect outside FP8
+            autocast, for other recipes and for megatron-local linears.
         graph_wgrad_ring_size: per-layer CUDA graphs only (design §3.5 "Cross-graph
             reduce-scatter overlap"): 0 (default) waits a layer's last reduce-scatter inside
             its own backward graph; N >= 2 keeps that wgrad in a ring of N fixed-address slots

@@ -353,6 +353,8 @@ class GTPParamState:
         "fp8_wire",
         "fp8_version",
         "fp8_forward",
+        "consumer",
+        "quantize_note",
         "group",
         "__weakref__",
     )
@@ -390,6 +392,12 @@ class GTPParamState:
         self.fp8_forward: Any = None
         """The FP8 scaling of this weight's last forward protocol consume (None: the training
         dtype); its backward consume gathers the same way."""
+        self.consumer: Any = None
+        """What the integration driving this weight keeps on it for the runtime's
+        ``consumer_quantize`` (TE: the module and the backward quantizer state); None: none."""
+        self.quantize_note: Any = None
+        """The note of this weight's last forward protocol consume in the training dtype for
+        its backward (design §1.3 "Consumer-quantized backward"); None: not quantized."""
         self.group = -1
         """Index of this param's weight group in its runtime's ``weight_groups`` (design §3.4
         "Grouped-expert chains"); -1: in none."""

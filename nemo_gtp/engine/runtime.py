@@ -33,6 +33,7 @@ from nemo_gtp.engine.buffers import BufferKey, CacheSlot, GTPWeightCache, WgradP
 from nemo_gtp.engine.chain import Chain, ChainId, ChainPhase, WeightGroup, coalescing_units
 from nemo_gtp.engine.collectives import GroupCollectives, reduce_scatter_wgrad
 from nemo_gtp.engine.config import GTPConfig
+from nemo_gtp.engine.consumer_quantize import ConsumerQuantize
 from nemo_gtp.engine.copy_engine import (
     EventWork,
     SymmetricShardMirror,
@@ -208,6 +209,9 @@ class GTPRuntime(GraphSegments):
         self.fp8_shards = FP8ShardCache()
         self._fmt: FP8Scaling | None = None
         self._fp8_known: FP8Scaling | None = None
+        # The consumer that quantizes the training-dtype gathers it is handed and needs that
+        # quantization redone for its backward (design §1.3 "Consumer-quantized backward").
+        self.consumer_quantize: ConsumerQuantize | None = None
         self.stats = CommStats()
         self.wait_timer = ExposedWaitTimer()
         self.trace: list[tuple[str, str, str]] | None = None
@@ -715,6 +719,11 @@ class GTPRuntime(GraphSegments):
         and direction is released here (stream order makes that safe), and a backward consume
         also releases the chain's last forward group (TE keeps no gathered weight past its
         forward call), so the chain tail's forward buffers do not live through the backward.
+
+        What a member is handed: the requires-grad alias of its training-dtype buffer; under
+        an FP8 gather (``quantized_gather``, ungrouped weights) the consumer's wrap of the FP8
+        rows; in a backward whose forward the ``consumer_quantize`` noted as quantized, the
+        consumer's quantization of the buffer (design §1.3 "Consumer-quantized backward").
         """
         members = self.protocol_members(param)
         chain = param.gtp_state.chain
@@ -731,6 +740,7 @@ class GTPRuntime(GraphSegments):
         state = param.gtp_state
         will_backward = torch.is_grad_enabled() or state.forward_grad_enabled
         last[which] = param
+        requant = self.consumer_quantize
         if len(members) == 1:  # every dense TE linear: keep the host path short
             policy = self.quantized_gather
             fp8 = None
@@ -744,13 +754,44 @@ class GTPRuntime(GraphSegments):
                     fp8 = state.fp8_forward
             full = self.materialize(param, direction, will_backward=will_backward, fp8=fp8)
             if fp8 is not None:
+                state.quantize_note = None
                 return [policy.wrap(param, direction, self.fp8_gathered(param, direction))]
+            if requant is not None:  # design §1.3 "Consumer-quantized backward"
+                if direction is _FWD:
+                    self._note_forward(requant, members)
+                elif state.quantize_note is not None:
+                    return [requant.backward(param, state.quantize_note, full)]
             return [self._protocol_alias(param, direction, full)]
         # A unit's links sit on the slot its direction consumes first: the first member
         # forward, the last one backward (Chain._commit).
         order = members if direction is _FWD else members[::-1]
         fulls = {id(m): self.materialize(m, direction, will_backward=will_backward) for m in order}
+        if requant is not None:
+            if direction is _FWD:
+                self._note_forward(requant, members)
+            elif state.quantize_note is not None:  # the leader's stands for its group's
+                return [
+                    requant.backward(m, m.gtp_state.quantize_note, fulls[id(m)]) for m in members
+                ]
         return [self._protocol_alias(m, direction, fulls[id(m)]) for m in members]
+
+    @staticmethod
+    def _note_forward(requant: ConsumerQuantize, members: tuple[GTPShardedParam, ...]) -> None:
+        """Keep on each member the consumer's note of this forward for its backward consume
+        (None: the forward does not quantize). Taken whatever the grad mode: a layer captured
+        in a CUDA graph records none (design §3.5), and a note without a backward is unused."""
+        notes = requant.forward_notes(members)
+        if notes is None:
+            for member in members:
+                member.gtp_state.quantize_note = None
+            return
+        if len(notes) != len(members):
+            raise ValueError(
+                f"{type(requant).__name__}.forward_notes returned {len(notes)} notes for a "
+                f"group of {len(members)} weights"
+            )
+        for member, note in zip(members, notes):
+            member.gtp_state.quantize_note = note
 
     def _protocol_alias(
         self, param: GTPShardedParam, direction: Direction, full: torch.Tensor

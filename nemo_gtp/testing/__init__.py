@@ -24,6 +24,9 @@ Nothing here is needed to train with GTP on GPUs; the product is ``nemo_gtp.engi
 ``nemo_cpu``
     ``on_cpu(recipe)``: a NeMo 2 recipe (``llm.*.pretrain_recipe``) adapted to CPU processes
     with gloo (``python -m nemo_gtp.run --recipe ... --cpu``).
+``te_grouped`` / ``te_fp8_stand_in``
+    TransformerEngine's weight-protocol callers, a ``GroupedLinear`` stand-in, and an FP8
+    ``LayerNormLinear`` stand-in with TE's quantizers (CPU tests of the TE paths).
 ``corpus``
     A small offline corpus: the READMEs of installed packages, as JSONL.
 ``slurm_nodes``

@@ -60,6 +60,7 @@ from nemo_gtp.integrations.megatron.sharding.te import (
     warn_unsharded_te_modules,
 )
 from nemo_gtp.integrations.megatron.sharding.te_fp8 import install_te_fp8_gather
+from nemo_gtp.integrations.te_fp8_backward import install_te_weight_quantize
 
 _MEGATRON_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 
@@ -186,6 +187,7 @@ def shard_model(
     te_linears = tuple(te_parallel_linear_kinds())
     sliced_te: list[str] = []
     te_runtimes: dict[int, GTPRuntime] = {}
+    te_quantize_runtimes: dict[int, GTPRuntime] = {}  # dense and grouped TE linears
     for module_name, module in list(model.named_modules()):
         expert = id(module) in expert_ids
         runtime = runtimes[WeightAxis.EXPERT if expert else WeightAxis.DENSE]
@@ -207,6 +209,7 @@ def shard_model(
             ]
             runtime.register_group(params, together=True)
             adopt_te_linear(module, config)
+            te_quantize_runtimes[id(runtime)] = runtime
             continue
         elif should_shard(module_name, module):
             if isinstance(module, (*_MEGATRON_LINEARS, *te_linears)):
@@ -220,10 +223,12 @@ def shard_model(
             module._forward_impl = types.MethodType(_gtp_forward_impl, module)
         elif isinstance(module, te_linears):
             adopt_te_linear(module, config)  # TE drives the weight through the protocol
-            te_runtimes[id(runtime)] = runtime
+            te_runtimes[id(runtime)] = te_quantize_runtimes[id(runtime)] = runtime
     if config.fp8_gather:  # TE's FP8 GEMMs get FP8 gathers (design §1.3 "FP8 gather")
         for runtime in te_runtimes.values():
             install_te_fp8_gather(runtime)
+    for runtime in te_quantize_runtimes.values():  # design §1.3 "Consumer-quantized backward"
+        install_te_weight_quantize(runtime)
     if sliced_te and config.preshard_linears != "none":  # "none" slices them on purpose
         warnings.warn(
             f"shard_model sliced {len(sliced_te)} TransformerEngine linear(s) that were built "

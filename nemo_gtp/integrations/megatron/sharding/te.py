@@ -12,6 +12,8 @@ straight into ``grad_buffer()``). What this module adds around that bridge:
   (:func:`adopt_te_linear`, :func:`record_grad_mode`): TE
   materializes inside its autograd ``forward``, where grad mode is always off, so the runtime
   could not otherwise tell that a backward follows (the chain tail's hand-over prefetch, §1.1),
+- what TE's FP8 backward of a weight gathered in the training dtype needs, on the weights
+  (``nemo_gtp.integrations.te_fp8_backward``; design §1.3 "Consumer-quantized backward"),
 - one warning naming the TE modules GTP leaves unsharded (:func:`warn_unsharded_te_modules`).
 
 TransformerEngine is never imported here unless asked (``import_te=True``) or already loaded:
@@ -27,6 +29,7 @@ import torch
 
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.param import GTPShardedParam
+from nemo_gtp.integrations.te_fp8_backward import attach_te_weight_states
 
 
 def te_parallel_linear_kinds(*, import_te: bool = False) -> dict[type, bool]:
@@ -104,7 +107,8 @@ def _record(module: torch.nn.Module, args: tuple) -> None:
 
 def adopt_te_linear(module: torch.nn.Module, config: GTPConfig) -> None:
     """Prepare a TE linear whose weight is now a GTP shard for the protocol (design §3.1 "The
-    bridge"): record its grad mode per call, and with ``config.te_fuse_wgrad`` switch on TE's
+    bridge"): record its grad mode per call, keep what its FP8 backward needs on its weights
+    (:func:`attach_te_weight_states`), and with ``config.te_fuse_wgrad`` switch on TE's
     fused wgrad accumulation, so its wgrad GEMM writes into the runtime's reduce-scatter scratch
     (``grad_buffer()``) instead of a tensor that ``finalize_group_grads`` then copies.
 
@@ -115,6 +119,7 @@ def adopt_te_linear(module: torch.nn.Module, config: GTPConfig) -> None:
         adopt_te_linear(layer.self_attention.linear_qkv, GTPConfig())
     """
     record_grad_mode(module)
+    attach_te_weight_states(module)  # its FP8 backward (design §1.3 "Consumer-quantized ...")
     if config.te_fuse_wgrad and hasattr(module, "fuse_wgrad_accumulation"):
         module.fuse_wgrad_accumulation = True
 
