@@ -399,14 +399,15 @@ def _rank_main(spec_path: str) -> None:
             record["error"] = f"{type(err).__name__}: {err}"[:2000]
             if rank == 0:
                 traceback.print_exc()
-        finally:
-            teardown_fit()
-            faulthandler.cancel_dump_traceback_later()
         out.append(record)
         if rank == 0:
             print(json.dumps({k: v for k, v in record.items() if k != "losses"}), flush=True)
             # after every fit: a later hang or kill leaves the earlier records to the report
             Path(spec["dir"], "records.json").write_text(json.dumps(out))
+        try:
+            teardown_fit()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 # ----------------------------------------------------------------------------- parent

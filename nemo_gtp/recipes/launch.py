@@ -67,6 +67,12 @@ def teardown_fit() -> None:
     from nemo_gtp.integrations.megatron.layer_graphs import reset_layer_graphs
 
     reset_layer_graphs()
+    # Free the fit's CUDA graphs (held in reference cycles of the model) and finish its work
+    # before the communicators go: a per-layer graph holding GTP's captured NCCL collectives
+    # kept destroy_process_group waiting on 2xH200.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
