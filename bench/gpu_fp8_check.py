@@ -17,6 +17,8 @@ under TE's FP8 autocast (megatron ``fp8="hybrid"``), in these modes:
 - ``fp8delayed_dp2`` / ``fp8delayed_gtp2``: megatron's default ``fp8_recipe="delayed"``
   (TE's ``DelayedScaling``), DP2 and GTP2 (bf16 gathers, the backward quantized with the
   forward's scale);
+- ``fp8block_dp2`` / ``fp8block_gtp2``: ``fp8_recipe="blockwise"`` (TE's Float8BlockScaling,
+  Hopper): bf16 gathers, TE quantizes the gathered weight, the backward as above;
 - ``bf16_gtp2``: TP1·GTP2 without FP8 (the bf16 gather's bytes per step).
 
 Checks (``checks`` in the JSON): after ``fp8_gtp2`` trained, every GTP weight's gathered
@@ -33,7 +35,8 @@ its own: the column-wise data (Hopper: the transpose) and ``scale_inv`` bit for 
 row-wise data handed over; and how many backward consumes were quantized per step.
 
 Success: ``summary.md`` says PASS on each line: |loss diff| fp8_gtp2 vs fp8_dp2,
-fp8_gtp2_bf16_gather vs fp8_dp2 and fp8delayed_gtp2 vs fp8delayed_dp2 <= 0.02 on every step,
+fp8_gtp2_bf16_gather vs fp8_dp2, fp8delayed_gtp2 vs fp8delayed_dp2 and fp8block_gtp2 vs
+fp8block_dp2 <= 0.02 on every step,
 gathered bytes fp8_gtp2 / bf16_gtp2 = 0.50 (+-3 %), bit-exact gathered weights and
 transposes, one FP8 refresh per step, no allocation after the second step, the bf16-gather
 FP8 modes' backward weights bit-exact and quantized at every backward consume. Step times
@@ -73,6 +76,8 @@ MODES = {  # mode -> (gtp, megatron fp8_recipe or None: bf16 compute, GTPConfig.
     "fp8_gtp2_bf16_gather": (2, "tensorwise", False),
     "fp8delayed_dp2": (1, "delayed", True),
     "fp8delayed_gtp2": (2, "delayed", True),
+    "fp8block_dp2": (1, "blockwise", True),
+    "fp8block_gtp2": (2, "blockwise", True),
     "bf16_gtp2": (2, None, True),
 }
 SMOKE_MODES = {"bf16_dp2": (1, None, True), "bf16_gtp2": (2, None, True)}
@@ -80,10 +85,11 @@ PAIRS = [  # (GTP mode, its twin); loss pairs judged at <= LOSS_TOLERANCE
     ("fp8_gtp2", "fp8_dp2"),
     ("fp8_gtp2_bf16_gather", "fp8_dp2"),
     ("fp8delayed_gtp2", "fp8delayed_dp2"),
+    ("fp8block_gtp2", "fp8block_dp2"),
     ("fp8_gtp2", "fp8_gtp2_bf16_gather"),
     ("bf16_gtp2", "bf16_dp2"),
 ]
-JUDGED_PAIRS = PAIRS[:3]
+JUDGED_PAIRS = PAIRS[:4]
 LOSS_TOLERANCE = 0.02
 BWD_QUANTIZED_MODES = ("fp8_gtp2_bf16_gather", "fp8delayed_gtp2")
 RESULT: dict = {}
@@ -123,7 +129,8 @@ def _watchdog(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------- training
 def fp8_config(config: object, recipe: str = "tensorwise") -> object:
     """The model config under TE's FP8 autocast (hybrid: E4M3 forward) with megatron's
-    ``fp8_recipe`` (``"tensorwise"``: per-tensor current scaling; ``"delayed"``)."""
+    ``fp8_recipe`` (``"tensorwise"``: per-tensor current scaling; ``"delayed"``;
+    ``"blockwise"``: TE's Float8BlockScaling, 1x128 / 128x128 blocks, Hopper)."""
     return dataclasses.replace(config, fp8="hybrid", fp8_recipe=recipe)
 
 
