@@ -123,7 +123,10 @@ class ShardSpec:
         return padded[start : start + self.shard_dim0].clone()
 
     def unpad(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The logical (unpadded) view of a gathered weight or wgrad scratch."""
+        """The logical (unpadded) view of a gathered weight or wgrad scratch: ``gathered``
+        itself when nothing is padded (no view op on the per-weight hot path)."""
+        if self.padded_dim0 == self.logical_shape[0]:
+            return gathered
         return gathered[: self.logical_shape[0]]
 
 
