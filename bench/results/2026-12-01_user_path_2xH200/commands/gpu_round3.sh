@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Round 3 (2xH200): TE from the extension round 2 built (.te_ext, no build); per-layer graphs
+# after the teardown fix (DP2 / GTP2, TE spec, 2k); full-iteration graphs at 4k (TE); local-spec
+# full-iteration graphs at 2k (after the RNG-tracker reset); FP8 over 50 steps at lr 1e-4
+# (tensorwise, delayed, blockwise); larger coalescing units at 2k eager.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0
+T0=$(date +%s)
+mkdir -p .whl && cp /root/tw/whl/* .whl/
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .whl/*.tar.gz .whl/*.zip 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD
+bash bench/te_build.sh > $OUT/te_build.log 2>&1; tail -1 $OUT/te_build.log
+echo "te ready $(( $(date +%s) - T0 )) s"
+export PYTHONPATH=/tmp/te:/tmp/site:$PWD
+pack() { (cd $OUT && tar czf $1.tgz $1 && rm -rf $1); }
+timeout 95 python3 bench/bench_nemo.py --modes dp2_te@layergraph,gtp2_te@layergraph --tokens 2048 \
+  --warmup 5 --timed 19 --fit-timeout 60 --out $OUT/r3_layergraph | tail -7
+echo "layergraph done $(( $(date +%s) - T0 )) s"; pack r3_layergraph
+timeout 70 python3 bench/bench_nemo.py --modes dp2_te@graph,gtp2_te@graph --tokens 4096 \
+  --warmup 5 --timed 19 --fit-timeout 45 --out $OUT/r3_graph_4k | tail -4
+echo "graph 4k done $(( $(date +%s) - T0 )) s"; pack r3_graph_4k
+timeout 65 python3 bench/bench_nemo.py --modes dp2_local@graph,gtp2_local@graph --tokens 2048 \
+  --warmup 5 --timed 19 --fit-timeout 40 --out $OUT/r3_graph_local | tail -4
+echo "local graphs done $(( $(date +%s) - T0 )) s"; pack r3_graph_local
+timeout 85 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --lr 1e-4 --steps 50 --deadline 80 \
+  --modes fp8_dp2,fp8_gtp2,fp8delayed_dp2,fp8delayed_gtp2,fp8block_dp2,fp8block_gtp2 \
+  --out $OUT/r3_fp8 2>&1 | grep -v Warn | tail -14
+echo "fp8 done $(( $(date +%s) - T0 )) s"; pack r3_fp8
+timeout 80 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te,gtp2_te@coalesce_mb=768 --tokens 2048 \
+  --warmup 5 --timed 15 --fit-timeout 30 --out $OUT/r3_units | tail -5
+echo "units done $(( $(date +%s) - T0 )) s"; pack r3_units
