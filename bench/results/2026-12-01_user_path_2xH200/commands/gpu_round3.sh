@@ -2,7 +2,7 @@
 # Round 3 (2xH200): TE from the extension round 2 built (.te_ext, no build); per-layer graphs
 # after the teardown fix (DP2 / GTP2, TE spec, 2k); full-iteration graphs at 4k (TE); local-spec
 # full-iteration graphs at 2k (after the RNG-tracker reset); FP8 over 50 steps at lr 1e-4
-# (tensorwise, delayed, blockwise); larger coalescing units at 2k eager.
+# (tensorwise, delayed, blockwise); 1k tokens eager: DP2, GTP2 and Megatron-FSDP (TE spec).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0
 T0=$(date +%s)
@@ -26,6 +26,6 @@ timeout 85 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --lr 1e-4 --steps 
   --modes fp8_dp2,fp8_gtp2,fp8delayed_dp2,fp8delayed_gtp2,fp8block_dp2,fp8block_gtp2 \
   --out $OUT/r3_fp8 2>&1 | grep -v Warn | tail -14
 echo "fp8 done $(( $(date +%s) - T0 )) s"; pack r3_fp8
-timeout 80 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te,gtp2_te@coalesce_mb=768 --tokens 2048 \
-  --warmup 5 --timed 15 --fit-timeout 30 --out $OUT/r3_units | tail -5
-echo "units done $(( $(date +%s) - T0 )) s"; pack r3_units
+timeout 80 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te,mfsdp_te --tokens 1024 \
+  --warmup 5 --timed 15 --fit-timeout 30 --out $OUT/r3_1k | tail -5
+echo "1k done $(( $(date +%s) - T0 )) s"; pack r3_1k
