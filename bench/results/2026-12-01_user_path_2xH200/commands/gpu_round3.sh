@@ -26,6 +26,6 @@ timeout 85 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --lr 1e-4 --steps 
   --modes fp8_dp2,fp8_gtp2,fp8delayed_dp2,fp8delayed_gtp2,fp8block_dp2,fp8block_gtp2 \
   --out $OUT/r3_fp8 2>&1 | grep -v Warn | tail -14
 echo "fp8 done $(( $(date +%s) - T0 )) s"; pack r3_fp8
-timeout 80 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te,mfsdp_te --tokens 1024 \
-  --warmup 5 --timed 15 --fit-timeout 30 --out $OUT/r3_1k | tail -5
+timeout 100 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te,mfsdp_te --tokens 1024 \
+  --warmup 5 --timed 15 --fit-timeout 40 --out $OUT/r3_1k | tail -5
 echo "1k done $(( $(date +%s) - T0 )) s"; pack r3_1k
