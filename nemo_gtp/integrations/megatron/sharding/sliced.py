@@ -56,6 +56,7 @@ from nemo_gtp.integrations.megatron.sharding.experts import (
 )
 from nemo_gtp.integrations.megatron.sharding.te import (
     adopt_te_linear,
+    te_grouped_linear_kinds,
     te_parallel_linear_kinds,
     warn_unsharded_te_modules,
 )
@@ -184,6 +185,7 @@ def shard_model(
         ),
     }
     te_linears = tuple(te_parallel_linear_kinds())
+    te_grouped = tuple(te_grouped_linear_kinds())
     sliced_te: list[str] = []
     te_runtimes: dict[int, GTPRuntime] = {}
     for module_name, module in list(model.named_modules()):
@@ -195,19 +197,27 @@ def shard_model(
         chain = expert_chain(module_name) if expert else ChainId.UNGRAPHED
         weight = module._parameters.get("weight")
         grouped = grouped_weight_names(module)
-        if is_presharded(weight):  # built as its shard from a gtp_layer_spec: register only
-            runtime.register(weight, f"{module_name}.weight", chain)
-        elif grouped and should_shard(module_name, module):
-            # TE GroupedLinear: every expert's weight sliced, one weight group that TE
-            # materializes through weight0 (design §3.4 "Grouped-expert chains").
+        if grouped and (
+            is_presharded(module._parameters[grouped[0]]) or should_shard(module_name, module)
+        ):
+            # TE GroupedLinear: every expert's weight (built as its shard, or sliced now), one
+            # weight group that TE materializes through weight0 (design §3.4 "Grouped-expert
+            # chains").
             check_grouped_linear_for_gtp(module_name, module)
-            params = [
-                runtime.shard_parameter(module, attr, f"{module_name}.{attr}", chain)
-                for attr in grouped
-            ]
+            params = []
+            for attr in grouped:
+                param = module._parameters[attr]
+                if is_presharded(param):
+                    runtime.register(param, f"{module_name}.{attr}", chain)
+                else:
+                    param = runtime.shard_parameter(module, attr, f"{module_name}.{attr}", chain)
+                    sliced_te += [module_name] if isinstance(module, te_grouped) else []
+                params.append(param)
             runtime.register_group(params, together=True)
             adopt_te_linear(module, config)
             continue
+        if is_presharded(weight):  # built as its shard from a gtp_layer_spec: register only
+            runtime.register(weight, f"{module_name}.weight", chain)
         elif should_shard(module_name, module):
             if isinstance(module, (*_MEGATRON_LINEARS, *te_linears)):
                 runtime.shard_parameter(module, "weight", f"{module_name}.weight", chain)
@@ -225,6 +235,7 @@ def shard_model(
         for runtime in te_runtimes.values():
             install_te_fp8_gather(runtime)
     if sliced_te and config.preshard_linears != "none":  # "none" slices them on purpose
+        sliced_te = list(dict.fromkeys(sliced_te))  # a grouped linear once, not per expert
         warnings.warn(
             f"shard_model sliced {len(sliced_te)} TransformerEngine linear(s) that were built "
             f"full (e.g. {sliced_te[0]}): pass the layer spec through gtp_layer_spec(spec, "
@@ -232,6 +243,7 @@ def shard_model(
             stacklevel=2,
         )
     warn_unsharded_te_modules(model)
+    _check_all_registered(model)
     if runtimes[WeightAxis.EXPERT] is not None:  # SequentialMLP: a block's role, one group
         register_expert_groups(model, runtimes[WeightAxis.EXPERT])
     experts = {id(p) for p in route_expert_params(model, expert_ids)}
@@ -241,6 +253,18 @@ def shard_model(
     if graph_scope is not None and runtimes[WeightAxis.DENSE] is not None:
         install_layer_graphs(model, runtimes[WeightAxis.DENSE])
     return runtimes[WeightAxis.DENSE] or runtimes[WeightAxis.EXPERT]
+
+
+def _check_all_registered(model: torch.nn.Module) -> None:
+    """Refuse weights built as shards that no runtime took (a layer spec rewritten for other
+    groups than ``shard_model``'s: they would never be gathered)."""
+    left = [name for name, param in model.named_parameters() if is_presharded(param)]
+    if left:
+        raise ValueError(
+            f"{len(left)} weight(s) were built as GTP shards but no runtime of shard_model owns "
+            f"them (e.g. {left[0]}): pass the same GTPGroups (and GTPConfig) to gtp_layer_spec "
+            "and shard_model"
+        )
 
 
 def _mark_shared(
