@@ -256,10 +256,10 @@ def _assemble(
     local: tuple[int, int, dict] | None, param: torch.nn.Parameter, group: object
 ) -> dict[str, torch.Tensor]:
     """``local`` states of ``param`` joined over ``group`` into shard-shaped tensors."""
-    payload = (
+    payload = (  # on the host: objects travel pickled (NCCL too)
         None
         if local is None
-        else (local[0], local[1], {k: v.detach().clone() for k, v in local[2].items()})
+        else (local[0], local[1], {k: v.detach().cpu().clone() for k, v in local[2].items()})
     )
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, payload, group=group)
@@ -291,7 +291,7 @@ def gather_logical(
     tensor = tensor.detach().contiguous()
     if is_gtp_param(param):
         spec = param.gtp_spec
-        gathered = torch.empty(spec.gathered_shape, dtype=tensor.dtype)
+        gathered = torch.empty(spec.gathered_shape, dtype=tensor.dtype, device=tensor.device)
         dist.all_gather_into_tensor(gathered, tensor, group=gtp_group)
         tensor = spec.unpad(gathered).contiguous()
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -360,7 +360,7 @@ def moe_full_state(ddp: object, optimizer: object | None = None) -> dict[str, to
     for name, param in model.named_parameters():
         key = expert_key(name, first)
         group = param.runtime.group if is_gtp_param(param) else None
-        local[f"weight/{key}"] = gather_logical(name, param, param.data, group)
+        local[f"weight/{key}"] = gather_logical(name, param, param.data, group).cpu()
         if optimizer is None:
             continue
         found = _optimizer_states(optimizer, param)
@@ -369,7 +369,8 @@ def moe_full_state(ddp: object, optimizer: object | None = None) -> dict[str, to
         else:
             states = {kind: t.detach().clone().view(param.shape) for kind, t in found[2].items()}
         for kind, tensor in states.items():
-            local[f"{kind}/{key}"] = gather_logical(name, param, tensor, group)
+            full = gather_logical(name, param, tensor.to(param.device), group)
+            local[f"{kind}/{key}"] = full.cpu()
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, local)
     merged: dict[str, torch.Tensor] = {}
