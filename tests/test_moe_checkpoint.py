@@ -9,9 +9,9 @@ losses: bitwise at the same layout, within the 1e-5 parity tolerance at the othe
 another order).
 
 The same for ``TEGroupedMLP`` experts (one TE ``GroupedLinear`` weight per expert; on CPU its
-stand-in, ``nemo_gtp.testing.te_grouped``), built as their EGTP shards: saved at EP1·EGTP2,
-loaded without any GTP (EP1, expert DP4), that model saved again and loaded back at EP1·EGTP2
-(bitwise resume of the uninterrupted run), loaded at EP2·EGTP2 with dense GTP2, and the
+stand-in, ``nemo_gtp.testing.te_grouped``; gated fc1), built as their EGTP shards: saved at
+EP1·EGTP2, loaded without any GTP (EP1, expert DP4), that model saved again and loaded back at
+EP1·EGTP2 (bitwise resume of the uninterrupted run), loaded at EP2·EGTP2 with dense GTP2, and the
 ``SequentialMLP`` checkpoint loaded into a ``TEGroupedMLP`` model (megatron gives both the same
 per-expert keys). One 4-rank spawn runs every case.
 """
@@ -35,7 +35,8 @@ LOADS = {
 _STATE: dict[str, object] = {}
 
 
-GROUPED = dataclasses.replace(SAVED, ep=1, grouped=True, presharded=True)
+# gated fc1: megatron stores each expert's [gate; up] rows through its SwiGLU factory
+GROUPED = dataclasses.replace(SAVED, ep=1, grouped=True, presharded=True, glu=True)
 GROUPED_LOADS = {
     "grouped ep1 no-gtp": dataclasses.replace(GROUPED, egtp=1, presharded=False),
     "grouped gtp2-ep2-egtp2": dataclasses.replace(GROUPED, ep=2, gtp=2),

@@ -61,6 +61,7 @@ class Run:
     # MoE (megatron SequentialMLP experts, allgather token dispatcher): experts=0 is a dense GPT.
     experts: int = 0  # num_moe_experts
     grouped: bool = False  # TEGroupedMLP experts (TE's GroupedLinear; on CPU its stand-in)
+    glu: bool = False  # gated linear unit: fc1 holds [gate; up] (megatron's SwiGLU checkpoint)
     topk: int = 2  # moe_router_topk
     ep: int = 1  # expert_model_parallel_size
     egtp: int = 1  # expert GTP: expert_num_weight_shards = ETP (= TP) x egtp
@@ -290,6 +291,7 @@ def build(run: Run) -> dict:
         # Replicated-param handling stays covered by the norms and embeddings here and by the
         # biased nn.Linear engine tests.
         add_bias_linear=False,
+        gated_linear_unit=run.glu,
         **_RECOMPUTE[run.recompute],
         **_moe_config(run),
         **(_graph_config(run) if on_gpu or graph_stand_in.active() else {}),

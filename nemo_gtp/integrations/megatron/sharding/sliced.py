@@ -124,8 +124,9 @@ def shard_model(
 
     Call after the model is built and before DDP wraps it. Dense linears are sharded over
     ``groups.gtp``; the weights of routed MoE experts (megatron ``SequentialMLP``, and each
-    ``weight{i}`` of ``TEGroupedMLP``'s TE ``GroupedLinear``s) over ``groups.expert_gtp`` by a
-    second runtime, on one chain per role with a block's experts of a role one weight group
+    ``weight{i}`` of ``TEGroupedMLP``'s TE ``GroupedLinear``s, sliced here or built as their
+    shards by a ``gtp_layer_spec``, design §3.1 "Exact expert init") over ``groups.expert_gtp``
+    by a second runtime, on one chain per role with a block's experts of a role one weight group
     (design §1.4, §3.4). The model holds them as
     ``model.gtp_runtime`` (dense) and ``model.gtp_expert_runtime`` (experts); an axis of size 1
     gets none. Returned: the dense runtime, or the expert one when only experts are sharded;
@@ -157,7 +158,8 @@ def shard_model(
     design §3.5); ``gather_backend="auto"`` then means the process group.
 
     Raises ``ValueError`` for settings GTP cannot honour (megatron's legacy ``GroupedMLP``
-    under expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch,
+    under expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, weights
+    built as shards for other groups than ``groups``,
     per-layer graphs with routed experts or fewer than 2 warmup steps, ...) and warns once
     naming TE ``LayerNormMLP``s, which stay unsharded.
     """
