@@ -36,6 +36,10 @@ python3 -c "import transformer_engine.pytorch" 2>/dev/null && run full_iteration
 # 0c. Per-layer CUDA graphs under GTP (megatron's local CudaGraphManager, fp32): graphed GTP2 vs
 #     eager GTP2 (bit for bit) vs DP2, and that every captured layer replays (design §3.5).
 run layer_graphs 180 python3 bench/gpu_layer_graphs.py --out "$OUT/layer_graphs"
+# 0d. TEGroupedMLP experts built as their EGTP2 shards (TE's GroupedLinear): exact init and build
+#     memory on the GPU, GPT parity, checkpoint EGTP2 -> no GTP -> EGTP2 (design §3.1, §3.3).
+python3 -c "import transformer_engine.pytorch" 2>/dev/null && run grouped_experts 150 \
+  python3 bench/gpu_grouped_experts.py --out "$OUT/grouped_experts"
 [ "$SKIP_1B" = 1 ] || [ "${COMPACT:-0}" = 1 ] || run gpt1b_compare 300 python3 -m nemo_gtp.run configs/gpt_1b.yaml trainer.max_steps=20 --compare-baseline
 [ "${COMPACT:-0}" = 1 ] || run gpt125m_full 150 python3 -m nemo_gtp.run configs/gpt_125m.yaml trainer.max_steps=20 \
   +checkpoint.dir=$CK +checkpoint.every_n_train_steps=10 $PS --loss-log "$OUT/full.jsonl"

@@ -141,8 +141,12 @@ def test_bad_moe_recipe_override(overrides: list[str], message: str) -> None:
 
 
 def test_grouped_experts_with_te_spec_pass_the_checks() -> None:
-    """TEGroupedMLP (grouped GEMM on the TE spec) is sharded by expert GTP (design §1.4)."""
-    validate_recipe(load_recipe(MOE_TINY, ["model.layer_spec=te", "model.moe_grouped_gemm=true"]))
+    """TEGroupedMLP (grouped GEMM on the TE spec) is sharded by expert GTP (design §1.4) and
+    checkpoints under it (§3.3 "Routed experts")."""
+    grouped = ["model.layer_spec=te", "model.moe_grouped_gemm=true"]
+    validate_recipe(load_recipe(MOE_TINY, grouped))
+    checkpoint = ["+checkpoint.dir=c", "+checkpoint.every_n_train_steps=5"]
+    validate_recipe(load_recipe(MOE_TINY, [*grouped, *checkpoint]))
 
 
 @pytest.mark.parametrize("overrides, message", BAD_OVERRIDES, ids=lambda x: str(x))

@@ -41,3 +41,16 @@ def test_report(tmp_path: Path) -> None:
     assert "| 1.050× |" in row and "| 8.0 / 8.0 |" in row and "| 1.0e-02 |" in row
     assert "failed: RuntimeError: x" in table
     assert (tmp_path / "bench_moe.md").read_text().count("| seq_") == 3
+
+
+def test_gpu_grouped_experts_arguments() -> None:
+    """``bench/gpu_grouped_experts.py`` (TEGroupedMLP pre-sharded on GPUs) imports and parses;
+    its ``--cpu-smoke`` run is the same code on gloo with TE's stand-in."""
+    import pytest
+    from gpu_grouped_experts import CHECKS, parse_args
+
+    args = parse_args(["--out", "x", "--cpu-smoke"])
+    assert (args.local_experts, args.hidden, args.moe_ffn) == (3, 32, 64)
+    assert args.checks.split(",") == list(CHECKS)
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x", "--checks", "nope"])

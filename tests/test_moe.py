@@ -123,7 +123,12 @@ def _parity_case(rank: int, world: int, case: Run) -> float:
     if experts is not None:  # fc1 and fc2 of every local expert, on their own (EGTP) group
         assert len(experts.params) == 2 * local_experts * layers
         assert experts.size == case.egtp and experts.axis.value == "expert"
-        assert experts.stats.prefetches > 0 and experts.stats.fallback_allocations == 0
+        # TEGroupedMLP: in the observing pass (before the chains link and buffers get their
+        # parities) a group's followers find the leader's buffer taken and gather into a fresh
+        # one, once per follower; SequentialMLP consumes its experts one by one
+        observing = (local_experts - 1) * 2 * layers if case.grouped else 0
+        assert experts.stats.prefetches > 0
+        assert experts.stats.fallback_allocations == observing, experts.stats
         # one chain per role, each block's local experts of the role one unit (a group), the
         # next block's prefetched into other buffers (design §3.4 "Grouped-expert chains")
         from nemo_gtp.engine import ChainId
@@ -151,7 +156,16 @@ CASES = [
     dataclasses.replace(MOE, ep=2, egtp=2, capacity=1.0),  # token dropping
     dataclasses.replace(MOE, ep=2, egtp=2, gtp=2, per_token=True, distopt=True),
     dataclasses.replace(MOE, ep=2, gtp=2),  # dense GTP2, experts whole (EGTP1) over DP x GTP
+    # TEGroupedMLP experts (CPU stand-in of TE's GroupedLinear) built as their EGTP shards from
+    # the reference's seed: no weight copied in, parity from the exact init alone
+    dataclasses.replace(MOE, egtp=2, grouped=True, presharded=True),
+    dataclasses.replace(MOE, ep=2, egtp=2, gtp=2, grouped=True, presharded=True, distopt=True),
 ]
+
+
+def _case_id(run: Run) -> str:
+    grouped = "_grouped" if run.grouped else ""
+    return f"gtp{run.gtp}_ep{run.ep}_egtp{run.egtp}{grouped}"
 
 
 def _expert_step_parity(
@@ -273,10 +287,76 @@ def _zero_token_experts_case(rank: int, world: int) -> float:
     return worst
 
 
-def _grouped_experts_case(rank: int, world: int) -> float:
+def _grouped_blocks(config: Any, pgs: Any, local: int, submodules: Any, blocks: int = 2) -> Any:
+    """``blocks`` megatron ``TEGroupedMLP``s in a row (``local`` experts each), as one module."""
+    import torch
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    class Blocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = config
+            self.blocks = torch.nn.ModuleList(
+                TEGroupedMLP(local, config, submodules, pg_collection=pgs) for _ in range(blocks)
+            )
+
+        def forward(self, x: torch.Tensor, split: torch.Tensor, probs: torch.Tensor) -> Any:
+            for block in self.blocks:
+                x = block(x, split, probs)[0]
+            return x
+
+    return Blocks()
+
+
+def _grouped_config(local: int, ep: int, **overrides: Any) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    fields = dict(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=ep * local,
+        expert_model_parallel_size=ep,
+        moe_ffn_hidden_size=24,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    return TransformerConfig(**{**fields, **overrides})
+
+
+def _grouped_submodules(groups: Any = None, pad: int = 1) -> Any:
+    """``TEGroupedMLP``'s submodules on the CPU stand-ins; with ``groups`` rewritten by
+    ``gtp_layer_spec`` so the experts are built as their expert GTP shards."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    from nemo_gtp.engine import GTPConfig
+    from nemo_gtp.integrations.megatron import gtp_layer_spec
+    from nemo_gtp.testing.te_grouped import (
+        CPUColumnParallelGroupedLinear,
+        CPURowParallelGroupedLinear,
+        grouped_kinds,
+    )
+
+    submodules = MLPSubmodules(
+        linear_fc1=CPUColumnParallelGroupedLinear, linear_fc2=CPURowParallelGroupedLinear
+    )
+    if groups is None:
+        return submodules
+    return gtp_layer_spec(
+        submodules, groups, GTPConfig(pad_for_alignment=pad), grouped_kinds=grouped_kinds()
+    )
+
+
+def _grouped_experts_case(rank: int, world: int, presharded: bool) -> float:
     """megatron's ``TEGroupedMLP`` (one weight per expert in a ``GroupedLinear``) under EGTP2,
     two MoE blocks at EP2, driven through TE's weight protocol as TE's ``GroupedLinear`` drives
     it (``nemo_gtp.testing.te_grouped``: TE cannot run on CPU), through GTP DDP and finalize.
+
+    ``presharded``: the experts are built as their shards (``gtp_layer_spec``, design §3.1
+    "Exact expert init") from the seed of the unsharded module, and must hold exactly its rows
+    without any copy; else they are built full, loaded with its weights and sliced.
 
     Each block's fc1 experts are one weight group that ``weight0`` materializes (its followers
     only hand out ``grad_buffer()``s: fc1 runs TE's fused-wgrad path, fc2 the packed one), on a
@@ -287,53 +367,33 @@ def _grouped_experts_case(rank: int, world: int) -> float:
     """
     import torch
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    from nemo_gtp.engine import ChainId, GTPConfig, GTPStateError
+    from nemo_gtp.engine import ChainId, GTPConfig, GTPStateError, is_gtp_param
     from nemo_gtp.integrations.megatron import (
         GTPDistributedDataParallel,
         gtp_process_groups,
         make_finalize_model_grads,
         shard_model,
     )
-    from nemo_gtp.testing.te_grouped import CPUGroupedLinear
 
     run = dataclasses.replace(MOE, ep=2, egtp=2)
     groups = gtp_groups(run)
     local = 3
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=16,
-        num_attention_heads=2,
-        num_moe_experts=2 * local,
-        expert_model_parallel_size=2,
-        moe_ffn_hidden_size=24,
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
-    submodules = MLPSubmodules(linear_fc1=CPUGroupedLinear, linear_fc2=CPUGroupedLinear)
+    config = _grouped_config(local, ep=2)
     pgs = gtp_process_groups(groups)
-
-    class Blocks(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.config = config
-            self.blocks = torch.nn.ModuleList(
-                TEGroupedMLP(local, config, submodules, pg_collection=pgs) for _ in range(2)
-            )
-
-        def forward(self, x: torch.Tensor, split: torch.Tensor, probs: torch.Tensor) -> Any:
-            for block in self.blocks:
-                x = block(x, split, probs)[0]
-            return x
-
     torch.manual_seed(11)
-    full, sharded = Blocks(), Blocks()
-    sharded.load_state_dict(full.state_dict())
+    full = _grouped_blocks(config, pgs, local, _grouped_submodules())
+    if presharded:
+        torch.manual_seed(11)  # the same seed: the shards must be the full module's rows
+        sharded = _grouped_blocks(config, pgs, local, _grouped_submodules(groups))
+        want = full.state_dict()
+        for name, param in sharded.named_parameters():
+            assert is_gtp_param(param), name
+            assert param.shape == ((12, 16) if "fc1" in name else (8, 24)), name  # EGTP halves
+            assert torch.equal(param.data, param.gtp_spec.shard(want[name])), name
+    else:
+        sharded = _grouped_blocks(config, pgs, local, _grouped_submodules())
+        sharded.load_state_dict(full.state_dict())
     runtime = shard_model(sharded, groups, GTPConfig(pad_for_alignment=1))
     assert runtime is sharded.gtp_expert_runtime and sharded.gtp_runtime is None
     assert [(len(g.params), g.together) for g in runtime.weight_groups] == [(local, True)] * 4
@@ -379,20 +439,56 @@ def _grouped_experts_case(rank: int, world: int) -> float:
     with pytest.raises(ValueError, match=f"leads a group of {local} weights, got 1 wgrads"):
         fc1[0].weight0.finalize_group_grads(torch.zeros(24, 16))
     assert follower.grad_buffer().shape == (24, 16)
-    # the weights as a run without GTP has them; checkpoints of grouped experts are refused
+    # the weights as a run without GTP has them (checkpoints: tests/test_moe_checkpoint.py)
     from nemo_gtp import full_state_dict
-    from nemo_gtp.integrations.megatron.checkpoint import make_gtp_sharded_state_dict
 
     for key, value in full_state_dict(ddp).items():
         torch.testing.assert_close(value, full.state_dict()[key], rtol=0, atol=0)
-    with pytest.raises(NotImplementedError, match="grouped-GEMM MoE experts under GTP"):
-        make_gtp_sharded_state_dict(sharded.blocks[0].sharded_state_dict(prefix="moe."), groups)
+    if presharded:
+        return worst
     # TE's grouped-tensor path never finalizes the weights' grads: refused before slicing
-    fused = Blocks()
+    fused = _grouped_blocks(config, pgs, local, _grouped_submodules())
     fused.blocks[1].linear_fc2.use_grouped_tensor = True
     with pytest.raises(ValueError, match="blocks.1.linear_fc2: TransformerEngine's grouped-tensor"):
         shard_model(fused, groups, GTPConfig(pad_for_alignment=1))
+    # a layer spec rewritten for other groups: its shards would never be gathered
+    other = _grouped_blocks(config, pgs, local, _grouped_submodules(groups))
+    with pytest.raises(ValueError, match="built as GTP shards but no runtime"):
+        shard_model(other, gtp_groups(dataclasses.replace(run, egtp=1, gtp=2)), GTPConfig())
     return worst
+
+
+def _grouped_build_memory_case(rank: int, world: int) -> tuple[int, int, int]:
+    """Building ``TEGroupedMLP`` experts as their EGTP2 shards never holds the experts' full
+    weights (design §3.1 "Exact expert init"), by the allocator's byte counts (CPU profiler):
+    the build keeps exactly 1/EGTP of the full build's expert bytes, and its peak is that plus
+    one expert's full weight (the scratch its exact init draws into, one expert at a time),
+    where the full build peaks at every expert's full weight. Returns (full, kept, peak) bytes."""
+    import torch
+
+    from nemo_gtp.integrations.megatron import gtp_process_groups
+    from nemo_gtp.testing.memory import allocation_peak
+
+    run = dataclasses.replace(MOE, ep=2, egtp=2)
+    groups = gtp_groups(run)
+    local, blocks = 4, 3
+    config = _grouped_config(local, ep=2, hidden_size=32, moe_ffn_hidden_size=64)
+    pgs = gtp_process_groups(groups)
+
+    def build(submodules: Any) -> Any:
+        torch.manual_seed(5)
+        return _grouped_blocks(config, pgs, local, submodules, blocks)
+
+    full, full_peak, full_kept = allocation_peak(lambda: build(_grouped_submodules()))
+    pre, peak, kept = allocation_peak(lambda: build(_grouped_submodules(groups)))
+    weights = sum(p.numel() * p.element_size() for p in full.parameters())
+    one_expert = 64 * 32 * 4  # fc1 (64 x 32) and fc2 (32 x 64), fp32
+    assert weights == blocks * local * 2 * one_expert
+    assert full_peak >= weights and full_kept >= weights
+    assert sum(p.numel() * p.element_size() for p in pre.parameters()) == weights // 2
+    assert kept == weights // 2, (kept, weights)
+    assert peak == weights // 2 + one_expert, (peak, weights, one_expert)
+    return weights, kept, peak
 
 
 def _full_state_dict_case(rank: int, world: int) -> int:
@@ -442,7 +538,9 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outco
     cases = [
         ("setup", _setup, ()),
         ("zero-token experts", _zero_token_experts_case, ()),
-        ("grouped experts", _grouped_experts_case, ()),
+        ("grouped experts", _grouped_experts_case, (False,)),
+        ("grouped experts presharded", _grouped_experts_case, (True,)),
+        ("grouped build memory", _grouped_build_memory_case, ()),
         *((f"parity {run}", _parity_case, (run,)) for run in CASES),
         ("full_state_dict", _full_state_dict_case, ()),
         ("refusals", _refusals_case, ()),
@@ -450,7 +548,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outco
     return run_cases(cases, 4, tmp_path_factory.mktemp("moe4"))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda r: f"gtp{r.gtp}_ep{r.ep}_egtp{r.egtp}")
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_moe_parity(four_ranks: dict[str, list[Outcome]], case: Run) -> None:
     case_values(four_ranks["setup"])
     assert all(err <= 1e-5 for err in case_values(four_ranks[f"parity {case}"]))
@@ -462,8 +560,19 @@ def test_experts_without_tokens_keep_collectives_matched(
     assert all(err <= 1e-5 for err in case_values(four_ranks["zero-token experts"]))
 
 
-def test_grouped_experts_through_te_protocol(four_ranks: dict[str, list[Outcome]]) -> None:
-    assert all(err <= 1e-5 for err in case_values(four_ranks["grouped experts"]))
+@pytest.mark.parametrize("built", ["sliced", "presharded"])
+def test_grouped_experts_through_te_protocol(
+    four_ranks: dict[str, list[Outcome]], built: str
+) -> None:
+    name = "grouped experts" + (" presharded" if built == "presharded" else "")
+    assert all(err <= 1e-5 for err in case_values(four_ranks[name]))
+
+
+def test_presharded_grouped_experts_never_hold_full_weights(
+    four_ranks: dict[str, list[Outcome]],
+) -> None:
+    for full, kept, peak in case_values(four_ranks["grouped build memory"]):
+        assert kept * 2 == full and peak < 0.6 * full
 
 
 def test_full_state_dict_gathers_expert_shards(four_ranks: dict[str, list[Outcome]]) -> None:

@@ -244,3 +244,51 @@ def test_strategy_config_spec_rewrite() -> None:
         is False
     )
     assert config.transformer_layer_spec is local_layer_spec
+
+
+def test_grouped_expert_spec_rewrite() -> None:
+    """Under expert GTP, ``TEGroupedMLP``'s grouped-expert linears are swapped for their
+    pre-sharded subclasses with the *expert* plan (TE's wrappers by default, the CPU stand-ins
+    here); dense linears only under GTP > 1; ``preshard_linears="none"`` keeps the default
+    classes (design §3.1 "Exact expert init")."""
+    from types import SimpleNamespace
+
+    from nemo_gtp.engine import GTPGroups, GTPParallelDims
+    from nemo_gtp.integrations.megatron import (
+        gtp_layer_spec,
+        preshard_config_layer_spec,
+        presharded_grouped_class,
+        presharded_grouped_classes,
+    )
+    from nemo_gtp.testing.gpt_harness import layer_spec
+    from nemo_gtp.testing.te_grouped import (
+        CPUColumnParallelGroupedLinear,
+        CPURowParallelGroupedLinear,
+        grouped_kinds,
+    )
+
+    dims = GTPParallelDims(world_size=4, expert_num_weight_shards=2)  # GTP1 · EGTP2 · EDP2
+    groups = GTPGroups(dims, 3, *([None] * len(dims.group_ranks())))
+    plan = GTPShardPlan(2, groups.expert_gtp_rank, 8)
+    spec = layer_spec(Run(experts=4, grouped=True))
+    new = gtp_layer_spec(
+        spec, groups, GTPConfig(pad_for_alignment=8), grouped_kinds=grouped_kinds()
+    )
+    experts = new.submodules.mlp.submodules.experts.submodules
+    for entry, base, column in (
+        (experts.linear_fc1, CPUColumnParallelGroupedLinear, True),
+        (experts.linear_fc2, CPURowParallelGroupedLinear, False),
+    ):
+        assert entry.module is presharded_grouped_class(base, column)
+        assert entry.params == {"gtp": plan}
+    assert new.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear  # GTP 1
+    # a trainer's config: the default grouped classes are TE's (none without TE)
+    config = SimpleNamespace(transformer_layer_spec=spec)
+    assert preshard_config_layer_spec(config, groups) is False
+    classes = presharded_grouped_classes(grouped_kinds())
+    assert preshard_config_layer_spec(config, groups, grouped_classes=classes)
+    experts = config.transformer_layer_spec.submodules.mlp.submodules.experts.submodules
+    assert experts.linear_fc2.module is classes[CPURowParallelGroupedLinear]
+    config = SimpleNamespace(transformer_layer_spec=spec)
+    assert preshard_config_layer_spec(config, groups, GTPConfig(preshard_linears="none")) is False
+    assert config.transformer_layer_spec is spec

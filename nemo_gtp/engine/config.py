@@ -70,12 +70,14 @@ class GTPConfig:
         preshard_linears: which linears a trainer that builds the model from a config
             (``GTPMegatronStrategy``) builds directly as their shard, so no full weight is ever
             materialized (design §3.1 "One init path"): ``"te"`` (default) the
-            TransformerEngine parallel linears only; ``"all"`` also megatron's local
+            TransformerEngine parallel linears only, and under expert GTP the grouped-expert
+            linears of ``TEGroupedMLP``, which start with exactly the non-GTP model's values
+            (design §3.1 "Exact expert init"); ``"all"`` also megatron's local
             ``ColumnParallelLinear`` / ``RowParallelLinear``, whose weights are otherwise built
             full and sliced (a run that starts bit-identical to its non-GTP twin; pre-sharded
-            weights are drawn per GTP peer instead); ``"none"``: every linear built full and
-            sliced, TE's too, so a TE model starts bit-identical to its non-GTP twin (for loss
-            comparisons; each weight is materialized in full once, at build).
+            dense weights are drawn per GTP peer instead); ``"none"``: every linear built full
+            and sliced, TE's too, so a TE model starts bit-identical to its non-GTP twin (for
+            loss comparisons; each weight is materialized in full once, at build).
         te_fuse_wgrad: TransformerEngine linears whose weight is a GTP shard write their wgrad
             GEMM straight into the runtime's reduce-scatter scratch (TE's
             ``fuse_wgrad_accumulation`` through the DistributedWeight protocol's

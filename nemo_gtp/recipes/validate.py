@@ -315,10 +315,15 @@ def _check_sizes(raw: dict[str, Any]) -> None:
         )
 
 
+def _default_spec() -> str:
+    """The layer spec a recipe without ``model.layer_spec`` gets: TE's when TE is installed."""
+    return "te" if importlib.util.find_spec("transformer_engine") is not None else "local"
+
+
 def _check_moe(raw: dict[str, Any], dims: Any) -> None:
     """Expert GTP needs routed experts (``SequentialMLP``, or ``TEGroupedMLP``: grouped GEMM
-    with the TE layer spec, not the legacy ``GroupedMLP``); experts divide over EP; grouped-GEMM
-    experts cannot checkpoint under GTP yet (design §1.4, §3.3 "Routed experts")."""
+    with the TE layer spec, not the legacy ``GroupedMLP``); experts divide over EP; the legacy
+    ``GroupedMLP`` cannot checkpoint under GTP (design §1.4, §3.3 "Routed experts")."""
     model = raw.get("model") or {}
     experts = model.get("num_moe_experts")
     if dims.egtp > 1 and not experts:
@@ -328,9 +333,7 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
             "strategy.expert_num_weight_shards"
         )
     if dims.egtp > 1 and model.get("moe_grouped_gemm"):
-        spec = model.get("layer_spec") or (
-            "te" if importlib.util.find_spec("transformer_engine") is not None else "local"
-        )
+        spec = model.get("layer_spec") or _default_spec()
         if spec != "te" or model.get("moe_use_legacy_grouped_gemm"):
             if model.get("moe_use_legacy_grouped_gemm"):
                 why = "model.moe_use_legacy_grouped_gemm=true"
@@ -348,11 +351,17 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
             f"model.num_moe_experts={experts} must be a multiple of "
             f"strategy.expert_model_parallel_size={dims.expert_model_parallel_size}"
         )
-    grouped = experts and model.get("moe_grouped_gemm")
+    legacy = (
+        model.get("moe_use_legacy_grouped_gemm")
+        or (model.get("layer_spec") or _default_spec()) != "te"
+    )
+    grouped = experts and model.get("moe_grouped_gemm") and legacy
     if grouped and dims.gtp_enabled and (raw.get("checkpoint") or raw.get("resume")):
         raise RecipeError(
-            "checkpoint / resume of grouped-GEMM MoE experts under GTP is not supported yet: set "
-            "model.moe_grouped_gemm=false, or drop the checkpoint section (and resume)"
+            "checkpoint / resume of megatron's legacy grouped-GEMM MoE experts under GTP "
+            "(GroupedMLP) is not supported yet: set model.moe_grouped_gemm=false, or "
+            "model.layer_spec=te (TEGroupedMLP checkpoints), or drop the checkpoint section "
+            "(and resume)"
         )
 
 

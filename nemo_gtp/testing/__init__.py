@@ -16,7 +16,13 @@ Nothing here is needed to train with GTP on GPUs; the product is ``nemo_gtp.engi
     ``bench/parity_nccl.py``, ``bench/ckpt_nccl.py``, ``bench/te_gpt_nccl.py``).
 ``ckpt_harness``
     Build, train and fully gather (weights and optimizer state) a GPT at any layout
-    (checkpoint tests).
+    (checkpoint tests); ``moe_full_state``: the same for MoE models, experts by global index.
+``te_grouped``
+    TE's weight-protocol dispatchers and CPU stand-ins of megatron's ``TEGroupedLinear``
+    wrappers (``TEGroupedMLP`` on CPU, checkpoint entries included).
+``memory``
+    ``allocation_peak``: peak and kept bytes while a function runs (CUDA allocator or CPU
+    profiler).
 ``strategy_harness``
     Real ``nl.Trainer`` fits with ``GTPMegatronStrategy`` or plain ``MegatronStrategy`` in
     spawned CPU/gloo processes (strategy tests); ``shared_launch``: the fits of several test

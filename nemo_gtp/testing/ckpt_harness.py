@@ -12,6 +12,7 @@ concatenated, distributed-optimizer ranges assembled), so two layouts compare bi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -203,7 +204,16 @@ def _inner_optimizers(optimizer: object) -> list:
 
 def _local_states(built: Built, param: torch.nn.Parameter) -> tuple[int, int, dict] | None:
     """This rank's (start, end, {kind: flat tensor}) of ``param``'s optimizer state, if any."""
-    for opt in _inner_optimizers(built.optimizer):
+    found = _optimizer_states(built.optimizer, param)
+    return None if found is None else found[:3]
+
+
+def _optimizer_states(
+    optimizer: object, param: torch.nn.Parameter
+) -> tuple[int, int, dict, object] | None:
+    """This rank's (start, end, {kind: flat tensor}, group the state is sharded over) of
+    ``param``'s optimizer state, if any (group ``None``: a whole copy per rank)."""
+    for opt in _inner_optimizers(optimizer):
         if hasattr(opt, "model_param_group_index_map"):  # DistributedOptimizer
             if param not in opt.model_param_group_index_map:
                 continue
@@ -217,6 +227,7 @@ def _local_states(built: Built, param: torch.nn.Parameter) -> tuple[int, int, di
                     "exp_avg": tensors["exp_avg"],
                     "exp_avg_sq": tensors["exp_avg_sq"],
                 },
+                opt.data_parallel_group,
             )
         state = opt.optimizer.state.get(param)
         if state is not None:
@@ -228,21 +239,28 @@ def _local_states(built: Built, param: torch.nn.Parameter) -> tuple[int, int, di
                     "exp_avg": state["exp_avg"].view(-1),
                     "exp_avg_sq": state["exp_avg_sq"].view(-1),
                 },
+                None,
             )
     return None
 
 
 def _assemble_replicate(built: Built, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
     """Each optimizer state of ``param``, shard-shaped (distributed-optimizer ranges joined)."""
-    local = _local_states(built, param)
-    payload = (
-        None
-        if local is None
-        else (local[0], local[1], {k: v.detach().clone() for k, v in local[2].items()})
-    )
     # shard_replicated_params_over_gtp: the replicated params' state is spread over DP x GTP
     over_data = built.layout.shard_replicated and not is_gtp_param(param)
     group = built.groups.data if over_data else built.groups.replicate
+    return _assemble(_local_states(built, param), param, group)
+
+
+def _assemble(
+    local: tuple[int, int, dict] | None, param: torch.nn.Parameter, group: object
+) -> dict[str, torch.Tensor]:
+    """``local`` states of ``param`` joined over ``group`` into shard-shaped tensors."""
+    payload = (  # on the host: objects travel pickled (NCCL too)
+        None
+        if local is None
+        else (local[0], local[1], {k: v.detach().cpu().clone() for k, v in local[2].items()})
+    )
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, payload, group=group)
     out = {}
@@ -273,7 +291,7 @@ def gather_logical(
     tensor = tensor.detach().contiguous()
     if is_gtp_param(param):
         spec = param.gtp_spec
-        gathered = torch.empty(spec.gathered_shape, dtype=tensor.dtype)
+        gathered = torch.empty(spec.gathered_shape, dtype=tensor.dtype, device=tensor.device)
         dist.all_gather_into_tensor(gathered, tensor, group=gtp_group)
         tensor = spec.unpad(gathered).contiguous()
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -296,6 +314,71 @@ def full_state(built: Built) -> dict[str, torch.Tensor]:
         for kind, tensor in _assemble_replicate(built, param).items():
             out[f"{kind}/{name}"] = gather_logical(name, param, tensor, gtp, glu=glu)
     return out
+
+
+def expert_key(name: str, first: int) -> str:
+    """``name`` of a routed-expert param with its global expert index (``first`` = this EP
+    rank's first expert): ``SequentialMLP``'s ``experts.local_experts.<i>.linear_fc1.weight`` and
+    ``TEGroupedMLP``'s ``experts.linear_fc1.weight<i>`` both become
+    ``experts.experts.<first + i>.linear_fc1.weight``; other names are returned as they are."""
+    name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"experts.{first + int(m[1])}.", name)
+    return re.sub(
+        r"experts\.(linear_fc\d)\.weight(\d+)$",
+        lambda m: f"experts.experts.{first + int(m[2])}.{m[1]}.weight",
+        name,
+    )
+
+
+def _buffer_group(ddp: object, param: torch.nn.Parameter) -> object:
+    """The data-parallel group of the DDP buffer holding ``param`` (dense or expert): the group
+    megatron's distributed optimizer shards its state over."""
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        if param in buffer.param_index_map:
+            return buffer.data_parallel_group
+    raise KeyError(f"no DDP buffer holds a param of shape {tuple(param.shape)}")
+
+
+def moe_full_state(ddp: object, optimizer: object | None = None) -> dict[str, torch.Tensor]:
+    """Every weight (and, given the ``optimizer``, every optimizer state) of a MoE model as full
+    logical tensors, keyed ``"<kind>/<name>"`` with routed experts under their global index
+    (:func:`expert_key`), merged over every rank (replicas must agree bit for bit): two layouts,
+    expert kinds (``SequentialMLP`` / ``TEGroupedMLP``), EP or EGTP sizes compare directly.
+
+    Shards gather over their own runtime's group (GTP or expert GTP); optimizer states over the
+    group their optimizer shards them over (dense or expert data parallel). TP must be 1.
+    """
+    model = ddp.module
+    config = model.config
+    local_experts = (config.num_moe_experts or 0) // max(
+        1, parallel_state.get_expert_model_parallel_world_size()
+    )
+    first = parallel_state.get_expert_model_parallel_rank() * local_experts
+    distributed = any(
+        hasattr(opt, "model_param_group_index_map") for opt in _inner_optimizers(optimizer)
+    )
+    local = {}
+    for name, param in model.named_parameters():
+        key = expert_key(name, first)
+        group = param.runtime.group if is_gtp_param(param) else None
+        local[f"weight/{key}"] = gather_logical(name, param, param.data, group).cpu()
+        if optimizer is None:
+            continue
+        found = _optimizer_states(optimizer, param)
+        if distributed:  # ranges of it on other ranks of its DDP buffer's group, maybe not here
+            states = _assemble(found and found[:3], param, _buffer_group(ddp, param))
+        else:
+            states = {kind: t.detach().clone().view(param.shape) for kind, t in found[2].items()}
+        for kind, tensor in states.items():
+            full = gather_logical(name, param, tensor.to(param.device), group)
+            local[f"{kind}/{key}"] = full.cpu()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, local)
+    merged: dict[str, torch.Tensor] = {}
+    for part in every:
+        for key, value in part.items():
+            assert key not in merged or torch.equal(merged[key], value), f"replicas differ: {key}"
+            merged[key] = value
+    return merged
 
 
 def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> int:

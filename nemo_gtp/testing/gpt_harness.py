@@ -53,12 +53,15 @@ class Run:
     separate_rs: bool = False  # GTPConfig.separate_reduce_scatter_group
     coalesce_mb: float = 0.0  # GTPConfig.coalesce_mb (0.125: one unit per layer at 64/128)
     bf16: bool = False  # bf16 params + megatron's mixed-precision optimizer (fp32 main params)
-    presharded: bool = False  # build the linears as shards (gtp_layer_spec), weights copied in
+    presharded: bool = False  # build the linears as shards (gtp_layer_spec): dense ones get the
+    # weights of a full twin copied in; grouped experts (EGTP > 1) start exact by construction
     shard_replicated: bool = False  # GTPConfig.shard_replicated_params_over_gtp (needs distopt)
     recompute: str = ""  # activation recompute: "", "full_uniform", "full_block", "selective"
     # (core attention) or "selective_mlp" (the MLP: GTP weights re-gathered in the backward)
     # MoE (megatron SequentialMLP experts, allgather token dispatcher): experts=0 is a dense GPT.
     experts: int = 0  # num_moe_experts
+    grouped: bool = False  # TEGroupedMLP experts (TE's GroupedLinear; on CPU its stand-in)
+    glu: bool = False  # gated linear unit: fc1 holds [gate; up] (megatron's SwiGLU checkpoint)
     topk: int = 2  # moe_router_topk
     ep: int = 1  # expert_model_parallel_size
     egtp: int = 1  # expert GTP: expert_num_weight_shards = ETP (= TP) x egtp
@@ -205,6 +208,34 @@ def _graph_config(run: Run) -> dict:
     )
 
 
+def grouped_linear_kinds(on_gpu: bool) -> dict[type, bool]:
+    """``TEGroupedMLP``'s linear classes (class -> "expert TP splits out_features"): megatron's TE
+    wrappers on GPUs with TE, else the CPU stand-ins of ``nemo_gtp.testing.te_grouped``."""
+    from nemo_gtp.integrations.megatron.sharding import te_grouped_linear_kinds
+    from nemo_gtp.testing.te_grouped import grouped_kinds
+
+    return (on_gpu and te_grouped_linear_kinds(import_te=True)) or grouped_kinds()
+
+
+def layer_spec(run: Run, on_gpu: bool = False) -> object:
+    """megatron's local GPT layer spec for ``run``; MoE experts as ``SequentialMLP``, or with
+    ``run.grouped`` as ``TEGroupedMLP`` around :func:`grouped_linear_kinds`."""
+    import copy
+
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = get_gpt_layer_local_spec(num_experts=run.experts or None, moe_grouped_gemm=False)
+    if run.experts and run.grouped:
+        fc1, fc2 = sorted(grouped_linear_kinds(on_gpu).items(), key=lambda kv: not kv[1])
+        spec = copy.deepcopy(spec)
+        spec.submodules.mlp.submodules.experts = ModuleSpec(
+            module=TEGroupedMLP, submodules=MLPSubmodules(linear_fc1=fc1[0], linear_fc2=fc2[0])
+        )
+    return spec
+
+
 def train(run: Run) -> dict:
     """Train ``run`` on the current world; returns per-rank losses, grad norms, grads, weights.
 
@@ -260,6 +291,7 @@ def build(run: Run) -> dict:
         # Replicated-param handling stays covered by the norms and embeddings here and by the
         # biased nn.Linear engine tests.
         add_bias_linear=False,
+        gated_linear_unit=run.glu,
         **_RECOMPUTE[run.recompute],
         **_moe_config(run),
         **(_graph_config(run) if on_gpu or graph_stand_in.active() else {}),
@@ -275,14 +307,16 @@ def build(run: Run) -> dict:
         shard_replicated_params_over_gtp=run.shard_replicated,
         graph_wgrad_ring_size=run.graph_ring,
     )
-    spec = get_gpt_layer_local_spec(num_experts=run.experts or None, moe_grouped_gemm=False)
+    spec = layer_spec(run, on_gpu)
     reference = None
     if run.presharded and run.gtp > 1:
         # The full twin this seed builds without GTP; the shards then start from its weights.
         reference = {
             n: p.detach().clone() for n, p in GPTModel(config, spec, VOCAB, SEQ).named_parameters()
         }
-        spec = gtp_layer_spec(spec, groups, gtp_config)
+    if run.presharded and run.gtp_on:
+        grouped = grouped_linear_kinds(on_gpu) if run.grouped else {}
+        spec = gtp_layer_spec(spec, groups, gtp_config, grouped_kinds=grouped)
     model = GPTModel(config, spec, VOCAB, SEQ).to(device)
     if reference is not None:
         load_full_weights(model, reference)

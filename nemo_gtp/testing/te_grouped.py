@@ -17,11 +17,18 @@ GEMM's output. This module mirrors that contract from TE's documentation and its
   CPU around it and sharded by ``shard_model``. Its autograd function makes the protocol calls
   in TE's order: ``grad_buffer()`` of every member (fused path) before the backward
   materialize; wgrads overwritten, not accumulated, for distributed weights; the returned
-  grads must be one per weight.
+  grads must be one per weight. :class:`CPUColumnParallelGroupedLinear` (fc1) and
+  :class:`CPURowParallelGroupedLinear` (fc2) mirror megatron's two wrappers down to their
+  distributed-checkpoint entries: per expert a ``weight`` (and ``_extra_state``) keyed like
+  ``SequentialMLP``'s, with the global expert index as a prepended axis, the expert TP axis
+  (0 for fc1, 1 for fc2) and the expert data-parallel replica id, so a checkpoint of the
+  stand-in has the layout megatron's ``TEGroupedMLP`` writes.
 
 Example::
 
-    submodules = MLPSubmodules(linear_fc1=CPUGroupedLinear, linear_fc2=CPUGroupedLinear)
+    submodules = MLPSubmodules(
+        linear_fc1=CPUColumnParallelGroupedLinear, linear_fc2=CPURowParallelGroupedLinear
+    )
     experts = TEGroupedMLP(num_local_experts, config, submodules, pg_collection=pgs)
 """
 
@@ -94,7 +101,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if ctx.fuse:
             wgrads = main_grads
         else:
-            packed = torch.empty(len(origin), *weights[0].shape, dtype=dy.dtype)
+            packed = torch.empty(len(origin), *weights[0].shape, dtype=dy.dtype, device=dy.device)
             wgrads = [packed[i] for i in range(len(origin))]
         for wgrad, d, x in zip(wgrads, dys, xs):
             torch.matmul(d.t(), x, out=wgrad)  # accumulate=False for distributed weights
@@ -110,7 +117,12 @@ class CPUGroupedLinear(torch.nn.Module):
 
     ``fuse_wgrad_accumulation`` is on for the ``fc1`` instance and off for ``fc2``, so one
     ``TEGroupedMLP`` exercises both of TE's wgrad paths (``grad_buffer()`` vs a packed wgrad).
+    Weights are allocated first, then initialized one after another with ``init_method``, as
+    TE's ``reset_parameters`` does.
     """
+
+    column: bool = True
+    """Expert TP splits ``output_size`` (megatron's column-parallel wrapper), else the input."""
 
     def __init__(
         self,
@@ -129,15 +141,92 @@ class CPUGroupedLinear(torch.nn.Module):
         super().__init__()
         if bias:
             raise NotImplementedError("CPUGroupedLinear has no bias (add_bias_linear=False)")
+        tp = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        if self.column:  # megatron's wrapper divides what expert TP splits
+            output_size //= tp
+        else:
+            input_size //= tp
         self.num_gemms = num_gemms
+        self.out_features = output_size
         self.fuse_wgrad_accumulation = tp_comm_buffer_name == "fc1"
         for i in range(num_gemms):
             weight = torch.empty(output_size, input_size, dtype=config.params_dtype)
-            init_method(weight)
             self.register_parameter(f"weight{i}", torch.nn.Parameter(weight))
+        if config.perform_initialization:
+            for i in range(num_gemms):
+                init_method(getattr(self, f"weight{i}").data)
+        for param in self.parameters():  # megatron's tag: EP > 1 experts go to DDP's expert buffer
+            param.allreduce = not (is_expert and config.expert_model_parallel_size > 1)
+        self._register_load_state_dict_pre_hook(_drop_split_extra_states, with_module=True)
 
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, None]:
         """``y_i = x_i W_i^T`` per expert split, as TE's ``GroupedLinear``."""
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         splits = [int(m) for m in m_splits]
         return _GroupedLinearFunction.apply(x, splits, self.fuse_wgrad_accumulation, *weights), None
+
+    def get_extra_state(self) -> torch.Tensor:
+        """TE's extra state without FP8: an empty byte tensor."""
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore without FP8."""
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """megatron's grouped-linear checkpoint entries (see the module docstring)."""
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        if (metadata or {}).get("singleton_local_shards", False):
+            raise NotImplementedError("CPUGroupedLinear: singleton_local_shards")
+        state = self.state_dict(prefix="", keep_vars=True)
+        total = parallel_state.get_expert_model_parallel_world_size() * self.num_gemms
+        first = parallel_state.get_expert_model_parallel_rank() * self.num_gemms
+        axis = len(sharded_offsets)
+        out = {}
+        for i in range(self.num_gemms):
+            entries = {
+                f"{i}.weight": state[f"weight{i}"],
+                f"{i}._extra_state": state["_extra_state"],
+            }
+            offsets = (*sharded_offsets, (axis, first + i, total))
+            sub = make_sharded_tensors_for_checkpoint(
+                entries, "", {f"{i}.weight": 0 if self.column else 1}, offsets
+            )
+            replace_prefix_for_sharding(sub, f"{i}.", prefix)
+            out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+            out[f"{prefix}_extra_state{i if i else ''}"] = sub[f"{i}._extra_state"]
+        replica = parallel_state.get_expert_data_parallel_rank()
+        for entry in out.values():  # replicas along expert DP (megatron's id is (PP, TP, DP))
+            entry.replica_id = (*entry.replica_id[:2], replica)
+        return out
+
+
+def _drop_split_extra_states(
+    module: CPUGroupedLinear, state_dict: dict, prefix: str, *_: Any
+) -> None:
+    # A dist-checkpoint load hands back one extra state per expert (_extra_state1..N-1); TE's
+    # megatron wrapper merges them into _extra_state, which without FP8 holds nothing.
+    for i in range(1, module.num_gemms):
+        state_dict.pop(f"{prefix}_extra_state{i}", None)
+
+
+class CPUColumnParallelGroupedLinear(CPUGroupedLinear):
+    """Stand-in for megatron's ``TEColumnParallelGroupedLinear`` (``TEGroupedMLP``'s fc1)."""
+
+    column = True
+
+
+class CPURowParallelGroupedLinear(CPUGroupedLinear):
+    """Stand-in for megatron's ``TERowParallelGroupedLinear`` (``TEGroupedMLP``'s fc2)."""
+
+    column = False
+
+
+def grouped_kinds() -> dict[type, bool]:
+    """The stand-ins as ``gtp_layer_spec(..., grouped_kinds=...)`` takes them (class ->
+    "expert TP splits out_features"), in place of TE's wrappers."""
+    return {CPUColumnParallelGroupedLinear: True, CPURowParallelGroupedLinear: False}

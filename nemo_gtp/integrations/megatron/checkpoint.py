@@ -14,10 +14,12 @@ weight. :func:`make_gtp_sharded_state_dict` post-processes it:
   ``_extra_state`` objects) folds ``gtp_rank`` into its TP coordinate, so exactly one GTP peer
   writes it — also in the distributed optimizer's ``fully_sharded_model_space`` format, which
   zeroes the DP coordinate;
-- routed experts (megatron ``SequentialMLP``) do the same on the expert grid: megatron already
-  put the global expert index (EP) and the ETP offset in their entries, the EGTP offset goes on
-  the rows as above, the DP coordinate is the expert replicate rank (EDP) and the EGTP rank folds
-  into the TP coordinate of the entries EGTP leaves whole (design §3.3 "Routed experts").
+- routed experts (megatron ``SequentialMLP``, and ``TEGroupedMLP`` whose ``GroupedLinear``
+  describes each expert's ``weight{i}`` in the same format) do the same on the expert grid:
+  megatron already put the global expert index (EP) and the ETP offset in their entries, the EGTP
+  offset goes on the rows as above, the DP coordinate is the expert replicate rank (EDP) and the
+  EGTP rank folds into the TP coordinate of the entries EGTP leaves whole (design §3.3 "Routed
+  experts").
 
 Because the factory keeps the parameter as its ``data``, megatron's optimizers match their state
 to it by identity and re-key it (``optimizer.state.exp_avg.<key>`` ...), so master weights and
@@ -83,13 +85,14 @@ def gtp_sharded_state_dict(
 def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | None) -> dict:
     """Rewrite megatron's model sharded state dict for GTP, in place; returns it.
 
-    Routed experts (megatron ``SequentialMLP``, design §3.3 "Routed experts") take the expert
-    grid: megatron already composed the expert index (EP offset) with the ETP offset; the EGTP
-    offset goes on the out_features axis as for dense GTP shards, and the replica id counts the
-    expert replicate group (EGTP peers hold different rows, expert-DP ranks are replicas).
+    Routed experts (megatron ``SequentialMLP`` and ``TEGroupedMLP``, design §3.3 "Routed
+    experts") take the expert grid: megatron already composed the expert index (EP offset) with
+    the ETP offset; the EGTP offset goes on the out_features axis as for dense GTP shards, and
+    the replica id counts the expert replicate group (EGTP peers hold different rows, expert-DP
+    ranks are replicas).
     """
     if groups is not None and groups.dims.gtp_enabled:
-        _reject_grouped_experts(sharded_state_dict)
+        _reject_unknown_expert_entries(sharded_state_dict)
     gtp_rank, gtp_size = (0, 1) if groups is None else (groups.gtp_rank, groups.gtp_size)
     if groups is None:
         replicate_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
@@ -146,24 +149,24 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
     return sharded_state_dict
 
 
-def _reject_grouped_experts(sharded_state_dict: dict) -> None:
-    """Grouped-GEMM experts (``GroupedMLP``/``TEGroupedMLP``) under GTP are not described yet.
+def _reject_unknown_expert_entries(sharded_state_dict: dict) -> None:
+    """Refuse routed-expert params megatron does not describe per expert (``weight``/``bias``).
 
-    ``TEGroupedMLP`` names its per-expert entries like ``SequentialMLP``'s (``...weight``), so its
-    EGTP shards are recognized by their weight group (one TE ``GroupedLinear``, design §3.4).
+    ``SequentialMLP`` and ``TEGroupedMLP`` (one ``GroupedLinear`` weight per expert, keyed like
+    ``SequentialMLP``'s with the global expert index as a prepended axis) are; anything else
+    tagged as an expert is not known to be, and is refused rather than saved wrongly.
     """
     for value in nested_values(sharded_state_dict):
         key = getattr(value, "key", "")
-        data = getattr(value, "data", None)
-        state = getattr(data, "gtp_state", None)
-        runtime = state.runtime() if state is not None and state.runtime is not None else None
-        group = runtime.group_of(data) if runtime is not None else None
-        grouped = group is not None and group.together
-        if is_expert_param(data) and (grouped or key.rsplit(".", 1)[-1] not in ("weight", "bias")):
+        if is_expert_param(getattr(value, "data", None)) and key.rsplit(".", 1)[-1] not in (
+            "weight",
+            "bias",
+        ):
             raise NotImplementedError(
-                f"checkpoints of grouped-GEMM MoE experts under GTP are not supported yet ({key}):"
-                " set moe_grouped_gemm=False (megatron SequentialMLP experts), or train without "
-                "checkpoints and use nemo_gtp.full_state_dict for the weights"
+                f"checkpoints of these MoE experts under GTP are not supported ({key}): use "
+                "megatron's SequentialMLP (moe_grouped_gemm=False) or TEGroupedMLP (the TE layer "
+                "spec with moe_grouped_gemm=True), or train without checkpoints and use "
+                "nemo_gtp.full_state_dict for the weights"
             )
 
 

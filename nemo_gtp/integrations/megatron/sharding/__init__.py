@@ -5,11 +5,14 @@ module                 what
 =====================  =========================================================================
 ``sliced``             :func:`shard_model`, the entry point for a built model: slices linears
                        built full, registers linears built as shards, one runtime per model
-``built``              linears built as their shard: the pre-sharding mixin
-                       (:func:`presharded_class`), :class:`GTPShardPlan`, per-GTP-peer init
+``built``              linears built as their shard: the pre-sharding mixins
+                       (:func:`presharded_class`, :func:`presharded_grouped_class` for
+                       ``TEGroupedMLP``'s experts), :class:`GTPShardPlan`, per-GTP-peer init,
+                       exact expert init (:func:`rows_of_full_init`)
 ``spec``               the layer-spec rewrite that selects the ``built`` classes
                        (:func:`gtp_layer_spec`, :func:`preshard_config_layer_spec`)
-``te``                 TransformerEngine specifics (which wrappers opt in, grad-mode hook,
+``te``                 TransformerEngine specifics (which wrappers opt in, grouped ones too,
+                       grad-mode hook,
                        ``LayerNormMLP`` warning); TE is imported lazily
 =====================  =========================================================================
 
@@ -22,24 +25,30 @@ Example (megatron-core directly; ``gtp_config`` the same in both calls)::
 
 from nemo_gtp.integrations.megatron.sharding.built import (
     GTPShardPlan,
+    PreShardedGroupedLinearMixin,
     PreShardedLinearMixin,
     is_presharded,
     presharded_class,
+    presharded_grouped_class,
+    rows_of_full_init,
 )
 from nemo_gtp.integrations.megatron.sharding.sliced import default_should_shard, shard_model
 from nemo_gtp.integrations.megatron.sharding.spec import (
     gtp_layer_spec,
     preshard_config_layer_spec,
     presharded_classes,
+    presharded_grouped_classes,
     replace_modules_in_spec,
 )
 from nemo_gtp.integrations.megatron.sharding.te import (
+    te_grouped_linear_kinds,
     te_parallel_linear_kinds,
     warn_unsharded_te_modules,
 )
 
 __all__ = [
     "GTPShardPlan",
+    "PreShardedGroupedLinearMixin",
     "PreShardedLinearMixin",
     "default_should_shard",
     "gtp_layer_spec",
@@ -47,8 +56,12 @@ __all__ = [
     "preshard_config_layer_spec",
     "presharded_class",
     "presharded_classes",
+    "presharded_grouped_class",
+    "presharded_grouped_classes",
     "replace_modules_in_spec",
+    "rows_of_full_init",
     "shard_model",
+    "te_grouped_linear_kinds",
     "te_parallel_linear_kinds",
     "warn_unsharded_te_modules",
 ]

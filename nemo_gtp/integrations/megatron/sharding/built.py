@@ -9,6 +9,11 @@ rank's ``padded_dim0 / GTP`` rows, and no full weight ever exists. The built wei
 model's runtime, exactly as it registers the weights it slices itself. The layer spec that
 selects these classes is :mod:`~nemo_gtp.integrations.megatron.sharding.spec`.
 
+Routed experts of megatron's ``TEGroupedMLP`` (a TE ``GroupedLinear``, one weight per local
+expert) are built the same way over the expert GTP axis by :class:`PreShardedGroupedLinearMixin`
+(:func:`presharded_grouped_class`), but initialized exactly as the unsharded model initializes
+them (:func:`rows_of_full_init`, design §3.1 "Exact expert init").
+
 Subclasses are made on demand by :func:`presharded_class`, so this module needs neither TE nor a
 CUDA device; the TE classes are created only when ``transformer_engine`` is importable.
 """
@@ -50,6 +55,11 @@ class GTPShardPlan:
         """The plan for this rank of ``groups`` (size and rank from the groups' dims)."""
         return cls(groups.gtp_size, groups.gtp_rank, pad_for_alignment)
 
+    @classmethod
+    def for_experts(cls, groups: GTPGroups, pad_for_alignment: int = 16) -> GTPShardPlan:
+        """The plan of this rank's routed-expert weights: the expert GTP axis (design §1.4)."""
+        return cls(groups.expert_gtp_size, groups.expert_gtp_rank, pad_for_alignment)
+
     def spec_for(self, shape: tuple[int, ...] | torch.Size) -> ShardSpec:
         """This rank's :class:`ShardSpec` of a TP-local weight of ``shape``."""
         return ShardSpec.for_weight(shape, self.gtp_size, self.gtp_rank, self.pad_for_alignment)
@@ -81,6 +91,40 @@ def per_peer_init(init_method: Callable[[torch.Tensor], Any], gtp_rank: int) -> 
         with torch.random.fork_rng(devices=devices):
             _generator(weight.device).manual_seed(seed + gtp_rank)
             return init_method(weight)
+
+    return init
+
+
+def rows_of_full_init(init_method: Callable[[torch.Tensor], Any], spec: ShardSpec) -> Callable:
+    """``init_method`` giving a shard exactly its rows of the unsharded weight (design §3.1
+    "Exact expert init").
+
+    Called on this rank's shard, it initializes a scratch of the full TP-local weight
+    (``spec.logical_shape``, the shard's dtype and device) with ``init_method`` — the same call,
+    shape and RNG stream as the unsharded model's, so the same numbers and the same stream
+    position afterwards — keeps this rank's rows, zeroes the pad rows and drops the scratch. A
+    module initializing its weights one after another (TE's ``GroupedLinear``: one per expert)
+    thus holds one full weight at a time, never all of them. A meta shard is left as it is.
+
+    Example::
+
+        spec = GTPShardPlan.for_experts(groups, 16).spec_for((48, 32))
+        init = rows_of_full_init(config.init_method, spec)
+        init(torch.empty(spec.shard_shape))   # the rows init_method gives the full weight
+    """
+
+    @functools.wraps(init_method)
+    def init(shard: torch.Tensor) -> Any:
+        if shard.device.type == "meta":
+            return None
+        full = torch.empty(spec.logical_shape, dtype=shard.dtype, device=shard.device)
+        result = init_method(full)
+        start = spec.gtp_rank * spec.shard_dim0
+        rows = full[start : start + spec.shard_dim0]
+        with torch.no_grad():
+            shard[: rows.shape[0]].copy_(rows)
+            shard[rows.shape[0] :].zero_()
+        return result
 
     return init
 
@@ -141,23 +185,90 @@ class PreShardedLinearMixin:
                 setattr(self, attr, value)
 
 
-def _tp_size(tp_group: object) -> int:
+def _tp_size(tp_group: object, *, expert: bool = False) -> int:
     if tp_group is None:
         from megatron.core import parallel_state
 
+        if expert:  # megatron's grouped-expert linears fall back to the expert TP group
+            return parallel_state.get_expert_tensor_parallel_world_size()
         return parallel_state.get_tensor_model_parallel_world_size()
     return torch.distributed.get_world_size(tp_group)
 
 
-def attach_presharded_weight(module: torch.nn.Module, spec: ShardSpec) -> GTPShardedParam:
-    """Turn ``module.weight`` (already shard-shaped) into an unregistered GTP shard.
+class PreShardedGroupedLinearMixin:
+    """Builds a grouped-expert linear as this rank's expert GTP shards (mix in before the class).
+
+    For megatron's ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (TE
+    ``GroupedLinear``, parameters ``weight0..N-1``, one per local expert) and classes with their
+    constructor ``(num_gemms, input_size, output_size, *, config, init_method, ..., tp_group)``.
+    ``gtp`` is the *expert* plan (:meth:`GTPShardPlan.for_experts`), through the layer spec's
+    params (:func:`~nemo_gtp.integrations.megatron.sharding.spec.gtp_layer_spec`). The base
+    allocates every expert's weight at its shard shape (``output_size`` pre-sharded as in
+    :class:`PreShardedLinearMixin`) and initializes each through :func:`rows_of_full_init`, so
+    the shards hold exactly the rows the unsharded model would have, from the same seed; each
+    ``weight{i}`` becomes an unregistered :class:`GTPShardedParam` that ``shard_model`` registers
+    with the expert runtime as one weight group (design §3.4). With expert GTP size 1 the class
+    builds exactly what its base builds.
+    """
+
+    gtp_column: bool = True
+    """True when expert TP splits ``output_size`` (fc1); False when it splits the input (fc2)."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *args: Any,
+        gtp: GTPShardPlan,
+        config: Any,
+        init_method: Callable,
+        **kwargs: Any,
+    ) -> None:
+        if gtp.gtp_size == 1:
+            super().__init__(
+                num_gemms,
+                input_size,
+                output_size,
+                *args,
+                config=config,
+                init_method=init_method,
+                **kwargs,
+            )
+            return
+        validate_model_config_for_gtp(config)
+        tp = _tp_size(kwargs.get("tp_group"), expert=True)
+        logical_out = output_size // tp if self.gtp_column else output_size
+        in_local = input_size if self.gtp_column else input_size // tp
+        spec = gtp.spec_for((logical_out, in_local))
+        built_out = spec.shard_dim0 * tp if self.gtp_column else spec.shard_dim0
+        super().__init__(
+            num_gemms,
+            input_size,
+            built_out,
+            *args,
+            config=config,
+            init_method=rows_of_full_init(init_method, spec),
+            **kwargs,
+        )
+        for i in range(num_gemms):
+            attach_presharded_weight(self, spec, f"weight{i}", f"bias{i}")
+        if hasattr(self, "out_features"):  # the GEMMs see the gathered weights
+            self.out_features = logical_out
+
+
+def attach_presharded_weight(
+    module: torch.nn.Module, spec: ShardSpec, weight: str = "weight", bias: str = "bias"
+) -> GTPShardedParam:
+    """Turn ``module.<weight>`` (already shard-shaped) into an unregistered GTP shard.
 
     The base class initialized every row, pad rows included; those are zeroed (design §1.3: pad
-    rows hold zeros and never receive gradient). A bias the base class built shard-sized is
-    re-registered at the logical width (zeros, as megatron initializes biases): it adds onto the
-    gathered GEMM output and stays replicated over GTP (§1.5).
+    rows hold zeros and never receive gradient). A bias (``module.<bias>``) the base class built
+    shard-sized is re-registered at the logical width (zeros, as megatron initializes biases):
+    it adds onto the gathered GEMM output and stays replicated over GTP (§1.5). A TE
+    ``GroupedLinear`` names them ``weight{i}`` / ``bias{i}``.
     """
-    old = module._parameters["weight"]
+    old = module._parameters[weight]
     if type(old.data) is not torch.Tensor:
         raise NotImplementedError(
             f"{type(module).__name__}: GTP shards plain tensors only, got a "
@@ -174,20 +285,20 @@ def attach_presharded_weight(module: torch.nn.Module, spec: ShardSpec) -> GTPSha
         old.data[max(pad_from, 0) :].zero_()
     param = GTPShardedParam(old.data, old.requires_grad, spec=spec)
     carry_param_attributes(old, param)
-    module._parameters["weight"] = param
-    bias = module._parameters.get("bias")
-    if bias is not None and bias.numel() > 0:
-        if bias.numel() != spec.shard_dim0:
+    module._parameters[weight] = param
+    old_bias = module._parameters.get(bias)
+    if old_bias is not None and old_bias.numel() > 0:
+        if old_bias.numel() != spec.shard_dim0:
             raise ValueError(
-                f"{type(module).__name__} built a bias of {bias.numel()} elements, expected the "
-                f"shard width {spec.shard_dim0}"
+                f"{type(module).__name__} built a bias of {old_bias.numel()} elements, expected "
+                f"the shard width {spec.shard_dim0}"
             )
         full = torch.nn.Parameter(
-            torch.zeros(spec.logical_shape[0], dtype=bias.dtype, device=bias.device),
-            requires_grad=bias.requires_grad,
+            torch.zeros(spec.logical_shape[0], dtype=old_bias.dtype, device=old_bias.device),
+            requires_grad=old_bias.requires_grad,
         )
-        carry_param_attributes(bias, full)
-        module._parameters["bias"] = full
+        carry_param_attributes(old_bias, full)
+        module._parameters[bias] = full
     return param
 
 
@@ -213,5 +324,28 @@ def presharded_class(base: type, column: bool) -> type:
             "gtp_column": column,
             "__module__": __name__,
             "__doc__": f"{base.__name__} built as its GTP shard (design §3.1 'One init path').",
+        },
+    )
+
+
+@functools.cache
+def presharded_grouped_class(base: type, column: bool) -> type:
+    """The pre-sharded subclass of grouped-expert linear class ``base`` (one class per base).
+
+    Example::
+
+        cls = presharded_grouped_class(TEColumnParallelGroupedLinear, column=True)
+        fc1 = cls(4, 1024, 2816, gtp=GTPShardPlan.for_experts(groups), config=config,
+                  init_method=init, bias=False, skip_bias_add=False, is_expert=True)
+    """
+    return type(
+        f"GTP{base.__name__}",
+        (PreShardedGroupedLinearMixin, base),
+        {
+            "gtp_column": column,
+            "__module__": __name__,
+            "__doc__": (
+                f"{base.__name__} built as its expert GTP shards (design §3.1 'Exact expert init')."
+            ),
         },
     )

@@ -56,6 +56,7 @@ from nemo_gtp.integrations.megatron.sharding.experts import (
 )
 from nemo_gtp.integrations.megatron.sharding.te import (
     adopt_te_linear,
+    te_grouped_linear_kinds,
     te_parallel_linear_kinds,
     warn_unsharded_te_modules,
 )
@@ -124,8 +125,9 @@ def shard_model(
 
     Call after the model is built and before DDP wraps it. Dense linears are sharded over
     ``groups.gtp``; the weights of routed MoE experts (megatron ``SequentialMLP``, and each
-    ``weight{i}`` of ``TEGroupedMLP``'s TE ``GroupedLinear``s) over ``groups.expert_gtp`` by a
-    second runtime, on one chain per role with a block's experts of a role one weight group
+    ``weight{i}`` of ``TEGroupedMLP``'s TE ``GroupedLinear``s, sliced here or built as their
+    shards by a ``gtp_layer_spec``, design §3.1 "Exact expert init") over ``groups.expert_gtp``
+    by a second runtime, on one chain per role with a block's experts of a role one weight group
     (design §1.4, §3.4). The model holds them as
     ``model.gtp_runtime`` (dense) and ``model.gtp_expert_runtime`` (experts); an axis of size 1
     gets none. Returned: the dense runtime, or the expert one when only experts are sharded;
@@ -157,7 +159,8 @@ def shard_model(
     design §3.5); ``gather_backend="auto"`` then means the process group.
 
     Raises ``ValueError`` for settings GTP cannot honour (megatron's legacy ``GroupedMLP``
-    under expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch,
+    under expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, weights
+    built as shards for other groups than ``groups``,
     per-layer graphs with routed experts or fewer than 2 warmup steps, ...) and warns once
     naming TE ``LayerNormMLP``s, which stay unsharded.
     """
@@ -185,6 +188,7 @@ def shard_model(
         ),
     }
     te_linears = tuple(te_parallel_linear_kinds())
+    te_grouped = tuple(te_grouped_linear_kinds())
     sliced_te: list[str] = []
     te_runtimes: dict[int, GTPRuntime] = {}
     te_quantize_runtimes: dict[int, GTPRuntime] = {}  # dense and grouped TE linears
@@ -197,20 +201,28 @@ def shard_model(
         chain = expert_chain(module_name) if expert else ChainId.UNGRAPHED
         weight = module._parameters.get("weight")
         grouped = grouped_weight_names(module)
-        if is_presharded(weight):  # built as its shard from a gtp_layer_spec: register only
-            runtime.register(weight, f"{module_name}.weight", chain)
-        elif grouped and should_shard(module_name, module):
-            # TE GroupedLinear: every expert's weight sliced, one weight group that TE
-            # materializes through weight0 (design §3.4 "Grouped-expert chains").
+        if grouped and (
+            is_presharded(module._parameters[grouped[0]]) or should_shard(module_name, module)
+        ):
+            # TE GroupedLinear: every expert's weight (built as its shard, or sliced now), one
+            # weight group that TE materializes through weight0 (design §3.4 "Grouped-expert
+            # chains").
             check_grouped_linear_for_gtp(module_name, module)
-            params = [
-                runtime.shard_parameter(module, attr, f"{module_name}.{attr}", chain)
-                for attr in grouped
-            ]
+            params = []
+            for attr in grouped:
+                param = module._parameters[attr]
+                if is_presharded(param):
+                    runtime.register(param, f"{module_name}.{attr}", chain)
+                else:
+                    param = runtime.shard_parameter(module, attr, f"{module_name}.{attr}", chain)
+                    sliced_te += [module_name] if isinstance(module, te_grouped) else []
+                params.append(param)
             runtime.register_group(params, together=True)
             adopt_te_linear(module, config)
             te_quantize_runtimes[id(runtime)] = runtime
             continue
+        if is_presharded(weight):  # built as its shard from a gtp_layer_spec: register only
+            runtime.register(weight, f"{module_name}.weight", chain)
         elif should_shard(module_name, module):
             if isinstance(module, (*_MEGATRON_LINEARS, *te_linears)):
                 runtime.shard_parameter(module, "weight", f"{module_name}.weight", chain)
@@ -230,6 +242,7 @@ def shard_model(
     for runtime in te_quantize_runtimes.values():  # design §1.3 "Consumer-quantized backward"
         install_te_weight_quantize(runtime)
     if sliced_te and config.preshard_linears != "none":  # "none" slices them on purpose
+        sliced_te = list(dict.fromkeys(sliced_te))  # a grouped linear once, not per expert
         warnings.warn(
             f"shard_model sliced {len(sliced_te)} TransformerEngine linear(s) that were built "
             f"full (e.g. {sliced_te[0]}): pass the layer spec through gtp_layer_spec(spec, "
@@ -237,6 +250,7 @@ def shard_model(
             stacklevel=2,
         )
     warn_unsharded_te_modules(model)
+    _check_all_registered(model)
     if runtimes[WeightAxis.EXPERT] is not None:  # SequentialMLP: a block's role, one group
         register_expert_groups(model, runtimes[WeightAxis.EXPERT])
     experts = {id(p) for p in route_expert_params(model, expert_ids)}
@@ -246,6 +260,18 @@ def shard_model(
     if graph_scope is not None and runtimes[WeightAxis.DENSE] is not None:
         install_layer_graphs(model, runtimes[WeightAxis.DENSE])
     return runtimes[WeightAxis.DENSE] or runtimes[WeightAxis.EXPERT]
+
+
+def _check_all_registered(model: torch.nn.Module) -> None:
+    """Refuse weights built as shards that no runtime took (a layer spec rewritten for other
+    groups than ``shard_model``'s: they would never be gathered)."""
+    left = [name for name, param in model.named_parameters() if is_presharded(param)]
+    if left:
+        raise ValueError(
+            f"{len(left)} weight(s) were built as GTP shards but no runtime of shard_model owns "
+            f"them (e.g. {left[0]}): pass the same GTPGroups (and GTPConfig) to gtp_layer_spec "
+            "and shard_model"
+        )
 
 
 def _mark_shared(

@@ -4,9 +4,10 @@ Opt-in is by linear class (§1.5): :func:`gtp_layer_spec` swaps megatron's colum
 linear classes — the TE wrappers ``TEColumnParallelLinear``, ``TERowParallelLinear``,
 ``TELayerNormColumnParallelLinear`` and the megatron-local ``ColumnParallelLinear`` /
 ``RowParallelLinear`` — for their :mod:`~nemo_gtp.integrations.megatron.sharding.built`
-subclasses, which build only this rank's shard. Nothing else in the spec changes: base
-``TELinear`` (``parallel_mode="duplicated"``), norms, attention, TE's ``LayerNormMLP`` and the
-op-fuser MLP stay as they are (and stay unsharded).
+subclasses, which build only this rank's shard; under expert GTP also ``TEGroupedMLP``'s
+``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (over the expert GTP axis).
+Nothing else in the spec changes: base ``TELinear`` (``parallel_mode="duplicated"``), norms,
+attention, TE's ``LayerNormMLP`` and the op-fuser MLP stay as they are (and stay unsharded).
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.grid import GTPGroups
-from nemo_gtp.integrations.megatron.sharding.built import GTPShardPlan, presharded_class
-from nemo_gtp.integrations.megatron.sharding.te import te_parallel_linear_kinds
+from nemo_gtp.integrations.megatron.sharding.built import (
+    GTPShardPlan,
+    presharded_class,
+    presharded_grouped_class,
+)
+from nemo_gtp.integrations.megatron.sharding.te import (
+    te_grouped_linear_kinds,
+    te_parallel_linear_kinds,
+)
 
 
 def replace_modules_in_spec(
@@ -88,13 +96,42 @@ def presharded_classes() -> dict[type, type]:
     return {base: presharded_class(base, column) for base, column in kinds.items()}
 
 
-def gtp_layer_spec(spec: Any, groups: GTPGroups, config: GTPConfig | None = None) -> Any:
+def presharded_grouped_classes(kinds: Mapping[type, bool] | None = None) -> dict[type, type]:
+    """Grouped-expert linear classes (``kinds``: class -> "expert TP splits out_features";
+    default megatron's TE wrappers, when TE is importable) mapped to their pre-sharded
+    subclasses (design §3.1 "Exact expert init").
+
+    Example::
+
+        presharded_grouped_classes()   # {TEColumnParallelGroupedLinear: GTPTEColumn..., ...}
+    """
+    if kinds is None:
+        kinds = te_grouped_linear_kinds(import_te=True)
+    return {base: presharded_grouped_class(base, column) for base, column in kinds.items()}
+
+
+def _swap(spec: Any, swaps: list[tuple[Mapping[type, type], GTPShardPlan]]) -> Any:
+    for classes, plan in swaps:
+        spec = replace_modules_in_spec(spec, classes, {"gtp": plan})
+    return spec
+
+
+def gtp_layer_spec(
+    spec: Any,
+    groups: GTPGroups,
+    config: GTPConfig | None = None,
+    *,
+    grouped_kinds: Mapping[type, bool] | None = None,
+) -> Any:
     """``spec`` with its parallel linears built as GTP shards (design §3.1 "One init path").
 
     Pass the result to the model constructor, then call ``shard_model`` on the built model (it
-    registers the pre-built shards with the model's runtime and shards whatever else is
-    eligible). With GTP size 1 ``spec`` is returned unchanged. ``config`` must be the one given
-    to ``shard_model`` (its ``pad_for_alignment`` fixes the shard shapes).
+    registers the pre-built shards with the model's runtimes and shards whatever else is
+    eligible). Dense linears are swapped when GTP > 1; with expert GTP > 1 the grouped-expert
+    linears of ``TEGroupedMLP`` too (``grouped_kinds``, default megatron's TE wrappers; built
+    over the expert GTP axis with exactly the unsharded model's initial values, §3.1 "Exact
+    expert init"). With both sizes 1 ``spec`` is returned unchanged. ``config`` must be the one
+    given to ``shard_model`` (its ``pad_for_alignment`` fixes the shard shapes).
 
     Example::
 
@@ -103,10 +140,15 @@ def gtp_layer_spec(spec: Any, groups: GTPGroups, config: GTPConfig | None = None
         model = GPTModel(config, spec, vocab_size, max_seq)
         shard_model(model, groups, gtp_config)
     """
-    if groups.gtp_size == 1:
-        return spec
-    plan = GTPShardPlan.from_groups(groups, (config or GTPConfig()).pad_for_alignment)
-    return replace_modules_in_spec(spec, presharded_classes(), {"gtp": plan})
+    pad = (config or GTPConfig()).pad_for_alignment
+    swaps: list[tuple[Mapping[type, type], GTPShardPlan]] = []
+    if groups.gtp_size > 1:
+        swaps.append((presharded_classes(), GTPShardPlan.from_groups(groups, pad)))
+    if groups.expert_gtp_size > 1:
+        grouped = presharded_grouped_classes(grouped_kinds)
+        if grouped:
+            swaps.append((grouped, GTPShardPlan.for_experts(groups, pad)))
+    return _swap(spec, swaps)
 
 
 def preshard_config_layer_spec(
@@ -114,42 +156,54 @@ def preshard_config_layer_spec(
     groups: GTPGroups,
     config: GTPConfig | None = None,
     classes: Mapping[type, type] | None = None,
+    grouped_classes: Mapping[type, type] | None = None,
 ) -> bool:
     """Make a model config's ``transformer_layer_spec`` build the given linears pre-sharded.
 
     For trainers that build the model from a config after the process groups exist (NeMo's
     ``GPTConfig.configure_model``; ``GTPMegatronStrategy`` calls this in its distributed setup).
     The spec may be a ``ModuleSpec`` or a function of the config (NeMo's default TE spec); a
-    function is wrapped so its result is rewritten when NeMo calls it. ``classes`` defaults to
-    the loaded TransformerEngine wrappers (TE linears are never built full), plus megatron's
-    local linears under ``GTPConfig.preshard_linears="all"``; otherwise local linears keep the
-    build-full-then-slice path that starts bit-identical to a run without GTP
-    (``preshard_linears="none"``: every linear does, nothing is swapped).
-    Returns whether anything can be swapped (False: GTP size 1, ``"none"``, or no TE loaded).
+    function is wrapped so its result is rewritten when NeMo calls it. ``classes`` (GTP > 1)
+    defaults to the loaded TransformerEngine wrappers (TE linears are never built full), plus
+    megatron's local linears under ``GTPConfig.preshard_linears="all"``; otherwise local linears
+    keep the build-full-then-slice path that starts bit-identical to a run without GTP.
+    ``grouped_classes`` (expert GTP > 1) defaults to the loaded TE grouped-expert wrappers
+    (``TEGroupedMLP``), which start bit-identical either way (§3.1 "Exact expert init").
+    ``preshard_linears="none"``: every linear built full and sliced, nothing swapped.
+    Returns whether anything can be swapped (False: both GTP sizes 1, ``"none"``, or no TE
+    loaded).
 
     Example::
 
         preshard_config_layer_spec(gpt_config, groups, gtp_config)  # before configure_model
     """
     config = config or GTPConfig()
-    if groups.gtp_size == 1 or (classes is None and config.preshard_linears == "none"):
-        return False
-    if classes is None:
-        kinds = dict(te_parallel_linear_kinds(import_te=False))
-        if config.preshard_linears == "all":
-            kinds.update({ColumnParallelLinear: True, RowParallelLinear: False})
-        classes = {base: presharded_class(base, column) for base, column in kinds.items()}
-    if not classes or getattr(model_config.transformer_layer_spec, "gtp_presharded", False):
-        return bool(classes)
-    plan = GTPShardPlan.from_groups(groups, config.pad_for_alignment)
+    default = config.preshard_linears != "none"
+    swaps: list[tuple[Mapping[type, type], GTPShardPlan]] = []
+    if groups.gtp_size > 1 and (classes is not None or default):
+        if classes is None:
+            kinds = dict(te_parallel_linear_kinds(import_te=False))
+            if config.preshard_linears == "all":
+                kinds.update({ColumnParallelLinear: True, RowParallelLinear: False})
+            classes = {base: presharded_class(base, column) for base, column in kinds.items()}
+        if classes:
+            swaps.append((classes, GTPShardPlan.from_groups(groups, config.pad_for_alignment)))
+    if groups.expert_gtp_size > 1 and (grouped_classes is not None or default):
+        if grouped_classes is None:
+            grouped_classes = presharded_grouped_classes(te_grouped_linear_kinds(import_te=False))
+        if grouped_classes:
+            plan = GTPShardPlan.for_experts(groups, config.pad_for_alignment)
+            swaps.append((grouped_classes, plan))
+    if not swaps or getattr(model_config.transformer_layer_spec, "gtp_presharded", False):
+        return bool(swaps)
     spec = model_config.transformer_layer_spec
     if isinstance(spec, ModuleSpec) or not callable(spec):
-        model_config.transformer_layer_spec = replace_modules_in_spec(spec, classes, {"gtp": plan})
+        model_config.transformer_layer_spec = _swap(spec, swaps)
         return True
 
     @functools.wraps(spec)
     def presharded_spec(*args: Any, **kwargs: Any) -> Any:
-        return replace_modules_in_spec(spec(*args, **kwargs), classes, {"gtp": plan})
+        return _swap(spec(*args, **kwargs), swaps)
 
     presharded_spec.gtp_presharded = True  # type: ignore[attr-defined]
     model_config.transformer_layer_spec = presharded_spec

@@ -5,8 +5,9 @@ for the full weight before each GEMM (``materialize_group_for_forward/_backward`
 the full wgrad (``finalize_group_grads``; with ``fuse_wgrad_accumulation`` the wgrad GEMM writes
 straight into ``grad_buffer()``). What this module adds around that bridge:
 
-- which megatron TE wrappers opt in (:func:`te_parallel_linear_kinds`; the spec rewrite builds
-  them pre-sharded, ``shard_model`` slices any built full),
+- which megatron TE wrappers opt in (:func:`te_parallel_linear_kinds`, and the grouped-expert
+  ones :func:`te_grouped_linear_kinds`; the spec rewrite builds them pre-sharded,
+  ``shard_model`` slices any built full),
 - the grad mode (and GEMM row count, for ``gather_backend="auto"``) of the module call,
   recorded for the runtime, and TE's fused wgrad accumulation into the runtime's scratch
   (:func:`adopt_te_linear`, :func:`record_grad_mode`): TE
@@ -52,6 +53,22 @@ def te_parallel_linear_kinds(*, import_te: bool = False) -> dict[type, bool]:
         mte.TELayerNormColumnParallelLinear: True,
         mte.TERowParallelLinear: False,
     }
+
+
+def te_grouped_linear_kinds(*, import_te: bool = False) -> dict[type, bool]:
+    """megatron's TE grouped-expert wrappers (``TEGroupedMLP``'s ``linear_fc1`` / ``linear_fc2``)
+    mapped to "expert TP splits out_features"; built pre-sharded over expert GTP (design §3.1
+    "Exact expert init"). Empty without TE, as :func:`te_parallel_linear_kinds`.
+    """
+    if not te_parallel_linear_kinds(import_te=import_te):
+        return {}
+    from megatron.core.extensions import transformer_engine as mte
+
+    column = getattr(mte, "TEColumnParallelGroupedLinear", None)
+    row = getattr(mte, "TERowParallelGroupedLinear", None)
+    if not (isinstance(column, type) and isinstance(row, type)):
+        return {}
+    return {column: True, row: False}
 
 
 def _unsharded_te_types() -> tuple[type, ...]:

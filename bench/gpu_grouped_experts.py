@@ -1,0 +1,301 @@
+"""TEGroupedMLP experts (TE ``GroupedLinear``) built as their EGTP2 shards, on 2 GPUs (§3.1, §3.3).
+
+Checks, each recorded on its own (a failing one does not stop the next):
+
+- ``init_memory``: two ``TEGroupedMLP`` blocks (megatron's TE wrappers, built on the GPU from
+  megatron's CUDA RNG tracker) built full and built pre-sharded at EGTP2 (``gtp_layer_spec``)
+  from the same seed: every shard equals its rows of the full weights bit for bit (design §3.1
+  "Exact expert init"), the pre-sharded build keeps half the expert bytes and peaks at that plus
+  one expert's weight (``torch.cuda.max_memory_allocated`` around each build), the full build
+  at every expert's full weight;
+- ``parity``: megatron's MoE GPT (``gpt_harness``, TEGroupedMLP experts) at EP1·EGTP2 built
+  pre-sharded from the seed of the run without GTP (nothing copied in) reproduces that run
+  (losses, grad norms, grads, weights; fp32, TF32 off, 1e-5);
+- ``checkpoint``: that model saved at EP1·EGTP2 after 2 steps (distributed optimizer) loads into
+  the run without GTP (EP1, expert DP2) with every weight and optimizer state bit for bit, is
+  saved again there and loads back at EP1·EGTP2, bit for bit again.
+
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    PYTHONPATH=/tmp/te:/tmp/site:$PWD python bench/gpu_grouped_experts.py --out DIR   # 2 GPUs
+    python bench/gpu_grouped_experts.py --cpu-smoke --out /tmp/x   # gloo, TE's CPU stand-in
+
+Writes ``gpu_grouped_experts.json`` and ``.md`` to ``--out`` after every check; the launch is
+bounded by ``--timeout`` seconds. Success: exit 0, every check ``ok`` in the markdown (and
+``te: true`` in the JSON on GPUs: TransformerEngine's classes ran, not the stand-in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CHECKS = ("init_memory", "parity", "checkpoint")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", default=",".join(CHECKS))
+    parser.add_argument("--local-experts", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--moe-ffn", type=int, default=2816)
+    parser.add_argument("--timeout", type=float, default=110.0, help="whole launch, seconds")
+    parser.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU, TE's stand-in")
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        args.local_experts, args.hidden, args.moe_ffn = 3, 32, 64
+    for check in args.checks.split(","):
+        if check not in CHECKS:
+            parser.error(f"--checks: unknown check {check!r} (known: {', '.join(CHECKS)})")
+    return args
+
+
+# --------------------------------------------------------------------------------- checks
+def _seed(device: str) -> None:
+    torch.manual_seed(1234)
+    if device == "cpu":
+        from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
+
+        model_parallel_cpu_manual_seed(1234)
+    else:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+
+
+def check_init_memory(args: argparse.Namespace, device: str) -> dict:
+    """Full vs pre-sharded build of two TEGroupedMLP blocks (see the module docstring)."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from nemo_gtp.engine import GTPConfig, is_gtp_param
+    from nemo_gtp.integrations.megatron import gtp_layer_spec, gtp_process_groups
+    from nemo_gtp.testing.gpt_harness import Run, grouped_linear_kinds, gtp_groups
+    from nemo_gtp.testing.memory import allocation_peak
+
+    on_gpu = device != "cpu"
+    groups = gtp_groups(Run(egtp=2))
+    pgs = gtp_process_groups(groups)
+    local, hidden, ffn = args.local_experts, args.hidden, args.moe_ffn
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=hidden,
+        num_attention_heads=8,
+        num_moe_experts=local,
+        moe_ffn_hidden_size=ffn,
+        use_cpu_initialization=not on_gpu,  # on GPUs: built and initialized on the device
+        params_dtype=torch.float32,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    kinds = grouped_linear_kinds(on_gpu)
+    fc1, fc2 = sorted(kinds, key=lambda cls: not kinds[cls])
+    submodules = MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
+    presharded = gtp_layer_spec(
+        submodules, groups, GTPConfig(pad_for_alignment=16), grouped_kinds=kinds
+    )
+
+    def build(spec: Any) -> torch.nn.ModuleList:
+        _seed(device)
+        return torch.nn.ModuleList(
+            TEGroupedMLP(local, config, spec, pg_collection=pgs) for _ in range(2)
+        )
+
+    full, full_peak, full_kept = allocation_peak(lambda: build(submodules), device)
+    pre, peak, kept = allocation_peak(lambda: build(presharded), device)
+    weights = sum(p.numel() * p.element_size() for p in full.parameters())
+    one_expert = ffn * hidden * 4
+    want = full.state_dict()
+    mismatched = [
+        name
+        for name, param in pre.named_parameters()
+        if not (is_gtp_param(param) and torch.equal(param.data, param.gtp_spec.shard(want[name])))
+    ]
+    # bytes a build keeps besides the expert weights (TE's own small tensors), and slack for
+    # the caching allocator's rounding
+    extras, slack = max(0, full_kept - weights), 1 << 20
+    ok = not mismatched and full_peak >= weights
+    ok = ok and kept <= weights // 2 + extras + slack
+    ok = ok and peak <= weights // 2 + one_expert + extras + slack
+    return dict(
+        ok=ok,
+        te=fc1.__module__.startswith("megatron.core.extensions"),
+        expert_bytes_full=weights,
+        full_build_peak=full_peak,
+        full_build_kept=full_kept,
+        presharded_build_kept=kept,
+        presharded_build_peak=peak,
+        one_expert_bytes=one_expert,
+        peak_over_full=round(peak / weights, 4),
+        shards_equal_full_rows=not mismatched,
+        mismatched=mismatched[:5],
+    )
+
+
+RUN_FIELDS = dict(experts=4, topk=2, hidden=64, ffn=128, moe_ffn=96, grouped=True)
+
+
+def check_parity(args: argparse.Namespace, device: str) -> dict:
+    """GPT with TEGroupedMLP experts: EP1·EGTP2 built pre-sharded vs the run without GTP."""
+    from nemo_gtp.testing.gpt_harness import Run, assert_parity, train
+
+    base = Run(steps=4, **RUN_FIELDS)
+    reference = train(base)
+    result = train(dataclasses.replace(base, egtp=2, presharded=True))
+    worst = assert_parity(result, reference)
+    return dict(ok=worst <= 1e-5, max_rel_err=worst, losses=result["losses"])
+
+
+def check_checkpoint(args: argparse.Namespace, device: str, root: str) -> dict:
+    """EP1·EGTP2 -> no GTP -> EP1·EGTP2, weights and optimizer state bit for bit."""
+    from nemo_gtp.integrations.megatron import load_gtp_checkpoint, save_gtp_checkpoint
+    from nemo_gtp.testing.ckpt_harness import moe_full_state
+    from nemo_gtp.testing.gpt_harness import Run, build, train_built
+
+    saved = Run(steps=2, distopt=True, egtp=2, presharded=True, **RUN_FIELDS)
+    setup = build(saved)
+    train_built(setup, saved)
+    want = moe_full_state(setup["ddp"], setup["optimizer"])
+    first, second = os.path.join(root, "egtp2"), os.path.join(root, "plain")
+    save_gtp_checkpoint(first, setup["ddp"], setup["optimizer"], setup["groups"])
+    records = {}
+    for name, run, source, resave in (
+        ("egtp2->plain", dataclasses.replace(saved, egtp=1, presharded=False), first, second),
+        ("plain->egtp2", saved, second, None),
+    ):
+        target = build(run)
+        load_gtp_checkpoint(source, target["ddp"], target["optimizer"], target["groups"])
+        got = moe_full_state(target["ddp"], target["optimizer"])
+        differ = [k for k in want if k not in got or not torch.equal(got[k], want[k])]
+        records[name] = dict(tensors=len(want), bit_identical=not differ, differ=differ[:5])
+        if resave is not None:
+            save_gtp_checkpoint(resave, target["ddp"], target["optimizer"], target["groups"])
+    return dict(ok=all(r["bit_identical"] for r in records.values()), **records)
+
+
+# ------------------------------------------------------------------------------- report
+def write(args: argparse.Namespace, records: dict, device: str) -> None:
+    """``gpu_grouped_experts.json`` and ``.md`` under ``--out``."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ok = all(records.get(c, {}).get("ok") for c in args.checks.split(","))
+    result = dict(ok=ok, device=device, torch=torch.__version__, checks=records)
+    (out / "gpu_grouped_experts.json").write_text(json.dumps(result, indent=1, default=str))
+    lines = [f"# TEGroupedMLP experts pre-sharded over EGTP2 ({device})", ""]
+    lines += ["| check | result | details |", "|---|---|---|"]
+    for name, rec in records.items():
+        if "error" in rec:
+            detail = rec["error"].splitlines()[0][:160]
+        else:
+            detail = ", ".join(f"{k}={v}" for k, v in rec.items() if k not in ("ok", "losses"))
+        lines.append(f"| {name} | {'ok' if rec.get('ok') else 'FAILED'} | {detail[:400]} |")
+    (out / "gpu_grouped_experts.md").write_text("\n".join(lines) + "\n")
+
+
+# ------------------------------------------------------------------------------- processes
+def worker(rank: int, world: int, args: argparse.Namespace, store_path: str, root: str) -> None:
+    """One rank: every check in turn; rank 0 writes the results after each."""
+    cpu = args.cpu_smoke
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    if cpu:
+        torch.set_num_threads(1)
+        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat(nemo=False)
+        device = "cpu"
+    else:
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        device = f"cuda:{rank}"
+    dist.init_process_group(
+        "gloo" if cpu else "nccl",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=max(30.0, args.timeout / 2)),
+        **({} if cpu else {"device_id": torch.device(device)}),
+    )
+    records: dict[str, dict] = {}
+    try:
+        for name in args.checks.split(","):
+            start = time.monotonic()
+            try:
+                if name == "init_memory":
+                    records[name] = check_init_memory(args, device)
+                elif name == "parity":
+                    records[name] = check_parity(args, device)
+                else:
+                    records[name] = check_checkpoint(args, device, root)
+            except Exception as err:  # noqa: BLE001 - recorded; the next check runs
+                records[name] = {"ok": False, "error": f"{err!r}\n{traceback.format_exc()}"}
+                print(f"[rank {rank}] {name} failed: {err!r}", flush=True)
+            records[name]["seconds"] = round(time.monotonic() - start, 1)
+            if rank == 0:
+                write(args, records, torch.cuda.get_device_name() if not cpu else "cpu")
+                print(f"[gpu_grouped_experts] {name}: ok={records[name]['ok']}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Spawn 2 ranks, bound the launch by ``--timeout``; exit 0 when every check passed."""
+    args = parse_args(argv)
+    world = 2
+    if not args.cpu_smoke and torch.cuda.device_count() < world:
+        print(f"needs {world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    work = tempfile.mkdtemp(prefix="gpu_grouped_experts_")
+    context = mp.start_processes(
+        worker,
+        args=(world, args, os.path.join(work, "store"), os.path.join(work, "ckpt")),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + args.timeout
+    failed = None
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                failed = f"timed out after {args.timeout:.0f} s"
+                break
+    except Exception as err:  # noqa: BLE001 - a rank died: report what was written
+        failed = repr(err)
+    if failed is not None:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+        print(f"[gpu_grouped_experts] {failed}", file=sys.stderr)
+    result_file = Path(args.out) / "gpu_grouped_experts.json"
+    written_ok = result_file.exists() and json.loads(result_file.read_text())["ok"]
+    ok = written_ok and (failed is None or failed.startswith("timed out"))
+    summary = Path(args.out) / "gpu_grouped_experts.md"
+    print(f"[gpu_grouped_experts] {'ok' if ok else 'FAILED'}: {summary}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
