@@ -227,19 +227,11 @@ def report(records: list[dict], out: Path) -> str:
 
 
 def _launch(spec: Path, out: Path, devices: int, timeout: float) -> int:
+    from nemo_gtp.recipes.launch import rank_env
+
     procs = []
     for rank in range(devices):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "NODE_RANK": "0",
-            "WORLD_SIZE": str(devices),
-            "MASTER_ADDR": "127.0.0.1",
-            "OMP_NUM_THREADS": "1",
-            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        }
+        env = rank_env(rank, devices, nccl=True)
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
         proc = subprocess.Popen(
             [sys.executable, __file__, "--rank-main", str(spec)],

@@ -649,17 +649,11 @@ def main() -> int:
                 }
             )
         )
+        from nemo_gtp.recipes.launch import rank_env
+
         procs = []
         for rank in range(args.devices):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "NODE_RANK": "0",
-                "WORLD_SIZE": str(args.devices),
-                "MASTER_ADDR": "127.0.0.1",
-                "OMP_NUM_THREADS": "1",
-            }
+            env = rank_env(rank, args.devices, nccl=True)
             log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
             procs.append(
                 (

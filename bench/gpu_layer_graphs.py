@@ -1,9 +1,10 @@
 """Per-layer CUDA graphs under GTP on 2 GPUs: graphed GTP2 vs eager GTP2 vs DP2 (design §3.5).
 
-Trains megatron-core's GPTModel (local layer spec; same init and data in every mode) with
-megatron's own schedule (``forward_backward_no_pipelining``: the step-1 recording, the per-layer
-capture after its ``finalize_model_grads``, replays from step 2), megatron DDP with overlapped
-bucket reductions and the distributed optimizer, in these modes:
+Trains megatron-core's GPTModel (local layer spec; same init and data in every mode; built by
+``nemo_gtp.testing.gpt_harness.build``) with megatron's own schedule
+(``forward_backward_no_pipelining``: the step-1 recording, the per-layer capture after its
+``finalize_model_grads``, replays from step 2), megatron DDP with overlapped bucket reductions
+and the distributed optimizer, in these modes:
 
 - ``dp2_eager``  / ``dp2_full``: no GTP, eager / megatron's per-layer graphs (the baselines);
 - ``gtp2_eager``: GTP2, eager;
@@ -41,6 +42,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,8 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+if TYPE_CHECKING:
+    from nemo_gtp.testing.gpt_harness import Run
 
 MODES = {  # name -> (GTP size, cuda_graph_scope or "" for eager, graph_wgrad_ring_size)
     "dp2_eager": (1, "", 0),
@@ -107,107 +111,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------- one mode
-def build(args: argparse.Namespace, gtp: int, scope: str, ring: int, device: str) -> dict:
-    """GPT, GTP (if ``gtp`` > 1), DDP and optimizer for one mode, on this rank."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module
+def harness_run(args: argparse.Namespace, gtp: int, scope: str, ring: int) -> Run:
+    """One mode as the GPT harness's :class:`Run`: this benchmark's sizes, megatron DDP with
+    overlapped reductions in megatron's default buckets and the distributed optimizer."""
+    from nemo_gtp.testing.gpt_harness import Run  # megatron: imported by the ranks only
 
-    from nemo_gtp.engine import GTPConfig, GTPParallelDims
-    from nemo_gtp.integrations.megatron import (
-        GTPDistributedDataParallel,
-        gtp_process_groups,
-        initialize_gtp_parallel,
-        make_finalize_model_grads,
-        shard_model,
-    )
-    from nemo_gtp.integrations.megatron.layer_graphs import reset_layer_graphs
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    world = dist.get_world_size()
-    groups = initialize_gtp_parallel(GTPParallelDims(world_size=world, num_weight_shards=gtp))
-    reset_layer_graphs()  # the previous mode's graphs are process-global in megatron
-    if device == "cpu":
-        from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
-
-        model_parallel_cpu_manual_seed(1234)
-    else:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        # megatron's graph manager needs a capturable RNG tracker (TE's or its graph-safe one)
-        model_parallel_cuda_manual_seed(
-            1234,
-            te_rng_tracker=args.spec == "te",
-            use_cudagraphable_rng=args.spec != "te",
-            force_reset_rng=True,
-        )
-    torch.manual_seed(1234)
-    graphs = dict(cuda_graph_impl="local", cuda_graph_scope=scope, cuda_graph_warmup_steps=2)
-    config = TransformerConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        ffn_hidden_size=args.ffn,
-        num_attention_heads=args.heads,
-        use_cpu_initialization=True,  # the same initial weights in every mode
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+    return Run(
+        gtp=gtp,
+        layers=args.layers,
+        hidden=args.hidden,
+        ffn=args.ffn,
+        heads=args.heads,
+        vocab=args.vocab,
+        seq=args.seq,
         bf16=args.bf16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        add_bias_linear=False,
-        **(graphs if scope and device != "cpu" else {}),
-    )
-    spec = (
-        get_gpt_layer_with_transformer_engine_spec()
-        if args.spec == "te"
-        else get_gpt_layer_local_spec()
-    )
-    model = GPTModel(config, spec, args.vocab, args.seq).to(device)
-    if args.bf16:
-        model = Float16Module(config, model)
-    if scope and device == "cpu":  # no graph manager on CPU: GTP's segmented schedule only
-        for key, value in graphs.items():
-            setattr(config, key, value)
-    gtp_config = GTPConfig(
-        gather_backend="process_group",
+        spec=args.spec,
+        lr=3e-4,
+        distopt=True,
+        bucket_size=None,
         coalesce_mb=args.coalesce_mb,
-        graph_wgrad_ring_size=ring,
+        gather_backend="process_group",
+        graph_scope=scope,
+        graph_ring=ring,
+        capturable_rng=True,  # the same RNG tracker kind in eager and graphed modes
     )
-    runtime = shard_model(model, groups, gtp_config) if gtp > 1 else None
-    pgs = gtp_process_groups(groups, gtp_config)
-    ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=True, use_distributed_optimizer=True, grad_reduce_in_fp32=True
-    )
-    ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=3e-4,
-            clip_grad=1.0,
-            weight_decay=0.01,
-            bf16=args.bf16,
-            use_distributed_optimizer=True,
-        ),
-        [ddp],
-        use_gloo_process_groups=False,
-        pg_collection=pgs,
-    )
-    config.finalize_model_grads_func = make_finalize_model_grads(groups)
-    config.no_sync_func = ddp.no_sync
-    return dict(ddp=ddp, optimizer=optimizer, runtime=runtime, config=config)
+
+
+def build(args: argparse.Namespace, gtp: int, scope: str, ring: int) -> dict:
+    """GPT, GTP (if ``gtp`` > 1), DDP and optimizer for one mode, on this rank (the harness's
+    :func:`~nemo_gtp.testing.gpt_harness.build`; the same initial weights in every mode)."""
+    from nemo_gtp.integrations.megatron.layer_graphs import reset_layer_graphs
+    from nemo_gtp.testing.gpt_harness import build as build_gpt
+
+    reset_layer_graphs()  # the previous mode's graphs are process-global in megatron
+    setup = build_gpt(harness_run(args, gtp, scope, ring))
+    setup["runtime"] = getattr(setup["model"], "gtp_runtime", None) if gtp > 1 else None
+    return setup
 
 
 def batch(args: argparse.Namespace, step: int, microbatch: int, rank: int, device: str) -> dict:
@@ -255,7 +194,7 @@ def run_mode(args: argparse.Namespace, name: str, device: str) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     gtp, scope, ring = MODES[name]
-    setup = build(args, gtp, scope, ring, device)
+    setup = build(args, gtp, scope, ring)
     ddp, optimizer, runtime = setup["ddp"], setup["optimizer"], setup["runtime"]
     data_rank = parallel_state.get_data_parallel_rank()
     data_group = parallel_state.get_data_parallel_group()

@@ -240,3 +240,26 @@ def test_teardown_fit_lets_the_next_fit_choose_its_rng_tracker() -> None:
         assert megatron_random.get_cuda_rng_tracker().is_inference_rng_tracker
     finally:
         teardown_fit()
+
+
+def test_rank_env_sets_the_launch_and_keeps_explicit_defaults() -> None:
+    """One local rank's environment: the launch variables always, OMP / NCCL settings only as
+    defaults (a value the user exported wins), MASTER_PORT only when asked for."""
+    from nemo_gtp.recipes.launch import rank_env
+
+    env = rank_env(1, 2, base={"PATH": "/bin", "RANK": "7"})
+    assert env == {
+        "PATH": "/bin",
+        "OMP_NUM_THREADS": "1",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "NODE_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    mine = {"OMP_NUM_THREADS": "4", "NCCL_NVLS_ENABLE": "1"}
+    env = rank_env(0, 2, nccl=True, master_port=29500, base=mine)
+    assert env["OMP_NUM_THREADS"] == "4" and env["NCCL_NVLS_ENABLE"] == "1"
+    assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["MASTER_PORT"] == "29500"
+    with pytest.raises(ValueError, match="rank must be in"):
+        rank_env(2, 2)

@@ -3,8 +3,9 @@
 Starting a rank and importing NeMo costs far more than a tiny fit, so the GTP run and its
 baseline share one launch: the parent starts one process per rank (``RANK``/``LOCAL_RANK``/
 ``WORLD_SIZE`` in the environment, which Lightning's ``LightningEnvironment`` takes as an
-external launch), and each rank runs the fits in order, tearing down megatron/NeMo process-global
-state between them (:func:`teardown_fit`). The rendezvous of each fit goes through its own
+external launch: :func:`rank_env`, which the bench scripts' launches use too), and each rank
+runs the fits in order, tearing down megatron/NeMo process-global state between them
+(:func:`teardown_fit`). The rendezvous of each fit goes through its own
 ``FileStore`` (handed to the strategy's ``store``, which NeMo passes to
 ``init_process_group``), so no TCP port has to be picked in advance.
 
@@ -22,7 +23,55 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+
+# NVLink SHARP (NVLS) and symmetric-memory multicast stay off on the GPU machines the benches
+# run on; defaults only: a value already in the environment wins.
+NCCL_SINGLE_NODE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def rank_env(
+    rank: int,
+    world: int,
+    *,
+    nccl: bool = False,
+    master_port: int | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of process ``rank`` of a ``world``-process launch on this one node.
+
+    ``base`` (default: ``os.environ``) plus what an external launcher sets for Lightning's
+    ``LightningEnvironment`` and torch.distributed: ``RANK`` = ``LOCAL_RANK`` = ``rank``,
+    ``NODE_RANK=0``, ``WORLD_SIZE=world``, ``MASTER_ADDR=127.0.0.1``, and ``MASTER_PORT`` only
+    when ``master_port`` is given (the launches here meet through a ``FileStore``, so they need
+    no port). Defaults that ``base`` may override: ``OMP_NUM_THREADS=1`` (as torchrun sets it
+    for several ranks on one node: ``world`` processes with a thread per core each would
+    oversubscribe the cores) and, with ``nccl=True``, :data:`NCCL_SINGLE_NODE_ENV`.
+
+    Example::
+
+        env = rank_env(1, 2, nccl=True)
+        env["RANK"], env["WORLD_SIZE"], env["NCCL_NVLS_ENABLE"]  # ("1", "2", "0") unless set
+        subprocess.Popen([sys.executable, "worker.py"], env=env)
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank_env: rank must be in [0, world={world}), got {rank}")
+    env = dict(os.environ if base is None else base)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if nccl:
+        for key, value in NCCL_SINGLE_NODE_ENV.items():
+            env.setdefault(key, value)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+    )
+    if master_port is not None:
+        env["MASTER_PORT"] = str(master_port)
+    return env
 
 
 def teardown_fit() -> None:
@@ -113,15 +162,7 @@ def launch_fits(
         spec.write_text(json.dumps({"config": config, "runs": runs, "dir": tmp, "logs": dirs}))
         procs = []
         for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "NODE_RANK": "0",
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            }
+            env = rank_env(rank, world)
             err = open(Path(tmp, f"stderr{rank}.txt"), "w")  # noqa: SIM115 (closed below)
             procs.append(
                 (

@@ -2,6 +2,7 @@
 
 Every run goes through the real stack: megatron ``parallel_state``, ``GPTModel``, megatron DDP
 (our GTP-aware subclass), ``get_megatron_optimizer`` and ``forward_backward_no_pipelining``.
+The GPU benchmarks build their models here too (:func:`build` on NCCL, sizes from :class:`Run`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -75,6 +79,18 @@ class Run:
     # their capture and replay flow with an eager stand-in for CUDA graphs).
     graph_scope: str = ""
     graph_ring: int = 0  # GTPConfig.graph_wgrad_ring_size (the cross-graph wgrad ring)
+    # Model size and training knobs the GPU benchmarks set (the tests keep these defaults).
+    layers: int = 2
+    heads: int = 4
+    vocab: int = VOCAB
+    seq: int = SEQ  # sequence length (and the model's max sequence length)
+    lr: float = 1e-3
+    bucket_size: int | None = 20_000  # DDP buckets; None: megatron's default
+    # "local" (megatron-local linears) or "te" (TransformerEngine's spec and RNG tracker: GPU)
+    spec: str = "local"
+    # On GPU a capturable RNG tracker even without graphs, so eager and graphed runs share one
+    # tracker kind (with spec="te" TE's tracker is used either way).
+    capturable_rng: bool = False
 
     @property
     def gtp_on(self) -> bool:
@@ -95,16 +111,19 @@ _RECOMPUTE = {
 }
 
 
-def _batch(step: int, microbatch: int, data_rank: int, device: str) -> dict[str, torch.Tensor]:
+def _batch(
+    run: Run, step: int, microbatch: int, data_rank: int, device: str
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(10_000 * step + 100 * microbatch + data_rank)
-    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
-    loss_mask = (torch.rand(MBS, SEQ, generator=gen) > 0.2).float()
+    seq = run.seq
+    tokens = torch.randint(0, run.vocab, (MBS, seq + 1), generator=gen)
+    loss_mask = (torch.rand(MBS, seq, generator=gen) > 0.2).float()
     batch = dict(
         tokens=tokens[:, :-1],
         labels=tokens[:, 1:],
         loss_mask=loss_mask,
-        position_ids=torch.arange(SEQ).expand(MBS, SEQ),
-        attention_mask=torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1),
+        position_ids=torch.arange(seq).expand(MBS, seq),
+        attention_mask=torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1),
     )
     return {k: v.to(device) for k, v in batch.items()}
 
@@ -218,15 +237,19 @@ def grouped_linear_kinds(on_gpu: bool) -> dict[type, bool]:
 
 
 def layer_spec(run: Run, on_gpu: bool = False) -> object:
-    """megatron's local GPT layer spec for ``run``; MoE experts as ``SequentialMLP``, or with
-    ``run.grouped`` as ``TEGroupedMLP`` around :func:`grouped_linear_kinds`."""
+    """megatron's GPT layer spec for ``run`` (local, or TransformerEngine's with
+    ``run.spec == "te"``); MoE experts as ``SequentialMLP``, or with ``run.grouped`` as
+    ``TEGroupedMLP`` around :func:`grouped_linear_kinds`."""
     import copy
 
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import TEGroupedMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = get_gpt_layer_local_spec(num_experts=run.experts or None, moe_grouped_gemm=False)
+    make_spec = (
+        get_gpt_layer_with_transformer_engine_spec if run.spec == "te" else get_gpt_layer_local_spec
+    )
+    spec = make_spec(num_experts=run.experts or None, moe_grouped_gemm=False)
     if run.experts and run.grouped:
         fc1, fc2 = sorted(grouped_linear_kinds(on_gpu).items(), key=lambda kv: not kv[1])
         spec = copy.deepcopy(spec)
@@ -246,8 +269,20 @@ def train(run: Run) -> dict:
 
 
 def build(run: Run) -> dict:
-    """Model, DDP, optimizer and groups for ``run`` (see :func:`train`)."""
+    """Model, DDP, optimizer and groups for ``run`` (see :func:`train`).
+
+    Returns ``dict(model=..., ddp=..., optimizer=..., groups=..., device=...)``; ``model`` is
+    the one GTP sharded (``Float16Module`` with ``bf16``): its ``gtp_runtime`` when GTP is on.
+    Example::
+
+        setup = build(Run(gtp=2, layers=4, hidden=1024, ffn=4096, heads=16, vocab=8192,
+                          seq=512, lr=3e-4, bucket_size=None, distopt=True))
+    """
     on_gpu = dist.get_backend() == "nccl"
+    if run.spec not in ("local", "te"):
+        raise ValueError(f"Run.spec must be 'local' or 'te', got {run.spec!r}")
+    if run.spec == "te" and not on_gpu:
+        raise ValueError("Run.spec='te' needs TransformerEngine on GPUs (NCCL); use 'local'")
     device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
     if not on_gpu:
         # Imported here: GPU runs (the NCCL benchmarks) never load the CPU patches. megatron
@@ -260,7 +295,10 @@ def build(run: Run) -> dict:
         # megatron's graph manager needs a capturable RNG tracker (TE's, or its own graph-safe
         # one); rebuilt for every run, since the tracker is process-global.
         model_parallel_cuda_manual_seed(
-            1234, use_cudagraphable_rng=bool(run.graph_scope), force_reset_rng=True
+            1234,
+            te_rng_tracker=run.spec == "te",
+            use_cudagraphable_rng=bool(run.graph_scope or run.capturable_rng) and run.spec != "te",
+            force_reset_rng=True,
         )
     else:
         from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
@@ -268,10 +306,10 @@ def build(run: Run) -> dict:
         model_parallel_cpu_manual_seed(1234)
     torch.manual_seed(1234)
     config = TransformerConfig(
-        num_layers=2,
+        num_layers=run.layers,
         hidden_size=run.hidden,
         ffn_hidden_size=run.ffn,
-        num_attention_heads=4,
+        num_attention_heads=run.heads,
         tensor_model_parallel_size=run.tp,
         use_cpu_initialization=True,
         params_dtype=torch.bfloat16 if run.bf16 else torch.float32,
@@ -311,13 +349,12 @@ def build(run: Run) -> dict:
     reference = None
     if run.presharded and run.gtp > 1:
         # The full twin this seed builds without GTP; the shards then start from its weights.
-        reference = {
-            n: p.detach().clone() for n, p in GPTModel(config, spec, VOCAB, SEQ).named_parameters()
-        }
+        twin = GPTModel(config, spec, run.vocab, run.seq).named_parameters()
+        reference = {n: p.detach().clone() for n, p in twin}
     if run.presharded and run.gtp_on:
         grouped = grouped_linear_kinds(on_gpu) if run.grouped else {}
         spec = gtp_layer_spec(spec, groups, gtp_config, grouped_kinds=grouped)
-    model = GPTModel(config, spec, VOCAB, SEQ).to(device)
+    model = GPTModel(config, spec, run.vocab, run.seq).to(device)
     if reference is not None:
         load_full_weights(model, reference)
     if run.bf16:  # norms and inputs in bf16 too, as NeMo's precision plugin does
@@ -331,14 +368,14 @@ def build(run: Run) -> dict:
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=run.overlap_grad_reduce,
         use_distributed_optimizer=run.distopt,
-        bucket_size=20_000,
+        bucket_size=run.bucket_size,
         grad_reduce_in_fp32=True,
     )
     ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
-            lr=1e-3,
+            lr=run.lr,
             clip_grad=1.0,
             weight_decay=0.01,
             bf16=run.bf16,
@@ -367,13 +404,13 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
     for step in range(first_step, first_step + run.steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        data = iter([_batch(step, m, data_rank, device) for m in range(MICROBATCHES)])
+        data = iter([_batch(run, step, m, data_rank, device) for m in range(MICROBATCHES)])
         reduced = forward_backward(
             forward_step_func=_forward_step,
             data_iterator=data,
             model=[ddp],
             num_microbatches=MICROBATCHES,
-            seq_length=SEQ,
+            seq_length=run.seq,
             micro_batch_size=MBS,
             forward_only=False,
         )
