@@ -2,7 +2,8 @@
 # Round 3 (2xH200): TE from the extension round 2 built (.te_ext, no build); per-layer graphs
 # after the teardown fix (DP2 / GTP2, TE spec, 2k); full-iteration graphs at 4k (TE); local-spec
 # full-iteration graphs at 2k (after the RNG-tracker reset); FP8 over 50 steps at lr 1e-4
-# (tensorwise, delayed, blockwise); 1k tokens eager: DP2, GTP2 and Megatron-FSDP (TE spec).
+# (tensorwise, delayed, blockwise); TEGroupedMLP experts built pre-sharded (init, parity,
+# checkpoint); 1k tokens eager: DP2, GTP2 and Megatron-FSDP (TE spec).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0
 T0=$(date +%s)
@@ -22,6 +23,8 @@ echo "graph 4k done $(( $(date +%s) - T0 )) s"; pack r3_graph_4k
 timeout 65 python3 bench/bench_nemo.py --modes dp2_local@graph,gtp2_local@graph --tokens 2048 \
   --warmup 5 --timed 19 --fit-timeout 40 --out $OUT/r3_graph_local | tail -4
 echo "local graphs done $(( $(date +%s) - T0 )) s"; pack r3_graph_local
+timeout 115 python3 bench/gpu_grouped_experts.py --timeout 110 --out $OUT/r3_grouped 2>&1 | grep -v Warn | tail -6
+echo "grouped experts done $(( $(date +%s) - T0 )) s"; pack r3_grouped
 timeout 85 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --lr 1e-4 --steps 50 --deadline 80 \
   --modes fp8_dp2,fp8_gtp2,fp8delayed_dp2,fp8delayed_gtp2,fp8block_dp2,fp8block_gtp2 \
   --out $OUT/r3_fp8 2>&1 | grep -v Warn | tail -14
