@@ -32,3 +32,5 @@ echo "fp8 done $(( $(date +%s) - T0 )) s"; pack r3_fp8
 timeout 100 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te,mfsdp_te --tokens 1024 \
   --warmup 5 --timed 15 --fit-timeout 40 --out $OUT/r3_1k | tail -5
 echo "1k done $(( $(date +%s) - T0 )) s"; pack r3_1k
+timeout 60 python3 bench/te_gemm_host.py --out $OUT/r3_gemm_host 2>&1 | grep -v Warn | tail -4
+echo "gemm host done $(( $(date +%s) - T0 )) s"; pack r3_gemm_host
