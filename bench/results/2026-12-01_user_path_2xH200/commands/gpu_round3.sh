@@ -25,12 +25,3 @@ timeout 65 python3 bench/bench_nemo.py --modes dp2_local@graph,gtp2_local@graph 
 echo "local graphs done $(( $(date +%s) - T0 )) s"; pack r3_graph_local
 timeout 115 python3 bench/gpu_grouped_experts.py --timeout 110 --out $OUT/r3_grouped 2>&1 | grep -v Warn | tail -6
 echo "grouped experts done $(( $(date +%s) - T0 )) s"; pack r3_grouped
-timeout 85 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --lr 1e-4 --steps 50 --deadline 80 \
-  --modes fp8_dp2,fp8_gtp2,fp8delayed_dp2,fp8delayed_gtp2,fp8block_dp2,fp8block_gtp2 \
-  --out $OUT/r3_fp8 2>&1 | grep -v Warn | tail -14
-echo "fp8 done $(( $(date +%s) - T0 )) s"; pack r3_fp8
-timeout 100 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te,mfsdp_te --tokens 1024 \
-  --warmup 5 --timed 15 --fit-timeout 40 --out $OUT/r3_1k | tail -5
-echo "1k done $(( $(date +%s) - T0 )) s"; pack r3_1k
-timeout 60 python3 bench/te_gemm_host.py --out $OUT/r3_gemm_host 2>&1 | grep -v Warn | tail -4
-echo "gemm host done $(( $(date +%s) - T0 )) s"; pack r3_gemm_host
