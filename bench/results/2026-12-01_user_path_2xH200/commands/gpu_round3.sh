@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Round 3 (2xH200): TE from the extension round 2 built (.te_ext, no build); per-layer graphs
 # after the teardown fix (DP2 / GTP2, TE spec, 2k); full-iteration graphs at 4k (TE); local-spec
-# full-iteration graphs at 2k (after the RNG-tracker reset); FP8 over 50 steps at lr 1e-4
-# (tensorwise, delayed, blockwise); TEGroupedMLP experts built pre-sharded (init, parity,
-# checkpoint); 1k tokens eager: DP2, GTP2 and Megatron-FSDP (TE spec).
+# full-iteration graphs at 2k (after the RNG-tracker reset); TEGroupedMLP experts built
+# pre-sharded (init, parity, checkpoint). Trimmed to the device time left (the 2-GPU kind was not
+# lent for over an hour; FP8 at lr 1e-4 and the 1k eager rows were dropped).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0
 T0=$(date +%s)
