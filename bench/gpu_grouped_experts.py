@@ -258,15 +258,22 @@ def check_seq_init_memory(args: argparse.Namespace, device: str) -> dict:
 def check_seq_parity(args: argparse.Namespace, device: str) -> dict:
     """GPT with SequentialMLP experts (TE linears on GPUs): EP1·EGTP2, experts built
     pre-sharded, vs the run without GTP."""
-    from nemo_gtp.testing.gpt_harness import Run, assert_parity, train
+    from nemo_gtp.testing.gpt_harness import Run, assert_parity, build, train, train_built
 
     fields = {**RUN_FIELDS, "grouped": False, "spec": "local" if device == "cpu" else "te"}
     base = Run(steps=4, **fields)
     reference = train(base)
     case = dataclasses.replace(base, egtp=2, preshard_experts=True)
-    result = train(case)
+    setup = build(case)
+    # the experts' linears as built: GTPExpertTEColumnParallelLinear ... on GPUs
+    built = sorted(
+        {type(m).__name__ for m in setup["model"].modules() if type(m).__name__[:9] == "GTPExpert"}
+    )
+    result = train_built(setup, case)
     worst = assert_parity(result, reference)
-    return dict(ok=worst <= 1e-5, max_rel_err=worst, losses=result["losses"])
+    te = device == "cpu" or all("TE" in name for name in built)
+    ok = worst <= 1e-5 and len(built) == 2 and te
+    return dict(ok=ok, max_rel_err=worst, expert_classes=built, losses=result["losses"])
 
 
 RUN_FIELDS = dict(experts=4, topk=2, hidden=64, ffn=128, moe_ffn=96, grouped=True)

@@ -509,18 +509,17 @@ def _grouped_build_memory_case(rank: int, world: int) -> tuple[int, int, int]:
     return weights, kept, peak
 
 
-def _sequential_build_case(rank: int, world: int) -> dict[str, tuple[int, int, int]]:
+def _sequential_build_case(rank: int, world: int) -> dict[str, tuple[int, ...]]:
     """``SequentialMLP`` experts built as their EGTP2 shards (``gtp_layer_spec``, design §3.1
     "Exact expert init") at EP2, through both of megatron's init paths (``use_cpu_initialization``
     True: a TP-global master weight on the default generator; False: the weight itself, in the
     expert RNG tracker's stream, as on GPUs): every shard equals its rows of the full build from
     the same seed bit for bit, and every RNG stream (default generator, megatron's tracker) ends
-    where the full build leaves it. By the allocator's byte counts (CPU profiler) the build keeps
-    exactly 1/EGTP of the expert bytes and peaks at that plus one expert linear's full weight
-    (the scratch of its exact init; plus, on the CPU path, megatron's own master at shard size,
-    and on the tracker path two generator states), where the full build holds every expert's
-    full weight. ``shard_model`` registers them: one weight group per block and
-    role. Returns {path: (full expert bytes, kept, peak)}."""
+    where the full build leaves it. ``shard_model`` registers them: one weight group per block
+    and role. Returns, per path, the bytes of (every expert's full weight, one expert linear's
+    full weight, one CPU generator state, the pre-sharded build's kept bytes, its peak) from the
+    allocator's counts (CPU profiler), judged by the test (its event order has ties, so the peak
+    may move by a generator state)."""
     import torch
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -535,16 +534,16 @@ def _sequential_build_case(rank: int, world: int) -> dict[str, tuple[int, int, i
 
     run = dataclasses.replace(MOE, ep=2, egtp=2)
     groups = gtp_groups(run)
-    local, blocks, hidden, ffn = 2, 3, 32, 64
+    local, blocks, hidden, ffn = 2, 3, 64, 256
     pgs = gtp_process_groups(groups)
     plain = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     spec = ModuleSpec(module=SequentialMLP, submodules=plain)
     presharded = gtp_layer_spec(spec, groups, GTPConfig(pad_for_alignment=1)).submodules
-    one_linear = ffn * hidden * 4  # fc1 (64 x 32) or fc2 (32 x 64), fp32
+    one_linear = ffn * hidden * 4  # fc1 (256 x 64) or fc2 (64 x 256), fp32
 
     def rng_states() -> list[torch.Tensor]:
         tracker = mp_random.get_cuda_rng_tracker().get_states()
-        return [torch.get_rng_state(), *(tracker[name] for name in sorted(tracker))]
+        return [torch.get_rng_state(), *(tracker[name].clone() for name in sorted(tracker))]
 
     out = {}
     state = torch.get_rng_state().numel()  # bytes of one CPU generator state
@@ -570,16 +569,10 @@ def _sequential_build_case(rank: int, world: int) -> dict[str, tuple[int, int, i
         want = full.state_dict()
         for name, param in pre.named_parameters():
             assert is_gtp_param(param), name
-            assert param.shape == ((32, 32) if "fc1" in name else (16, 64)), name  # EGTP halves
+            assert param.shape == ((128, 64) if "fc1" in name else (32, 256)), name  # EGTP halves
             assert torch.equal(param.data, param.gtp_spec.shard(want[name])), name
         weights = sum(p.numel() * p.element_size() for p in full.parameters())
-        assert weights == blocks * local * 2 * one_linear
-        if cpu_init:  # the scratch (the unsharded master) beside megatron's pre-sharded master
-            assert (kept, peak) == (weights // 2, weights // 2 + one_linear + one_linear // 2)
-        else:  # the scratch, and the tracker's generator states: the caller's, saved by its
-            # fork, and the expert stream's advanced one (replacing one from before the count)
-            assert (kept, peak) == (weights // 2 + state, weights // 2 + one_linear + 2 * state)
-        out["cpu_init" if cpu_init else "tracker"] = (weights, kept, peak)
+        out["cpu_init" if cpu_init else "tracker"] = (weights, one_linear, state, kept, peak)
     runtime = shard_model(pre, groups, GTPConfig(pad_for_alignment=1))
     assert runtime is pre.gtp_expert_runtime and pre.gtp_runtime is None
     assert [(len(g.params), g.together) for g in runtime.weight_groups] == [(local, False)] * (
@@ -683,9 +676,20 @@ def test_presharded_grouped_experts_never_hold_full_weights(
 def test_presharded_sequential_experts_exact_and_never_full(
     four_ranks: dict[str, list[Outcome]],
 ) -> None:
+    """The pre-sharded ``SequentialMLP`` build keeps 1/EGTP of the expert bytes and peaks at that
+    plus one expert linear's full weight (its exact init's scratch), never at every expert's:
+    on megatron's CPU path plus megatron's own master at shard size, on the tracker path plus
+    the generator states its fork saves (the expert stream's new state stays: kept)."""
     for paths in case_values(four_ranks["sequential build"]):
-        for full, kept, peak in paths.values():
-            assert kept < 0.6 * full and peak < 0.7 * full
+        weights, one_linear, state, kept, peak = paths["cpu_init"]
+        assert weights == 3 * 2 * 2 * one_linear  # 3 blocks x 2 local experts x (fc1, fc2)
+        assert kept == weights // 2, paths
+        low = weights // 2 + one_linear + one_linear // 2
+        assert low <= peak <= low + 2 * state, paths
+        weights, one_linear, state, kept, peak = paths["tracker"]
+        assert weights // 2 <= kept <= weights // 2 + state, paths
+        assert weights // 2 + one_linear <= peak <= weights // 2 + one_linear + 3 * state, paths
+        assert 3 * state < one_linear // 4  # the slack is far below a second linear's weight
 
 
 def test_full_state_dict_gathers_expert_shards(four_ranks: dict[str, list[Outcome]]) -> None:
