@@ -1,4 +1,5 @@
-"""TEGroupedMLP experts (TE ``GroupedLinear``) built as their EGTP2 shards, on 2 GPUs (§3.1, §3.3).
+"""Routed experts built as their EGTP2 shards, on 2 GPUs (design §3.1, §3.3): TEGroupedMLP (TE
+``GroupedLinear``) and SequentialMLP with TE's linears.
 
 Checks, each recorded on its own (a failing one does not stop the next):
 
@@ -13,7 +14,17 @@ Checks, each recorded on its own (a failing one does not stop the next):
   (losses, grad norms, grads, weights; fp32, TF32 off, 1e-5);
 - ``checkpoint``: that model saved at EP1·EGTP2 after 2 steps (distributed optimizer) loads into
   the run without GTP (EP1, expert DP2) with every weight and optimizer state bit for bit, is
-  saved again there and loads back at EP1·EGTP2, bit for bit again.
+  saved again there and loads back at EP1·EGTP2, bit for bit again;
+- ``seq_init_memory``: as ``init_memory`` for two ``SequentialMLP`` blocks whose experts are
+  megatron's ``TEColumnParallelLinear`` / ``TERowParallelLinear`` (``is_expert``, TE's
+  ``reset_parameters`` in the expert RNG tracker's stream; the local linears in ``--cpu-smoke``):
+  shards equal the full build's rows bit for bit, every RNG stream (the CUDA generator and
+  megatron's tracker) ends where the full build leaves it, half the expert bytes kept, peak that
+  plus one expert linear's weight;
+- ``seq_parity``: megatron's MoE GPT with the TE layer spec without grouped GEMM
+  (``SequentialMLP`` of TE linears) at EP1·EGTP2, experts built pre-sharded through the
+  strategy's route (``preshard_config_layer_spec``) from the seed of the run without GTP,
+  reproduces that run (fp32, TF32 off, 1e-5).
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     PYTHONPATH=/tmp/te:/tmp/site:$PWD python bench/gpu_grouped_experts.py --out DIR   # 2 GPUs
@@ -46,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CHECKS = ("init_memory", "parity", "checkpoint")
+CHECKS = ("init_memory", "parity", "checkpoint", "seq_init_memory", "seq_parity")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -152,6 +163,119 @@ def check_init_memory(args: argparse.Namespace, device: str) -> dict:
     )
 
 
+def _rng_states(device: str) -> list[torch.Tensor]:
+    """The generator a build draws from and every state of megatron's RNG tracker."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    tracker = mp_random.get_cuda_rng_tracker().get_states()
+    generator = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
+    return [generator.clone(), *(tracker[name].cpu().clone() for name in sorted(tracker))]
+
+
+def check_seq_init_memory(args: argparse.Namespace, device: str) -> dict:
+    """Full vs pre-sharded build of two SequentialMLP blocks (see the module docstring)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from nemo_gtp.engine import GTPConfig, is_gtp_param
+    from nemo_gtp.integrations.megatron import gtp_layer_spec, gtp_process_groups
+    from nemo_gtp.integrations.megatron.sharding import te_parallel_linear_kinds
+    from nemo_gtp.testing.gpt_harness import Run, gtp_groups
+    from nemo_gtp.testing.memory import allocation_peak
+
+    on_gpu = device != "cpu"
+    groups = gtp_groups(Run(egtp=2))
+    pgs = gtp_process_groups(groups)
+    local, hidden, ffn = args.local_experts, args.hidden, args.moe_ffn
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=hidden,
+        num_attention_heads=8,
+        num_moe_experts=local,
+        moe_ffn_hidden_size=ffn,
+        use_cpu_initialization=not on_gpu,
+        params_dtype=torch.float32,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    kinds = te_parallel_linear_kinds(import_te=True) if on_gpu else {}
+    te = [cls for cls in kinds if cls.__name__ in ("TEColumnParallelLinear", "TERowParallelLinear")]
+    fc1, fc2 = sorted(te, key=lambda cls: not kinds[cls]) or (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
+    submodules = MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
+    spec = ModuleSpec(module=SequentialMLP, submodules=submodules)
+    presharded = gtp_layer_spec(spec, groups, GTPConfig(pad_for_alignment=16)).submodules
+
+    def build(subs: Any) -> tuple[Any, int, int]:
+        _seed(device)
+        return allocation_peak(
+            lambda: torch.nn.ModuleList(
+                SequentialMLP(local, config, subs, pg_collection=pgs) for _ in range(2)
+            ),
+            device,
+        )
+
+    full, full_peak, full_kept = build(submodules)
+    after_full = _rng_states(device)
+    pre, peak, kept = build(presharded)
+    same_rng = all(torch.equal(a, b) for a, b in zip(_rng_states(device), after_full))
+    weights = sum(p.numel() * p.element_size() for p in full.parameters())
+    one_linear = ffn * hidden * 4
+    want = full.state_dict()
+    mismatched = [
+        name
+        for name, param in pre.named_parameters()
+        if not (is_gtp_param(param) and torch.equal(param.data, param.gtp_spec.shard(want[name])))
+    ]
+    extras, slack = max(0, full_kept - weights), 1 << 20
+    # megatron's CPU initialization (--cpu-smoke) also holds its master at shard size
+    scratch = one_linear + (0 if on_gpu else one_linear // 2)
+    ok = not mismatched and same_rng and full_peak >= weights
+    ok = ok and kept <= weights // 2 + extras + slack
+    ok = ok and peak <= weights // 2 + scratch + extras + slack
+    return dict(
+        ok=ok,
+        te=fc1.__module__.startswith("megatron.core.extensions"),
+        expert_bytes_full=weights,
+        full_build_peak=full_peak,
+        full_build_kept=full_kept,
+        presharded_build_kept=kept,
+        presharded_build_peak=peak,
+        one_linear_bytes=one_linear,
+        peak_over_full=round(peak / weights, 4),
+        shards_equal_full_rows=not mismatched,
+        rng_streams_unchanged=same_rng,
+        mismatched=mismatched[:5],
+    )
+
+
+def check_seq_parity(args: argparse.Namespace, device: str) -> dict:
+    """GPT with SequentialMLP experts (TE linears on GPUs): EP1·EGTP2, experts built
+    pre-sharded, vs the run without GTP."""
+    from nemo_gtp.testing.gpt_harness import Run, assert_parity, build, train, train_built
+
+    fields = {**RUN_FIELDS, "grouped": False, "spec": "local" if device == "cpu" else "te"}
+    base = Run(steps=4, **fields)
+    reference = train(base)
+    case = dataclasses.replace(base, egtp=2, preshard_experts=True)
+    setup = build(case)
+    # the experts' linears as built: GTPExpertTEColumnParallelLinear ... on GPUs
+    built = sorted(
+        {type(m).__name__ for m in setup["model"].modules() if type(m).__name__[:9] == "GTPExpert"}
+    )
+    result = train_built(setup, case)
+    worst = assert_parity(result, reference)
+    te = device == "cpu" or all("TE" in name for name in built)
+    ok = worst <= 1e-5 and len(built) == 2 and te
+    return dict(ok=ok, max_rel_err=worst, expert_classes=built, losses=result["losses"])
+
+
 RUN_FIELDS = dict(experts=4, topk=2, hidden=64, ffn=128, moe_ffn=96, grouped=True)
 
 
@@ -201,7 +325,7 @@ def write(args: argparse.Namespace, records: dict, device: str) -> None:
     ok = all(records.get(c, {}).get("ok") for c in args.checks.split(","))
     result = dict(ok=ok, device=device, torch=torch.__version__, checks=records)
     (out / "gpu_grouped_experts.json").write_text(json.dumps(result, indent=1, default=str))
-    lines = [f"# TEGroupedMLP experts pre-sharded over EGTP2 ({device})", ""]
+    lines = [f"# Routed experts pre-sharded over EGTP2 ({device})", ""]
     lines += ["| check | result | details |", "|---|---|---|"]
     for name, rec in records.items():
         if "error" in rec:
@@ -245,8 +369,12 @@ def worker(rank: int, world: int, args: argparse.Namespace, store_path: str, roo
                     records[name] = check_init_memory(args, device)
                 elif name == "parity":
                     records[name] = check_parity(args, device)
-                else:
+                elif name == "checkpoint":
                     records[name] = check_checkpoint(args, device, root)
+                elif name == "seq_init_memory":
+                    records[name] = check_seq_init_memory(args, device)
+                else:
+                    records[name] = check_seq_parity(args, device)
             except Exception as err:  # noqa: BLE001 - recorded; the next check runs
                 records[name] = {"ok": False, "error": f"{err!r}\n{traceback.format_exc()}"}
                 print(f"[rank {rank}] {name} failed: {err!r}", flush=True)

@@ -37,7 +37,8 @@ python3 -c "import transformer_engine.pytorch" 2>/dev/null && run full_iteration
 #     eager GTP2 (bit for bit) vs DP2, and that every captured layer replays (design §3.5).
 run layer_graphs 180 python3 bench/gpu_layer_graphs.py --out "$OUT/layer_graphs"
 # 0d. TEGroupedMLP experts built as their EGTP2 shards (TE's GroupedLinear): exact init and build
-#     memory on the GPU, GPT parity, checkpoint EGTP2 -> no GTP -> EGTP2 (design §3.1, §3.3).
+#     memory on the GPU, GPT parity, checkpoint EGTP2 -> no GTP -> EGTP2 (design §3.1, §3.3);
+#     SequentialMLP of TE linears built likewise: exact init, build memory, GPT parity.
 python3 -c "import transformer_engine.pytorch" 2>/dev/null && run grouped_experts 150 \
   python3 bench/gpu_grouped_experts.py --out "$OUT/grouped_experts"
 [ "$SKIP_1B" = 1 ] || [ "${COMPACT:-0}" = 1 ] || run gpt1b_compare 300 python3 -m nemo_gtp.run configs/gpt_1b.yaml trainer.max_steps=20 --compare-baseline

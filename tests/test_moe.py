@@ -4,8 +4,9 @@ Parity oracle, as for dense GTP: a MoE GPT (megatron ``SequentialMLP`` experts, 
 dispatcher) with its routed-expert linears sharded over EGTP (and its dense linears over GTP)
 reproduces the same model without GTP at the same EP and global batch — losses, grad norms,
 every gradient (gathered back to full) and the weights after the steps, within 1e-5 relative
-in fp32. One 4-rank spawn runs every megatron-level case; the NeMo Trainer fits share the 4-rank
-launch of ``tests/test_strategy.py``.
+in fp32. The experts are built as their EGTP shards from the reference's seed (nothing copied
+in: design §3.1 "Exact expert init"), or built full and sliced. One 4-rank spawn runs every
+megatron-level case; the NeMo Trainer fits share the 4-rank launch of ``tests/test_strategy.py``.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ _REFERENCES: dict[Run, dict] = {}
 
 def _reference_run(case: Run) -> Run:
     """The run without GTP (same TP, EP, batch) that ``case`` must reproduce."""
-    return dataclasses.replace(case, gtp=1, egtp=1, pad=Run.pad)
+    return dataclasses.replace(case, gtp=1, egtp=1, pad=Run.pad, preshard_experts=False)
 
 
 def _parity_case(rank: int, world: int, case: Run) -> float:
@@ -148,13 +149,18 @@ def _parity_case(rank: int, world: int, case: Run) -> float:
     return worst
 
 
+# SequentialMLP experts built as their EGTP shards from the reference's seed through the
+# strategy's route (dense linears built full and sliced): nothing copied in, parity from the exact
+# init alone (design §3.1 "Exact expert init"); built full and sliced (the route of
+# preshard_linears="none") at EGTP4 and in the zero-token and full_state_dict cases
+_SEQ = dict(preshard_experts=True)
 CASES = [
-    dataclasses.replace(MOE, egtp=2),  # EP1·EGTP2 (dense GTP1·DP4)
-    dataclasses.replace(MOE, egtp=2, gtp=2),  # dense GTP2 + EGTP2
+    dataclasses.replace(MOE, egtp=2, **_SEQ),  # EP1·EGTP2 (dense GTP1·DP4)
+    dataclasses.replace(MOE, egtp=2, gtp=2, **_SEQ),  # dense GTP2 + EGTP2
     dataclasses.replace(MOE, egtp=4, aux_loss=0.01, distopt=True),  # EGTP4, router aux loss
-    dataclasses.replace(MOE, ep=2, egtp=2),  # EP2·EGTP2 vs EP2·(expert DP2)
-    dataclasses.replace(MOE, ep=2, egtp=2, capacity=1.0),  # token dropping
-    dataclasses.replace(MOE, ep=2, egtp=2, gtp=2, per_token=True, distopt=True),
+    dataclasses.replace(MOE, ep=2, egtp=2, **_SEQ),  # EP2·EGTP2 vs EP2·(expert DP2)
+    dataclasses.replace(MOE, ep=2, egtp=2, capacity=1.0, **_SEQ),  # token dropping
+    dataclasses.replace(MOE, ep=2, egtp=2, gtp=2, per_token=True, distopt=True, **_SEQ),
     dataclasses.replace(MOE, ep=2, gtp=2),  # dense GTP2, experts whole (EGTP1) over DP x GTP
     # TEGroupedMLP experts (CPU stand-in of TE's GroupedLinear) built as their EGTP shards from
     # the reference's seed: no weight copied in, parity from the exact init alone
@@ -165,7 +171,9 @@ CASES = [
 
 def _case_id(run: Run) -> str:
     grouped = "_grouped" if run.grouped else ""
-    return f"gtp{run.gtp}_ep{run.ep}_egtp{run.egtp}{grouped}"
+    built = "_presharded" if run.presharded or run.preshard_experts else ""
+    extra = "_capacity" if run.capacity else "_per_token" if run.per_token else ""
+    return f"gtp{run.gtp}_ep{run.ep}_egtp{run.egtp}{grouped}{extra}{built}"
 
 
 def _expert_step_parity(
@@ -287,17 +295,27 @@ def _zero_token_experts_case(rank: int, world: int) -> float:
     return worst
 
 
-def _grouped_blocks(config: Any, pgs: Any, local: int, submodules: Any, blocks: int = 2) -> Any:
-    """``blocks`` megatron ``TEGroupedMLP``s in a row (``local`` experts each), as one module."""
+def _grouped_blocks(
+    config: Any,
+    pgs: Any,
+    local: int,
+    submodules: Any,
+    blocks: int = 2,
+    container: type | None = None,
+) -> Any:
+    """``blocks`` megatron ``TEGroupedMLP``s (or ``container``s: ``SequentialMLP``) in a row
+    (``local`` experts each), as one module."""
     import torch
     from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    container = container or TEGroupedMLP
 
     class Blocks(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.config = config
             self.blocks = torch.nn.ModuleList(
-                TEGroupedMLP(local, config, submodules, pg_collection=pgs) for _ in range(blocks)
+                container(local, config, submodules, pg_collection=pgs) for _ in range(blocks)
             )
 
         def forward(self, x: torch.Tensor, split: torch.Tensor, probs: torch.Tensor) -> Any:
@@ -491,9 +509,83 @@ def _grouped_build_memory_case(rank: int, world: int) -> tuple[int, int, int]:
     return weights, kept, peak
 
 
+def _sequential_build_case(rank: int, world: int) -> dict[str, tuple[int, ...]]:
+    """``SequentialMLP`` experts built as their EGTP2 shards (``gtp_layer_spec``, design §3.1
+    "Exact expert init") at EP2, through both of megatron's init paths (``use_cpu_initialization``
+    True: a TP-global master weight on the default generator; False: the weight itself, in the
+    expert RNG tracker's stream, as on GPUs): every shard equals its rows of the full build from
+    the same seed bit for bit, and every RNG stream (default generator, megatron's tracker) ends
+    where the full build leaves it. ``shard_model`` registers them: one weight group per block
+    and role. Returns, per path, the bytes of (every expert's full weight, one expert linear's
+    full weight, one CPU generator state, the pre-sharded build's kept bytes, its peak) from the
+    allocator's counts (CPU profiler), judged by the test (its event order has ties, so the peak
+    may move by a generator state)."""
+    import torch
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from nemo_gtp.engine import GTPConfig, is_gtp_param
+    from nemo_gtp.integrations.megatron import gtp_layer_spec, gtp_process_groups, shard_model
+    from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
+    from nemo_gtp.testing.memory import allocation_peak
+
+    run = dataclasses.replace(MOE, ep=2, egtp=2)
+    groups = gtp_groups(run)
+    local, blocks, hidden, ffn = 2, 3, 64, 256
+    pgs = gtp_process_groups(groups)
+    plain = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    spec = ModuleSpec(module=SequentialMLP, submodules=plain)
+    presharded = gtp_layer_spec(spec, groups, GTPConfig(pad_for_alignment=1)).submodules
+    one_linear = ffn * hidden * 4  # fc1 (256 x 64) or fc2 (64 x 256), fp32
+
+    def rng_states() -> list[torch.Tensor]:
+        tracker = mp_random.get_cuda_rng_tracker().get_states()
+        return [torch.get_rng_state(), *(tracker[name].clone() for name in sorted(tracker))]
+
+    out = {}
+    state = torch.get_rng_state().numel()  # bytes of one CPU generator state
+    for cpu_init in (True, False):
+        config = _grouped_config(
+            local,
+            ep=2,
+            hidden_size=hidden,
+            moe_ffn_hidden_size=ffn,
+            use_cpu_initialization=cpu_init,
+        )
+
+        def build(submodules: Any, config: Any = config) -> tuple[Any, int, int]:
+            model_parallel_cpu_manual_seed(5)  # outside the count: it keeps generator states
+            return allocation_peak(
+                lambda: _grouped_blocks(config, pgs, local, submodules, blocks, SequentialMLP)
+            )
+
+        full, _, _ = build(plain)
+        after_full = rng_states()
+        pre, peak, kept = build(presharded)
+        assert all(torch.equal(a, b) for a, b in zip(rng_states(), after_full, strict=True))
+        want = full.state_dict()
+        for name, param in pre.named_parameters():
+            assert is_gtp_param(param), name
+            assert param.shape == ((128, 64) if "fc1" in name else (32, 256)), name  # EGTP halves
+            assert torch.equal(param.data, param.gtp_spec.shard(want[name])), name
+        weights = sum(p.numel() * p.element_size() for p in full.parameters())
+        out["cpu_init" if cpu_init else "tracker"] = (weights, one_linear, state, kept, peak)
+    runtime = shard_model(pre, groups, GTPConfig(pad_for_alignment=1))
+    assert runtime is pre.gtp_expert_runtime and pre.gtp_runtime is None
+    assert [(len(g.params), g.together) for g in runtime.weight_groups] == [(local, False)] * (
+        2 * blocks
+    )
+    return out
+
+
 def _full_state_dict_case(rank: int, world: int) -> int:
     """``full_state_dict`` of a GTP2·EGTP2·EP2 MoE GPT equals the state dict of the model
-    built without GTP (bit for bit after the build): expert shards gather over EGTP."""
+    built without GTP (bit for bit after the build): expert shards gather over EGTP. With its
+    ``SequentialMLP`` experts built sliced, and built as their EGTP shards (the strategy's
+    route, from the same seed, nothing copied in: design §3.1 "Exact expert init")."""
     import torch
 
     from nemo_gtp import full_state_dict
@@ -502,11 +594,16 @@ def _full_state_dict_case(rank: int, world: int) -> int:
 
     case = dataclasses.replace(MOE, ep=2, egtp=2, gtp=2)
     want = unwrapped_module(build(_reference_run(case))["ddp"]).state_dict()
-    got = full_state_dict(build(case)["ddp"])
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(got[key], value), key
+    for run in (case, dataclasses.replace(case, preshard_experts=True)):
+        model = build(run)["ddp"]
+        experts = [m for n, m in model.module.named_modules() if n.endswith("local_experts.0")]
+        presharded = type(experts[0].linear_fc1).__name__ == "GTPExpertColumnParallelLinear"
+        assert presharded == run.preshard_experts and len(experts) == 2
+        got = full_state_dict(model)
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[key], value), key
     return len(want)
 
 
@@ -541,6 +638,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outco
         ("grouped experts", _grouped_experts_case, (False,)),
         ("grouped experts presharded", _grouped_experts_case, (True,)),
         ("grouped build memory", _grouped_build_memory_case, ()),
+        ("sequential build", _sequential_build_case, ()),
         *((f"parity {run}", _parity_case, (run,)) for run in CASES),
         ("full_state_dict", _full_state_dict_case, ()),
         ("refusals", _refusals_case, ()),
@@ -575,6 +673,25 @@ def test_presharded_grouped_experts_never_hold_full_weights(
         assert kept * 2 == full and peak < 0.6 * full
 
 
+def test_presharded_sequential_experts_exact_and_never_full(
+    four_ranks: dict[str, list[Outcome]],
+) -> None:
+    """The pre-sharded ``SequentialMLP`` build keeps 1/EGTP of the expert bytes and peaks at that
+    plus one expert linear's full weight (its exact init's scratch), never at every expert's:
+    on megatron's CPU path plus megatron's own master at shard size, on the tracker path plus
+    the generator states its fork saves (the expert stream's new state stays: kept)."""
+    for paths in case_values(four_ranks["sequential build"]):
+        weights, one_linear, state, kept, peak = paths["cpu_init"]
+        assert weights == 3 * 2 * 2 * one_linear  # 3 blocks x 2 local experts x (fc1, fc2)
+        assert kept == weights // 2, paths
+        low = weights // 2 + one_linear + one_linear // 2
+        assert low <= peak <= low + 2 * state, paths
+        weights, one_linear, state, kept, peak = paths["tracker"]
+        assert weights // 2 <= kept <= weights // 2 + state, paths
+        assert weights // 2 + one_linear <= peak <= weights // 2 + one_linear + 3 * state, paths
+        assert 3 * state < one_linear // 4  # the slack is far below a second linear's weight
+
+
 def test_full_state_dict_gathers_expert_shards(four_ranks: dict[str, list[Outcome]]) -> None:
     assert all(n > 0 for n in case_values(four_ranks["full_state_dict"]))
 
@@ -606,12 +723,17 @@ def nemo_fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
 def test_trainer_parity_gtp2_ep2_egtp2(nemo_fits: dict[str, list[dict[str, Any]]]) -> None:
     """``GTPMegatronStrategy(num_weight_shards=2, expert_num_weight_shards=2,
     expert_model_parallel_size=2)`` in a real ``nl.Trainer`` matches plain ``MegatronStrategy``
-    at EP2 (loss and grad norm, 10 steps, distributed Adam, clipping, LR schedule)."""
+    at EP2 (loss and grad norm, 10 steps, distributed Adam, clipping, LR schedule), with its
+    SequentialMLP experts built as their EGTP shards by the strategy (design §3.1 "Exact expert
+    init")."""
     gtp, base = nemo_fits["moe_gtp2_ep2_egtp2"], nemo_fits["moe_base_ep2"]
     for g, b in zip(gtp, base, strict=True):
         assert g["data_size"] == b["data_size"] == 4  # DP x GTP: NeMo's batch arithmetic holds
         assert g["indices"] == b["indices"]  # each rank reads the samples it read without GTP
         assert g["gtp_params"] == 4 + 8  # qkv, proj; fc1, fc2 of 2 local experts; 2 layers
+        # the experts built as their EGTP shards (preshard_config_layer_spec's default), the
+        # local dense linears full and sliced: the same initial weights as the baseline's
+        assert (g["presharded_modules"], b["presharded_modules"]) == (8, 0)
         assert g["fallback_allocations"] == 0
         # megatron's layout with the EGTP peers taken out of the expert data axis: the dense
         # distributed optimizer over DP (2), the expert one over EDP (1, vs EDP 2 without GTP)

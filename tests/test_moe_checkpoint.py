@@ -1,8 +1,9 @@
 """Checkpoints of MoE models under expert GTP (design §3.3 "Routed experts").
 
-A MoE GPT (megatron ``SequentialMLP`` experts) trained two steps at EP2·EGTP2 (distributed Adam)
-is saved, then loaded into freshly built models at other layouts: the same one, EP2 without
-expert GTP (expert DP2), EP1·EGTP4, and EP2·EGTP2 with dense GTP2. Every full weight and every
+A MoE GPT (megatron ``SequentialMLP`` experts, built as their EGTP shards) trained two steps at
+EP2·EGTP2 (distributed Adam) is saved, then loaded into freshly built models at other layouts:
+the same one, EP2 without any GTP (expert DP2), EP1·EGTP4 (experts built full and sliced), and
+EP2·EGTP2 with dense GTP2. Every full weight and every
 optimizer state (expert ones gathered over EGTP and EP, keyed by global expert id) must equal
 the saved one bit for bit, and two more training steps must reproduce the uninterrupted run's
 losses: bitwise at the same layout, within the 1e-5 parity tolerance at the others (which sum in
@@ -25,11 +26,24 @@ import pytest
 from nemo_gtp.testing.gpt_harness import Run
 from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
 
-SAVED = Run(experts=4, topk=2, hidden=32, ffn=64, moe_ffn=48, steps=2, distopt=True, ep=2, egtp=2)
+# SequentialMLP experts built as their EGTP shards (the strategy's route: design §3.1 "Exact
+# expert init"); one load builds them full and slices them (preshard_linears="none"'s route)
+SAVED = Run(
+    experts=4,
+    topk=2,
+    hidden=32,
+    ffn=64,
+    moe_ffn=48,
+    steps=2,
+    distopt=True,
+    ep=2,
+    egtp=2,
+    preshard_experts=True,
+)
 LOADS = {
     "ep2-egtp2": SAVED,
-    "ep2-egtp1": dataclasses.replace(SAVED, egtp=1),  # plain MoE at EP2, expert DP2
-    "ep1-egtp4": dataclasses.replace(SAVED, ep=1, egtp=4),
+    "ep2-egtp1": dataclasses.replace(SAVED, egtp=1),  # plain MoE at EP2, expert DP2: no GTP
+    "ep1-egtp4": dataclasses.replace(SAVED, ep=1, egtp=4, preshard_experts=False),  # sliced
     "gtp2-ep2-egtp2": dataclasses.replace(SAVED, gtp=2),  # dense GTP2 too: both axes shard
 }
 _STATE: dict[str, object] = {}

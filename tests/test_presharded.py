@@ -282,9 +282,11 @@ def test_grouped_expert_spec_rewrite() -> None:
         assert entry.module is presharded_grouped_class(base, column)
         assert entry.params == {"gtp": plan}
     assert new.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear  # GTP 1
-    # a trainer's config: the default grouped classes are TE's (none without TE)
+    # a trainer's config: the default grouped classes are TE's (none without TE); the default
+    # SequentialMLP expert classes find no SequentialMLP here: the spec stays as it is
     config = SimpleNamespace(transformer_layer_spec=spec)
-    assert preshard_config_layer_spec(config, groups) is False
+    assert preshard_config_layer_spec(config, groups)
+    assert config.transformer_layer_spec is spec
     classes = presharded_grouped_classes(grouped_kinds())
     assert preshard_config_layer_spec(config, groups, grouped_classes=classes)
     experts = config.transformer_layer_spec.submodules.mlp.submodules.experts.submodules
@@ -292,3 +294,118 @@ def test_grouped_expert_spec_rewrite() -> None:
     config = SimpleNamespace(transformer_layer_spec=spec)
     assert preshard_config_layer_spec(config, groups, GTPConfig(preshard_linears="none")) is False
     assert config.transformer_layer_spec is spec
+
+
+def test_sequential_expert_spec_rewrite() -> None:
+    """Under expert GTP, ``SequentialMLP``'s expert linears (and only those: not the shared
+    experts', not the dense MLP's) are swapped for their expert pre-sharded subclasses with the
+    *expert* plan, by ``gtp_layer_spec`` and by the strategy's ``preshard_config_layer_spec``
+    (default ``preshard_linears``; ``"none"`` swaps nothing); dense linears with the dense plan
+    only under GTP > 1 (design §3.1 "Exact expert init")."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from nemo_gtp.engine import GTPGroups, GTPParallelDims
+    from nemo_gtp.integrations.megatron import gtp_layer_spec, preshard_config_layer_spec
+
+    dims = GTPParallelDims(world_size=8, num_weight_shards=2, expert_num_weight_shards=4)
+    groups = GTPGroups(dims, 7, *([None] * len(dims.group_ranks())))  # GTP2 · EGTP4
+    dense, expert = GTPShardPlan(2, 1, 8), GTPShardPlan(4, 3, 8)
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    moe = get_moe_module_spec(use_te=False, num_experts=4, moe_grouped_gemm=False)
+    spec.submodules.mlp = moe  # with shared experts (dense linears inside the MoE layer)
+    cfg = GTPConfig(pad_for_alignment=8)
+
+    def expert_entries(new: object) -> tuple:
+        experts = new.submodules.mlp.submodules.experts.submodules
+        return experts.linear_fc1, experts.linear_fc2
+
+    new = gtp_layer_spec(spec, groups, cfg)
+    for entry, base, column in zip(
+        expert_entries(new), (ColumnParallelLinear, RowParallelLinear), (True, False)
+    ):
+        assert entry.module is presharded_class(base, column, expert=True)
+        assert entry.module.__name__ == f"GTPExpert{base.__name__}" and entry.params == {
+            "gtp": expert
+        }
+    shared = new.submodules.mlp.submodules.shared_experts.submodules
+    for entry in (shared.linear_fc1, new.submodules.self_attention.submodules.linear_qkv):
+        assert entry.module is presharded_class(ColumnParallelLinear, True)
+        assert entry.params == {"gtp": dense}
+    assert spec.submodules.mlp.submodules.experts.submodules.linear_fc1 is ColumnParallelLinear
+    # the strategy's route: experts only (local dense linears keep build-full-then-slice)
+    config = SimpleNamespace(transformer_layer_spec=spec)
+    assert preshard_config_layer_spec(config, groups, cfg)
+    new = config.transformer_layer_spec
+    assert [e.module for e in expert_entries(new)] == [
+        presharded_class(ColumnParallelLinear, True, expert=True),
+        presharded_class(RowParallelLinear, False, expert=True),
+    ]
+    assert new.submodules.mlp.submodules.shared_experts is moe.submodules.shared_experts
+    assert new.submodules.self_attention is spec.submodules.self_attention
+    config = SimpleNamespace(transformer_layer_spec=spec)
+    assert preshard_config_layer_spec(config, groups, GTPConfig(preshard_linears="none")) is False
+    assert config.transformer_layer_spec is spec
+
+
+def test_exact_init_follows_megatron_cpu_initialization() -> None:
+    """``rows_of_full_init`` on megatron's CPU-initialization master weight (TP-global, every TP
+    rank's shard stacked when built pre-sharded) gives each TP rank exactly its GTP rows of the
+    unsharded layer's TP-local weight, and leaves the RNG where the unsharded init leaves it:
+    column- and row-parallel at TP2 · GTP2 with padding (72 rows -> 2 x 48)."""
+    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+
+    from nemo_gtp.integrations.megatron.sharding import rows_of_full_init
+
+    out, inp, tp = 144, 24, 2
+    for column in (True, False):
+        logical = (out // tp, inp) if column else (out, inp // tp)
+        for tp_rank in range(tp):
+            torch.manual_seed(3)
+            full = torch.empty(logical)
+            dim = 0 if column else 1
+            _initialize_affine_weight_cpu(
+                full,
+                out,
+                inp,
+                logical[dim],
+                dim,
+                torch.nn.init.normal_,
+                rank=tp_rank,
+                world_size=tp,
+            )
+            after = torch.randn(3)
+            for gtp_rank in range(2):
+                spec = GTPShardPlan(2, gtp_rank, 16).spec_for(logical)
+                rows = spec.shard_dim0 * (tp if column else 1)
+                shard = torch.empty(spec.shard_shape)
+                torch.manual_seed(3)
+                _initialize_affine_weight_cpu(
+                    shard,
+                    rows,
+                    inp,
+                    spec.shard_dim0 if column else inp // tp,
+                    dim,
+                    rows_of_full_init(torch.nn.init.normal_, spec),
+                    rank=tp_rank,
+                    world_size=tp,
+                )
+                assert torch.equal(shard, spec.shard(full)), (column, tp_rank, gtp_rank)
+                assert torch.equal(torch.randn(3), after)
+    spec = GTPShardPlan(2, 0, 16).spec_for((72, 24))
+    with pytest.raises(ValueError, match="expected a multiple of the shard's 48 rows"):
+        rows_of_full_init(torch.nn.init.normal_, spec)(torch.empty(50, 24))
+
+
+def test_expert_class_refusals() -> None:
+    """The expert pre-sharded class refuses a non-expert linear and megatron's interleaved
+    ``stride``, each naming the setting (before anything is allocated)."""
+    cls = presharded_class(ColumnParallelLinear, column=True, expert=True)
+    kwargs = dict(
+        gtp=GTPShardPlan(2, 0), config=_config(), init_method=torch.nn.init.normal_, bias=False
+    )
+    with pytest.raises(ValueError, match="is_expert=False.*preshard_linears='none'"):
+        cls(16, 72, gather_output=False, **kwargs)
+    with pytest.raises(ValueError, match="stride=2.*preshard_linears='none'"):
+        cls(16, 72, gather_output=False, is_expert=True, stride=2, **kwargs)

@@ -70,9 +70,10 @@ class GTPConfig:
         preshard_linears: which linears a trainer that builds the model from a config
             (``GTPMegatronStrategy``) builds directly as their shard, so no full weight is ever
             materialized (design §3.1 "One init path"): ``"te"`` (default) the
-            TransformerEngine parallel linears only, and under expert GTP the grouped-expert
-            linears of ``TEGroupedMLP``, which start with exactly the non-GTP model's values
-            (design §3.1 "Exact expert init"); ``"all"`` also megatron's local
+            TransformerEngine parallel linears only, and under expert GTP the routed experts'
+            linears (``SequentialMLP``'s, local or TE, and ``TEGroupedMLP``'s grouped ones),
+            which start with exactly the non-GTP model's values (design §3.1 "Exact expert
+            init"); ``"all"`` also megatron's local
             ``ColumnParallelLinear`` / ``RowParallelLinear``, whose weights are otherwise built
             full and sliced (a run that starts bit-identical to its non-GTP twin; pre-sharded
             dense weights are drawn per GTP peer instead); ``"none"``: every linear built full

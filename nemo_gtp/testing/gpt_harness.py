@@ -31,6 +31,8 @@ from nemo_gtp.integrations.megatron import (
     gtp_process_groups,
     initialize_gtp_parallel,
     make_finalize_model_grads,
+    preshard_config_layer_spec,
+    presharded_grouped_classes,
     shard_model,
 )
 from nemo_gtp.testing import graph_stand_in
@@ -59,6 +61,10 @@ class Run:
     bf16: bool = False  # bf16 params + megatron's mixed-precision optimizer (fp32 main params)
     presharded: bool = False  # build the linears as shards (gtp_layer_spec): dense ones get the
     # weights of a full twin copied in; grouped experts (EGTP > 1) start exact by construction
+    # Build only the routed experts (EGTP > 1; SequentialMLP, or grouped) as their expert GTP
+    # shards, through the strategy's route (preshard_config_layer_spec, dense linears built full
+    # and sliced): nothing is copied in, their exact init gives them the unsharded rows.
+    preshard_experts: bool = False
     shard_replicated: bool = False  # GTPConfig.shard_replicated_params_over_gtp (needs distopt)
     recompute: str = ""  # activation recompute: "", "full_uniform", "full_block", "selective"
     # (core attention) or "selective_mlp" (the MLP: GTP weights re-gathered in the backward)
@@ -200,6 +206,19 @@ def gtp_groups(run: Run) -> GTPGroups:
         parallel_state.destroy_model_parallel()
         initialize_gtp_parallel(_GROUPS[key].dims, _GROUPS[key])  # megatron state only
     return _GROUPS[key]
+
+
+def _experts_presharded(
+    spec: object, run: Run, groups: GTPGroups, gtp_config: GTPConfig, on_gpu: bool
+) -> object:
+    """``spec`` with only its routed experts built as their expert GTP shards, through the
+    strategy's route (``preshard_config_layer_spec``; dense linears stay full, sliced later)."""
+    from types import SimpleNamespace
+
+    grouped = presharded_grouped_classes(grouped_linear_kinds(on_gpu)) if run.grouped else {}
+    holder = SimpleNamespace(transformer_layer_spec=spec)
+    preshard_config_layer_spec(holder, groups, gtp_config, classes={}, grouped_classes=grouped)
+    return holder.transformer_layer_spec
 
 
 def _moe_config(run: Run) -> dict:
@@ -354,6 +373,8 @@ def build(run: Run) -> dict:
     if run.presharded and run.gtp_on:
         grouped = grouped_linear_kinds(on_gpu) if run.grouped else {}
         spec = gtp_layer_spec(spec, groups, gtp_config, grouped_kinds=grouped)
+    elif run.preshard_experts and run.egtp > 1:
+        spec = _experts_presharded(spec, run, groups, gtp_config, on_gpu)
     model = GPTModel(config, spec, run.vocab, run.seq).to(device)
     if reference is not None:
         load_full_weights(model, reference)

@@ -6,8 +6,8 @@ The touch points of design §3.1 and §3.2, on megatron-core 0.15 which has no G
   plus our GTP groups, and the ``ProcessGroupCollection`` DDP and the optimizer must use
   (data-parallel = the GTP-excluded replicate group; model-parallel includes GTP).
 - :func:`shard_model`: shards eligible linears in place and returns the model's runtime;
-  :func:`gtp_layer_spec` makes a layer spec build its parallel linears (TE or local, and
-  ``TEGroupedMLP``'s grouped experts) as shards
+  :func:`gtp_layer_spec` makes a layer spec build its parallel linears (TE or local, and the
+  routed experts of ``SequentialMLP`` and ``TEGroupedMLP``) as shards
   (both in :mod:`~nemo_gtp.integrations.megatron.sharding`);
   :func:`mirror_per_token_loss` pairs a ``GTPConfig`` with a model config.
 - :class:`GTPDistributedDataParallel`: grad-ready hooks of GTP params fired by the runtime.
@@ -45,6 +45,7 @@ from nemo_gtp.integrations.megatron.sharding import (
     preshard_config_layer_spec,
     presharded_class,
     presharded_classes,
+    presharded_expert_classes,
     presharded_grouped_class,
     presharded_grouped_classes,
     replace_modules_in_spec,
@@ -70,6 +71,7 @@ __all__ = [
     "preshard_config_layer_spec",
     "presharded_class",
     "presharded_classes",
+    "presharded_expert_classes",
     "presharded_grouped_class",
     "presharded_grouped_classes",
     "replace_modules_in_spec",

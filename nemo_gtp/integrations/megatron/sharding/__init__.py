@@ -37,6 +37,7 @@ from nemo_gtp.integrations.megatron.sharding.spec import (
     gtp_layer_spec,
     preshard_config_layer_spec,
     presharded_classes,
+    presharded_expert_classes,
     presharded_grouped_classes,
     replace_modules_in_spec,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "preshard_config_layer_spec",
     "presharded_class",
     "presharded_classes",
+    "presharded_expert_classes",
     "presharded_grouped_class",
     "presharded_grouped_classes",
     "replace_modules_in_spec",

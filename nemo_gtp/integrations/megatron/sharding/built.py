@@ -9,10 +9,12 @@ rank's ``padded_dim0 / GTP`` rows, and no full weight ever exists. The built wei
 model's runtime, exactly as it registers the weights it slices itself. The layer spec that
 selects these classes is :mod:`~nemo_gtp.integrations.megatron.sharding.spec`.
 
-Routed experts of megatron's ``TEGroupedMLP`` (a TE ``GroupedLinear``, one weight per local
-expert) are built the same way over the expert GTP axis by :class:`PreShardedGroupedLinearMixin`
-(:func:`presharded_grouped_class`), but initialized exactly as the unsharded model initializes
-them (:func:`rows_of_full_init`, design §3.1 "Exact expert init").
+Routed experts are built the same way over the expert GTP axis, but initialized exactly as the
+unsharded model initializes them (:func:`rows_of_full_init`, design §3.1 "Exact expert init"):
+``SequentialMLP``'s expert linears by the expert subclasses of :class:`PreShardedLinearMixin`
+(``presharded_class(base, column, expert=True)``), ``TEGroupedMLP``'s (a TE ``GroupedLinear``,
+one weight per local expert) by :class:`PreShardedGroupedLinearMixin`
+(:func:`presharded_grouped_class`).
 
 Subclasses are made on demand by :func:`presharded_class`, so this module needs neither TE nor a
 CUDA device; the TE classes are created only when ``transformer_engine`` is importable.
@@ -103,8 +105,18 @@ def rows_of_full_init(init_method: Callable[[torch.Tensor], Any], spec: ShardSpe
     (``spec.logical_shape``, the shard's dtype and device) with ``init_method`` — the same call,
     shape and RNG stream as the unsharded model's, so the same numbers and the same stream
     position afterwards — keeps this rank's rows, zeroes the pad rows and drops the scratch. A
-    module initializing its weights one after another (TE's ``GroupedLinear``: one per expert)
-    thus holds one full weight at a time, never all of them. A meta shard is left as it is.
+    module initializing its weights one after another (TE's ``GroupedLinear``: one per expert;
+    ``SequentialMLP``: one linear after another) thus holds one full weight at a time, never all
+    of them. A meta shard is left as it is.
+
+    megatron's CPU initialization (``use_cpu_initialization=True``) calls ``init_method`` on a
+    *master* weight instead: the layer's TP-global weight, which it then splits over TP. Built
+    pre-sharded, that master is every TP rank's shard stacked (``TP x shard_dim0`` rows for a
+    column-parallel layer, ``shard_dim0`` rows by the TP-global input width for a row-parallel
+    one), so the scratch is the unsharded master (``blocks`` TP-local weights of
+    ``spec.logical_shape[0]`` rows, the full input width) and each block of the pre-sharded
+    master gets this rank's rows of the unsharded block: megatron's split then hands every TP
+    rank exactly its shard. (megatron's ``stride > 1`` interleaving is refused by the caller.)
 
     Example::
 
@@ -117,13 +129,25 @@ def rows_of_full_init(init_method: Callable[[torch.Tensor], Any], spec: ShardSpe
     def init(shard: torch.Tensor) -> Any:
         if shard.device.type == "meta":
             return None
-        full = torch.empty(spec.logical_shape, dtype=shard.dtype, device=shard.device)
+        rows = spec.shard_dim0
+        blocks = shard.shape[0] // rows
+        if shard.dim() != 2 or blocks < 1 or blocks * rows != shard.shape[0]:
+            raise ValueError(
+                f"rows_of_full_init: asked to initialize a {tuple(shard.shape)} tensor, expected "
+                f"a multiple of the shard's {rows} rows (shard shape {spec.shard_shape})"
+            )
+        logical = spec.logical_shape[0]
+        full = torch.empty(
+            (blocks * logical, shard.shape[1]), dtype=shard.dtype, device=shard.device
+        )
         result = init_method(full)
-        start = spec.gtp_rank * spec.shard_dim0
-        rows = full[start : start + spec.shard_dim0]
+        start = spec.gtp_rank * rows
         with torch.no_grad():
-            shard[: rows.shape[0]].copy_(rows)
-            shard[rows.shape[0] :].zero_()
+            for block in range(blocks):
+                mine = full[block * logical : (block + 1) * logical][start : start + rows]
+                out = shard[block * rows : (block + 1) * rows]
+                out[: mine.shape[0]].copy_(mine)
+                out[mine.shape[0] :].zero_()
         return result
 
     return init
@@ -138,10 +162,19 @@ class PreShardedLinearMixin:
     :class:`GTPShardPlan`) arrives through the layer spec's params (see
     :func:`~nemo_gtp.integrations.megatron.sharding.spec.gtp_layer_spec`). With GTP size 1 the class
     builds exactly what its base builds.
+
+    Dense linears (``gtp_expert=False``) draw their shard from a stream of their own per GTP peer
+    (:func:`per_peer_init`); a routed expert's linear reaching such a class (``is_expert=True``)
+    is built full, for ``shard_model`` to slice. The expert classes (``gtp_expert=True``, for
+    ``SequentialMLP``'s experts, with the *expert* plan :meth:`GTPShardPlan.for_experts`) build
+    each expert linear over the expert GTP axis with exactly the unsharded model's rows
+    (:func:`rows_of_full_init`, design §3.1 "Exact expert init").
     """
 
     gtp_column: bool = True
     """True when TP splits ``output_size`` (column-parallel); False when it splits the input."""
+    gtp_expert: bool = False
+    """True: a routed expert's linear (``is_expert=True``), sharded over expert GTP, exact init."""
 
     def __init__(
         self,
@@ -153,27 +186,38 @@ class PreShardedLinearMixin:
         init_method: Callable,
         **kwargs: Any,
     ) -> None:
-        # Off is a byte-for-byte no-op (design §1.5). A routed-expert linear is built full too:
-        # it belongs to the expert GTP axis, which shard_model slices (design §1.4).
-        if gtp.gtp_size == 1 or kwargs.get("is_expert"):
+        expert = bool(kwargs.get("is_expert"))
+        if self.gtp_expert and not expert:
+            raise ValueError(
+                f"{type(self).__name__} builds a routed expert's linear over expert GTP, but was "
+                "built with is_expert=False: swap it only inside SequentialMLP's submodules "
+                "(gtp_layer_spec does), or set GTPConfig.preshard_linears='none'"
+            )
+        # Off is a byte-for-byte no-op (design §1.5). A routed-expert linear reaching a dense
+        # class is built full: it belongs to the expert GTP axis, which shard_model slices (§1.4).
+        if gtp.gtp_size == 1 or expert != self.gtp_expert:
             super().__init__(
                 input_size, output_size, *args, config=config, init_method=init_method, **kwargs
             )
             return
         validate_model_config_for_gtp(config)
-        tp = _tp_size(kwargs.get("tp_group"))
+        if expert and kwargs.get("stride", 1) != 1:
+            raise ValueError(
+                f"{type(self).__name__}: stride={kwargs['stride']} interleaves the TP split, which "
+                "the exact expert init does not follow: set GTPConfig.preshard_linears='none' "
+                "(built full, then sliced)"
+            )
+        tp = _tp_size(kwargs.get("tp_group"), expert=expert)
         logical_out = output_size // tp if self.gtp_column else output_size
         in_local = input_size if self.gtp_column else input_size // tp
         spec = gtp.spec_for((logical_out, in_local))
         built_out = spec.shard_dim0 * tp if self.gtp_column else spec.shard_dim0
-        super().__init__(
-            input_size,
-            built_out,
-            *args,
-            config=config,
-            init_method=per_peer_init(init_method, gtp.gtp_rank),
-            **kwargs,
+        init = (
+            rows_of_full_init(init_method, spec)
+            if expert
+            else per_peer_init(init_method, gtp.gtp_rank)
         )
+        super().__init__(input_size, built_out, *args, config=config, init_method=init, **kwargs)
         attach_presharded_weight(self, spec)
         # The module computes logical-width outputs (the GEMM sees the gathered weight).
         for attr, value in (
@@ -308,8 +352,12 @@ def is_presharded(param: object) -> bool:
 
 
 @functools.cache
-def presharded_class(base: type, column: bool) -> type:
-    """The pre-sharded subclass of megatron linear class ``base`` (one class per base).
+def presharded_class(base: type, column: bool, expert: bool = False) -> type:
+    """The pre-sharded subclass of megatron linear class ``base`` (one class per base and kind).
+
+    ``expert=True``: the class for a routed expert's linear (``SequentialMLP``), built over the
+    expert GTP axis with the unsharded model's exact init (design §3.1 "Exact expert init"); give
+    it :meth:`GTPShardPlan.for_experts`.
 
     Example::
 
@@ -317,13 +365,16 @@ def presharded_class(base: type, column: bool) -> type:
         layer = cls(1024, 4096, gtp=plan, config=config, init_method=init, bias=False,
                     gather_output=False)
     """
+    section = "'Exact expert init'" if expert else "'One init path'"
+    axis = "expert GTP shard" if expert else "GTP shard"
     return type(
-        f"GTP{base.__name__}",
+        f"GTP{'Expert' if expert else ''}{base.__name__}",
         (PreShardedLinearMixin, base),
         {
             "gtp_column": column,
+            "gtp_expert": expert,
             "__module__": __name__,
-            "__doc__": f"{base.__name__} built as its GTP shard (design §3.1 'One init path').",
+            "__doc__": f"{base.__name__} built as its {axis} (design §3.1 {section}).",
         },
     )
 

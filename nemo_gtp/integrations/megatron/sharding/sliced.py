@@ -124,9 +124,10 @@ def shard_model(
     """Shard ``model``'s eligible linears in place; return its (primary) runtime.
 
     Call after the model is built and before DDP wraps it. Dense linears are sharded over
-    ``groups.gtp``; the weights of routed MoE experts (megatron ``SequentialMLP``, and each
-    ``weight{i}`` of ``TEGroupedMLP``'s TE ``GroupedLinear``s, sliced here or built as their
-    shards by a ``gtp_layer_spec``, design §3.1 "Exact expert init") over ``groups.expert_gtp``
+    ``groups.gtp``; the weights of routed MoE experts (each linear of megatron's
+    ``SequentialMLP`` experts and each ``weight{i}`` of ``TEGroupedMLP``'s TE ``GroupedLinear``s,
+    sliced here or built as their shards by a ``gtp_layer_spec``, design §3.1 "Exact expert
+    init") over ``groups.expert_gtp``
     by a second runtime, on one chain per role with a block's experts of a role one weight group
     (design §1.4, §3.4). The model holds them as
     ``model.gtp_runtime`` (dense) and ``model.gtp_expert_runtime`` (experts); an axis of size 1
@@ -226,7 +227,7 @@ def shard_model(
         elif should_shard(module_name, module):
             if isinstance(module, (*_MEGATRON_LINEARS, *te_linears)):
                 runtime.shard_parameter(module, "weight", f"{module_name}.weight", chain)
-                sliced_te += [module_name] if isinstance(module, te_linears) and not expert else []
+                sliced_te += [module_name] if isinstance(module, te_linears) else []
             else:
                 shard_linear(module, runtime, f"{module_name}.weight")
         else:

@@ -4,8 +4,10 @@ Opt-in is by linear class (§1.5): :func:`gtp_layer_spec` swaps megatron's colum
 linear classes — the TE wrappers ``TEColumnParallelLinear``, ``TERowParallelLinear``,
 ``TELayerNormColumnParallelLinear`` and the megatron-local ``ColumnParallelLinear`` /
 ``RowParallelLinear`` — for their :mod:`~nemo_gtp.integrations.megatron.sharding.built`
-subclasses, which build only this rank's shard; under expert GTP also ``TEGroupedMLP``'s
-``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (over the expert GTP axis).
+subclasses, which build only this rank's shard; under expert GTP also the routed experts' linears
+over the expert GTP axis, with the unsharded model's exact init: those inside ``SequentialMLP``'s
+spec (the same local and TE classes, swapped first and only there, for their expert subclasses)
+and ``TEGroupedMLP``'s ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``.
 Nothing else in the spec changes: base ``TELinear`` (``parallel_mode="duplicated"``), norms,
 attention, TE's ``LayerNormMLP`` and the op-fuser MLP stay as they are (and stay unsharded).
 """
@@ -19,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nemo_gtp.engine.config import GTPConfig
@@ -35,7 +38,11 @@ from nemo_gtp.integrations.megatron.sharding.te import (
 
 
 def replace_modules_in_spec(
-    spec: Any, classes: Mapping[type, type], params: Mapping[str, Any]
+    spec: Any,
+    classes: Mapping[type, type],
+    params: Mapping[str, Any],
+    *,
+    within: tuple[type, ...] = (),
 ) -> Any:
     """A copy of ``spec`` with every class in ``classes`` swapped and ``params`` added to it.
 
@@ -43,18 +50,23 @@ def replace_modules_in_spec(
     ``TransformerBlockSubmodules.layer_specs``, ...), lists and tuples. A class appearing bare
     becomes ``ModuleSpec(module=new, params=params)``; a ``ModuleSpec`` of it keeps its own params
     and submodules. Matching is by exact class (a subclass is a different opt-in decision).
-    Parts that contain nothing to swap are returned as they are; ``spec`` is never mutated.
+    ``within`` (container classes, subclasses included): swap only inside the submodules of a
+    ``ModuleSpec`` of one of them (``(SequentialMLP,)``: the routed experts' linears, not the
+    shared experts' or the dense MLP's). Parts that contain nothing to swap are returned as they
+    are; ``spec`` is never mutated.
     """
 
-    def walk(node: Any) -> Any:
+    def walk(node: Any, inside: bool) -> Any:
         if isinstance(node, type):
-            if node in classes:
+            if inside and node in classes:
                 return ModuleSpec(module=classes[node], params=dict(params))
             return node
         if isinstance(node, ModuleSpec):
             module = node.module
-            swapped = isinstance(module, type) and module in classes
-            submodules = walk(node.submodules)
+            is_class = isinstance(module, type)
+            swapped = inside and is_class and module in classes
+            enters = inside or (is_class and bool(within) and issubclass(module, within))
+            submodules = walk(node.submodules, enters)
             if not swapped and submodules is node.submodules:
                 return node
             new = copy.copy(node)
@@ -64,7 +76,7 @@ def replace_modules_in_spec(
             new.submodules = submodules
             return new
         if isinstance(node, (list, tuple)):
-            items = [walk(item) for item in node]
+            items = [walk(item, inside) for item in node]
             if all(a is b for a, b in zip(items, node)):
                 return node
             return type(node)(items)
@@ -72,7 +84,7 @@ def replace_modules_in_spec(
             changes = {}
             for field in dataclasses.fields(node):
                 value = getattr(node, field.name)
-                new_value = walk(value)
+                new_value = walk(value, inside)
                 if new_value is not value:
                     changes[field.name] = new_value
             if not changes:
@@ -83,7 +95,7 @@ def replace_modules_in_spec(
             return new
         return node
 
-    return walk(spec)
+    return walk(spec, not within)
 
 
 def presharded_classes() -> dict[type, type]:
@@ -91,8 +103,7 @@ def presharded_classes() -> dict[type, type]:
 
     The TE wrappers appear only when TransformerEngine is importable.
     """
-    kinds: dict[type, bool] = {ColumnParallelLinear: True, RowParallelLinear: False}
-    kinds.update(te_parallel_linear_kinds(import_te=True))
+    kinds = _local_and_te_kinds(import_te=True)
     return {base: presharded_class(base, column) for base, column in kinds.items()}
 
 
@@ -110,10 +121,54 @@ def presharded_grouped_classes(kinds: Mapping[type, bool] | None = None) -> dict
     return {base: presharded_grouped_class(base, column) for base, column in kinds.items()}
 
 
-def _swap(spec: Any, swaps: list[tuple[Mapping[type, type], GTPShardPlan]]) -> Any:
-    for classes, plan in swaps:
-        spec = replace_modules_in_spec(spec, classes, {"gtp": plan})
+def presharded_expert_classes(kinds: Mapping[type, bool] | None = None) -> dict[type, type]:
+    """``SequentialMLP``'s expert linear classes (``kinds``: class -> "expert TP splits
+    out_features"; default megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear`` and,
+    when TE is importable, its TE wrappers) mapped to their expert pre-sharded subclasses, built
+    over expert GTP with the unsharded model's exact init (design §3.1 "Exact expert init").
+
+    Example::
+
+        presharded_expert_classes()   # {ColumnParallelLinear: GTPExpertColumnParallelLinear, ...}
+    """
+    if kinds is None:
+        kinds = _local_and_te_kinds(import_te=True)
+    return {base: presharded_class(base, column, expert=True) for base, column in kinds.items()}
+
+
+def _local_and_te_kinds(*, import_te: bool) -> dict[type, bool]:
+    kinds: dict[type, bool] = {ColumnParallelLinear: True, RowParallelLinear: False}
+    kinds.update(te_parallel_linear_kinds(import_te=import_te))
+    return kinds
+
+
+_Swap = tuple[Mapping[type, type], GTPShardPlan, tuple[type, ...]]
+
+
+def _swap(spec: Any, swaps: list[_Swap]) -> Any:
+    for classes, plan, within in swaps:
+        spec = replace_modules_in_spec(spec, classes, {"gtp": plan}, within=within)
     return spec
+
+
+def _expert_swaps(
+    groups: GTPGroups,
+    pad: int,
+    sequential: Mapping[type, type] | None,
+    grouped: Mapping[type, type] | None,
+) -> list[_Swap]:
+    """The routed-expert swaps (expert GTP > 1), before any dense one: ``SequentialMLP``'s
+    linears only inside its spec (the dense classes would build them full), ``TEGroupedMLP``'s
+    grouped linears wherever they appear."""
+    if groups.expert_gtp_size == 1:
+        return []
+    plan = GTPShardPlan.for_experts(groups, pad)
+    swaps: list[_Swap] = []
+    if sequential:
+        swaps.append((sequential, plan, (SequentialMLP,)))
+    if grouped:
+        swaps.append((grouped, plan, ()))
+    return swaps
 
 
 def gtp_layer_spec(
@@ -127,10 +182,11 @@ def gtp_layer_spec(
 
     Pass the result to the model constructor, then call ``shard_model`` on the built model (it
     registers the pre-built shards with the model's runtimes and shards whatever else is
-    eligible). Dense linears are swapped when GTP > 1; with expert GTP > 1 the grouped-expert
-    linears of ``TEGroupedMLP`` too (``grouped_kinds``, default megatron's TE wrappers; built
-    over the expert GTP axis with exactly the unsharded model's initial values, §3.1 "Exact
-    expert init"). With both sizes 1 ``spec`` is returned unchanged. ``config`` must be the one
+    eligible). Dense linears are swapped when GTP > 1; with expert GTP > 1 the routed experts'
+    linears too, over the expert GTP axis and with exactly the unsharded model's initial values
+    (§3.1 "Exact expert init"): ``SequentialMLP``'s (megatron's local and TE linears inside its
+    spec) and ``TEGroupedMLP``'s grouped linears (``grouped_kinds``, default megatron's TE
+    wrappers). With both sizes 1 ``spec`` is returned unchanged. ``config`` must be the one
     given to ``shard_model`` (its ``pad_for_alignment`` fixes the shard shapes).
 
     Example::
@@ -141,13 +197,10 @@ def gtp_layer_spec(
         shard_model(model, groups, gtp_config)
     """
     pad = (config or GTPConfig()).pad_for_alignment
-    swaps: list[tuple[Mapping[type, type], GTPShardPlan]] = []
+    grouped = presharded_grouped_classes(grouped_kinds)
+    swaps = _expert_swaps(groups, pad, presharded_expert_classes(), grouped)
     if groups.gtp_size > 1:
-        swaps.append((presharded_classes(), GTPShardPlan.from_groups(groups, pad)))
-    if groups.expert_gtp_size > 1:
-        grouped = presharded_grouped_classes(grouped_kinds)
-        if grouped:
-            swaps.append((grouped, GTPShardPlan.for_experts(groups, pad)))
+        swaps.append((presharded_classes(), GTPShardPlan.from_groups(groups, pad), ()))
     return _swap(spec, swaps)
 
 
@@ -157,6 +210,7 @@ def preshard_config_layer_spec(
     config: GTPConfig | None = None,
     classes: Mapping[type, type] | None = None,
     grouped_classes: Mapping[type, type] | None = None,
+    expert_classes: Mapping[type, type] | None = None,
 ) -> bool:
     """Make a model config's ``transformer_layer_spec`` build the given linears pre-sharded.
 
@@ -167,11 +221,13 @@ def preshard_config_layer_spec(
     defaults to the loaded TransformerEngine wrappers (TE linears are never built full), plus
     megatron's local linears under ``GTPConfig.preshard_linears="all"``; otherwise local linears
     keep the build-full-then-slice path that starts bit-identical to a run without GTP.
-    ``grouped_classes`` (expert GTP > 1) defaults to the loaded TE grouped-expert wrappers
-    (``TEGroupedMLP``), which start bit-identical either way (§3.1 "Exact expert init").
-    ``preshard_linears="none"``: every linear built full and sliced, nothing swapped.
-    Returns whether anything can be swapped (False: both GTP sizes 1, ``"none"``, or no TE
-    loaded).
+    Under expert GTP > 1 the routed experts start bit-identical either way (§3.1 "Exact expert
+    init"): ``expert_classes`` (``SequentialMLP``'s linears, swapped inside its spec only)
+    defaults to megatron's local linears and the loaded TE wrappers
+    (:func:`presharded_expert_classes`), ``grouped_classes`` to the loaded TE grouped-expert
+    wrappers (``TEGroupedMLP``). ``preshard_linears="none"``: every linear built full and
+    sliced, nothing swapped. Returns whether anything can be swapped (False: both GTP sizes 1,
+    ``"none"``, or, under GTP > 1 only, no TE loaded and ``"te"``).
 
     Example::
 
@@ -179,7 +235,11 @@ def preshard_config_layer_spec(
     """
     config = config or GTPConfig()
     default = config.preshard_linears != "none"
-    swaps: list[tuple[Mapping[type, type], GTPShardPlan]] = []
+    if expert_classes is None and default:
+        expert_classes = presharded_expert_classes(_local_and_te_kinds(import_te=False))
+    if grouped_classes is None and default:
+        grouped_classes = presharded_grouped_classes(te_grouped_linear_kinds(import_te=False))
+    swaps = _expert_swaps(groups, config.pad_for_alignment, expert_classes, grouped_classes)
     if groups.gtp_size > 1 and (classes is not None or default):
         if classes is None:
             kinds = dict(te_parallel_linear_kinds(import_te=False))
@@ -187,13 +247,7 @@ def preshard_config_layer_spec(
                 kinds.update({ColumnParallelLinear: True, RowParallelLinear: False})
             classes = {base: presharded_class(base, column) for base, column in kinds.items()}
         if classes:
-            swaps.append((classes, GTPShardPlan.from_groups(groups, config.pad_for_alignment)))
-    if groups.expert_gtp_size > 1 and (grouped_classes is not None or default):
-        if grouped_classes is None:
-            grouped_classes = presharded_grouped_classes(te_grouped_linear_kinds(import_te=False))
-        if grouped_classes:
-            plan = GTPShardPlan.for_experts(groups, config.pad_for_alignment)
-            swaps.append((grouped_classes, plan))
+            swaps.append((classes, GTPShardPlan.from_groups(groups, config.pad_for_alignment), ()))
     if not swaps or getattr(model_config.transformer_layer_spec, "gtp_presharded", False):
         return bool(swaps)
     spec = model_config.transformer_layer_spec
