@@ -75,12 +75,13 @@ from max_model_search import (
 )
 
 from nemo_gtp.plan import GIB, ModelShape
+from nemo_gtp.recipes.launch import NCCL_SINGLE_NODE_ENV, rank_env
 
 DEFAULT_MODES = "gtp2,dp2,fsdp2,gtp2_srp,gtp2_recompute,mfsdp"
 # (hidden, ffn, heads, vocab, seq, micro-batch) per device; CPU: the smoke's tiny width.
 SHAPES = {"cuda": (4096, 16384, 32, 32000, 4096, 1), "cpu": (64, 256, 4, 256, 128, 1)}
 CPU_MEMORY_LIMIT_GIB = 0.008  # the smoke's fake per-rank limit: a few layers fit
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+NCCL_ENV = NCCL_SINGLE_NODE_ENV  # what every probe's ranks run with (unless exported)
 OOM_MARKERS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "FakeOutOfMemory")
 CUT = "cut"  # a probe the sweep's time budget ended (neither a fit nor a failure)
 FAIL_GRACE_S = 5.0  # after one rank reported a failure, the others get this long to exit
@@ -449,16 +450,8 @@ def run_probe(args: argparse.Namespace, mode: str, layers: int, timeout_s: float
     procs: list[subprocess.Popen] = []
     start = time.monotonic()
     for rank in range(args.world):
-        env = dict(os.environ, **NCCL_ENV)
-        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several local ranks
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(args.world),
-            LOCAL_WORLD_SIZE=str(args.world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+        env = rank_env(rank, args.world, nccl=True, master_port=port)
+        env["LOCAL_WORLD_SIZE"] = str(args.world)  # as torchrun sets it (one node)
         # one new process group (pgid = rank 0's pid) for the probe's ranks: killpg reaches all
         group = procs[0].pid if procs else 0
         with open(os.path.join(probes, f"{tag}.rank{rank}.log"), "w") as log:
