@@ -51,7 +51,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from nemo_gtp.testing.spawn import spawn_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -396,26 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     work = tempfile.mkdtemp(prefix="gpu_grouped_experts_")
-    context = mp.start_processes(
+    failed = spawn_bounded(
         worker,
-        args=(world, args, os.path.join(work, "store"), os.path.join(work, "ckpt")),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
+        (world, args, os.path.join(work, "store"), os.path.join(work, "ckpt")),
+        world,
+        args.timeout,
     )
-    deadline = time.monotonic() + args.timeout
-    failed = None
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                failed = f"timed out after {args.timeout:.0f} s"
-                break
-    except Exception as err:  # noqa: BLE001 - a rank died: report what was written
-        failed = repr(err)
     if failed is not None:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
         print(f"[gpu_grouped_experts] {failed}", file=sys.stderr)
     result_file = Path(args.out) / "gpu_grouped_experts.json"
     written_ok = result_file.exists() and json.loads(result_file.read_text())["ok"]

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from nemo_gtp.testing.spawn import spawn_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -391,26 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     store_dir = tempfile.mkdtemp(prefix="gpu_layer_graphs_")
-    context = mp.start_processes(
-        worker,
-        args=(world, args, os.path.join(store_dir, "store")),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
+    failed = spawn_bounded(
+        worker, (world, args, os.path.join(store_dir, "store")), world, args.timeout
     )
-    deadline = time.monotonic() + args.timeout
-    failed = None
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                failed = f"timed out after {args.timeout:.0f} s"
-                break
-    except Exception as err:  # noqa: BLE001 - a rank died: report what was written
-        failed = repr(err)
     if failed is not None:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
         print(f"[gpu_layer_graphs] {failed}", file=sys.stderr)
     result_file = Path(args.out) / "gpu_layer_graphs.json"
     written_ok = result_file.exists() and json.loads(result_file.read_text())["ok"]

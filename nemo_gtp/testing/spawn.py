@@ -101,6 +101,35 @@ def run_distributed(
     start_distributed(fn, world_size, *args, timeout_s=timeout_s).join()
 
 
+def spawn_bounded(worker: Callable, args: tuple, nprocs: int, timeout_s: float) -> str | None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes (the worker sets up its own
+    process group, NCCL or gloo), for at most ``timeout_s`` seconds of wall clock.
+
+    Returns None when every process ended cleanly, else why not (``"timed out after N s"``, or
+    the failure of a rank); the processes still alive then are killed, so the caller never
+    hangs (the GPU checks under ``bench/`` report what their ranks wrote before).
+
+    Example::
+
+        failed = spawn_bounded(worker, (2, args, store_path), nprocs=2, timeout_s=110)
+    """
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    failed = None
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                failed = f"timed out after {timeout_s:.0f} s"
+                break
+    except Exception as err:  # noqa: BLE001 - a rank died: the caller reports what was written
+        failed = repr(err)
+    if failed is not None:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return failed
+
+
 @dataclass(frozen=True)
 class Outcome:
     """One rank's outcome of one case of :func:`run_cases`."""
