@@ -93,13 +93,64 @@ def _seed(device: str) -> None:
         model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
 
 
+def _expert_config(args: argparse.Namespace, on_gpu: bool) -> Any:
+    """The two-block expert config both build checks use (fp32, no biases)."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=args.hidden,
+        num_attention_heads=8,
+        num_moe_experts=args.local_experts,
+        moe_ffn_hidden_size=args.moe_ffn,
+        use_cpu_initialization=not on_gpu,  # on GPUs: built and initialized on the device
+        params_dtype=torch.float32,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _compare_builds(full_build: tuple, presharded_build: tuple, scratch: int) -> dict:
+    """A full and a pre-sharded build of the same experts, each ``(modules, peak bytes, kept
+    bytes)``: the pre-sharded shards must equal the full build's rows bit for bit, keep half the
+    expert bytes and peak at that plus ``scratch`` (one expert's full weight at a time)."""
+    from nemo_gtp.engine import is_gtp_param
+
+    full, full_peak, full_kept = full_build
+    pre, peak, kept = presharded_build
+    weights = sum(p.numel() * p.element_size() for p in full.parameters())
+    want = full.state_dict()
+    mismatched = [
+        name
+        for name, param in pre.named_parameters()
+        if not (is_gtp_param(param) and torch.equal(param.data, param.gtp_spec.shard(want[name])))
+    ]
+    # bytes a build keeps besides the expert weights (TE's own small tensors), and slack for
+    # the caching allocator's rounding
+    extras, slack = max(0, full_kept - weights), 1 << 20
+    ok = not mismatched and full_peak >= weights
+    ok = ok and kept <= weights // 2 + extras + slack
+    ok = ok and peak <= weights // 2 + scratch + extras + slack
+    return dict(
+        ok=ok,
+        expert_bytes_full=weights,
+        full_build_peak=full_peak,
+        full_build_kept=full_kept,
+        presharded_build_kept=kept,
+        presharded_build_peak=peak,
+        peak_over_full=round(peak / weights, 4),
+        shards_equal_full_rows=not mismatched,
+        mismatched=mismatched[:5],
+    )
+
+
 def check_init_memory(args: argparse.Namespace, device: str) -> dict:
     """Full vs pre-sharded build of two TEGroupedMLP blocks (see the module docstring)."""
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    from nemo_gtp.engine import GTPConfig, is_gtp_param
+    from nemo_gtp.engine import GTPConfig
     from nemo_gtp.integrations.megatron import gtp_layer_spec, gtp_process_groups
     from nemo_gtp.testing.gpt_harness import Run, grouped_linear_kinds, gtp_groups
     from nemo_gtp.testing.memory import allocation_peak
@@ -108,18 +159,7 @@ def check_init_memory(args: argparse.Namespace, device: str) -> dict:
     groups = gtp_groups(Run(egtp=2))
     pgs = gtp_process_groups(groups)
     local, hidden, ffn = args.local_experts, args.hidden, args.moe_ffn
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=hidden,
-        num_attention_heads=8,
-        num_moe_experts=local,
-        moe_ffn_hidden_size=ffn,
-        use_cpu_initialization=not on_gpu,  # on GPUs: built and initialized on the device
-        params_dtype=torch.float32,
-        add_bias_linear=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
+    config = _expert_config(args, on_gpu)
     kinds = grouped_linear_kinds(on_gpu)
     fc1, fc2 = sorted(kinds, key=lambda cls: not kinds[cls])
     submodules = MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
@@ -135,32 +175,11 @@ def check_init_memory(args: argparse.Namespace, device: str) -> dict:
 
     full, full_peak, full_kept = allocation_peak(lambda: build(submodules), device)
     pre, peak, kept = allocation_peak(lambda: build(presharded), device)
-    weights = sum(p.numel() * p.element_size() for p in full.parameters())
     one_expert = ffn * hidden * 4
-    want = full.state_dict()
-    mismatched = [
-        name
-        for name, param in pre.named_parameters()
-        if not (is_gtp_param(param) and torch.equal(param.data, param.gtp_spec.shard(want[name])))
-    ]
-    # bytes a build keeps besides the expert weights (TE's own small tensors), and slack for
-    # the caching allocator's rounding
-    extras, slack = max(0, full_kept - weights), 1 << 20
-    ok = not mismatched and full_peak >= weights
-    ok = ok and kept <= weights // 2 + extras + slack
-    ok = ok and peak <= weights // 2 + one_expert + extras + slack
     return dict(
-        ok=ok,
+        **_compare_builds((full, full_peak, full_kept), (pre, peak, kept), one_expert),
         te=fc1.__module__.startswith("megatron.core.extensions"),
-        expert_bytes_full=weights,
-        full_build_peak=full_peak,
-        full_build_kept=full_kept,
-        presharded_build_kept=kept,
-        presharded_build_peak=peak,
         one_expert_bytes=one_expert,
-        peak_over_full=round(peak / weights, 4),
-        shards_equal_full_rows=not mismatched,
-        mismatched=mismatched[:5],
     )
 
 
@@ -176,12 +195,11 @@ def _rng_states(device: str) -> list[torch.Tensor]:
 def check_seq_init_memory(args: argparse.Namespace, device: str) -> dict:
     """Full vs pre-sharded build of two SequentialMLP blocks (see the module docstring)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from nemo_gtp.engine import GTPConfig, is_gtp_param
+    from nemo_gtp.engine import GTPConfig
     from nemo_gtp.integrations.megatron import gtp_layer_spec, gtp_process_groups
     from nemo_gtp.integrations.megatron.sharding import te_parallel_linear_kinds
     from nemo_gtp.testing.gpt_harness import Run, gtp_groups
@@ -191,18 +209,7 @@ def check_seq_init_memory(args: argparse.Namespace, device: str) -> dict:
     groups = gtp_groups(Run(egtp=2))
     pgs = gtp_process_groups(groups)
     local, hidden, ffn = args.local_experts, args.hidden, args.moe_ffn
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=hidden,
-        num_attention_heads=8,
-        num_moe_experts=local,
-        moe_ffn_hidden_size=ffn,
-        use_cpu_initialization=not on_gpu,
-        params_dtype=torch.float32,
-        add_bias_linear=False,
-        bias_activation_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
+    config = _expert_config(args, on_gpu)
     kinds = te_parallel_linear_kinds(import_te=True) if on_gpu else {}
     te = [cls for cls in kinds if cls.__name__ in ("TEColumnParallelLinear", "TERowParallelLinear")]
     fc1, fc2 = sorted(te, key=lambda cls: not kinds[cls]) or (
@@ -226,33 +233,16 @@ def check_seq_init_memory(args: argparse.Namespace, device: str) -> dict:
     after_full = _rng_states(device)
     pre, peak, kept = build(presharded)
     same_rng = all(torch.equal(a, b) for a, b in zip(_rng_states(device), after_full))
-    weights = sum(p.numel() * p.element_size() for p in full.parameters())
     one_linear = ffn * hidden * 4
-    want = full.state_dict()
-    mismatched = [
-        name
-        for name, param in pre.named_parameters()
-        if not (is_gtp_param(param) and torch.equal(param.data, param.gtp_spec.shard(want[name])))
-    ]
-    extras, slack = max(0, full_kept - weights), 1 << 20
     # megatron's CPU initialization (--cpu-smoke) also holds its master at shard size
     scratch = one_linear + (0 if on_gpu else one_linear // 2)
-    ok = not mismatched and same_rng and full_peak >= weights
-    ok = ok and kept <= weights // 2 + extras + slack
-    ok = ok and peak <= weights // 2 + scratch + extras + slack
+    verdict = _compare_builds((full, full_peak, full_kept), (pre, peak, kept), scratch)
     return dict(
-        ok=ok,
+        verdict,
+        ok=verdict["ok"] and same_rng,
         te=fc1.__module__.startswith("megatron.core.extensions"),
-        expert_bytes_full=weights,
-        full_build_peak=full_peak,
-        full_build_kept=full_kept,
-        presharded_build_kept=kept,
-        presharded_build_peak=peak,
         one_linear_bytes=one_linear,
-        peak_over_full=round(peak / weights, 4),
-        shards_equal_full_rows=not mismatched,
         rng_streams_unchanged=same_rng,
-        mismatched=mismatched[:5],
     )
 
 
