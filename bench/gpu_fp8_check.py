@@ -594,17 +594,11 @@ def summary_markdown(result: dict) -> str:
 
 
 def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gpt, te_gpt_nccl
+    from te_gpt_nccl import add_run_args
+
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--mbs", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--timing-from", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    add_run_args(parser, layers=4, hidden=1024, heads=8, steps=30, timing_from=5)
     parser.add_argument("--modes", default=None, help="comma-separated; default: all")
     parser.add_argument("--deadline", type=float, default=110.0, help="seconds, then exit 3")
     parser.add_argument("--out", default="fp8_check_out")
@@ -616,7 +610,6 @@ def main() -> None:
         "(te_gemm_probe; gemm_probe in the JSON)",
     )
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gpt, te_gpt_nccl
     _watchdog(args)
     if CUDA:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -402,19 +402,34 @@ def checks(args: argparse.Namespace) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
+def add_run_args(
+    parser: argparse.ArgumentParser,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    steps: int,
+    timing_from: int,
+) -> None:
+    """The model and training-run options :func:`wrap_for_training`,
+    :func:`forward_backward_step` and ``bench_gpt.model_config`` read (``args.layers``, ...),
+    with each script's own model size and run length."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--heads", type=int, default=heads)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--mbs", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--bias-steps", type=int, default=10)
-    parser.add_argument("--timing-from", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--timing-from", type=int, default=timing_from)
     parser.add_argument("--lr", type=float, default=3e-4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_run_args(parser, layers=8, hidden=2048, heads=16, steps=50, timing_from=10)
+    parser.add_argument("--bias-steps", type=int, default=10)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default="te_out")
     parser.add_argument(
