@@ -1,0 +1,214 @@
+"""Host cost of a NeMo step on one device: rank 0 of a world whose collectives are no-ops.
+
+A GTP step that is host-bound costs its Python and launch work, not its communication. This runs
+the NeMo path (recipe → ``GTPMegatronStrategy`` → ``nl.Trainer``) as rank 0 of a world of
+``--world`` ranks on torch's *fake* process-group backend: every collective returns at once and
+moves nothing, everything else (megatron, TE, GTP's chains, streams, events, the optimizer) is
+real. Numbers are meaningless (gathered rows stay uninitialized); step times are not: on one
+GPU (or on CPU) GTP2 vs DP2 at the same per-rank shapes gives the host time GTP adds per step,
+and a cProfile dump (``host_profile_<mode>.pstats``) says where — without a second GPU.
+``bench/pstats_diff.py`` diffs two dumps (packed into ``host_profiles.tgz``). NCCL's own launch
+cost, and anything that waits on a peer, is what this cannot see; ``bench_nemo.py`` measures the
+real thing on ≥ 2 GPUs.
+
+    python bench/host_fake.py --modes dp2_te,gtp2_te --tokens 2048 --out results/host_fake
+    python bench/host_fake.py --modes dp2_cpu,gtp2_cpu --out /tmp/host_fake   # CPU, tiny GPT
+
+Per mode (one process each): median step wall time and median host time to issue forward +
+backward (batch start → before the optimizer step, no device sync), over ``--steps`` steps after
+``--warmup``; then ``--profile`` steps under cProfile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+CPU_MODES = {  # a host-bound tiny GPT: many small layers (CPU, fp32)
+    "dp2_cpu": ("configs/tiny_cpu.yaml", ["strategy.num_weight_shards=1"]),
+    "gtp2_cpu": ("configs/tiny_cpu.yaml", []),
+}
+CPU_SHAPE = [
+    "model.num_layers=24",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "data.seq_length=16",
+    "data.micro_batch_size=1",
+    "data.global_batch_size=2",
+]
+
+
+def _resolve(mode: str, tokens: int) -> tuple[str, list[str]]:
+    if mode.split("@")[0] in CPU_MODES:
+        config, overrides = CPU_MODES[mode.split("@")[0]]
+        extra = [f"+gtp.{k}" for k in mode.split("@")[1:]]
+        return config, [*overrides, *CPU_SHAPE, *extra]
+    from bench_nemo import _token_overrides, resolve_mode
+
+    config, overrides, _ = resolve_mode(mode)
+    return config, [*overrides, *_token_overrides(tokens)]
+
+
+def _init_fake_world(world: int) -> None:
+    """Whoever initializes ``torch.distributed`` (the strategy) gets rank 0 of ``world`` on
+    torch's fake backend; megatron's gloo / NCCL sub-groups become fake ones too."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    init, new_group = dist.init_process_group, dist.new_group
+
+    def fake_init(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        init("fake", store=FakeStore(), rank=0, world_size=world)
+
+    def fake_new_group(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        kwargs.pop("backend", None)
+        kwargs.pop("pg_options", None)
+        return new_group(*args, **kwargs)
+
+    dist.init_process_group, dist.new_group = fake_init, fake_new_group
+
+
+def _rank_main(spec: dict) -> dict:
+    import lightning.pytorch as pl
+    import torch
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(spec["world"]))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    _init_fake_world(spec["world"])
+    from nemo_gtp.recipes.loader import build_fit, load_recipe
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    warmup, steps, profiled = spec["warmup"], spec["steps"], spec["profile"]
+    prof = cProfile.Profile()  # outside the callback: NeMo deep-copies callbacks
+
+    class _Times(pl.Callback):
+        def __init__(self) -> None:
+            self.wall: list[float] = []
+            self.issue: list[float] = []
+            self._start = 0.0
+
+        def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            sync()
+            if trainer.global_step == warmup + steps:
+                prof.enable()
+            self._start = time.perf_counter()
+
+        def on_before_optimizer_step(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            self.issue.append(1000 * (time.perf_counter() - self._start))
+
+        def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            sync()
+            self.wall.append(1000 * (time.perf_counter() - self._start))
+            if trainer.global_step == warmup + steps + profiled:
+                prof.disable()
+
+    config, overrides = _resolve(spec["mode"], spec["tokens"])
+    cfg = load_recipe(
+        str(ROOT / config),
+        [
+            *overrides,
+            "trainer.devices=1",  # one device; Lightning's world = nodes x devices
+            f"+trainer.num_nodes={spec['world']}",
+            f"trainer.max_steps={warmup + steps + profiled}",
+        ],
+    )
+    times = _Times()
+    build_fit(cfg, callbacks=[times]).run()
+    out = Path(spec["out"])
+    name = f"{spec['mode']}_{spec['tokens']}"
+    prof.dump_stats(str(out / f"host_profile_{name}.pstats"))
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    (out / f"host_profile_{name}.txt").write_text(text.getvalue())
+    window = slice(warmup, warmup + steps)
+    return {
+        "mode": spec["mode"],
+        "tokens_per_gpu": spec["tokens"],
+        "world": spec["world"],
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "step_ms": round(statistics.median(times.wall[window]), 3),
+        "issue_ms": round(statistics.median(times.issue[window]), 3),
+        "profiled_steps": profiled,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="dp2_te,gtp2_te")
+    parser.add_argument("--tokens", default="2048")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--profile", type=int, default=3, help="steps under cProfile")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rank-main", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_main:
+        print("RECORD " + json.dumps(_rank_main(json.loads(args.rank_main))), flush=True)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for mode in args.modes.split(","):
+            spec = dict(
+                mode=mode,
+                tokens=tokens,
+                world=args.world,
+                warmup=args.warmup,
+                steps=args.steps,
+                profile=args.profile,
+                out=str(out.resolve()),
+            )
+            log = out / f"{mode}_{tokens}.log"
+            with open(log, "w") as f:
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--out", str(out), "--rank-main", json.dumps(spec)],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"},
+                )
+            lines = [x for x in log.read_text().splitlines() if x.startswith("RECORD ")]
+            record = {"mode": mode, "tokens_per_gpu": tokens}
+            if lines:
+                record = json.loads(lines[-1][7:])
+            if proc.returncode:
+                record["error"] = f"exit {proc.returncode}, see {log.name}"
+            records.append(record)
+            print(json.dumps(record), flush=True)
+    (out / "host_fake.json").write_text(json.dumps(records, indent=1))
+    profiles = sorted(out.glob("host_profile_*"))
+    with tarfile.open(out / "host_profiles.tgz", "w:gz") as tar:  # one file to fetch
+        for path in profiles:
+            tar.add(path, arcname=path.name)
+    for path in profiles:
+        path.unlink()
+    lines = ["| mode | tokens/GPU | step ms | host issue ms (fwd+bwd) |", "|---|---|---|---|"]
+    for r in records:
+        lines.append(
+            f"| {r['mode']} | {r['tokens_per_gpu']} | {r.get('step_ms', r.get('error'))} | "
+            f"{r.get('issue_ms', '')} |"
+        )
+    (out / "host_fake.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
