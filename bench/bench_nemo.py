@@ -141,6 +141,45 @@ def _token_overrides(tokens: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- one rank
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) each thread of this process has used, by ``name:tid``
+    (Linux ``/proc``; empty elsewhere). Two snapshots around the timed steps say whether the
+    main thread competes for cores with busy helper threads (NCCL's proxy, the watchdog, the
+    autograd device thread)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_budget() -> dict:
+    """The cores this process may use: affinity, and the cgroup quota (``cpu.max``) if any."""
+    info = {"affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+    try:
+        info["cgroup_cpu_max"] = Path("/sys/fs/cgroup/cpu.max").read_text().strip()
+    except OSError:
+        pass
+    return info
+
+
+def _thread_cpu_per_step(before: dict, after: dict, steps: int, top: int = 8) -> dict:
+    used = {k: (after[k] - before.get(k, 0.0)) * 1000 / steps for k in after}
+    busiest = sorted(used.items(), key=lambda kv: -kv[1])[:top]
+    return {k: round(v, 1) for k, v in busiest if v > 0}
+
+
 def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
     """The rank's Lightning callback (Lightning imported here: the parent process stays light)."""
     import lightning.pytorch as pl
@@ -162,6 +201,9 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             self._start = 0.0
             self._prof = None
             self._torch_prof = None
+            self._threads: dict[str, float] = {}
+            self._timed_wall = 0.0
+            self.thread_cpu_ms_per_step: dict[str, float] = {}
 
         @property
         def windows(self) -> dict[str, range]:
@@ -202,6 +244,15 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             from nemo_gtp.strategy import gtp_runtimes
 
             step, w = trainer.global_step, self.windows
+            if step == w["timed"].start:  # which threads burn CPU during the timed steps
+                self._threads, self._timed_wall = thread_cpu_seconds(), time.perf_counter()
+            if step == w["timed"].stop and self._threads:
+                self.thread_cpu_ms_per_step = _thread_cpu_per_step(
+                    self._threads, thread_cpu_seconds(), len(w["timed"])
+                )
+                self.thread_cpu_ms_per_step["wall"] = round(
+                    1000 * (time.perf_counter() - self._timed_wall) / len(w["timed"]), 1
+                )
             if step == w["exposed"].start:
                 for runtime in gtp_runtimes(trainer):
                     runtime.wait_timer.enable()
@@ -389,6 +440,8 @@ def _rank_main(spec_path: str) -> None:
                 else {},
                 torch_profile={k: v for k, v in steps.torch_profile.items() if k != "top_cpu_ops"},
                 gtp_stats_per_step=steps.gtp_stats,
+                thread_cpu_ms_per_step=steps.thread_cpu_ms_per_step,
+                cpu_budget=cpu_budget(),
             )
             if rank == 0 and run["profile"]:
                 Path(spec["out"], f"host_profile_{name}.txt").write_text(steps.host_profile)
@@ -457,13 +510,39 @@ def _report(records: list[dict], out: Path) -> str:
             f"{split_text} | {'' if idle is None else f'{idle:.0%}'} | {kernels} | {misses} | "
             f"{diff} |"
         )
-    table = "\n".join(lines) + _repeat_summary(records) + _graph_vs_eager(records)
+    table = (
+        "\n".join(lines)
+        + _repeat_summary(records)
+        + _graph_vs_eager(records)
+        + _thread_summary(records)
+    )
     (out / "bench_nemo.md").write_text(table + "\n")
     try:
         _plot(records, out / "bench_nemo_ratio.png")
     except Exception as err:  # noqa: BLE001 (matplotlib missing: the table is the result)
         print(f"plot skipped: {err}")
     return table
+
+
+def _thread_summary(records: list[dict]) -> str:
+    """Rank 0's busiest threads (CPU ms per timed step) next to the step's wall time."""
+    rows = [r for r in records if r.get("thread_cpu_ms_per_step")]
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "",
+        f"CPU time per timed step by thread, rank 0 (cores: {rows[0].get('cpu_budget')}):",
+        "",
+        "| mode | tokens/GPU | wall ms | busiest threads (CPU ms) |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        threads = dict(r["thread_cpu_ms_per_step"])
+        wall = threads.pop("wall", "")
+        busiest = ", ".join(f"{k.split(':')[0]} {v}" for k, v in list(threads.items())[:5])
+        lines.append(f"| {r['mode']} | {r['tokens_per_gpu']} | {wall} | {busiest} |")
+    return "\n".join(lines)
 
 
 def _eager_twin(mode: str) -> str | None:
