@@ -90,6 +90,8 @@ def _rank_main(spec: dict) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     _init_fake_world(spec["world"])
+    from bench_nemo import _thread_cpu_per_step, thread_cpu_seconds
+
     from nemo_gtp.recipes.loader import build_fit, load_recipe
 
     cuda = torch.cuda.is_available()
@@ -105,7 +107,10 @@ def _rank_main(spec: dict) -> dict:
 
         def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
             sync()
+            if trainer.global_step == warmup:
+                self.threads = thread_cpu_seconds()
             if trainer.global_step == warmup + steps:
+                self.threads = _thread_cpu_per_step(self.threads, thread_cpu_seconds(), steps)
                 prof.enable()
             self._start = time.perf_counter()
 
@@ -145,6 +150,7 @@ def _rank_main(spec: dict) -> dict:
         "step_ms": round(statistics.median(times.wall[window]), 3),
         "issue_ms": round(statistics.median(times.issue[window]), 3),
         "profiled_steps": profiled,
+        "thread_cpu_ms_per_step": times.threads,
     }
 
 
