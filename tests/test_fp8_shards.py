@@ -349,7 +349,9 @@ def _runtime_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
 PRIMARY_SHAPES = [(72, 64), (40, 48), (20, 64)]  # GTP 4: (20, 64) is one rank's rows
 
 
-def _primary_runtime(world: int, gtp: int, dtype: torch.dtype, shapes, coalesce_mb: float = 0.0):
+def _primary_runtime(
+    world: int, gtp: int, dtype: torch.dtype, shapes, coalesce_mb: float = 0.0, factor: float = 1.0
+):
     """A runtime whose shards are FP8 primary weights (every rank builds the same fulls)."""
     from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
     from nemo_gtp.engine.fp8_primary import make_fp8_primary
@@ -359,7 +361,7 @@ def _primary_runtime(world: int, gtp: int, dtype: torch.dtype, shapes, coalesce_
     fulls, params = [], []
     for i, shape in enumerate(shapes):
         module = torch.nn.Module()
-        full = _weight(shape, seed=60 + i).to(dtype)
+        full = (_weight(shape, seed=60 + i) * factor).to(dtype)
         module.weight = torch.nn.Parameter(full.clone())
         runtime.shard_parameter(module, "weight", f"w{i}")
         params.append(module.weight)
@@ -475,6 +477,75 @@ def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
     return {"scale": params[0].gtp_state.fp8.scale_inv.item()}
 
 
+def _primary_training_worker(rank: int, world: int, gtp: int) -> dict:
+    """Three optimizer steps of a two-layer MLP whose weights are FP8 primary GTP shards
+    (gtp_linear, fp32 masters sliced over the replicate group, SGD, write-back, param gather)
+    against the same MLP without GTP on one rank: the weights it multiplies with are its fp32
+    masters quantized whole, the same global batch."""
+    from nemo_gtp.engine import gtp_linear
+    from nemo_gtp.engine.fp8_primary import fp8_primary_init_value, write_back_fp8_primary
+
+    shapes = [(48, 32), (20, 48)]
+    groups, runtime, params, fulls = _primary_runtime(world, gtp, torch.float32, shapes, factor=0.2)
+    scaling, lr, micro = FP8Scaling("tensorwise"), 0.05, 3
+    data = torch.randn(world, micro, 32, generator=torch.Generator().manual_seed(7))
+    target = torch.randn(world, micro, 20, generator=torch.Generator().manual_seed(8))
+    me = dist.get_rank(groups.data)
+    masters, offsets, ranges = [], [], []
+    for param in params:
+        param.main_grad = torch.zeros(param.shape)
+        start, end = _dp_slices(param, groups)
+        flat = fp8_primary_init_value(param).float().reshape(-1)
+        masters.append(torch.nn.Parameter(flat[start:end].clone()))
+        offsets.append(start)
+        ranges.append((start, end))
+    optimizer = torch.optim.SGD(masters, lr=lr)
+    ref_masters = [f.clone() for f in fulls]
+    losses, ref_losses = [], []
+    for _ in range(4):
+        # GTP: this rank's microbatch; grads reduce-scattered (MEAN) over GTP, averaged over DP
+        hidden = torch.relu(gtp_linear(data[me], params[0]))
+        loss = F.mse_loss(gtp_linear(hidden, params[1]), target[me])
+        loss.backward()
+        runtime.drain()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=groups.data)
+        losses.append(total.item() / world)
+        for param, master, (start, end) in zip(params, masters, ranges):
+            dist.all_reduce(param.main_grad, group=groups.replicate)
+            master.grad = param.main_grad.reshape(-1)[start:end] / dist.get_world_size(
+                groups.replicate
+            )
+        optimizer.step()
+        write_back_fp8_primary(params, list(masters), offsets, [groups.replicate, groups.gtp])
+        for param, (start, end) in zip(params, ranges):
+            _param_all_gather(param, groups, start, end)
+            param.main_grad.zero_()
+        # the reference: the full fp32 masters quantized on one rank, the whole global batch
+        weights = [quantize_shard(m, scaling).dequantize().requires_grad_() for m in ref_masters]
+        per_micro = [
+            F.mse_loss(torch.relu(data[i] @ weights[0].t()) @ weights[1].t(), target[i])
+            for i in range(world)
+        ]
+        ref_loss = torch.stack(per_micro).mean()
+        ref_loss.backward()
+        ref_losses.append(ref_loss.item())
+        for m, w in zip(ref_masters, weights):
+            m.sub_(lr * w.grad)
+    # the FP8 weights after the last step, gathered, vs the reference masters quantized whole
+    steps = []
+    for param, ref in zip(params, ref_masters):
+        spec = param.gtp_spec
+        shards = [torch.empty_like(param).view(torch.uint8) for _ in range(gtp)]
+        dist.all_gather(shards, param.detach().view(torch.uint8), group=groups.gtp)
+        got = torch.cat(shards).view(param.dtype)[: spec.logical_shape[0]]
+        want = quantize_shard(ref, scaling)
+        assert torch.equal(param.gtp_state.fp8.scale_inv, want.scale_inv), "scale differs"
+        differ = (got.float() != want.data.float()).sum().item()
+        steps.append(differ)
+    return {"losses": losses, "ref_losses": ref_losses, "differing": steps}
+
+
 def _real(param) -> int:
     """Elements of the shard's real rows (flat), design §1.3 pad rows after them."""
     spec = param.gtp_spec
@@ -508,6 +579,7 @@ def _cases() -> list:
         for coalesce_mb in RUNTIME_COALESCE:
             cases.append((f"runtime {gtp} {coalesce_mb}", _runtime_worker, (gtp, coalesce_mb)))
         cases.append((f"primary {gtp}", _primary_worker, (gtp, 1.0 if gtp == 2 else 0.0)))
+        cases.append((f"primary training {gtp}", _primary_training_worker, (gtp,)))
     return cases
 
 
@@ -558,6 +630,16 @@ def test_fp8_primary_gather_and_write_back(four_ranks: dict, gtp: int) -> None:
     back from DP-sliced fp32 masters with one scale over replicate x GTP."""
     scales = [v["scale"] for v in case_values(four_ranks[f"primary {gtp}"])]
     assert len(set(scales)) == 1
+
+
+@pytest.mark.parametrize("gtp", [2, 4])
+def test_fp8_primary_training_matches_full_weight(four_ranks: dict, gtp: int) -> None:
+    """Optimizer steps with FP8 primary GTP shards (GTP x DP = 4) reproduce the run without
+    GTP whose weights are its full masters quantized on one rank."""
+    for value in case_values(four_ranks[f"primary training {gtp}"]):
+        for got, want in zip(value["losses"], value["ref_losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (value["losses"], value["ref_losses"])
+        assert value["differing"] == [0, 0], value["differing"]
 
 
 def test_bad_gather_buffer(four_ranks: dict) -> None:
