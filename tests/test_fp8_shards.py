@@ -642,6 +642,16 @@ def test_fp8_primary_training_matches_full_weight(four_ranks: dict, gtp: int) ->
         assert value["differing"] == [0, 0], value["differing"]
 
 
+def test_fp8_primary_unsupported_recipe_named() -> None:
+    """Delayed and blockwise FP8 primary shards are refused naming fp8_recipe (before any
+    collective: no runtime needed)."""
+    from nemo_gtp.engine.fp8_primary import make_fp8_primary
+
+    for kind in ("delayed", "blockwise"):
+        with pytest.raises(NotImplementedError, match=f"fp8_recipe='{kind}'"):
+            make_fp8_primary(None, FP8Scaling(kind))
+
+
 def test_bad_gather_buffer(four_ranks: dict) -> None:
     assert case_values(four_ranks["bad buffer"]) == ["ok"] * 4
 
