@@ -34,6 +34,14 @@ delayed scaling) applied row- and column-wise to the full weight, as TE does for
 its own: the column-wise data (Hopper: the transpose) and ``scale_inv`` bit for bit, no
 row-wise data handed over; and how many backward consumes were quantized per step.
 
+Before the modes, ``fp8_primary`` (engine level, GTP2, also under ``--cpu-smoke``): three bf16
+weights made FP8 primary GTP shards (``make_fp8_primary``), gathered as they are and handed to TE
+by GTP's TE consumer, then an optimizer write-back from fp32 masters
+(``write_back_fp8_primary``) and the gathers again: each gathered ``Float8Tensor``'s data,
+``scale_inv`` and column-wise copy against TE's ``Float8CurrentScalingQuantizer`` on the full
+(bf16-rounded) weight, bit for bit; no refresh cast; half the bf16 bytes. megatron's
+``fp8_param_gather`` under GTP (GPT modes) is not wired in yet.
+
 Success: ``summary.md`` says PASS on each line: |loss diff| fp8_gtp2 vs fp8_dp2,
 fp8_gtp2_bf16_gather vs fp8_dp2, fp8delayed_gtp2 vs fp8delayed_dp2 and fp8block_gtp2 vs
 fp8block_dp2 <= 0.02 on every step,
@@ -423,6 +431,97 @@ def cpu_fp8_gather_check() -> dict:
     return result
 
 
+def fp8_primary_check() -> dict:
+    """FP8 primary GTP shards (design §1.3 "FP8 primary weights"), engine level, GTP2: the
+    shards made FP8 (``make_fp8_primary``), gathered as they are (no refresh cast) and, on a
+    GPU, handed to TE as ``Float8Tensor`` by GTP's TE consumer; then an optimizer write-back
+    from fp32 masters (``write_back_fp8_primary``) and the gathers again. Every gathered
+    weight against the full weight quantized on one rank (TE's ``Float8CurrentScalingQuantizer``
+    on a GPU, the engine's on a CPU), bit for bit, forward data and ``scale_inv``; the backward
+    column-wise copy on a GPU."""
+    from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
+    from nemo_gtp.engine.fp8 import FP8Scaling, quantize_shard
+    from nemo_gtp.engine.fp8_primary import make_fp8_primary, write_back_fp8_primary
+
+    groups = GTPParallelDims(world_size=dist.get_world_size(), num_weight_shards=2).build()
+    runtime = GTPRuntime(groups, GTPConfig())
+    torch.manual_seed(0)
+    params, fulls = [], []
+    for i, shape in enumerate([(96, 64), (200, 64), (64, 192)]):
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16, device=DEVICE))
+        fulls.append(module.weight.detach().clone())
+        params.append(runtime.shard_parameter(module, "weight", f"w{i}"))
+    make_fp8_primary(runtime, FP8Scaling("tensorwise"))
+    for param in params:
+        param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=DEVICE)
+    if CUDA:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+        from nemo_gtp.integrations.megatron.sharding.te_fp8 import install_te_fp8_gather
+
+        install_te_fp8_gather(runtime)
+
+        def reference(full: torch.Tensor) -> tuple:
+            q = Float8CurrentScalingQuantizer(
+                tex.DType.kFloat8E4M3, full.device, rowwise=True, columnwise=True
+            )(full)
+            t = q._transpose if q._transpose is not None else q._data.t().contiguous()
+            return q._data.view(torch.uint8), q._scale_inv, t.view(torch.uint8)
+
+        def parts(got: object) -> tuple:
+            t = getattr(got, "_transpose", None)
+            return got._data.view(torch.uint8), got._scale_inv, t
+
+    else:
+
+        def reference(full: torch.Tensor) -> tuple:
+            q = quantize_shard(full.float(), FP8Scaling())
+            return q.data.view(torch.uint8), q.scale_inv, None
+
+        def parts(got: object) -> tuple:  # no consumer: the dequantized weight
+            return None, None, None
+
+    result: dict = {"bit_exact": True, "weights": 0, "refreshes": 0}
+
+    def check(masters: list[torch.Tensor], label: str) -> None:
+        runtime.stats.reset()
+        for i, param in enumerate(params):
+            ref_data, ref_scale_inv, ref_t = reference(masters[i].to(torch.bfloat16))
+            got = param.materialize_group_for_forward()[0]
+            data, scale_inv, _ = parts(got)
+            if data is None:  # CPU: the dequantized FP8 rows against the dequantized reference
+                want = quantize_shard(masters[i].to(torch.bfloat16).float(), FP8Scaling())
+                same = torch.equal(got, want.dequantize(torch.bfloat16))
+            else:
+                same = torch.equal(data, ref_data) and torch.equal(
+                    scale_inv.view(torch.int32), ref_scale_inv.view(torch.int32)
+                )
+            bwd = param.materialize_group_for_backward()[0]
+            if CUDA:
+                bwd.update_usage(columnwise_usage=True)  # what TE's dgrad asks for
+                t = parts(bwd)[2]
+                same = same and t is not None and torch.equal(t.view(torch.uint8), ref_t)
+            runtime.drain()
+            result["bit_exact"] &= bool(same)
+            result["weights"] += 1
+            if not same:
+                result.setdefault("mismatched", []).append(f"{label} w{i}")
+        result["refreshes"] += runtime.stats.fp8_quantizes
+        result[f"{label}_gather_bytes"] = runtime.stats.gather_bytes
+
+    check([f.float() for f in fulls], "init")
+    masters_full = [f.float() * 1.5 + 0.01 for f in fulls]  # the optimizer's new fp32 masters
+    shard_masters = [p.gtp_spec.shard(m).reshape(-1) for p, m in zip(params, masters_full)]
+    write_back_fp8_primary(params, shard_masters, [0] * len(params), [groups.gtp])
+    check(masters_full, "after_write_back")
+    # fwd + bwd gathers; a bf16 gather receives (GTP-1)/GTP of the padded weight: one shard
+    bf16 = sum(p.numel() for p in params) * 2 * 2
+    result["bytes_ratio"] = result["init_gather_bytes"] / bf16
+    return result
+
+
 def cpu_backward_quantize_check() -> dict:
     """The bf16-gather FP8 backward through GTP's TE consumer on stand-ins of TE's FP8
     ``LayerNormLinear`` (no TE, ``nemo_gtp.testing.te_fp8_stand_in``): two steps of a current-
@@ -533,6 +632,18 @@ def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
             f"allocations {stable}, addresses stable {fp8.get('buffer_addresses_stable')}",
         )
     )
+    primary = result.get("fp8_primary")
+    if primary is not None:
+        out.append(
+            (
+                "FP8 primary GTP shards: gathered (TE Float8Tensor, transpose) bit-exact vs the "
+                "full weight quantized, before and after write-back; no refresh; bytes 0.50",
+                bool(primary.get("bit_exact"))
+                and primary.get("refreshes") == 0
+                and abs(primary.get("bytes_ratio", 0) - 0.5) < 0.015,
+                str(primary)[-300:],
+            )
+        )
     cpu = result.get("cpu_backward_quantize")
     if cpu is not None:
         out.append(
@@ -656,6 +767,10 @@ def main() -> None:
             RESULT["cpu_backward_quantize"] = cpu_backward_quantize_check()
         except Exception:  # noqa: BLE001
             RESULT["cpu_backward_quantize"] = {"ok": False, "error": traceback.format_exc()}
+    try:
+        RESULT["fp8_primary"] = fp8_primary_check()
+    except Exception:  # noqa: BLE001
+        RESULT["fp8_primary"] = {"bit_exact": False, "error": traceback.format_exc()}
     for mode in selected:
         try:
             record = run_mode(args, mode, *modes[mode])

@@ -346,6 +346,213 @@ def _runtime_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
     return {"bytes": first["gather_bytes"], "bf16_bytes": bf16["gather_bytes"]}
 
 
+PRIMARY_SHAPES = [(72, 64), (40, 48), (20, 64)]  # GTP 4: (20, 64) is one rank's rows
+
+
+def _primary_runtime(
+    world: int, gtp: int, dtype: torch.dtype, shapes, coalesce_mb: float = 0.0, factor: float = 1.0
+):
+    """A runtime whose shards are FP8 primary weights (every rank builds the same fulls)."""
+    from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
+    from nemo_gtp.engine.fp8_primary import make_fp8_primary
+
+    groups = GTPParallelDims(world_size=world, num_weight_shards=gtp).build()
+    runtime = GTPRuntime(groups, GTPConfig(pad_for_alignment=8, coalesce_mb=coalesce_mb))
+    fulls, params = [], []
+    for i, shape in enumerate(shapes):
+        module = torch.nn.Module()
+        full = (_weight(shape, seed=60 + i) * factor).to(dtype)
+        module.weight = torch.nn.Parameter(full.clone())
+        runtime.shard_parameter(module, "weight", f"w{i}")
+        params.append(module.weight)
+        fulls.append(full)
+    make_fp8_primary(runtime, FP8Scaling("tensorwise"))
+    return groups, runtime, params, fulls
+
+
+def _dp_slices(param, groups, whole: int | None = None) -> tuple[int, int]:
+    """This replicate rank's flat slice of ``param``'s shard (megatron's distributed optimizer
+    splits it over the replicate group); ``whole``: that replicate rank holds all of it."""
+    size, rank = dist.get_world_size(groups.replicate), dist.get_rank(groups.replicate)
+    n = param.numel()
+    if whole is not None:
+        return (0, n) if rank == whole else (0, 0)
+    per = n // size
+    return rank * per, (n if rank == size - 1 else (rank + 1) * per)
+
+
+def _param_all_gather(param, groups, start: int, end: int) -> None:
+    """megatron's param all-gather of the FP8 bytes over the replicate group (emulated)."""
+    flat = param.detach().view(-1).view(torch.uint8)
+    pieces = [torch.zeros_like(flat) for _ in range(dist.get_world_size(groups.replicate))]
+    mine = torch.zeros_like(flat)
+    mine[start:end] = flat[start:end]
+    dist.all_gather(pieces, mine, group=groups.replicate)
+    flat.copy_(torch.stack(pieces).sum(0, dtype=torch.uint8))  # disjoint slices: a sum is a cat
+
+
+def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict:
+    """FP8 primary shards: the runtime gathers their own bytes (no refresh cast), bit-exact vs
+    the full weight quantized on one rank; the write-back from DP-sliced masters (amax agreed
+    over replicate x GTP) gives the same bytes as quantizing the full master on one rank."""
+    from nemo_gtp.engine import gtp_linear
+    from nemo_gtp.engine.fp8_primary import (
+        dequantize_fp8_primary,
+        fp8_primary_init_value,
+        is_fp8_primary,
+        write_back_fp8_primary,
+    )
+
+    groups, runtime, params, fulls = _primary_runtime(
+        world, gtp, torch.bfloat16, PRIMARY_SHAPES, coalesce_mb
+    )
+    scaling = FP8Scaling("tensorwise")
+    for param, full in zip(params, fulls):
+        assert is_fp8_primary(param) and param.dtype == torch.float8_e4m3fn
+        assert torch.equal(fp8_primary_init_value(param), param.gtp_spec.shard(full))
+        ref = quantize_shard(full.float(), scaling)
+        assert torch.equal(param.gtp_state.fp8.scale_inv, ref.scale_inv), "scale not agreed"
+        want = param.gtp_spec.shard(ref.dequantize(torch.bfloat16))  # pad rows: zero
+        assert torch.equal(dequantize_fp8_primary(param), want)
+    consumer = _Consumer(scaling)
+    runtime.quantized_gather = consumer
+
+    def step() -> dict:
+        runtime.stats.reset()
+        for p in params:
+            p.materialize_group_for_forward()
+        for p in reversed(params):
+            p.materialize_group_for_backward()
+            p.finalize_group_grads(torch.zeros(p.gtp_spec.logical_shape, dtype=torch.bfloat16))
+        runtime.drain()
+        return dict(vars(runtime.stats))
+
+    def check_gathered(masters_full: list[torch.Tensor]) -> None:
+        for param, full in zip(params, masters_full):
+            ref = quantize_shard(full.to(torch.bfloat16).float(), scaling)
+            for direction in ("fwd", "bwd"):
+                got = consumer.seen[(param.gtp_state.name, direction)]
+                assert got.scale_inv.data_ptr() % 16 == 0
+                _assert_same(FP8Shard(got.data, got.scale_inv, None, None, scaling), ref, direction)
+
+    for param in params:  # DDP's main_grad (training dtype)
+        param.main_grad = torch.zeros(param.shape, dtype=torch.bfloat16)
+    first = step()
+    check_gathered(fulls)
+    bf16_bytes = sum(dense_gather_nbytes(p.shape, torch.bfloat16, gtp) for p in params) * 2
+    assert 2 * first["gather_bytes"] == bf16_bytes, (first, bf16_bytes)
+    assert first["fp8_quantizes"] == 0 and first["fp8_gathers"] == first["gathers"]
+    allocations = runtime.weight_cache.allocations
+    ptrs = {k: v.data.data_ptr() for k, v in consumer.seen.items()}
+    # the autograd path (megatron-local linears): the dequantized gathered weight
+    x = torch.randn(3, fulls[1].shape[1], dtype=torch.bfloat16)
+    y = gtp_linear(x, params[1])
+    ref1 = quantize_shard(fulls[1].float(), scaling).dequantize(torch.bfloat16)
+    assert torch.equal(y, x @ ref1.t())
+    runtime.drain()
+    # the optimizer write-back: fp32 masters sliced over the replicate group (one param held
+    # whole by replicate rank 0, None elsewhere), amax over replicate then GTP
+    masters_full = [
+        (f.float() * 1.7 + 0.01 * _weight(f.shape, seed=80 + i)) for i, f in enumerate(fulls)
+    ]
+    masters_full[0][3, 5] = 200.0  # the amax sits on one GTP rank's rows only
+    masters, offsets, ranges = [], [], []
+    for i, (param, full) in enumerate(zip(params, masters_full)):
+        shard = param.gtp_spec.shard(full).reshape(-1).clone()
+        shard[_real(param) :] = PAD_GARBAGE
+        start, end = _dp_slices(param, groups, whole=0 if i == 2 else None)
+        masters.append(shard[start:end] if end > start else None)
+        offsets.append(start if end > start else None)
+        ranges.append((start, end))
+    write_back_fp8_primary(params, masters, offsets, [groups.replicate, groups.gtp])
+    for param, (start, end) in zip(params, ranges):
+        _param_all_gather(param, groups, start, end)
+    step()
+    check_gathered(masters_full)
+    assert runtime.weight_cache.allocations == allocations
+    assert {k: v.data.data_ptr() for k, v in consumer.seen.items()} == ptrs
+    # bad input: named before any collective
+    with pytest.raises(ValueError, match="outside the shard"):
+        write_back_fp8_primary(params[:1], [torch.zeros(5)], [params[0].numel()], [groups.gtp])
+    return {"scale": params[0].gtp_state.fp8.scale_inv.item()}
+
+
+def _primary_training_worker(rank: int, world: int, gtp: int) -> dict:
+    """Three optimizer steps of a two-layer MLP whose weights are FP8 primary GTP shards
+    (gtp_linear, fp32 masters sliced over the replicate group, SGD, write-back, param gather)
+    against the same MLP without GTP on one rank: the weights it multiplies with are its fp32
+    masters quantized whole, the same global batch."""
+    from nemo_gtp.engine import gtp_linear
+    from nemo_gtp.engine.fp8_primary import fp8_primary_init_value, write_back_fp8_primary
+
+    shapes = [(48, 32), (20, 48)]
+    groups, runtime, params, fulls = _primary_runtime(world, gtp, torch.float32, shapes, factor=0.2)
+    scaling, lr, micro = FP8Scaling("tensorwise"), 0.05, 3
+    data = torch.randn(world, micro, 32, generator=torch.Generator().manual_seed(7))
+    target = torch.randn(world, micro, 20, generator=torch.Generator().manual_seed(8))
+    me = dist.get_rank(groups.data)
+    masters, offsets, ranges = [], [], []
+    for param in params:
+        param.main_grad = torch.zeros(param.shape)
+        start, end = _dp_slices(param, groups)
+        flat = fp8_primary_init_value(param).float().reshape(-1)
+        masters.append(torch.nn.Parameter(flat[start:end].clone()))
+        offsets.append(start)
+        ranges.append((start, end))
+    optimizer = torch.optim.SGD(masters, lr=lr)
+    ref_masters = [f.clone() for f in fulls]
+    losses, ref_losses = [], []
+    for _ in range(4):
+        # GTP: this rank's microbatch; grads reduce-scattered (MEAN) over GTP, averaged over DP
+        hidden = torch.relu(gtp_linear(data[me], params[0]))
+        loss = F.mse_loss(gtp_linear(hidden, params[1]), target[me])
+        loss.backward()
+        runtime.drain()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=groups.data)
+        losses.append(total.item() / world)
+        for param, master, (start, end) in zip(params, masters, ranges):
+            dist.all_reduce(param.main_grad, group=groups.replicate)
+            master.grad = param.main_grad.reshape(-1)[start:end] / dist.get_world_size(
+                groups.replicate
+            )
+        optimizer.step()
+        write_back_fp8_primary(params, list(masters), offsets, [groups.replicate, groups.gtp])
+        for param, (start, end) in zip(params, ranges):
+            _param_all_gather(param, groups, start, end)
+            param.main_grad.zero_()
+        # the reference: the full fp32 masters quantized on one rank, the whole global batch
+        weights = [quantize_shard(m, scaling).dequantize().requires_grad_() for m in ref_masters]
+        per_micro = [
+            F.mse_loss(torch.relu(data[i] @ weights[0].t()) @ weights[1].t(), target[i])
+            for i in range(world)
+        ]
+        ref_loss = torch.stack(per_micro).mean()
+        ref_loss.backward()
+        ref_losses.append(ref_loss.item())
+        for m, w in zip(ref_masters, weights):
+            m.sub_(lr * w.grad)
+    # the FP8 weights after the last step, gathered, vs the reference masters quantized whole
+    steps = []
+    for param, ref in zip(params, ref_masters):
+        spec = param.gtp_spec
+        shards = [torch.empty_like(param).view(torch.uint8) for _ in range(gtp)]
+        dist.all_gather(shards, param.detach().view(torch.uint8), group=groups.gtp)
+        got = torch.cat(shards).view(param.dtype)[: spec.logical_shape[0]]
+        want = quantize_shard(ref, scaling)
+        assert torch.equal(param.gtp_state.fp8.scale_inv, want.scale_inv), "scale differs"
+        differ = (got.float() != want.data.float()).sum().item()
+        steps.append(differ)
+    return {"losses": losses, "ref_losses": ref_losses, "differing": steps}
+
+
+def _real(param) -> int:
+    """Elements of the shard's real rows (flat), design §1.3 pad rows after them."""
+    spec = param.gtp_spec
+    rows = max(0, min(spec.shard_dim0, spec.logical_shape[0] - spec.gtp_rank * spec.shard_dim0))
+    return rows * (param.numel() // param.shape[0])
+
+
 TENSORWISE = [
     ((75, 40), 16, torch.float32),  # pad 53 rows at GTP 4, 21 at GTP 2
     ((20, 40), 16, torch.bfloat16),  # GTP 4: ranks 2 and 3 hold only pad rows
@@ -371,6 +578,8 @@ def _cases() -> list:
     for gtp in (2, 4):  # last: a failure here stops no other case
         for coalesce_mb in RUNTIME_COALESCE:
             cases.append((f"runtime {gtp} {coalesce_mb}", _runtime_worker, (gtp, coalesce_mb)))
+        cases.append((f"primary {gtp}", _primary_worker, (gtp, 1.0 if gtp == 2 else 0.0)))
+        cases.append((f"primary training {gtp}", _primary_training_worker, (gtp,)))
     return cases
 
 
@@ -413,6 +622,34 @@ def test_runtime_fp8_gather(four_ranks: dict, gtp: int, coalesce_mb: float) -> N
     """GTPRuntime gathers FP8 bytes for a quantized consumer (design §1.3 "FP8 gather")."""
     values = case_values(four_ranks[f"runtime {gtp} {coalesce_mb}"])
     assert all(2 * v["bytes"] == v["bf16_bytes"] for v in values)
+
+
+@pytest.mark.parametrize("gtp", [2, 4])
+def test_fp8_primary_gather_and_write_back(four_ranks: dict, gtp: int) -> None:
+    """FP8 primary shards (design §1.3 "FP8 primary weights"): gathered as they are, written
+    back from DP-sliced fp32 masters with one scale over replicate x GTP."""
+    scales = [v["scale"] for v in case_values(four_ranks[f"primary {gtp}"])]
+    assert len(set(scales)) == 1
+
+
+@pytest.mark.parametrize("gtp", [2, 4])
+def test_fp8_primary_training_matches_full_weight(four_ranks: dict, gtp: int) -> None:
+    """Optimizer steps with FP8 primary GTP shards (GTP x DP = 4) reproduce the run without
+    GTP whose weights are its full masters quantized on one rank."""
+    for value in case_values(four_ranks[f"primary training {gtp}"]):
+        for got, want in zip(value["losses"], value["ref_losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (value["losses"], value["ref_losses"])
+        assert value["differing"] == [0, 0], value["differing"]
+
+
+def test_fp8_primary_unsupported_recipe_named() -> None:
+    """Delayed and blockwise FP8 primary shards are refused naming fp8_recipe (before any
+    collective: no runtime needed)."""
+    from nemo_gtp.engine.fp8_primary import make_fp8_primary
+
+    for kind in ("delayed", "blockwise"):
+        with pytest.raises(NotImplementedError, match=f"fp8_recipe='{kind}'"):
+            make_fp8_primary(None, FP8Scaling(kind))
 
 
 def test_bad_gather_buffer(four_ranks: dict) -> None:

@@ -88,7 +88,7 @@ class _GTPLinearFunction(torch.autograd.Function):
         full = runtime.materialize(weight, Direction.FWD, will_backward=will_backward)
         if runtime.trace is not None:
             runtime.record("gemm", weight, Direction.FWD)
-        out = torch.matmul(total_x, full.t())
+        out = torch.matmul(total_x, runtime.gemm_weight(weight, Direction.FWD, full).t())
         runtime.release(weight, Direction.FWD)
         if bias is not None:
             out = out + bias
@@ -108,7 +108,7 @@ class _GTPLinearFunction(torch.autograd.Function):
             full = runtime.materialize(weight, Direction.BWD)
             if runtime.trace is not None:
                 runtime.record("gemm", weight, Direction.BWD)
-            grad_in = torch.matmul(grad_out, full)
+            grad_in = torch.matmul(grad_out, runtime.gemm_weight(weight, Direction.BWD, full))
             runtime.release(weight, Direction.BWD)
             if tp.allreduce_dgrad and not tp.sequence_parallel:
                 dgrad_work = dist.all_reduce(grad_in, group=tp.group, async_op=True)

@@ -356,6 +356,8 @@ class GTPParamState:
         "fp8_wire",
         "fp8_version",
         "fp8_forward",
+        "fp8_primary_dtype",
+        "fp8_init",
         "consumer",
         "quantize_note",
         "group",
@@ -392,6 +394,13 @@ class GTPParamState:
         "FP8 gather"), its byte view and the param version it was quantized at."""
         self.fp8_wire: torch.Tensor | None = None
         self.fp8_version = -1
+        self.fp8_primary_dtype: torch.dtype | None = None
+        """For an FP8 primary shard (``make_fp8_primary``, design §1.3 "FP8 primary weights"):
+        the training dtype its GEMMs and gradients use (the data itself is FP8; ``fp8`` holds
+        its scales); None otherwise."""
+        self.fp8_init: torch.Tensor | None = None
+        """An FP8 primary shard's training-dtype values before quantization, for the
+        optimizer's master; dropped once the master exists."""
         self.fp8_forward: Any = None
         """The FP8 scaling of this weight's last forward protocol consume (None: the training
         dtype); its backward consume gathers the same way."""

@@ -209,6 +209,9 @@ class GTPRuntime(GraphSegments):
         self.fp8_shards = FP8ShardCache()
         self._fmt: FP8Scaling | None = None
         self._fp8_known: FP8Scaling | None = None
+        self.fp8_primary: FP8Scaling | None = None
+        """Set by ``make_fp8_primary``: every shard is an FP8 primary weight in this scaling and
+        every gather moves the shards' own FP8 bytes (design §1.3 "FP8 primary weights")."""
         # The consumer that quantizes the training-dtype gathers it is handed and needs that
         # quantization redone for its backward (design §1.3 "Consumer-quantized backward").
         self.consumer_quantize: ConsumerQuantize | None = None
@@ -363,6 +366,8 @@ class GTPRuntime(GraphSegments):
             slot = state.bwd
             if self._carry and self._carry[0].gtp_state.segment != state.segment:
                 self._issue_carry()  # the next graph's first backward consume
+        if self.fp8_primary is not None:  # the shards are FP8: nothing else to gather
+            fp8 = self.fp8_primary
         if fp8 is not None and fp8 is not self._fp8_known:
             fp8 = self._canonical_fp8(fp8)
         if slot.state is not _NONE and slot.fmt is not fp8:
@@ -443,11 +448,23 @@ class GTPRuntime(GraphSegments):
         view.scale_inv = state.fp8.scale_inv
         return view
 
+    def gemm_weight(
+        self, param: GTPShardedParam, direction: Direction, full: torch.Tensor
+    ) -> torch.Tensor:
+        """What a GEMM that is not FP8-aware multiplies with: ``full`` (from :meth:`materialize`)
+        as is, or for FP8 primary shards the gathered FP8 rows dequantized into the training
+        dtype (a new tensor per call: the CPU / local-linear path; TE consumes the FP8 rows)."""
+        if self.fp8_primary is None:
+            return full
+        state = param.gtp_state
+        return (full.float() * state.fp8.scale_inv).to(state.fp8_primary_dtype)
+
     def prefetch_neighbour(
         self, param: GTPShardedParam, direction: Direction, *, will_backward: bool = False
     ) -> None:
         """Issue the async gather the next consume in ``direction`` will need (design §3.1)."""
-        self._fmt = None  # the autograd path gathers the training dtype
+        # the autograd path gathers the training dtype, or the FP8 primary shards
+        self._fmt = self._fp8_known if self.fp8_primary is not None else None
         if self._prefetch_enabled:
             self._prefetch_all(_forward_targets(param.gtp_state.slot(direction), will_backward))
 
@@ -515,7 +532,9 @@ class GTPRuntime(GraphSegments):
 
     def _fp8_source(self, param: GTPShardedParam, fmt: FP8Scaling) -> torch.Tensor:
         """The bytes of ``param``'s FP8 shard, quantized first if stale (collective: once per
-        step for all shards, design §1.3 "FP8 gather")."""
+        step for all shards, design §1.3 "FP8 gather"); an FP8 primary shard's own bytes."""
+        if self.fp8_primary is not None:  # the optimizer wrote them (write_back_fp8_primary)
+            return param.detach().view(torch.uint8)
         if not self.fp8_shards.is_fresh(param, fmt):
             # Gathers of the previous FP8 shards still in flight read them: complete them first.
             for other in self.params:
@@ -744,6 +763,12 @@ class GTPRuntime(GraphSegments):
         if len(members) == 1:  # every dense TE linear: keep the host path short
             policy = self.quantized_gather
             fp8 = None
+            if self.fp8_primary is not None:  # design §1.3 "FP8 primary weights"
+                full = self.materialize(param, direction, will_backward=will_backward)
+                if policy is None:  # no quantized consumer: hand it the dequantized weight
+                    weight = self.gemm_weight(param, direction, full)
+                    return [weight.detach().requires_grad_(param.requires_grad)]
+                return [policy.wrap(param, direction, self.fp8_gathered(param, direction))]
             if policy is not None:  # FP8 gathers (design §1.3 "FP8 gather"): ungrouped only
                 if direction is _FWD:
                     fp8 = policy.forward_scaling(param)
@@ -844,7 +869,10 @@ class GTPRuntime(GraphSegments):
     def wgrad_scratch(self, param: GTPShardedParam) -> torch.Tensor:
         """A pooled full-size wgrad buffer (dtype of ``main_grad``); pad rows are zero."""
         main_grad = getattr(param, "main_grad", None)
-        dtype = param.dtype if main_grad is None else main_grad.dtype
+        if main_grad is not None:
+            dtype = main_grad.dtype
+        else:  # an FP8 primary shard's gradient is in its training dtype
+            dtype = param.gtp_state.fp8_primary_dtype or param.dtype
         pool = param.gtp_state.rs.scratch_pool
         if pool is None or pool.dtype is not dtype:
             self._bind_pools(param, dtype)

@@ -138,7 +138,8 @@ class TEFP8Gather:
             )
             tensor = gathered.consumer = self._tensor(
                 shape=data.shape,
-                dtype=param.dtype,
+                # an FP8 primary shard's own dtype is FP8: TE wants the training dtype
+                dtype=param.gtp_state.fp8_primary_dtype or param.dtype,
                 data=data,
                 fp8_scale_inv=gathered.scale_inv,
                 fp8_dtype=te_dtype,

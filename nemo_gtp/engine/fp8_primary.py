@@ -1,0 +1,240 @@
+"""FP8 primary weights as GTP shards: the shard *is* FP8, its master lives in the optimizer
+(design §1.3 "FP8 primary weights").
+
+megatron's ``fp8_param_gather`` (TransformerEngine's ``quantized_model_init``) keeps a model
+weight as FP8 data plus a per-tensor ``scale_inv`` (1 byte per element), the distributed
+optimizer an fp32 master of the param's data-parallel slice; after each step the optimizer
+quantizes its slice into the FP8 param with an amax all-reduced over the data-parallel group,
+and the FP8 bytes are all-gathered. Under GTP the param is a GTP shard, so the same contract
+holds one level down:
+
+- :func:`make_fp8_primary` turns every shard of a runtime into FP8 storage (the
+  ``GTPShardedParam``'s own data becomes ``float8``; no training-dtype shard is kept). Its
+  per-tensor scale is agreed over the GTP group (one all-reduce MAX of a packed amax vector),
+  so the shards are exactly the rows of the full weight quantized on one rank. The training-
+  dtype values are kept aside once, for the optimizer's master
+  (:func:`fp8_primary_init_value`; the FP8 values would lose precision at step 0, as TE notes
+  for its own FP8 params).
+- The runtime gathers the param's own bytes (``GTPRuntime.fp8_primary``): no refresh cast, no
+  FP8 copy; the TE consumer wraps the gathered rows as for the FP8 gather.
+- :func:`write_back_fp8_primary` is the optimizer's write-back: each rank holds the fp32
+  master of a flat slice of its shard (megatron's distributed optimizer splits the shard over
+  the replicate group), or none. The amax of every slice's real elements (pad rows excluded)
+  goes into one vector, all-reduced (MAX) over each group given (the replicate group, then the
+  GTP group: together every piece of the full TP-local weight), then every rank sets the agreed
+  scale and casts its slice. After the replicate group's all-gather of the FP8 bytes (megatron's
+  param all-gather) each GTP peer's shard equals the rows of the full master quantized on one
+  rank, bit for bit.
+
+Per-tensor current scaling only (megatron ``fp8_recipe="tensorwise"``); the master is rounded to
+the training dtype before the amax and the cast, as TE does (``quantize_master_weights``). Pure
+torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from nemo_gtp.engine.fp8 import (
+    FP8_DTYPES,
+    FP8Scaling,
+    FP8Shard,
+    ScalingKind,
+    _cast,
+    _real_rows,
+    scale_from_amax,
+)
+from nemo_gtp.engine.param import GTPShardedParam
+
+_STRIDE = 4  # each weight's scalars 16-byte aligned (cuBLAS FP8 scale pointers), design §1.3
+
+
+def is_fp8_primary(param: object) -> bool:
+    """True for a GTP shard whose storage is FP8 (:func:`make_fp8_primary`).
+
+    Example::
+
+        is_fp8_primary(layer.weight)   # True after make_fp8_primary(layer's runtime, ...)
+    """
+    return isinstance(param, GTPShardedParam) and param.gtp_state.fp8_primary_dtype is not None
+
+
+def _check_scaling(scaling: FP8Scaling) -> None:
+    if scaling.kind is not ScalingKind.TENSORWISE:
+        raise NotImplementedError(
+            f"FP8 primary GTP shards support fp8_recipe='tensorwise' (per-tensor current "
+            f"scaling) only, got fp8_recipe={scaling.kind.value!r}: set fp8_recipe='tensorwise', "
+            f"or fp8_param_gather=False (the shards then stay in the training dtype)"
+        )
+
+
+def _scalars(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """amax, scale, scale_inv vectors with one aligned element per weight."""
+    return tuple(torch.zeros(n * _STRIDE, dtype=torch.float32, device=device) for _ in range(3))
+
+
+def make_fp8_primary(runtime: object, scaling: FP8Scaling) -> None:
+    """Make every shard of ``runtime`` an FP8 primary weight (collective over its GTP group).
+
+    Each shard's real rows are quantized with the full weight's scale (amax agreed over the GTP
+    group); the param's data becomes the FP8 tensor (pad rows zero), its scale / scale_inv /
+    amax views into runtime-wide vectors (``param.gtp_state.fp8``), the training dtype is
+    remembered as ``gtp_state.fp8_primary_dtype`` (the GEMM and gradient dtype) and the
+    training-dtype shard is kept for the optimizer's master until
+    :func:`clear_fp8_primary_init_value`. Run it after the model is built and before DDP
+    wraps it (DDP moves the param's storage into its buffer). Checks run before the collective.
+
+    Example::
+
+        make_fp8_primary(model.gtp_runtime, FP8Scaling("tensorwise"))
+    """
+    _check_scaling(scaling)
+    params = list(runtime.params)
+    if not params:
+        return
+    if runtime.weight_groups:
+        raise NotImplementedError(
+            "FP8 primary weights are not supported for GTP weight groups (routed experts) yet: "
+            "set fp8_param_gather=False, or keep the experts whole (expert_num_weight_shards)"
+        )
+    for param in params:
+        if param.dtype in FP8_DTYPES or is_fp8_primary(param):
+            raise ValueError(f"{param!r} is already an FP8 primary weight")
+        if not param.dtype.is_floating_point:
+            raise ValueError(f"{param!r}: FP8 primary weights need a floating-point shard")
+    device = params[0].device
+    amax, scale, scale_inv = _scalars(len(params), device)
+    k = _STRIDE
+    with torch.no_grad():
+        for i, param in enumerate(params):
+            rows = _real_rows(param.gtp_spec, param.shape[0])
+            if rows and param.numel():
+                amax[i * k] = param.detach()[:rows].float().abs().max()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=runtime.group)
+        scale.copy_(scale_from_amax(amax, scaling))
+        torch.reciprocal(scale, out=scale_inv)
+        for i, param in enumerate(params):
+            state = param.gtp_state
+            values = param.detach()
+            rows = _real_rows(param.gtp_spec, param.shape[0])
+            data = torch.zeros(param.shape, dtype=scaling.fp8_dtype, device=device)
+            view = slice(i * k, i * k + 1)
+            data[:rows].copy_(_cast(values[:rows].float(), scale[view], scaling))
+            state.fp8_init = values.clone()
+            state.fp8_primary_dtype = param.dtype
+            state.fp8 = FP8Shard(data, scale_inv[view], scale[view], amax[view], scaling)
+            param.data = data
+    runtime.fp8_primary = scaling
+
+
+def fp8_primary_init_value(param: GTPShardedParam) -> torch.Tensor:
+    """The training-dtype shard :func:`make_fp8_primary` quantized (the optimizer master's
+    initial value), or the dequantized shard once cleared.
+
+    Example::
+
+        master = fp8_primary_init_value(param).float().view(-1)[start:end].clone()
+    """
+    state = param.gtp_state
+    if state.fp8_init is not None:
+        return state.fp8_init
+    return dequantize_fp8_primary(param)
+
+
+def clear_fp8_primary_init_value(param: GTPShardedParam) -> None:
+    """Drop the kept training-dtype shard (the optimizer has its master now)."""
+    param.gtp_state.fp8_init = None
+
+
+def dequantize_fp8_primary(
+    param: GTPShardedParam, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The FP8 shard times its ``scale_inv``, in ``dtype`` (default: the training dtype).
+
+    Example::
+
+        dequantize_fp8_primary(param).shape == param.shape
+    """
+    state = param.gtp_state
+    out = dtype or state.fp8_primary_dtype
+    return (param.detach().float() * state.fp8.scale_inv).to(out)
+
+
+def write_back_fp8_primary(
+    params: Sequence[GTPShardedParam],
+    masters: Sequence[torch.Tensor | None],
+    start_offsets: Sequence[int | None],
+    groups: Sequence[dist.ProcessGroup | None],
+) -> None:
+    """Quantize each param's master slice into its FP8 shard with the full weight's scale.
+
+    ``masters[i]`` is the fp32 master of the flat elements ``[start_offsets[i], +numel)`` of
+    ``params[i]``'s shard on this rank, or ``None`` when another replicate rank holds all of it
+    (megatron's ``quantize_param_shard`` convention). ``groups``: every group whose members hold
+    other pieces of the same TP-local weights (the distributed optimizer's replicate group and
+    the runtime's GTP group); the packed amax is all-reduced (MAX) over each in turn. Every rank
+    sets every param's scale and scale_inv (the replicas need them after the param all-gather);
+    only the slices with a master are cast, pad elements written as zeros. All checks run
+    before the first collective; every rank of the groups calls it with the same ``params``.
+
+    Example::
+
+        optimizer.step()     # fp32 masters updated
+        write_back_fp8_primary(params, masters, offsets, [replicate_group, runtime.group])
+        # then all-gather the FP8 bytes over the replicate group (megatron's param gather)
+    """
+    if not (len(params) == len(masters) == len(start_offsets)):
+        raise ValueError("write_back_fp8_primary: params, masters, start_offsets differ in length")
+    if not params:
+        return
+    for param, master, start in zip(params, masters, start_offsets):
+        if not is_fp8_primary(param):
+            raise ValueError(f"{param!r} is not an FP8 primary weight (make_fp8_primary)")
+        if master is None:
+            continue
+        if start is None or start < 0 or start + master.numel() > param.numel():
+            raise ValueError(
+                f"{param.gtp_state.name}: master slice [{start}, +{master.numel()}) outside the "
+                f"shard's {param.numel()} elements"
+            )
+    device = params[0].device
+    amax, scale, scale_inv = _scalars(len(params), device)
+    k = _STRIDE
+    with torch.no_grad():
+        slices: list[tuple[int, torch.Tensor, int] | None] = []
+        for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
+            if master is None:
+                slices.append(None)
+                continue
+            state = param.gtp_state
+            # TE rounds the master to the model's dtype before quantizing (numerics of the
+            # training-dtype path kept): so does this.
+            values = master.detach().reshape(-1).to(state.fp8_primary_dtype).float()
+            cols = param.numel() // max(param.shape[0], 1)
+            real_end = _real_rows(param.gtp_spec, param.shape[0]) * cols
+            keep = max(0, min(values.numel(), real_end - start))
+            if keep < values.numel():
+                values = values.clone()
+                values[keep:] = 0
+            if keep:
+                amax[i * k] = values[:keep].abs().max()
+            slices.append((start, values, keep))
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        for i, param in enumerate(params):
+            state, shard = param.gtp_state, param.gtp_state.fp8
+            view = slice(i * k, i * k + 1)
+            scale[view] = scale_from_amax(amax[view], shard.scaling)
+            torch.reciprocal(scale[view], out=scale_inv[view])
+            shard.amax.copy_(amax[view])
+            shard.scale.copy_(scale[view])
+            shard.scale_inv.copy_(scale_inv[view])
+            if slices[i] is None:
+                continue
+            start, values, _ = slices[i]
+            flat = param.detach().view(-1)
+            flat[start : start + values.numel()].copy_(_cast(values, shard.scale, shard.scaling))
