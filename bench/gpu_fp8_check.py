@@ -380,9 +380,25 @@ def te_backward_bit_checks(runtime: object, delayed_quantizer: type | None = Non
 
 
 # ----------------------------------------------------------------------------- CPU plumbing
+def _three_gtp2_weights(device: str) -> tuple:
+    """A GTP2 runtime over three bf16 weights (one with padded shards): (runtime, sharded
+    params, the full weights)."""
+    from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
+
+    groups = GTPParallelDims(world_size=dist.get_world_size(), num_weight_shards=2).build()
+    runtime = GTPRuntime(groups, GTPConfig())
+    torch.manual_seed(0)
+    params, fulls = [], []
+    for i, shape in enumerate([(96, 64), (200, 64), (64, 192)]):
+        module = torch.nn.Module()
+        module.weight = torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16, device=device))
+        fulls.append(module.weight.detach().clone())
+        params.append(runtime.shard_parameter(module, "weight", f"w{i}"))
+    return runtime, params, fulls
+
+
 def cpu_fp8_gather_check() -> dict:
     """The runtime's FP8 gather through a pure-torch consumer (no TE): bytes and bits."""
-    from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
     from nemo_gtp.engine.fp8 import FP8Scaling, quantize_shard
 
     class Consumer:
@@ -396,15 +412,7 @@ def cpu_fp8_gather_check() -> dict:
                 gathered.transpose.copy_(gathered.data.t())
             return gathered
 
-    groups = GTPParallelDims(world_size=dist.get_world_size(), num_weight_shards=2).build()
-    runtime = GTPRuntime(groups, GTPConfig())
-    torch.manual_seed(0)
-    params, fulls = [], []
-    for i, shape in enumerate([(96, 64), (200, 64), (64, 192)]):
-        module = torch.nn.Module()
-        module.weight = torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16))
-        fulls.append(module.weight.detach().clone())
-        params.append(runtime.shard_parameter(module, "weight", f"w{i}"))
+    runtime, params, fulls = _three_gtp2_weights("cpu")
     result: dict = {"bit_exact": True}
     for label, consumer in (("bf16", None), ("fp8", Consumer())):
         runtime.quantized_gather = consumer
@@ -439,19 +447,10 @@ def fp8_primary_check() -> dict:
     weight against the full weight quantized on one rank (TE's ``Float8CurrentScalingQuantizer``
     on a GPU, the engine's on a CPU), bit for bit, forward data and ``scale_inv``; the backward
     column-wise copy on a GPU."""
-    from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
     from nemo_gtp.engine.fp8 import FP8Scaling, quantize_shard
     from nemo_gtp.engine.fp8_primary import make_fp8_primary, write_back_fp8_primary
 
-    groups = GTPParallelDims(world_size=dist.get_world_size(), num_weight_shards=2).build()
-    runtime = GTPRuntime(groups, GTPConfig())
-    torch.manual_seed(0)
-    params, fulls = [], []
-    for i, shape in enumerate([(96, 64), (200, 64), (64, 192)]):
-        module = torch.nn.Module()
-        module.weight = torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16, device=DEVICE))
-        fulls.append(module.weight.detach().clone())
-        params.append(runtime.shard_parameter(module, "weight", f"w{i}"))
+    runtime, params, fulls = _three_gtp2_weights(DEVICE)
     make_fp8_primary(runtime, FP8Scaling("tensorwise"))
     for param in params:
         param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=DEVICE)
@@ -514,7 +513,7 @@ def fp8_primary_check() -> dict:
     check([f.float() for f in fulls], "init")
     masters_full = [f.float() * 1.5 + 0.01 for f in fulls]  # the optimizer's new fp32 masters
     shard_masters = [p.gtp_spec.shard(m).reshape(-1) for p, m in zip(params, masters_full)]
-    write_back_fp8_primary(params, shard_masters, [0] * len(params), [groups.gtp])
+    write_back_fp8_primary(params, shard_masters, [0] * len(params), [runtime.group])
     check(masters_full, "after_write_back")
     # fwd + bwd gathers; a bf16 gather receives (GTP-1)/GTP of the padded weight: one shard
     bf16 = sum(p.numel() for p in params) * 2 * 2
