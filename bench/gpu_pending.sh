@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU checks written but not yet run on 2 GPUs, in priority order, each bounded and packed
+# into $OUT/<stage>.tgz as it finishes (so a cut call keeps the earlier stages). Run on the GPU
+# machine from the repository root after TE is built (bench/te_build.sh; see the device notes
+# for carrying .whl / .te0..5 / .te_ext), ~9 minutes in all:
+#   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+#   export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 PYTHONPATH=/tmp/te:/tmp/site:$PWD
+#   bash bench/gpu_pending.sh            # or: bash bench/gpu_pending.sh nemo_threads fp8
+# Record what ran in bench/results/<date>_*.md (command, device, numbers) and point
+# bench/README.md at it.
+set -u
+OUT=${OUT:-gpu_pending_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+pack() { (cd "$OUT" && tar czf "$1.tgz" "$1" && rm -rf "$1"); echo "$1 done $(( $(date +%s) - T0 )) s"; }
+STAGES="$*"  # empty: every stage
+want() { [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]]; }
+
+# 1. The 2k eager TE gap (GTP2 1.17-1.55x DP2 across hosts; without communication on one GPU
+#    GTP2 is as fast as DP2): per-thread CPU of rank 0 over the timed steps, twice interleaved.
+if want nemo_threads; then
+  timeout 170 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te --tokens 2048 --repeat 2 \
+    --profile-tokens 2048 --warmup 5 --timed 19 --fit-timeout 80 --out "$OUT/nemo_threads" | tail -14
+  pack nemo_threads
+fi
+# 2. Expert linears built as their EGTP shards on real TE: init, memory, parity, checkpoints.
+if want grouped; then
+  timeout 125 python3 bench/gpu_grouped_experts.py --timeout 120 --out "$OUT/grouped" 2>&1 \
+    | grep -v Warn | tail -6
+  pack grouped
+fi
+# 3. FP8: primary GTP shards vs TE's quantizer (bits), blockwise modes, and the loss check at a
+#    stable learning rate (lr 3e-4 turned DP2 itself unstable after 22 steps).
+if want fp8; then
+  timeout 130 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --deadline 120 \
+    --modes fp8_dp2,fp8_gtp2,fp8block_dp2,fp8block_gtp2 --lr 1e-4 --steps 50 \
+    --out "$OUT/fp8" 2>&1 | grep -v Warn | tail -8
+  pack fp8
+fi
+# 4. Per-layer graphs through NeMo: the teardown wait under GTP2 (faulthandler dump at 60 s).
+if want layergraph; then
+  timeout 110 python3 bench/bench_nemo.py --modes dp2_te@layergraph,gtp2_te@layergraph \
+    --tokens 2048 --warmup 5 --timed 19 --fit-timeout 60 --out "$OUT/layergraph" | tail -8
+  pack layergraph
+fi
+# 5. The rows never run: eager 1k, and NeMo's Megatron-FSDP as the second baseline.
+if want rows; then
+  timeout 150 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te,mfsdp_te --tokens 1024,4096 \
+    --warmup 5 --timed 19 --fit-timeout 60 --out "$OUT/rows" | tail -10
+  pack rows
+fi
