@@ -454,7 +454,10 @@ def _rank_main(spec_path: str) -> None:
                 traceback.print_exc()
         out.append(record)
         # every rank's own view (host split, thread CPU) goes to its log (rank<k>.log)
-        print(json.dumps({"rank": rank, **{k: v for k, v in record.items() if k != "losses"}}))
+        print(
+            json.dumps({"rank": rank, **{k: v for k, v in record.items() if k != "losses"}}),
+            flush=True,
+        )
         if rank == 0:
             # after every fit: a later hang or kill leaves the earlier records to the report
             Path(spec["dir"], "records.json").write_text(json.dumps(out))
