@@ -300,9 +300,11 @@ def preshard_config_layer_spec(
 
     spec = model_config.transformer_layer_spec
     resolved = isinstance(spec, ModuleSpec) or not callable(spec)
-    swaps = swaps_for(spec if resolved else None)  # a function's spec: its grouped ones unknown
-    if not swaps or getattr(spec, "gtp_presharded", False):
-        return bool(swaps)
+    swaps = swaps_for(spec if resolved else None)
+    # a function's spec may name grouped linears of its own: known once NeMo calls it
+    later = not resolved and grouped_classes is None and default and groups.expert_gtp_size > 1
+    if not (swaps or later) or getattr(spec, "gtp_presharded", False):
+        return bool(swaps or later)
     if resolved:
         model_config.transformer_layer_spec = _swap(spec, swaps)
         return True
