@@ -26,13 +26,23 @@ Checks, each recorded on its own (a failing one does not stop the next):
   strategy's route (``preshard_config_layer_spec``) from the seed of the run without GTP,
   reproduces that run (fp32, TF32 off, 1e-5).
 
+On the 2-GPU machine, from the repository root (about 1 minute; the script spawns its 2 ranks
+itself and ends them after ``--timeout`` seconds)::
+
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    PYTHONPATH=/tmp/te:/tmp/site:$PWD python bench/gpu_grouped_experts.py --out DIR   # 2 GPUs
-    python bench/gpu_grouped_experts.py --cpu-smoke --out /tmp/x   # gloo, TE's CPU stand-in
+    PYTHONPATH=/tmp/te:/tmp/site:$PWD timeout 115 python bench/gpu_grouped_experts.py \
+        --timeout 110 --out /tmp/gpu_grouped_experts
+
+Here, on CPU (gloo, TE's stand-in, the same checks on tiny sizes; about 1 minute)::
+
+    PYTHONPATH=$PWD python bench/gpu_grouped_experts.py --cpu-smoke --out /tmp/gpu_grouped_smoke
 
 Writes ``gpu_grouped_experts.json`` and ``.md`` to ``--out`` after every check; the launch is
-bounded by ``--timeout`` seconds. Success: exit 0, every check ``ok`` in the markdown (and
-``te: true`` in the JSON on GPUs: TransformerEngine's classes ran, not the stand-in).
+bounded by ``--timeout`` seconds. Success: exit 0, the last line ``[gpu_grouped_experts] ok:
+<out>/gpu_grouped_experts.md``, every check ``ok`` in the markdown (and ``te: true`` in the JSON
+on GPUs: TransformerEngine's classes ran, not the stand-in). The repository root goes first on
+``sys.path`` before any ``nemo_gtp`` import, so an installed copy of ``nemo_gtp`` never shadows
+this checkout.
 """
 
 from __future__ import annotations
@@ -51,8 +61,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from nemo_gtp.testing.spawn import spawn_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -386,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    from nemo_gtp.testing.spawn import spawn_bounded  # after ROOT went first on sys.path
+
     work = tempfile.mkdtemp(prefix="gpu_grouped_experts_")
     failed = spawn_bounded(
         worker,

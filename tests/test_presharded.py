@@ -282,15 +282,31 @@ def test_grouped_expert_spec_rewrite() -> None:
         assert entry.module is presharded_grouped_class(base, column)
         assert entry.params == {"gtp": plan}
     assert new.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear  # GTP 1
-    # a trainer's config: the default grouped classes are TE's (none without TE); the default
-    # SequentialMLP expert classes find no SequentialMLP here: the spec stays as it is
-    config = SimpleNamespace(transformer_layer_spec=spec)
-    assert preshard_config_layer_spec(config, groups)
-    assert config.transformer_layer_spec is spec
+    # the default grouped kinds: TE's wrappers and whatever the spec's TEGroupedMLP names
+    assert gtp_layer_spec(spec, groups, GTPConfig(pad_for_alignment=8)) == new
+    # a trainer's config: by default the grouped linears the spec's TEGroupedMLP names (here
+    # the stand-ins), in a ModuleSpec and in what a spec function returns (NeMo's form); the
+    # default SequentialMLP expert classes find no SequentialMLP here
     classes = presharded_grouped_classes(grouped_kinds())
-    assert preshard_config_layer_spec(config, groups, grouped_classes=classes)
-    experts = config.transformer_layer_spec.submodules.mlp.submodules.experts.submodules
-    assert experts.linear_fc2.module is classes[CPURowParallelGroupedLinear]
+    for given in (spec, lambda _config: spec):
+        config = SimpleNamespace(transformer_layer_spec=given)
+        assert preshard_config_layer_spec(config, groups)
+        built = config.transformer_layer_spec
+        built = built if isinstance(built, type(spec)) else built(config)
+        experts = built.submodules.mlp.submodules.experts.submodules
+        assert experts.linear_fc1.module is classes[CPUColumnParallelGroupedLinear]
+        assert experts.linear_fc2.module is classes[CPURowParallelGroupedLinear]
+        assert experts.linear_fc2.params == {"gtp": GTPShardPlan(2, groups.expert_gtp_rank, 16)}
+        assert preshard_config_layer_spec(config, groups)  # a second call swaps nothing twice
+        again = config.transformer_layer_spec
+        again = again if isinstance(again, type(spec)) else again(config)
+        assert (
+            again.submodules.mlp.submodules.experts.submodules.linear_fc1.module
+            is (classes[CPUColumnParallelGroupedLinear])
+        )
+    config = SimpleNamespace(transformer_layer_spec=spec)
+    assert preshard_config_layer_spec(config, groups, grouped_classes={})  # none given: none
+    assert config.transformer_layer_spec is spec
     config = SimpleNamespace(transformer_layer_spec=spec)
     assert preshard_config_layer_spec(config, groups, GTPConfig(preshard_linears="none")) is False
     assert config.transformer_layer_spec is spec

@@ -21,6 +21,15 @@ launch 2
   ``gtp_truncated``   resuming from a copy of the step-10 checkpoint with one data file cut in
                       half fails, naming the checkpoint and the file
 
+MoE (dense GTP2, experts EP2·EGTP2): ``moe_10`` / ``moe_killed`` (``SequentialMLP`` experts, killed
+after 5 steps) in launch 1, ``moe_resume`` in launch 2; ``grouped_10`` (``TEGroupedMLP`` experts of
+the CPU ``GroupedLinear`` stand-ins, built as their EGTP shards by the strategy; NeMo's
+``ModelCheckpoint`` every 5 steps) in launch 1, and in launch 2 its step-5 checkpoint resumed at the
+same layout (``grouped_resume``) and the ``SequentialMLP`` checkpoint resumed into ``TEGroupedMLP``
+experts at EP1·EGTP4 (``grouped_from_seq``). Full weights and optimizer state (``Fit.state_to``)
+are recorded at step 5 by the saving runs and right after each load. (Grouped checkpoints loaded
+without GTP: ``tests/test_moe_checkpoint.py``, at the megatron level.)
+
 A fit whose ``max_steps`` equals the checkpoint's step restores and trains nothing, so its
 weights are exactly what was loaded.
 """
@@ -46,6 +55,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 _MOE_STRATEGY = {"expert_model_parallel_size": 2, "expert_num_weight_shards": 2}
+_GROUPED = {"model_kwargs": MOE_MODEL, "grouped_experts": True}  # TEGroupedMLP stand-ins
 
 # Launch 1 needs no fresh processes: it shares its spawn with test_strategy.py's 4-rank fits.
 # Paths are relative to the shared launch's directory.
@@ -71,6 +81,21 @@ FIRST_LAUNCH = [
         checkpoint_dir="moe_ckpts",
         model_kwargs=MOE_MODEL,
         strategy_kwargs=_MOE_STRATEGY,
+        state_at=5,
+        state_to="moe_5.pt",
+    ),
+    # TEGroupedMLP experts, same layout: NeMo's ModelCheckpoint at steps 5 and 10 (the step-5 one
+    # is resumed in fresh processes; saving does not perturb the run, as moe_killed shows)
+    Fit(
+        "grouped_10",
+        gtp=2,
+        steps=10,
+        checkpoint_every=5,
+        checkpoint_dir="grouped_ckpts",
+        strategy_kwargs=_MOE_STRATEGY,
+        state_at=5,
+        state_to="grouped_5.pt",
+        **_GROUPED,
     ),
     Fit(
         "plain_tp1",
@@ -95,6 +120,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     plain_ckpt = max(plain_ckpts.iterdir())
     moe_saved = [p for p in (root / "moe_ckpts").iterdir() if not p.name.startswith(".")]
     assert len(moe_saved) == 1, moe_saved
+    (grouped_saved,) = (root / "grouped_ckpts").glob("step=4*")  # after 5 steps
     truncated = root / "truncated" / saved[0].name
     shutil.copytree(saved[0], truncated)
     data_files = sorted((truncated / "weights").glob("*.distcp"))
@@ -135,6 +161,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             model_kwargs=MOE_MODEL,
             strategy_kwargs=_MOE_STRATEGY,
         ),
+        Fit(
+            "grouped_resume",
+            gtp=2,
+            steps=10,
+            resume_from=str(grouped_saved),
+            strategy_kwargs=_MOE_STRATEGY,
+            state_at=5,
+            state_to=str(root / "grouped_resume_5.pt"),
+            **_GROUPED,
+        ),
+        Fit(  # SequentialMLP's checkpoint (EP2·EGTP2) into TEGroupedMLP experts at EP1·EGTP4
+            "grouped_from_seq",
+            gtp=2,
+            steps=10,
+            resume_from=str(moe_saved[0]),
+            strategy_kwargs={"expert_model_parallel_size": 1, "expert_num_weight_shards": 4},
+            state_at=5,
+            state_to=str(root / "grouped_from_seq_5.pt"),
+            **_GROUPED,
+        ),
         # last: a failed fit leaves the launch going, but nothing after it is worth the risk
         Fit("gtp_truncated", gtp=2, steps=20, resume_from=str(truncated), expect_error=True),
     ]
@@ -172,6 +218,47 @@ def test_moe_resume_continues_the_uninterrupted_curve_exactly(runs: dict[str, An
     assert runs["moe_killed"]["losses"] == full["losses"][:5]
     assert resumed["losses"] == full["losses"][5:], (resumed["losses"], full["losses"][5:])
     assert resumed["grad_norms"] == full["grad_norms"][5:]
+
+
+def _full_state(root: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(root / f"{name}.pt", weights_only=True)
+
+
+def test_grouped_moe_resume_continues_the_uninterrupted_curve_exactly(
+    runs: dict[str, Any],
+) -> None:
+    """``TEGroupedMLP`` experts (the CPU ``GroupedLinear`` stand-ins), built as their EGTP shards
+    by the strategy, resumed by NeMo from its step-5 checkpoint at dense GTP2 + EP2·EGTP2: every
+    weight and optimizer state (fp32 master, both Adam moments) equals the saving run's bit for
+    bit right after the load, and the resumed curve is the uninterrupted one bit for bit."""
+    from nemo_gtp.testing.ckpt_harness import assert_same_state
+
+    full, resumed = runs["grouped_10"], runs["grouped_resume"]
+    for fit in (full, resumed):  # fc1, fc2 of 2 layers built pre-sharded; 2 dense + 2x2 grouped
+        assert (fit["presharded_modules"], fit["gtp_params"]) == (4, 4 + 8)
+    assert len(full["losses"]) == 10 and len(resumed["losses"]) == 5
+    saved = _full_state(runs["root"], "grouped_5")
+    assert {key.split("/")[0] for key in saved} == {"weight", "fp32_param", "exp_avg", "exp_avg_sq"}
+    assert assert_same_state(_full_state(runs["root"], "grouped_resume_5"), saved) == len(saved)
+    assert resumed["losses"] == full["losses"][5:], (resumed["losses"], full["losses"][5:])
+    assert resumed["grad_norms"] == full["grad_norms"][5:]
+    assert resumed["global_step"] == 10
+
+
+def test_moe_resume_into_another_expert_kind_and_layout(runs: dict[str, Any]) -> None:
+    """NeMo's checkpoint of ``SequentialMLP`` experts at EP2·EGTP2 resumed into ``TEGroupedMLP``
+    experts at EP1·EGTP4: weights and optimizer state bit for bit after the load, the curve within
+    1e-5 of the uninterrupted ``SequentialMLP`` run's."""
+    from nemo_gtp.testing.ckpt_harness import assert_same_state
+
+    root: Path = runs["root"]
+    saved = _full_state(root, "moe_5")
+    assert assert_same_state(_full_state(root, "grouped_from_seq_5"), saved) == len(saved)
+    full, resumed = runs["moe_10"], runs["grouped_from_seq"]
+    assert resumed["presharded_modules"] == 4 and len(resumed["losses"]) == 5
+    for what in ("losses", "grad_norms"):
+        for step, (x, y) in enumerate(zip(resumed[what], full[what][5:], strict=True)):
+            assert abs(x - y) <= 1e-5 * abs(y), f"{what} step {5 + step}: {x} vs {y}"
 
 
 def test_resume_at_another_gtp_size(runs: dict[str, Any]) -> None:

@@ -259,22 +259,14 @@ def layer_spec(run: Run, on_gpu: bool = False) -> object:
     """megatron's GPT layer spec for ``run`` (local, or TransformerEngine's with
     ``run.spec == "te"``); MoE experts as ``SequentialMLP``, or with ``run.grouped`` as
     ``TEGroupedMLP`` around :func:`grouped_linear_kinds`."""
-    import copy
-
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import TEGroupedMLP
-    from megatron.core.transformer.spec_utils import ModuleSpec
+    from nemo_gtp.testing.te_grouped import with_grouped_experts
 
     make_spec = (
         get_gpt_layer_with_transformer_engine_spec if run.spec == "te" else get_gpt_layer_local_spec
     )
     spec = make_spec(num_experts=run.experts or None, moe_grouped_gemm=False)
     if run.experts and run.grouped:
-        fc1, fc2 = sorted(grouped_linear_kinds(on_gpu).items(), key=lambda kv: not kv[1])
-        spec = copy.deepcopy(spec)
-        spec.submodules.mlp.submodules.experts = ModuleSpec(
-            module=TEGroupedMLP, submodules=MLPSubmodules(linear_fc1=fc1[0], linear_fc2=fc2[0])
-        )
+        spec = with_grouped_experts(spec, grouped_linear_kinds(on_gpu))
     return spec
 
 

@@ -147,6 +147,38 @@ class StopAfter(pl.Callback):
             trainer.should_stop = True
 
 
+class StateDump(pl.Callback):
+    """Rank 0 saves the model's full state, weights and (``optimizer``) optimizer state
+    (:func:`nemo_gtp.testing.ckpt_harness.moe_full_state`: layout and expert-kind independent
+    keys), to ``path`` once the global step is ``step``: at the train start (a fit resumed at that
+    step: the state right after the checkpoint load) or after that training step. Every rank
+    takes part (the state is gathered)."""
+
+    def __init__(self, step: int, path: str, optimizer: bool = True) -> None:
+        self.step, self.path, self.optimizer, self.done = step, path, optimizer, False
+
+    def _dump(self, trainer: pl.Trainer) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from nemo_gtp.testing.ckpt_harness import moe_full_state
+
+        if self.done or trainer.global_step != self.step:
+            return
+        strategy = trainer.strategy
+        optimizer = strategy.optimizers[0].mcore_optimizer if self.optimizer else None
+        state = moe_full_state(strategy.megatron_parallel[0].module, optimizer)
+        if dist.get_rank() == 0:
+            torch.save(state, self.path)
+        self.done = True
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self._dump(trainer)
+
+    def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+        self._dump(trainer)
+
+
 @track_io
 class ExportableNullTokenizer(NullTokenizer):
     """NeMo's ``NullTokenizer`` with the ``bos_id`` / ``eos_id`` NeMo's Hugging Face exporters read

@@ -67,11 +67,19 @@ class Fit:
     weights_to: str | None = None
     save_to: str | None = None
     expect_error: bool = False
+    # full state (weights, + optimizer unless ckpt_load_optimizer=False; every rank's gathered)
+    # to ``state_to`` at global step ``state_at``: right after the load for a fit resumed at that
+    # step (harness_objects.StateDump)
+    state_at: int | None = None
+    state_to: str | None = None
     # a tiny ``llm.LlamaModel`` (Llama 3 shape: RMSNorm, SwiGLU, RoPE, GQA with 2 query groups,
     # untied output layer), the model class NeMo's Hugging Face exporter is registered for;
     # otherwise ``llm.GPTModel``
     llama: bool = False
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # more GPTConfig fields (MoE)
+    # MoE experts as TEGroupedMLP of the CPU GroupedLinear stand-ins (testing.te_grouped)
+    # instead of NeMo's local spec's SequentialMLP
+    grouped_experts: bool = False
     # evaluation: validate every ``val_every`` training steps (``VAL_BATCHES`` steps each), after
     # a sanity check of ``sanity_val_steps``; ``evaluate_after``: ``trainer.validate`` then
     # ``trainer.test`` on the same trainer after the fit. ``entry="validate"`` / ``"test"``: no
@@ -206,8 +214,11 @@ def _ddp_config() -> Any:
     )
 
 
-def _gpt_config(tp: int, llama: bool = False, **model_kwargs: Any) -> Any:
-    """The tiny model's config: ``llm.GPTConfig``, or ``llm.Llama3Config`` when ``llama``."""
+def _gpt_config(
+    tp: int, llama: bool = False, grouped_experts: bool = False, **model_kwargs: Any
+) -> Any:
+    """The tiny model's config: ``llm.GPTConfig``, or ``llm.Llama3Config`` when ``llama``;
+    ``grouped_experts``: ``TEGroupedMLP`` experts of the CPU stand-ins."""
     from nemo.collections import llm
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
@@ -221,6 +232,8 @@ def _gpt_config(tp: int, llama: bool = False, **model_kwargs: Any) -> Any:
 
         config_class, extra = Llama3Config, {"num_query_groups": 2}
         layer_spec = te_named_local_layer_spec
+    if grouped_experts:
+        from nemo_gtp.testing.te_grouped import grouped_local_layer_spec as layer_spec
     return config_class(
         num_layers=2,
         hidden_size=64,
@@ -283,7 +296,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
 
     evaluates = bool(fit.val_every or fit.evaluate_after or fit.entry != "fit")
     model_class = LlamaModel if fit.llama else TestableGPTModel if evaluates else llm.GPTModel
-    config = _gpt_config(fit.tp, fit.llama, **fit.model_kwargs)
+    config = _gpt_config(fit.tp, fit.llama, fit.grouped_experts, **fit.model_kwargs)
     model = model_class(config, tokenizer=tokenizer, optim=optim)
     data = SyntheticGPTDataModule(
         seq_length=SEQ,
@@ -321,6 +334,11 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     callbacks = [recorder, evals] + ([metrics_cb] if metrics_cb else [])
     if fit.stop_after:
         callbacks.append(_stopper(fit.stop_after))
+    if fit.state_to:
+        from nemo_gtp.testing.harness_objects import StateDump
+
+        loads_optimizer = fit.strategy_kwargs.get("ckpt_load_optimizer", True)
+        callbacks.append(StateDump(fit.state_at, fit.state_to, optimizer=loads_optimizer))
     if fit.checkpoint_every:
         from nemo_gtp.recipes.loader import model_checkpoint
 
@@ -427,7 +445,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
 
 def _under(fit: Fit, out_dir: str) -> Fit:
     """``fit`` with its relative checkpoint / weight paths made absolute under ``out_dir``."""
-    keys = ("checkpoint_dir", "resume_from", "weights_to", "save_to")
+    keys = ("checkpoint_dir", "resume_from", "weights_to", "save_to", "state_to")
     paths = {key: getattr(fit, key) for key in keys}
     return dataclasses.replace(
         fit,

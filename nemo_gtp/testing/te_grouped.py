@@ -226,6 +226,45 @@ class CPURowParallelGroupedLinear(CPUGroupedLinear):
     column = False
 
 
+def with_grouped_experts(spec: Any, kinds: dict[type, bool] | None = None) -> Any:
+    """A copy of a MoE GPT layer ``spec`` whose routed experts are megatron's ``TEGroupedMLP``
+    around ``kinds``' fc1 / fc2 classes (class -> "expert TP splits out_features"; default the
+    CPU stand-ins, :func:`grouped_kinds`).
+
+    Example::
+
+        spec = with_grouped_experts(get_gpt_layer_local_spec(num_experts=4))
+    """
+    import copy
+
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    fc1, fc2 = sorted((kinds or grouped_kinds()).items(), key=lambda kv: not kv[1])
+    spec = copy.deepcopy(spec)
+    spec.submodules.mlp.submodules.experts = ModuleSpec(
+        module=TEGroupedMLP, submodules=MLPSubmodules(linear_fc1=fc1[0], linear_fc2=fc2[0])
+    )
+    return spec
+
+
+def grouped_local_layer_spec(config: Any) -> Any:
+    """NeMo's ``transformer_layer_spec`` for a MoE GPT on CPU with ``TEGroupedMLP`` experts of
+    the stand-ins: megatron's local spec (a function of the config, as NeMo's own specs are, so
+    the strategy's pre-sharding rewrites its result) with :func:`with_grouped_experts`.
+
+    Example::
+
+        config = llm.GPTConfig(num_moe_experts=4, transformer_layer_spec=grouped_local_layer_spec)
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return with_grouped_experts(
+        get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    )
+
+
 def grouped_kinds() -> dict[type, bool]:
     """The stand-ins as ``gtp_layer_spec(..., grouped_kinds=...)`` takes them (class ->
     "expert TP splits out_features"), in place of TE's wrappers."""

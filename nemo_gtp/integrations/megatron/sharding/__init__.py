@@ -34,6 +34,7 @@ from nemo_gtp.integrations.megatron.sharding.built import (
 )
 from nemo_gtp.integrations.megatron.sharding.sliced import default_should_shard, shard_model
 from nemo_gtp.integrations.megatron.sharding.spec import (
+    grouped_expert_linear_kinds,
     gtp_layer_spec,
     preshard_config_layer_spec,
     presharded_classes,
@@ -52,6 +53,7 @@ __all__ = [
     "PreShardedGroupedLinearMixin",
     "PreShardedLinearMixin",
     "default_should_shard",
+    "grouped_expert_linear_kinds",
     "gtp_layer_spec",
     "is_presharded",
     "preshard_config_layer_spec",

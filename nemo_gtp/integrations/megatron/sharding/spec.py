@@ -7,7 +7,8 @@ linear classes — the TE wrappers ``TEColumnParallelLinear``, ``TERowParallelLi
 subclasses, which build only this rank's shard; under expert GTP also the routed experts' linears
 over the expert GTP axis, with the unsharded model's exact init: those inside ``SequentialMLP``'s
 spec (the same local and TE classes, swapped first and only there, for their expert subclasses)
-and ``TEGroupedMLP``'s ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``.
+and ``TEGroupedMLP``'s ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` (or
+whatever grouped linears a ``TEGroupedMLP`` spec names: :func:`grouped_expert_linear_kinds`).
 Nothing else in the spec changes: base ``TELinear`` (``parallel_mode="duplicated"``), norms,
 attention, TE's ``LayerNormMLP`` and the op-fuser MLP stay as they are (and stay unsharded).
 """
@@ -21,13 +22,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.integrations.megatron.sharding.built import (
     GTPShardPlan,
+    PreShardedGroupedLinearMixin,
     presharded_class,
     presharded_grouped_class,
 )
@@ -121,6 +123,41 @@ def presharded_grouped_classes(kinds: Mapping[type, bool] | None = None) -> dict
     return {base: presharded_grouped_class(base, column) for base, column in kinds.items()}
 
 
+def _module_specs(node: Any) -> Any:
+    """Every ``ModuleSpec`` in ``node`` (submodule dataclasses, lists and tuples walked)."""
+    if isinstance(node, ModuleSpec):
+        yield node
+        yield from _module_specs(node.submodules)
+    elif isinstance(node, (list, tuple)):
+        for item in node:
+            yield from _module_specs(item)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for field in dataclasses.fields(node):
+            yield from _module_specs(getattr(node, field.name))
+
+
+def grouped_expert_linear_kinds(spec: Any) -> dict[type, bool]:
+    """The grouped-expert linear classes ``spec`` builds ``TEGroupedMLP``s with (its
+    ``linear_fc1``: True, expert TP splits out_features; its ``linear_fc2``: False), whatever
+    they are: megatron's TE wrappers, or another class with their constructor and
+    ``weight0..N-1`` (the CPU stand-ins). Classes already pre-sharded are left out.
+
+    Example::
+
+        grouped_expert_linear_kinds(spec)  # {TEColumnParallelGroupedLinear: True, TERow...: False}
+    """
+    kinds: dict[type, bool] = {}
+    for node in _module_specs(spec):
+        if not (isinstance(node.module, type) and issubclass(node.module, TEGroupedMLP)):
+            continue
+        for name, column in (("linear_fc1", True), ("linear_fc2", False)):
+            linear = getattr(node.submodules, name, None)
+            linear = linear.module if isinstance(linear, ModuleSpec) else linear
+            if isinstance(linear, type) and not issubclass(linear, PreShardedGroupedLinearMixin):
+                kinds[linear] = column
+    return kinds
+
+
 def presharded_expert_classes(kinds: Mapping[type, bool] | None = None) -> dict[type, type]:
     """``SequentialMLP``'s expert linear classes (``kinds``: class -> "expert TP splits
     out_features"; default megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear`` and,
@@ -186,8 +223,10 @@ def gtp_layer_spec(
     linears too, over the expert GTP axis and with exactly the unsharded model's initial values
     (§3.1 "Exact expert init"): ``SequentialMLP``'s (megatron's local and TE linears inside its
     spec) and ``TEGroupedMLP``'s grouped linears (``grouped_kinds``, default megatron's TE
-    wrappers). With both sizes 1 ``spec`` is returned unchanged. ``config`` must be the one
-    given to ``shard_model`` (its ``pad_for_alignment`` fixes the shard shapes).
+    wrappers and whatever grouped linears the spec's ``TEGroupedMLP``s name,
+    :func:`grouped_expert_linear_kinds`). With both sizes 1 ``spec`` is returned unchanged.
+    ``config`` must be the one given to ``shard_model`` (its ``pad_for_alignment`` fixes the
+    shard shapes).
 
     Example::
 
@@ -197,6 +236,11 @@ def gtp_layer_spec(
         shard_model(model, groups, gtp_config)
     """
     pad = (config or GTPConfig()).pad_for_alignment
+    if grouped_kinds is None:
+        grouped_kinds = {
+            **te_grouped_linear_kinds(import_te=True),
+            **grouped_expert_linear_kinds(spec),
+        }
     grouped = presharded_grouped_classes(grouped_kinds)
     swaps = _expert_swaps(groups, pad, presharded_expert_classes(), grouped)
     if groups.gtp_size > 1:
@@ -225,9 +269,10 @@ def preshard_config_layer_spec(
     init"): ``expert_classes`` (``SequentialMLP``'s linears, swapped inside its spec only)
     defaults to megatron's local linears and the loaded TE wrappers
     (:func:`presharded_expert_classes`), ``grouped_classes`` to the loaded TE grouped-expert
-    wrappers (``TEGroupedMLP``). ``preshard_linears="none"``: every linear built full and
-    sliced, nothing swapped. Returns whether anything can be swapped (False: both GTP sizes 1,
-    ``"none"``, or, under GTP > 1 only, no TE loaded and ``"te"``).
+    wrappers and whatever grouped linears the spec's ``TEGroupedMLP``s name (a function's: those
+    of the spec it returns; :func:`grouped_expert_linear_kinds`). ``preshard_linears="none"``:
+    every linear built full and sliced, nothing swapped. Returns whether anything can be swapped
+    (False: both GTP sizes 1, ``"none"``, or, under GTP > 1 only, no TE loaded and ``"te"``).
 
     Example::
 
@@ -237,27 +282,37 @@ def preshard_config_layer_spec(
     default = config.preshard_linears != "none"
     if expert_classes is None and default:
         expert_classes = presharded_expert_classes(_local_and_te_kinds(import_te=False))
-    if grouped_classes is None and default:
-        grouped_classes = presharded_grouped_classes(te_grouped_linear_kinds(import_te=False))
-    swaps = _expert_swaps(groups, config.pad_for_alignment, expert_classes, grouped_classes)
-    if groups.gtp_size > 1 and (classes is not None or default):
-        if classes is None:
-            kinds = dict(te_parallel_linear_kinds(import_te=False))
-            if config.preshard_linears == "all":
-                kinds.update({ColumnParallelLinear: True, RowParallelLinear: False})
-            classes = {base: presharded_class(base, column) for base, column in kinds.items()}
-        if classes:
+    if groups.gtp_size > 1 and classes is None and default:
+        kinds = dict(te_parallel_linear_kinds(import_te=False))
+        if config.preshard_linears == "all":
+            kinds.update({ColumnParallelLinear: True, RowParallelLinear: False})
+        classes = {base: presharded_class(base, column) for base, column in kinds.items()}
+
+    def swaps_for(spec: Any) -> list[_Swap]:
+        grouped = grouped_classes
+        if grouped is None and default:  # TE's wrappers and the spec's own grouped linears
+            kinds = te_grouped_linear_kinds(import_te=False)
+            grouped = presharded_grouped_classes({**kinds, **grouped_expert_linear_kinds(spec)})
+        swaps = _expert_swaps(groups, config.pad_for_alignment, expert_classes, grouped)
+        if groups.gtp_size > 1 and classes:
             swaps.append((classes, GTPShardPlan.from_groups(groups, config.pad_for_alignment), ()))
-    if not swaps or getattr(model_config.transformer_layer_spec, "gtp_presharded", False):
-        return bool(swaps)
+        return swaps
+
     spec = model_config.transformer_layer_spec
-    if isinstance(spec, ModuleSpec) or not callable(spec):
+    resolved = isinstance(spec, ModuleSpec) or not callable(spec)
+    swaps = swaps_for(spec if resolved else None)
+    # a function's spec may name grouped linears of its own: known once NeMo calls it
+    later = not resolved and grouped_classes is None and default and groups.expert_gtp_size > 1
+    if not (swaps or later) or getattr(spec, "gtp_presharded", False):
+        return bool(swaps or later)
+    if resolved:
         model_config.transformer_layer_spec = _swap(spec, swaps)
         return True
 
     @functools.wraps(spec)
     def presharded_spec(*args: Any, **kwargs: Any) -> Any:
-        return _swap(spec(*args, **kwargs), swaps)
+        built = spec(*args, **kwargs)
+        return _swap(built, swaps_for(built))
 
     presharded_spec.gtp_presharded = True  # type: ignore[attr-defined]
     model_config.transformer_layer_spec = presharded_spec
