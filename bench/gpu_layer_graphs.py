@@ -47,11 +47,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nemo_gtp.testing.spawn import spawn_bounded
-
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+if str(ROOT) not in sys.path:  # this checkout's nemo_gtp, not an installed copy
     sys.path.insert(0, str(ROOT))
+
+from nemo_gtp.testing.spawn import spawn_bounded  # noqa: E402 (after the path fix)
+
 if TYPE_CHECKING:
     from nemo_gtp.testing.gpt_harness import Run
 
