@@ -471,6 +471,24 @@ def test_cuda_graph_warmup_bump(nemo_env: Any, monkeypatch: pytest.MonkeyPatch) 
     kept = config(cuda_graph_impl="local", cuda_graph_warmup_steps=3)
     assert enforce_cuda_graph_warmup(kept) is None and kept.cuda_graph_warmup_steps == 3
 
+    # Graphs on: every live graph is reset at exit, before NeMo's destroy of the process group
+    # (exit handlers run last-registered first): moved to the end of the handlers at each ask.
+    from nemo_gtp.integrations.megatron.layer_graphs import release_live_cuda_graphs
+    from nemo_gtp.strategy import cuda_graphs
+
+    handlers: list = []
+    monkeypatch.setattr(cuda_graphs.atexit, "register", handlers.append)
+    monkeypatch.setattr(
+        cuda_graphs.atexit, "unregister", lambda f: handlers.remove(f) if f in handlers else None
+    )
+    assert not cuda_graphs.release_graphs_at_exit(config())
+    assert handlers == []
+    assert cuda_graphs.release_graphs_at_exit(config(cuda_graph_impl="local"))
+    handlers.append("nemo's destroy")
+    assert cuda_graphs.release_graphs_at_exit(config(cuda_graph_scope="full_iteration"))
+    assert handlers == ["nemo's destroy", release_live_cuda_graphs]
+    assert release_live_cuda_graphs() == 0  # no CUDA here: nothing to reset
+
     # Through the strategy, on a real NeMo model config (connect runs before the model exists).
     for shards, expected in ((2, 2), (None, 1)):
         gpt = llm.GPTModel(

@@ -113,14 +113,20 @@ def teardown_fit() -> None:
             FullCudaGraphWrapper.cuda_graph[stage] = None
             FullCudaGraphWrapper.result[stage] = None
             StaticBufferLoader.static_buffers[stage] = []
-    from nemo_gtp.integrations.megatron.layer_graphs import reset_layer_graphs
+    from nemo_gtp.integrations.megatron.layer_graphs import (
+        release_live_cuda_graphs,
+        reset_layer_graphs,
+    )
 
     reset_layer_graphs()
-    # Free the fit's CUDA graphs (held in reference cycles of the model) and finish its work
-    # before the communicators go: a per-layer graph holding GTP's captured NCCL collectives
-    # kept destroy_process_group waiting on 2xH200.
+    # Free the fit's CUDA graphs and finish its work before the communicators go: a per-layer
+    # graph holding GTP's captured NCCL collectives kept destroy_process_group waiting on
+    # 2xH200, also after the references we know of were dropped; so every graph still alive
+    # is reset, whoever holds it.
     gc.collect()
     if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        release_live_cuda_graphs()
         torch.cuda.synchronize()
     if dist.is_initialized():
         dist.destroy_process_group()

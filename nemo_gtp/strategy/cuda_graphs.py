@@ -11,12 +11,16 @@ first forward, §3.4) and binds the buffers, the second exercises the steady sta
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 from typing import Any
 
 from nemo_gtp.engine.config import GTPConfig
-from nemo_gtp.integrations.megatron.layer_graphs import layer_graph_scope
+from nemo_gtp.integrations.megatron.layer_graphs import (
+    layer_graph_scope,
+    release_live_cuda_graphs,
+)
 
 MIN_GTP_CUDA_GRAPH_WARMUP_STEPS = 2
 
@@ -35,6 +39,24 @@ def cuda_graphs_enabled(config: Any) -> bool:
         or (impl not in (None, "none"))
         or getattr(config, "cuda_graph_scope", None) == "full_iteration"
     )
+
+
+def release_graphs_at_exit(config: Any) -> bool:
+    """With CUDA graphs on, reset every live graph at interpreter exit, before NeMo's own exit
+    handler destroys the process group (handlers run last-registered first): a graph holding
+    captured NCCL collectives made that destroy wait forever (design §3.5). Call after NeMo's
+    ``setup_distributed`` (which registers its handler); idempotent. Returns whether it did.
+
+    Example::
+
+        super().setup_distributed()
+        release_graphs_at_exit(self.model.config)
+    """
+    if not cuda_graphs_enabled(config):
+        return False
+    atexit.unregister(release_live_cuda_graphs)  # once, and after NeMo's handler
+    atexit.register(release_live_cuda_graphs)
+    return True
 
 
 def enforce_cuda_graph_warmup(config: Any) -> str | None:

@@ -73,6 +73,7 @@ from nemo_gtp.strategy.cuda_graphs import (
     graph_safe_gtp_config,
     install_full_iteration_graph,
     reject_cuda_graph_capture,
+    release_graphs_at_exit,
 )
 from nemo_gtp.strategy.ddp import gtp_ddp_class, nemo_ddp_class
 from nemo_gtp.strategy.evaluation import KeptShards, keep_shards
@@ -279,6 +280,7 @@ class GTPMegatronStrategy(MegatronStrategy):
         super().setup_distributed()
         if dims is None:
             return
+        release_graphs_at_exit(getattr(self.model, "config", None))
         # A second run on this trainer (trainer.validate after trainer.fit) keeps the process
         # groups, which the model's runtime is built on.
         if self.gtp_groups is None or dist.group.WORLD is not self._gtp_world:

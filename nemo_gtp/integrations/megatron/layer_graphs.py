@@ -345,3 +345,29 @@ def reset_layer_graphs() -> None:
     CudaGraphManager.global_mempool = None
     CudaGraphManager.fwd_mempools = None
     CudaGraphManager.bwd_mempool = None
+
+
+def release_live_cuda_graphs() -> int:
+    """Reset every CUDA graph still alive in this process; returns how many.
+
+    A captured graph holds the NCCL kernels of the collectives captured in it (GTP's gathers and
+    reduce-scatters inside per-layer graphs) and with them their communicator; destroying the
+    process group while such a graph lives waited forever on 2xH200 (NCCL's communicator
+    teardown with graph-captured work, a known torch / NCCL limitation), and references to the
+    graphs can outlive the model (megatron's runners, autograd closures), so dropping our own
+    references is not enough. Call at the end of a fit, before ``destroy_process_group``: the
+    graphs are never replayed again (the next fit captures its own).
+
+    Example::
+
+        release_live_cuda_graphs()
+        torch.distributed.destroy_process_group()
+    """
+    import gc
+
+    if not torch.cuda.is_available():
+        return 0
+    graphs = [obj for obj in gc.get_objects() if isinstance(obj, torch.cuda.CUDAGraph)]
+    for graph in graphs:
+        graph.reset()
+    return len(graphs)
