@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -99,6 +100,17 @@ def _rank_main(spec: dict) -> dict:
     warmup, steps, profiled = spec["warmup"], spec["steps"], spec["profile"]
     prof = cProfile.Profile()  # outside the callback: NeMo deep-copies callbacks
 
+    gc_time = {"s": 0.0, "start": 0.0, "runs": [0, 0, 0]}
+
+    def on_gc(phase: str, info: dict) -> None:  # Python's cyclic collector: time per step
+        if phase == "start":
+            gc_time["start"] = time.perf_counter()
+        else:
+            gc_time["s"] += time.perf_counter() - gc_time["start"]
+            gc_time["runs"][info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+
     class _Times(pl.Callback):
         def __init__(self) -> None:
             self.wall: list[float] = []
@@ -109,8 +121,13 @@ def _rank_main(spec: dict) -> dict:
             sync()
             if trainer.global_step == warmup:
                 self.threads = thread_cpu_seconds()
+                gc_time.update(s=0.0, runs=[0, 0, 0])
             if trainer.global_step == warmup + steps:
                 self.threads = _thread_cpu_per_step(self.threads, thread_cpu_seconds(), steps)
+                self.gc = {
+                    "ms_per_step": round(1000 * gc_time["s"] / steps, 2),
+                    "collections_per_generation": list(gc_time["runs"]),
+                }
                 prof.enable()
             self._start = time.perf_counter()
 
@@ -151,6 +168,7 @@ def _rank_main(spec: dict) -> dict:
         "issue_ms": round(statistics.median(times.issue[window]), 3),
         "profiled_steps": profiled,
         "thread_cpu_ms_per_step": times.threads,
+        "python_gc": times.gc,
     }
 
 
@@ -188,7 +206,11 @@ def main() -> int:
                     [sys.executable, __file__, "--out", str(out), "--rank-main", json.dumps(spec)],
                     stdout=f,
                     stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"},
+                    env={  # one intra-op thread per rank, as bench_nemo.py's ranks have
+                        "OMP_NUM_THREADS": "1",
+                        **os.environ,
+                        "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+                    },
                 )
             lines = [x for x in log.read_text().splitlines() if x.startswith("RECORD ")]
             record = {"mode": mode, "tokens_per_gpu": tokens}
