@@ -155,11 +155,8 @@ def _fp8_primary_case(rank: int, world: int, case: Run) -> int:
     scale are its fp32 main slice quantized with the scale of the whole master (amax over
     replicate x GTP). Returns how many FP8 weights differ in any bit from the reference."""
     import torch
-    import torch.distributed as dist
 
-    from nemo_gtp.engine.fp8 import FP8Scaling, _cast, scale_from_amax
-    from nemo_gtp.engine.fp8_primary import is_fp8_primary
-    from nemo_gtp.testing.gpt_harness import build, train_built
+    from nemo_gtp.testing.gpt_harness import build, fp8_primary_write_back_errors, train_built
 
     reference_run = _reference_run(case)
     if reference_run not in _REFERENCES:
@@ -174,25 +171,7 @@ def _fp8_primary_case(rank: int, world: int, case: Run) -> int:
         worst = assert_parity(result, reference)
     except AssertionError as err:
         raise AssertionError(f"{case}: {err}") from None
-    scaling = FP8Scaling("tensorwise")
-    optimizers = getattr(setup["optimizer"], "chained_optimizers", [setup["optimizer"]])
-    wrong = []
-    for name, param in setup["ddp"].module.named_parameters():
-        if not is_fp8_primary(param):
-            continue
-        main = param.main_param  # this rank's fp32 slice of the shard (megatron's distopt)
-        amax = torch.zeros(1) if main is None else main.detach().abs().max().reshape(1)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)  # every rank holds a piece of the weight
-        scale = scale_from_amax(amax, scaling)
-        if not torch.equal(param.gtp_state.fp8.scale, scale):
-            wrong.append(f"{name} scale")
-        if main is not None:
-            (owner,) = [o for o in optimizers if param in o.model_param_gbuf_map]
-            start = owner._get_model_param_range_map(param)["param"].start
-            flat = param.detach().view(-1)[start : start + main.numel()]
-            want = _cast(main.detach(), scale, scaling)
-            if not torch.equal(flat.view(torch.uint8), want.view(torch.uint8)):
-                wrong.append(f"{name} bytes")
+    wrong = fp8_primary_write_back_errors(setup)
     assert not wrong, wrong
     names = result["fp8_primary"]
     differing = [n for n in names if not torch.equal(result["weights"][n], reference["weights"][n])]

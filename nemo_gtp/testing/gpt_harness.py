@@ -503,6 +503,40 @@ def quantize_full_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return masters
 
 
+def fp8_primary_write_back_errors(setup: dict) -> list[str]:
+    """Which FP8 primary shards of a trained :func:`build` result are not, bit for bit, their
+    fp32 main slices (megatron's distributed optimizer) quantized with the scale of the whole
+    master (amax over every rank: all of them hold pieces of the same weights; TP 1). Empty
+    when all are. Collective over the world.
+
+    Example::
+
+        assert not fp8_primary_write_back_errors(setup)
+    """
+    scaling = FP8Scaling("tensorwise")
+    optimizers = getattr(setup["optimizer"], "chained_optimizers", [setup["optimizer"]])
+    wrong = []
+    for name, param in setup["ddp"].module.named_parameters():
+        if not is_fp8_primary(param):
+            continue
+        main = param.main_param  # this rank's fp32 slice of the shard, or None
+        amax = torch.zeros(1, device=param.device)
+        if main is not None:
+            amax = main.detach().abs().max().reshape(1)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        scale = scale_from_amax(amax, scaling)
+        if not torch.equal(param.gtp_state.fp8.scale, scale):
+            wrong.append(f"{name} scale")
+        if main is not None:
+            (owner,) = [o for o in optimizers if param in o.model_param_gbuf_map]
+            start = owner._get_model_param_range_map(param)["param"].start
+            flat = param.detach().view(-1)[start : start + main.numel()]
+            want = _cast(main.detach(), scale, scaling)
+            if not torch.equal(flat.view(torch.uint8), want.view(torch.uint8)):
+                wrong.append(f"{name} bytes")
+    return wrong
+
+
 def optimizer_state_numel(optimizer) -> int:  # noqa: ANN001
     """Elements of Adam's ``exp_avg`` held by this rank, over every chained optimizer."""
     total = 0
