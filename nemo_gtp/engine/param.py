@@ -474,13 +474,20 @@ class GTPShardedParam(torch.nn.Parameter):
             f"{self.gtp_spec.gtp_size}, dtype={self.dtype})"
         )
 
-    # [Note: FP8 primary shards as megatron sees them] (design §1.3 "FP8 primary weights")
-    # megatron's distributed optimizer dispatches on ``param.type()`` and keeps an fp32 main
-    # param only for 16-bit model params; TE's Float8Tensor reports its 16-bit nominal dtype
-    # there. An FP8 primary shard's storage dtype is float8, so it reports the training dtype's
-    # type name when that is 16-bit, else bfloat16's: the "low-precision param with an fp32
-    # master" branch, the only one that fits FP8 storage. Any conversion call is untouched.
-    def type(self, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+    def type(self, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``Tensor.type``; an FP8 primary shard's type name is a 16-bit one (design §1.3
+        "The megatron hook").
+
+        megatron's distributed optimizer dispatches on ``param.type()`` and keeps an fp32 main
+        param only for 16-bit model params; TE's Float8Tensor reports its 16-bit nominal dtype
+        there. An FP8 primary shard's storage dtype is float8, so it reports the training
+        dtype's name when that is 16-bit, else bfloat16's: the "low-precision param with an
+        fp32 master" branch, the only one that fits FP8 storage. Conversion calls are untouched.
+
+        Example::
+
+            param.type()   # 'torch.cuda.BFloat16Tensor' for an FP8 primary shard on a GPU
+        """
         nominal = self.gtp_state.fp8_primary_dtype if "gtp_state" in self.__dict__ else None
         if nominal is None or dtype is not None or args or kwargs:
             return super().type(dtype, *args, **kwargs)
