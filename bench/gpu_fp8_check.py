@@ -39,8 +39,14 @@ weights made FP8 primary GTP shards (``make_fp8_primary``), gathered as they are
 by GTP's TE consumer, then an optimizer write-back from fp32 masters
 (``write_back_fp8_primary``) and the gathers again: each gathered ``Float8Tensor``'s data,
 ``scale_inv`` and column-wise copy against TE's ``Float8CurrentScalingQuantizer`` on the full
-(bf16-rounded) weight, bit for bit; no refresh cast; half the bf16 bytes. megatron's
-``fp8_param_gather`` under GTP (GPT modes) is not wired in yet.
+(bf16-rounded) weight, bit for bit; no refresh cast; half the bf16 bytes. Then
+``megatron_fp8_primary`` (also under ``--cpu-smoke``): the harness's GPT (megatron-local
+linears, fp32) with FP8 primary GTP shards trained 3 steps by megatron DDP and the distributed
+optimizer at GTP2 vs DP2 whose linear weights are megatron's FP8 params emulated on full
+weights: losses and weights within 1e-5, every shard's bytes and scale exactly its fp32 main
+slice quantized with the whole master's scale (bit-identical FP8 weights vs the reference are
+reported, not judged). megatron's ``fp8_param_gather`` setting under GTP (TE's FP8 param
+init, GPT modes) is not wired in yet.
 
 Success: ``summary.md`` says PASS on each line: |loss diff| fp8_gtp2 vs fp8_dp2,
 fp8_gtp2_bf16_gather vs fp8_dp2, fp8delayed_gtp2 vs fp8delayed_dp2 and fp8block_gtp2 vs
@@ -521,6 +527,40 @@ def fp8_primary_check() -> dict:
     return result
 
 
+def megatron_fp8_primary_check() -> dict:
+    """FP8 primary GTP shards through megatron DDP and the distributed optimizer (design §1.3
+    "The megatron hook"): the harness's GPT (megatron-local linears, fp32) at TP1·GTP2 vs DP2,
+    3 steps, the reference's linear weights megatron's FP8 params emulated on full weights. On
+    GPUs the real path: TE installed (megatron's own ``is_float8tensor``), NCCL's coalesced
+    param all-gather of the ``uint8`` and fp32 buckets, the shards' ``type()`` on CUDA."""
+    from nemo_gtp.testing.gpt_harness import (
+        Run,
+        build,
+        fp8_primary_write_back_errors,
+        rel_err,
+        train,
+        train_built,
+    )
+
+    run = Run(gtp=2, distopt=True, fp8_primary=True, steps=3)
+    ref = train(dataclasses.replace(run, gtp=1))
+    setup = build(run)
+    got = train_built(setup, run)
+    pairs = zip(sum(got["losses"], []), sum(ref["losses"], []), strict=True)
+    names = got["fp8_primary"]
+    return {
+        "fp8_weights": len(names),
+        "same_fp8_weights": names == ref["fp8_primary"],
+        "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in pairs),
+        "max_rel_weight_err": max(rel_err(got["weights"][n], ref["weights"][n]) for n in names),
+        "bit_identical_fp8_weights": sum(
+            torch.equal(got["weights"][n], ref["weights"][n]) for n in names
+        ),
+        "write_back_errors": fp8_primary_write_back_errors(setup),
+        "refreshes": got["runtime"].stats.fp8_quantizes,
+    }
+
+
 def cpu_backward_quantize_check() -> dict:
     """The bf16-gather FP8 backward through GTP's TE consumer on stand-ins of TE's FP8
     ``LayerNormLinear`` (no TE, ``nemo_gtp.testing.te_fp8_stand_in``): two steps of a current-
@@ -641,6 +681,22 @@ def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
                 and primary.get("refreshes") == 0
                 and abs(primary.get("bytes_ratio", 0) - 0.5) < 0.015,
                 str(primary)[-300:],
+            )
+        )
+    hook = result.get("megatron_fp8_primary")
+    if hook is not None:
+        out.append(
+            (
+                "FP8 primary GTP shards under megatron DDP + distributed optimizer (GPT, fp32, "
+                "GTP2 vs DP2): losses and weights <= 1e-5 rel, write-back exact vs the masters",
+                "error" not in hook
+                and hook.get("fp8_weights") == 8
+                and hook.get("same_fp8_weights")
+                and hook.get("max_rel_loss_diff", 1) <= 1e-5
+                and hook.get("max_rel_weight_err", 1) <= 1e-5
+                and hook.get("write_back_errors") == []
+                and hook.get("refreshes") == 0,
+                str(hook)[-300:],
             )
         )
     cpu = result.get("cpu_backward_quantize")
@@ -770,6 +826,11 @@ def main() -> None:
         RESULT["fp8_primary"] = fp8_primary_check()
     except Exception:  # noqa: BLE001
         RESULT["fp8_primary"] = {"bit_exact": False, "error": traceback.format_exc()}
+    try:
+        RESULT["megatron_fp8_primary"] = megatron_fp8_primary_check()
+    except Exception:  # noqa: BLE001
+        RESULT["megatron_fp8_primary"] = {"error": traceback.format_exc()}
+    _write(args)
     for mode in selected:
         try:
             record = run_mode(args, mode, *modes[mode])

@@ -795,3 +795,31 @@ def test_fp8_training_gather_format() -> None:
         )
     # FP8 primary weights are a GTP question only when FP8 is on
     assert check_fp8_training_for_gtp(None, fp8_param=True) is None
+
+
+def test_fp8_primary_megatron_ddp_settings_named() -> None:
+    """megatron DDP with FP8 primary shards: grad_reduce_in_fp32 and the distributed optimizer
+    required, each refusal naming its setting (design §1.3 "The megatron hook"); the hooks
+    leave every other tensor to megatron (a CPU tensor is no FP8 param; no FP8 params: no-op)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+    from megatron.core.optimizer import distrib_optimizer
+
+    from nemo_gtp.integrations.megatron.fp8_primary import (
+        check_fp8_primary_ddp,
+        fp8_primary_hooks_installed,
+        install_fp8_primary_hooks,
+    )
+
+    ok = dict(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    check_fp8_primary_ddp(DistributedDataParallelConfig(**ok))
+    for key in ok:
+        with pytest.raises(ValueError, match=f"{key}=True"):
+            check_fp8_primary_ddp(DistributedDataParallelConfig(**{**ok, key: False}))
+    install_fp8_primary_hooks()
+    install_fp8_primary_hooks()  # idempotent: wrapped once
+    assert fp8_primary_hooks_installed()
+    original = distrib_optimizer.is_float8tensor._nemo_gtp_fp8_primary
+    assert not hasattr(original, "_nemo_gtp_fp8_primary")
+    assert not buffers.is_float8tensor(torch.zeros(2))
+    distrib_optimizer.quantize_param_shard([], [], [], None)

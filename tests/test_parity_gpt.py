@@ -148,6 +148,37 @@ def _wrong_data_group_worker(rank: int, world: int) -> None:
                 GTPDistributedDataParallel(None, ddp_config, model)
 
 
+def _fp8_primary_case(rank: int, world: int, case: Run) -> int:
+    """FP8 primary GTP shards through megatron DDP + the distributed optimizer (design §1.3
+    "The megatron hook") vs the run without GTP whose linear weights are megatron's FP8 params
+    emulated on full weights. Checks parity (1e-5), and exactly: every shard's FP8 bytes and
+    scale are its fp32 main slice quantized with the scale of the whole master (amax over
+    replicate x GTP). Returns how many FP8 weights differ in any bit from the reference."""
+    import torch
+
+    from nemo_gtp.testing.gpt_harness import build, fp8_primary_write_back_errors, train_built
+
+    reference_run = _reference_run(case)
+    if reference_run not in _REFERENCES:
+        _REFERENCES[reference_run] = train(reference_run)
+    reference = _REFERENCES[reference_run]
+    setup = build(case)
+    result = train_built(setup, case)
+    assert result["fp8_primary"] == reference["fp8_primary"]
+    assert len(result["fp8_primary"]) == 8
+    assert result["runtime"].stats.fp8_quantizes == 0  # the shards are FP8: no refresh cast
+    try:
+        worst = assert_parity(result, reference)
+    except AssertionError as err:
+        raise AssertionError(f"{case}: {err}") from None
+    wrong = fp8_primary_write_back_errors(setup)
+    assert not wrong, wrong
+    names = result["fp8_primary"]
+    differing = [n for n in names if not torch.equal(result["weights"][n], reference["weights"][n])]
+    print(f"[parity] rank {rank} {case}: max rel err {worst:.2e}, {differing=}", flush=True)
+    return len(differing)
+
+
 def _full_state_dict_case(rank: int, world: int, case: Run) -> int:
     """``nemo_gtp.full_state_dict`` of a GTP model equals ``state_dict()`` of the same model
     built without GTP: bit for bit right after the build (identical init), within the parity
@@ -192,6 +223,10 @@ FULL_STATE_DICT_CASES_4 = [
 
 # megatron's per-layer CUDA graphs (design §3.5), driven on CPU: no graph is captured here, but
 # every layer is a graph segment and runs the schedule a captured layer replays.
+# FP8 primary GTP shards (design §1.3): TP1·GTP2 vs DP2 and TP1·GTP2·DP2 vs DP4.
+FP8_PRIMARY_2 = Run(gtp=2, distopt=True, fp8_primary=True, steps=3)
+FP8_PRIMARY_4 = Run(gtp=2, distopt=True, fp8_primary=True, steps=2)
+
 LAYER_GRAPH_CASES_2 = [
     Run(gtp=2, graph_scope="full", steps=4),
     Run(gtp=2, graph_scope="attn", steps=4, coalesce_mb=1.0),  # one unit would span the layers
@@ -456,6 +491,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcom
     cases = _cases(CASES_2) + [("wrong data group", _wrong_data_group_worker, ())]
     cases += [(f"layer graphs {run}", _layer_graph_case, (run,)) for run in LAYER_GRAPH_CASES_2]
     cases += [("grad guard", _grad_guard_case, ())]
+    cases += [("fp8 primary", _fp8_primary_case, (FP8_PRIMARY_2,))]
     cases += [(f"megatron graph flow ring={r}", _megatron_graph_flow_case, (r,)) for r in (0, 2)]
     return run_cases(cases, 2, tmp_path_factory.mktemp("parity2"))
 
@@ -465,6 +501,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outco
     cases = _cases(CASES_4) + [
         (f"full_state_dict {run}", _full_state_dict_case, (run,)) for run in FULL_STATE_DICT_CASES_4
     ]
+    cases += [("fp8 primary", _fp8_primary_case, (FP8_PRIMARY_4,))]
     return run_cases(cases, 4, tmp_path_factory.mktemp("parity4"))
 
 
@@ -482,6 +519,22 @@ def test_ddp_refuses_groups_that_do_not_match_the_gtp_config(
     two_ranks: dict[str, list[Outcome]],
 ) -> None:
     case_values(two_ranks["wrong data group"])
+
+
+def test_fp8_primary_two_ranks(two_ranks: dict[str, list[Outcome]]) -> None:
+    """megatron DDP + distributed optimizer with FP8 primary GTP shards at TP1·GTP2 vs DP2:
+    parity, the write-back exact against the masters, and the FP8 weights after every step
+    bit-identical to the run without GTP (its gradient sums have the same two operands)."""
+    assert case_values(two_ranks["fp8 primary"]) == [0, 0]
+
+
+def test_fp8_primary_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:
+    """The same at TP1·GTP2·DP2 vs DP4 (amax over the replicate and GTP groups): parity within
+    1e-5 and the write-back exact against this run's own masters. Bit identity with the run
+    without GTP is not asserted: four-operand gradient sums run in another order there, so a
+    master may differ in its last bit and round to the neighbouring FP8 value (or move a
+    weight's amax, hence its scale)."""
+    case_values(four_ranks["fp8 primary"])
 
 
 def test_parity_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:

@@ -566,9 +566,10 @@ def check_fp8_training_for_gtp(
     if fp8_param and (fp8 is not None or fp4 is not None):
         raise ValueError(
             f"{key['fp8_param']}=True (FP8 primary weights, megatron's fp8_param_gather) is not "
-            f"supported with GTP yet (design §1.3): set {key['fp8_param']}=False; the shards "
-            f"then stay in the training dtype and are gathered in FP8 under "
-            f"{key['fp8_recipe']}='tensorwise'"
+            f"supported with GTP yet (design §1.3: megatron's DDP and distributed optimizer "
+            f"take FP8 primary GTP shards, but TransformerEngine's FP8 param init does not build "
+            f"them): set {key['fp8_param']}=False; the shards then stay in the training dtype "
+            f"and are gathered in FP8 under {key['fp8_recipe']}='tensorwise'"
         )
     if fp4 is not None:
         if fp4_recipe != "nvfp4":

@@ -474,6 +474,44 @@ class GTPShardedParam(torch.nn.Parameter):
             f"{self.gtp_spec.gtp_size}, dtype={self.dtype})"
         )
 
+    def type(self, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``Tensor.type``; an FP8 primary shard's type name is a 16-bit one (design §1.3
+        "The megatron hook").
+
+        megatron's distributed optimizer dispatches on ``param.type()`` and keeps an fp32 main
+        param only for 16-bit model params; TE's Float8Tensor reports its 16-bit nominal dtype
+        there. An FP8 primary shard's storage dtype is float8, so it reports the training
+        dtype's name when that is 16-bit, else bfloat16's: the "low-precision param with an
+        fp32 master" branch, the only one that fits FP8 storage. Conversion calls are untouched.
+
+        Example::
+
+            param.type()   # 'torch.cuda.BFloat16Tensor' for an FP8 primary shard on a GPU
+        """
+        nominal = self.gtp_state.fp8_primary_dtype if "gtp_state" in self.__dict__ else None
+        if nominal is None or dtype is not None or args or kwargs:
+            return super().type(dtype, *args, **kwargs)
+        if nominal not in (torch.float16, torch.bfloat16):
+            nominal = torch.bfloat16
+        return torch.empty(0, dtype=nominal, device=self.device).type()
+
+    def get_high_precision_init_val(self) -> torch.Tensor:
+        """The training-dtype values an FP8 primary shard was quantized from: the optimizer
+        master's initial value (the name megatron's distributed optimizer asks TE's FP8 params
+        for; design §1.3 "FP8 primary weights").
+
+        Example::
+
+            master = param.get_high_precision_init_val().float().view(-1)[start:end].clone()
+        """
+        from nemo_gtp.engine.fp8_primary import fp8_primary_init_value
+
+        return fp8_primary_init_value(self)
+
+    def clear_high_precision_init_val(self) -> None:
+        """Drop the kept training-dtype values (the optimizer holds its master now)."""
+        self.gtp_state.fp8_init = None
+
     @property
     def runtime(self) -> GTPRuntime:
         """The :class:`GTPRuntime` that owns this param."""

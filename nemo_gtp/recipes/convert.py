@@ -28,7 +28,9 @@ per-layer CUDA graphs                            kept for ``cuda_graph_impl="loc
                                                  ``"full"`` / ``"attn"`` with
                                                  ``use_te_rng_tracker=True``; otherwise rejected
                                                  (TE's graph helper, MoE, PP, recompute; §3.5)
-FP8 primary weights                              rejected (not implemented, §1.3)
+FP8 primary weights                              rejected (TE's FP8 param init does not build
+                                                 GTP shards yet; megatron's optimizer side
+                                                 exists, §1.3)
 FP8 compute (``trainer.plugins.fp8``)            kept: ``fp8_recipe="tensorwise"`` gathers FP8
                                                  (§1.3 "FP8 gather"); unknown names rejected
                                                  here, MXFP8 / NVFP4 below compute capability

@@ -399,8 +399,9 @@ def _check_fp8(raw: dict[str, Any], dims: Any) -> None:
     if dims.gtp_enabled and section.get("param_gather"):
         raise RecipeError(
             "fp8.param_gather=true (FP8 primary weights) is not supported with GTP yet (design "
-            "§1.3): set fp8.param_gather=false; the shards stay bf16 and are gathered in FP8 "
-            "under fp8.recipe=tensorwise"
+            "§1.3: TransformerEngine's FP8 param init does not build GTP shards): set "
+            "fp8.param_gather=false; the shards stay bf16 and are gathered in FP8 under "
+            "fp8.recipe=tensorwise"
         )
 
 

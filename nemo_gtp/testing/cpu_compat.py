@@ -577,6 +577,31 @@ def _patch_current_device_cpu(patcher: _Patcher) -> None:
     patcher.set(torch.cuda, "current_device", _host_current_device)
 
 
+def _all_gather_bytes(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``all_gather_into_tensor`` of the tensors' bytes (contiguous tensors: the same result)."""
+    return torch.distributed.all_gather_into_tensor(
+        output.view(torch.uint8), input.view(torch.uint8), *args, **kwargs
+    )
+
+
+@_register(
+    "megatron/core/distributed/param_and_grad_buffer.py:_ParamAndGradBucketGroup."
+    "start_param_sync (mixed-dtype coalesced all-gather)"
+)
+def _patch_param_gather_bytes(patcher: _Patcher) -> None:
+    """The distributed optimizer's param all-gather moves bytes.
+
+    With FP8 params megatron puts a ``uint8`` bucket and a training-dtype bucket in one bucket
+    group and all-gathers them inside one ``_coalescing_manager``; gloo's coalesced
+    ``all_gather_into_tensor`` assumes one dtype for the whole batch and corrupts both outputs
+    (NCCL runs each op with its own dtype). Gathering every bucket as ``uint8`` views gives the
+    same bytes for any dtype (contiguous 1-D buffer and shard views).
+    """
+    from megatron.core.distributed import param_and_grad_buffer
+
+    patcher.set(param_and_grad_buffer, "dist_all_gather_func", _all_gather_bytes)
+
+
 @_register("megatron/core/optimizer/optimizer.py:FP32Optimizer/MixedPrecisionOptimizer")
 def _patch_optimizer_cuda_tensors(patcher: _Patcher) -> None:
     """Hard-coded ``device='cuda'`` tensors in the optimizer constructors.

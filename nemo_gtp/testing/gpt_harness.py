@@ -25,6 +25,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, is_gtp_param
+from nemo_gtp.engine.fp8 import FP8Scaling, _cast, scale_from_amax
+from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary, make_fp8_primary
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
     gtp_layer_spec,
@@ -97,6 +99,11 @@ class Run:
     # On GPU a capturable RNG tracker even without graphs, so eager and graphed runs share one
     # tracker kind (with spec="te" TE's tracker is used either way).
     capturable_rng: bool = False
+    # FP8 primary weights (design §1.3, per-tensor current scaling; needs distopt): GTP runs
+    # make their shards FP8 (make_fp8_primary, megatron's FP8-param path); a run without GTP
+    # emulates megatron's FP8 params on the same weights (fp32 masters kept beside the model,
+    # the weights their quantize-dequantize after every step: quantize_full_weights).
+    fp8_primary: bool = False
 
     @property
     def gtp_on(self) -> bool:
@@ -377,6 +384,8 @@ def build(run: Run) -> dict:
             setattr(config, key, value)
     if run.gtp_on:
         shard_model(model, groups, gtp_config)
+        if run.fp8_primary:
+            make_fp8_primary(model.gtp_runtime, FP8Scaling("tensorwise"))
     pgs = gtp_process_groups(groups, gtp_config)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=run.overlap_grad_reduce,
@@ -414,6 +423,11 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
     out["builds"] = []  # the runtime's chain-building count after each step
     runtime = getattr(model, "gtp_runtime", None)
     forward_backward = get_forward_backward_func()
+    # The emulated FP8 params of a run without GTP: fp32 masters kept here (Run.fp8_primary).
+    masters = {}
+    if run.fp8_primary and not run.gtp_on:
+        masters = {n: p for n, p in named if n.endswith(FP8_PRIMARY_WEIGHTS)}
+        masters = quantize_full_weights(masters)
     for step in range(first_step, first_step + run.steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -430,14 +444,89 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
         out["losses"].append([float(r["lm loss"]) for r in reduced])
         if step == first_step and not run.distopt:
             out["grads"] = {n: full_tensor(p, p.main_grad, groups) for n, p in named}
+        if masters:  # the optimizer updates the masters, not their quantization
+            with torch.no_grad():
+                for name, param in named:
+                    if name in masters:
+                        param.copy_(masters[name])
         _, grad_norm, _ = optimizer.step()
+        if masters:
+            masters = quantize_full_weights({n: p for n, p in named if n in masters})
         out["grad_norms"].append(float(grad_norm))
         out["builds"].append(runtime.builds if runtime is not None else 0)
-    out["weights"] = {n: full_tensor(p, p.data, groups) for n, p in named}
+    out["weights"] = {
+        n: full_tensor(p, dequantize_fp8_primary(p) if is_fp8_primary(p) else p.data, groups)
+        for n, p in named
+    }
+    out["fp8_primary"] = sorted(n for n, p in named if is_fp8_primary(p) or n in masters)
     out["optimizer_state_numel"] = optimizer_state_numel(optimizer)
     out["runtime"] = getattr(model, "gtp_runtime", None)
     out["expert_runtime"] = getattr(model, "gtp_expert_runtime", None)
     return out
+
+
+# The weights GTP shards in the harness's GPT (local spec): Run.fp8_primary's FP8 weights.
+FP8_PRIMARY_WEIGHTS = (
+    "linear_qkv.weight",
+    "linear_proj.weight",
+    "linear_fc1.weight",
+    "linear_fc2.weight",
+)
+
+
+def quantize_full_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """megatron's FP8 params emulated on full weights (per-tensor current scaling, the
+    engine's formula and cast): returns each param's value as its fp32 master, and sets the
+    param to the master quantized on one rank and dequantized.
+
+    Example::
+
+        masters = quantize_full_weights({"decoder.layers.0.mlp.linear_fc1.weight": w})
+    """
+    scaling = FP8Scaling("tensorwise")
+    masters = {}
+    with torch.no_grad():
+        for name, param in params.items():
+            masters[name] = param.detach().clone()
+            values = param.detach().float()
+            scale = scale_from_amax(values.abs().max().reshape(1), scaling)
+            data = _cast(values, scale, scaling)
+            param.copy_((data.float() * torch.reciprocal(scale)).to(param.dtype))
+    return masters
+
+
+def fp8_primary_write_back_errors(setup: dict) -> list[str]:
+    """Which FP8 primary shards of a trained :func:`build` result are not, bit for bit, their
+    fp32 main slices (megatron's distributed optimizer) quantized with the scale of the whole
+    master (amax over every rank: all of them hold pieces of the same weights; TP 1). Empty
+    when all are. Collective over the world.
+
+    Example::
+
+        assert not fp8_primary_write_back_errors(setup)
+    """
+    scaling = FP8Scaling("tensorwise")
+    optimizers = getattr(setup["optimizer"], "chained_optimizers", [setup["optimizer"]])
+    wrong = []
+    for name, param in setup["ddp"].module.named_parameters():
+        if not is_fp8_primary(param):
+            continue
+        main = param.main_param  # this rank's fp32 slice of the shard, or None
+        amax = torch.zeros(1, device=param.device)
+        if main is not None:
+            amax = main.detach().abs().max().reshape(1)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        scale = scale_from_amax(amax, scaling)
+        if not torch.equal(param.gtp_state.fp8.scale, scale):
+            wrong.append(f"{name} scale")
+        if main is not None:
+            (owner,) = [o for o in optimizers if param in o.model_param_gbuf_map]
+            start = owner._get_model_param_range_map(param)["param"].start
+            flat = param.detach().view(-1)[start : start + main.numel()]
+            want = _cast(main.detach(), scale, scaling)
+            if not torch.equal(flat.view(torch.uint8), want.view(torch.uint8)):
+                wrong.append(f"{name} bytes")
+    return wrong
 
 
 def optimizer_state_numel(optimizer) -> int:  # noqa: ANN001

@@ -22,9 +22,14 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.cuda_graphs import is_graph_capturing
 
+from nemo_gtp.engine.fp8_primary import is_fp8_primary
 from nemo_gtp.engine.grid import GTPParallelDims, WeightAxis
 from nemo_gtp.engine.param import is_gtp_param
 from nemo_gtp.engine.runtime import GTPRuntime, runtimes_of
+from nemo_gtp.integrations.megatron.fp8_primary import (
+    check_fp8_primary_ddp,
+    install_fp8_primary_hooks,
+)
 from nemo_gtp.integrations.megatron.sharding.experts import is_expert_param
 
 
@@ -145,6 +150,10 @@ class GTPDDPMixin:
             validate_ddp_config_for_gtp(ddp_config)
             for runtime in runtimes:
                 check_data_group(runtime, kwargs.get("pg_collection"))
+            if any(is_fp8_primary(p) for p in module.parameters()):
+                # design §1.3 "FP8 primary weights": megatron's FP8-param path, routed to GTP
+                check_fp8_primary_ddp(ddp_config)
+                install_fp8_primary_hooks()
             if runtimes[0].config.shard_replicated_params_over_gtp:
                 gtp_params = [p for p in module.parameters() if is_gtp_param(p)]
                 route_gtp_params_to_second_buffer(module, gtp_params, ddp_config)

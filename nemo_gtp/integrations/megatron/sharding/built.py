@@ -317,7 +317,7 @@ def attach_presharded_weight(
         raise NotImplementedError(
             f"{type(module).__name__}: GTP shards plain tensors only, got a "
             f"{type(old.data).__name__} weight (FP8 primary weights / fp8_param_gather are not "
-            "supported with GTP yet)"
+            "supported with GTP yet: set fp8_param_gather=False; design §1.3)"
         )
     if tuple(old.shape) != spec.shard_shape:
         raise ValueError(
