@@ -180,14 +180,18 @@ def _fp8_primary_case(rank: int, world: int, case: Run) -> int:
     return len(differing)
 
 
-def _fp8_checkpoint_case(rank: int, world: int, root: str) -> dict:
+def _fp8_checkpoint_case(rank: int, world: int, root: str, case: Run | None = None) -> dict:
     """Checkpoints of FP8 primary GTP shards (design §3.3 "FP8 primary weights"): TP1·GTP2
     saves after 2 steps; a run without GTP (DP2, megatron's FP8 params emulated) reads the
     dequantized weights bit for bit, loads the optimizer, saves again as megatron saves FP8
     params and resumes; a fresh GTP2 run loads that: FP8 bytes, scales and optimizer state
     (fp32 mains, Adam moments) bit for bit, and it continues the uninterrupted run's losses
-    bit for bit. Returns the resumed losses' relative error without GTP and the count of
-    scales a weights-only load recomputes differently."""
+    bit for bit; the same weights saved without FP8 (the fp32 masters) load into FP8 shards
+    as the GTP run's bytes and scales. Returns the resumed losses' relative error without GTP,
+    the count of scales a weights-only load of dequantized weights recomputes differently (in
+    their last bit) and the case's seconds. ``case``: the FP8 GTP run (default
+    ``FP8_PRIMARY_2``; on 4 ranks ``FP8_PRIMARY_4`` runs GTP2·DP2 -> DP4 -> GTP2·DP2, where the
+    mains are split over DP: passes too, but ~12 s, so not in the suite)."""
     import torch
 
     from nemo_gtp.engine.fp8_primary import is_fp8_primary
@@ -202,7 +206,7 @@ def _fp8_checkpoint_case(rank: int, world: int, root: str) -> dict:
 
     start = time.perf_counter()
     steps = 2
-    run = dataclasses.replace(FP8_PRIMARY_2, steps=steps)
+    run = dataclasses.replace(case or FP8_PRIMARY_2, steps=steps)
     one, one_ref = (
         dataclasses.replace(run, steps=1),
         _reference_run(dataclasses.replace(run, steps=1)),
@@ -258,12 +262,17 @@ def _fp8_checkpoint_case(rank: int, world: int, root: str) -> dict:
     load_emulated_fp8_checkpoint(f"{root}/gtp2", b)
     same(optimizer_state(b), a_state, "optimizer state read without GTP")
     save_emulated_fp8_checkpoint(f"{root}/dp2", b)
+    # as the same model trained without FP8 saves it (weights = fp32 mains, at rest)
+    save_gtp_checkpoint(f"{root}/plain", b["ddp"], b["optimizer"], b["groups"])
     resumed_ref = train_built(b, one_ref, first_step=steps)["losses"]
     rel = max(abs(x - y) / abs(y) for x, y in zip(resumed_ref[0], uninterrupted[0]))
     assert rel <= 1e-5, rel
 
     # DP2 -> GTP2: FP8 bytes, scales and optimizer state as the GTP run saved them
     c = build(run)
+    # a checkpoint without FP8 into FP8 primary shards: quantized as the optimizer step does
+    load_gtp_checkpoint(f"{root}/plain", c["ddp"], None, c["groups"])
+    same(fp8_shards(c), a_shards, "FP8 shards loaded from the weights without FP8")
     load_gtp_checkpoint(f"{root}/dp2", c["ddp"], None, c["groups"])
     weights_only = fp8_shards(c)
     same(
