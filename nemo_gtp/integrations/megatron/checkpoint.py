@@ -162,11 +162,11 @@ def _dequantized_build(build_rows: Any) -> Any:
     """A factory build that stores an FP8 primary shard as its dequantized rows (design §3.3
     "FP8 primary weights").
 
-    megatron saves a TransformerEngine FP8 param as its dequantized values in the param's
-    nominal dtype (the scale itself is not stored: per-tensor current scaling keeps no scaling
-    state), so the checkpoint of an FP8 model is the one of the same model in the training
-    dtype. The optimizer's states reuse the factory with their own (fp32) tensors as ``data``:
-    only the model weight itself is dequantized.
+    megatron describes a TransformerEngine FP8 param in its nominal dtype and every reader gets
+    its dequantized values (per-tensor current scaling keeps no scaling state to store), so
+    the checkpoint of an FP8 model is the one of the same model in the training dtype. The
+    optimizer's states reuse the factory with their own (fp32) tensors as ``data``: only the
+    model weight itself is dequantized.
     """
 
     def build(key: str, data: torch.Tensor, replica_id: ReplicaId, flattened_range: Any) -> Any:
