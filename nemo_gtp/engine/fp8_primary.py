@@ -238,3 +238,41 @@ def write_back_fp8_primary(
             start, values, _ = slices[i]
             flat = param.detach().view(-1)
             flat[start : start + values.numel()].copy_(_cast(values, shard.scale, shard.scaling))
+
+
+def quantize_loaded_fp8_primary(
+    params: Sequence[GTPShardedParam], values: Sequence[torch.Tensor | None]
+) -> None:
+    """Quantize loaded values into FP8 primary shards with the full weight's scale (design §3.3
+    "FP8 primary weights").
+
+    ``values[i]`` is the loaded (dequantized, training-dtype or fp32) shard of ``params[i]``,
+    shaped like it, pad rows ignored; ``None`` keeps the param's own dequantized values. The
+    amax is agreed over each param's GTP group (one all-reduce per runtime, in the order the
+    runtimes first appear: every GTP peer passes the same params in the same order). Every
+    replicate rank holds the whole loaded shard, so no other group is involved. Values that
+    are themselves a dequantized FP8 weight come back as the same FP8 bytes (the round trip
+    through the training dtype moves a value far less than half an FP8 step).
+
+    Example::
+
+        quantize_loaded_fp8_primary([layer.weight], [loaded["decoder...weight"]])
+    """
+    if len(params) != len(values):
+        raise ValueError("quantize_loaded_fp8_primary: params and values differ in length")
+    by_runtime: dict[int, tuple[object, list, list]] = {}
+    for param, value in zip(params, values):
+        if not is_fp8_primary(param):
+            raise ValueError(f"{param!r} is not an FP8 primary weight (make_fp8_primary)")
+        if value is not None and tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{param.gtp_state.name}: loaded value of shape {tuple(value.shape)} for a shard "
+                f"of shape {tuple(param.shape)}"
+            )
+        runtime = param.runtime
+        entry = by_runtime.setdefault(id(runtime), (runtime, [], []))
+        entry[1].append(param)
+        source = dequantize_fp8_primary(param, torch.float32) if value is None else value
+        entry[2].append(source.detach().reshape(-1))
+    for runtime, group_params, sources in by_runtime.values():
+        write_back_fp8_primary(group_params, sources, [0] * len(sources), [runtime.group])

@@ -306,11 +306,13 @@ def gather_logical(
     return tensor.clone()
 
 
-def full_state(built: Built) -> dict[str, torch.Tensor]:
-    """Every weight and optimizer state as full logical tensors, keyed ``"<kind>/<param name>"``."""
+def full_state(built: Built, *, weights: bool = True) -> dict[str, torch.Tensor]:
+    """Every weight and optimizer state as full logical tensors, keyed ``"<kind>/<param name>"``
+    (``weights=False``: the optimizer states only)."""
     out, gtp, glu = {}, built.groups.gtp, built.layout.glu
     for name, param in built.ddp.module.named_parameters():
-        out[f"weight/{name}"] = gather_logical(name, param, param.data, gtp, glu=glu)
+        if weights:
+            out[f"weight/{name}"] = gather_logical(name, param, param.data, gtp, glu=glu)
         for kind, tensor in _assemble_replicate(built, param).items():
             out[f"{kind}/{name}"] = gather_logical(name, param, tensor, gtp, glu=glu)
     return out

@@ -7,6 +7,7 @@ The GPU benchmarks build their models here too (:func:`build` on NCCL, sizes fro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -459,6 +460,11 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
         for n, p in named
     }
     out["fp8_primary"] = sorted(n for n, p in named if is_fp8_primary(p) or n in masters)
+    if masters:  # at rest the emulated FP8 params hold their fp32 masters (a resume starts there)
+        with torch.no_grad():
+            for name, param in named:
+                if name in masters:
+                    param.copy_(masters[name])
     out["optimizer_state_numel"] = optimizer_state_numel(optimizer)
     out["runtime"] = getattr(model, "gtp_runtime", None)
     out["expert_runtime"] = getattr(model, "gtp_expert_runtime", None)
@@ -474,6 +480,14 @@ FP8_PRIMARY_WEIGHTS = (
 )
 
 
+def _fp8_dequantized(values: torch.Tensor) -> torch.Tensor:
+    """``values`` quantized on one rank (per-tensor current scaling) and dequantized."""
+    scaling = FP8Scaling("tensorwise")
+    full = values.detach().float()
+    scale = scale_from_amax(full.abs().max().reshape(1), scaling)
+    return (_cast(full, scale, scaling).float() * torch.reciprocal(scale)).to(values.dtype)
+
+
 def quantize_full_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """megatron's FP8 params emulated on full weights (per-tensor current scaling, the
     engine's formula and cast): returns each param's value as its fp32 master, and sets the
@@ -483,16 +497,88 @@ def quantize_full_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
         masters = quantize_full_weights({"decoder.layers.0.mlp.linear_fc1.weight": w})
     """
-    scaling = FP8Scaling("tensorwise")
     masters = {}
     with torch.no_grad():
         for name, param in params.items():
             masters[name] = param.detach().clone()
-            values = param.detach().float()
-            scale = scale_from_amax(values.abs().max().reshape(1), scaling)
-            data = _cast(values, scale, scaling)
-            param.copy_((data.float() * torch.reciprocal(scale)).to(param.dtype))
+            param.copy_(_fp8_dequantized(param))
     return masters
+
+
+def _own_fp8_weight_entries(model_sd: dict, module: torch.nn.Module, make: Callable) -> None:
+    """Give the model entries of the emulated FP8 weights their own tensor ``make(param)``.
+
+    An fp32 param and its distributed-optimizer main param share storage; megatron's FP8 params
+    and their fp32 mains do not, and the emulated run's checkpoint must keep them apart too.
+    Call it after the optimizer's state dict matched its entries to the params.
+    """
+    from dataclasses import replace
+
+    weights = [p for n, p in module.named_parameters() if n.endswith(FP8_PRIMARY_WEIGHTS)]
+    replaced = 0
+    for key, entry in model_sd.items():
+        if any(getattr(entry, "data", None) is p for p in weights):
+            model_sd[key] = replace(entry, data=make(entry.data))
+            replaced += 1
+    assert replaced == len(weights), f"{replaced} of {len(weights)} FP8 weight entries found"
+
+
+def save_emulated_fp8_checkpoint(path: str, setup: dict) -> None:
+    """Save a :func:`build` result of a run without GTP and ``Run.fp8_primary`` (at rest: its
+    params hold the fp32 masters) as megatron saves FP8 params (design §3.3 "FP8 primary
+    weights"): each FP8 weight as its quantize-dequantize, the distributed optimizer's
+    ``fp32_param`` as the master. Collective.
+
+    Example::
+
+        save_emulated_fp8_checkpoint(f"{root}/dp2", setup)
+    """
+    from nemo_gtp.checkpoint.io import save_checkpoint
+    from nemo_gtp.checkpoint.optimizer import optimizer_sharded_state_dict
+    from nemo_gtp.integrations.megatron.checkpoint import (
+        checkpoint_layout,
+        gtp_sharded_state_dict,
+    )
+
+    module, groups = setup["ddp"].module, setup["groups"]
+    model_sd = gtp_sharded_state_dict(module, groups)
+    optim_sd = optimizer_sharded_state_dict(setup["optimizer"], model_sd)
+    _own_fp8_weight_entries(model_sd, module, _fp8_dequantized)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    save_checkpoint(state, path, layout=checkpoint_layout(model_sd, groups))
+
+
+def load_emulated_fp8_checkpoint(path: str, setup: dict, *, optimizer: bool = True) -> None:
+    """Load a checkpoint into a :func:`build` result of a run without GTP and
+    ``Run.fp8_primary``. With ``optimizer`` the params end at rest (their fp32 masters: the
+    distributed optimizer's ``fp32_param`` slices, all-gathered); without it they hold the
+    stored weights, which is what a plain FP8 run reads. Collective.
+
+    Example::
+
+        load_emulated_fp8_checkpoint(f"{root}/gtp2", setup)
+        train_built(setup, run, first_step=2)
+    """
+    from nemo_gtp.checkpoint.io import load_checkpoint
+    from nemo_gtp.checkpoint.optimizer import load_optimizer_state, optimizer_sharded_state_dict
+    from nemo_gtp.integrations.megatron.checkpoint import (
+        gtp_sharded_state_dict,
+        load_gtp_checkpoint,
+        load_model_state,
+    )
+
+    ddp, groups = setup["ddp"], setup["groups"]
+    if not optimizer:
+        load_gtp_checkpoint(path, ddp, None, groups)
+        return
+    model_sd = gtp_sharded_state_dict(ddp.module, groups)
+    optim_sd = optimizer_sharded_state_dict(setup["optimizer"], model_sd, is_loading=True)
+    _own_fp8_weight_entries(model_sd, ddp.module, lambda t: t.detach().clone())
+    loaded = load_checkpoint({"model": model_sd, "optimizer": optim_sd}, path)
+    load_model_state(ddp.module, loaded["model"])
+    load_optimizer_state(setup["optimizer"], loaded["optimizer"])
+    # the main params are views of this rank's slice of the params: all-gather the rest
+    ddp.start_param_sync(force_sync=True)
 
 
 def fp8_primary_write_back_errors(setup: dict) -> list[str]:

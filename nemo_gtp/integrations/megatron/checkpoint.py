@@ -54,8 +54,14 @@ from nemo_gtp.checkpoint.optimizer import (
     optimizer_sharded_state_dict,
 )
 from nemo_gtp.checkpoint.pieces import RowMap, RowSegment
+from nemo_gtp.engine.fp8_primary import (
+    dequantize_fp8_primary,
+    is_fp8_primary,
+    quantize_loaded_fp8_primary,
+)
 from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.param import is_gtp_param
+from nemo_gtp.integrations.megatron.fp8_primary import quantize_fp8_primary_from_main_params
 from nemo_gtp.integrations.megatron.sharding.experts import is_expert_param
 
 
@@ -142,11 +148,33 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
                 return replace(value, replica_id=fold(value.replica_id, False, expert, over_gtp))
             state_over_gtp = over_gtp and not gtp_sharded and not expert
             replica_id = fold(value.replica_id, gtp_sharded, expert, state_over_gtp)
-            return row_map.factory(value.key, value.data, replica_id)
+            factory = row_map.factory(value.key, value.data, replica_id)
+            if is_fp8_primary(value.data):
+                factory = replace(factory, build_fn=_dequantized_build(factory.build_fn))
+            return factory
         return value
 
     dict_list_map_inplace(visit, sharded_state_dict)
     return sharded_state_dict
+
+
+def _dequantized_build(build_rows: Any) -> Any:
+    """A factory build that stores an FP8 primary shard as its dequantized rows (design §3.3
+    "FP8 primary weights").
+
+    megatron describes a TransformerEngine FP8 param in its nominal dtype and every reader gets
+    its dequantized values (per-tensor current scaling keeps no scaling state to store), so
+    the checkpoint of an FP8 model is the one of the same model in the training dtype. The
+    optimizer's states reuse the factory with their own (fp32) tensors as ``data``: only the
+    model weight itself is dequantized.
+    """
+
+    def build(key: str, data: torch.Tensor, replica_id: ReplicaId, flattened_range: Any) -> Any:
+        if is_fp8_primary(data):
+            data = dequantize_fp8_primary(data)
+        return build_rows(key, data, replica_id, flattened_range)
+
+    return build
 
 
 def _reject_unknown_expert_entries(sharded_state_dict: dict) -> None:
@@ -323,12 +351,28 @@ def load_model_state(model: torch.nn.Module, loaded: dict, *, strict: bool = Tru
 
     The GTP factories already merged every shard to its param's shape with zeros in the pad;
     the pad rows are zeroed again afterwards so the invariant holds whatever wrote the values.
-    Returns ``load_state_dict``'s missing/unexpected keys.
+    FP8 primary shards (design §3.3 "FP8 primary weights") receive the checkpoint's values
+    quantized with the scale of the whole loaded weight (amax agreed over the GTP group, as
+    TransformerEngine re-quantizes an FP8 param it copies a loaded value into); collective over
+    each GTP group then. Returns ``load_state_dict``'s missing/unexpected keys.
     """
+    named = dict(model.named_parameters())
+    fp8 = {name: p for name, p in named.items() if is_fp8_primary(p)}
+    values = {}
+    if fp8:
+        loaded = dict(loaded)
+        for name, param in fp8.items():
+            if name in loaded:
+                # torch's load would cast the values into the FP8 storage without a scale: the
+                # param keeps its bytes here and is quantized below.
+                values[name] = loaded[name]
+                loaded[name] = param.detach()
     result = model.load_state_dict(loaded, strict=strict)
+    if fp8:
+        quantize_loaded_fp8_primary(list(fp8.values()), [values.get(name) for name in fp8])
     with torch.no_grad():
         for param in model.parameters():
-            if is_gtp_param(param):
+            if is_gtp_param(param) and not is_fp8_primary(param):
                 spec = param.gtp_spec
                 valid = spec.logical_shape[0] - spec.gtp_rank * spec.shard_dim0
                 param.data[max(valid, 0) :].zero_()
@@ -363,6 +407,7 @@ def save_gtp_checkpoint(
 
         save_gtp_checkpoint("ckpt/step100", model, optimizer, groups)
     """
+    _check_fp8_primary_sharding(_unwrap(model), optimizer, sharding_type)
     model_sd = gtp_sharded_state_dict(_unwrap(model), groups)
     state = {"model": model_sd, **(extra or {})}
     if optimizer is not None:
@@ -386,9 +431,12 @@ def load_gtp_checkpoint(
     """Load a checkpoint of any layout into ``model`` (+ ``optimizer``); returns the loaded dict.
 
     Collective. Raises :class:`~nemo_gtp.checkpoint.io.CheckpointShapeMismatchError` when the
-    model's shapes differ from the checkpoint's.
+    model's shapes differ from the checkpoint's. FP8 primary shards are re-quantized from the
+    loaded weights, then, when the optimizer is loaded too, from its fp32 main params (their
+    bytes and scales then equal the saving run's, design §3.3 "FP8 primary weights").
     """
     model = _unwrap(model)
+    _check_fp8_primary_sharding(model, optimizer, sharding_type)
     model_sd = gtp_sharded_state_dict(model, groups)
     request = {"model": model_sd}
     if optimizer is not None:
@@ -403,4 +451,19 @@ def load_gtp_checkpoint(
     load_model_state(model, loaded["model"])
     if optimizer is not None:
         load_optimizer_state(optimizer, loaded["optimizer"])
+        quantize_fp8_primary_from_main_params(optimizer)
     return loaded
+
+
+def _check_fp8_primary_sharding(model: torch.nn.Module, optimizer: Any, sharding_type: str) -> None:
+    """FP8 primary shards' optimizer state is tested in the default format only (raised before
+    any collective)."""
+    if optimizer is None or sharding_type == DEFAULT_SHARDING_TYPE:
+        return
+    if any(is_fp8_primary(p) for p in model.parameters()):
+        raise NotImplementedError(
+            f"checkpoints of FP8 primary GTP shards support the distributed optimizer's "
+            f"sharding_type={DEFAULT_SHARDING_TYPE!r} only, got sharding_type={sharding_type!r}: "
+            f"pass sharding_type={DEFAULT_SHARDING_TYPE!r} (megatron's dp_reshardable and "
+            f"fully_reshardable formats split FP8 param buffers their own way)"
+        )

@@ -147,3 +147,47 @@ def fp8_primary_hooks_installed() -> bool:
     """Whether :func:`install_fp8_primary_hooks` has run in this process."""
     module = importlib.import_module(_MODULES[-1])
     return hasattr(module.quantize_param_shard, _MARK)
+
+
+def quantize_fp8_primary_from_main_params(optimizer: Any) -> bool:
+    """Re-quantize every FP8 primary shard from the distributed optimizer's fp32 main params,
+    then all-gather the param buffers, as after an optimizer step (design §3.3 "FP8 primary
+    weights"). Returns whether the optimizer holds any FP8 primary shard.
+
+    After a checkpoint load the shards hold the saved (dequantized) weights re-quantized; the
+    main params just loaded are what the saving run quantized its shards from, so this gives
+    back its FP8 bytes and scales bit for bit (the scale recomputed from dequantized values can
+    differ in its last bit). Collective over every rank of the optimizer's groups.
+
+    Example::
+
+        load_optimizer_state(optimizer, loaded["optimizer"])
+        quantize_fp8_primary_from_main_params(optimizer)
+    """
+    chunks: dict[int, Any] = {}
+    found = False
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        get = getattr(opt, "_get_fp8_params_and_shard_fp32_from_fp8", None)
+        if get is None:
+            continue
+        params, mains, starts = get()
+        ours: dict[int, tuple[Any, list, list, list]] = {}
+        for param, main, start in zip(params, mains, starts, strict=True):
+            if is_fp8_primary(param):
+                entry = ours.setdefault(id(param.runtime), (param.runtime, [], [], []))
+                entry[1].append(param)
+                entry[2].append(main)
+                entry[3].append(start)
+        for runtime, group_params, group_mains, group_starts in ours.values():
+            write_back_fp8_primary(
+                group_params, group_mains, group_starts, [opt.data_parallel_group, runtime.group]
+            )
+        if ours:
+            found = True
+            for chunk in opt.model_chunks:
+                chunks.setdefault(id(chunk), chunk)
+    for chunk in chunks.values():
+        # each replicate rank cast only its own slices: megatron's param all-gather completes
+        # the shards (the FP8 bytes travel in the uint8 param buffer)
+        chunk.start_param_sync(force_sync=True)
+    return found
