@@ -617,6 +617,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outco
         (f"full_state_dict {run}", _full_state_dict_case, (run,)) for run in FULL_STATE_DICT_CASES_4
     ]
     cases += [("fp8 primary", _fp8_primary_case, (FP8_PRIMARY_4,))]
+    root = str(tmp_path_factory.mktemp("fp8ckpt4"))
+    cases += [("fp8 checkpoint", _fp8_checkpoint_case, (root, FP8_PRIMARY_4))]
     return run_cases(cases, 4, tmp_path_factory.mktemp("parity4"))
 
 
@@ -658,6 +660,12 @@ def test_fp8_primary_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:
     master may differ in its last bit and round to the neighbouring FP8 value (or move a
     weight's amax, hence its scale)."""
     case_values(four_ranks["fp8 primary"])
+
+
+def test_fp8_checkpoint_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:
+    """The same round trip at TP1·GTP2·DP2 -> DP4 -> TP1·GTP2·DP2: the fp32 mains split over
+    DP, the re-quantization from the loaded mains and the param all-gather after it."""
+    case_values(four_ranks["fp8 checkpoint"])
 
 
 def test_parity_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:
