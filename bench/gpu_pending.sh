@@ -16,8 +16,8 @@ pack() { (cd "$OUT" && tar czf "$1.tgz" "$1" && rm -rf "$1"); echo "$1 done $(( 
 STAGES="$*"  # empty: every stage
 want() { [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]]; }
 
-# 1. The 2k eager TE gap (GTP2 1.17-1.55x DP2 across hosts; without communication on one GPU
-#    GTP2 is as fast as DP2): per-thread CPU of rank 0 over the timed steps, twice interleaved.
+# 1. The 2k eager TE gap (GTP2 1.17-1.55x DP2 across hosts; 1.08-1.35x without communication on
+#    one GPU, host_fake.py): per-thread CPU of both ranks over the timed steps, twice interleaved.
 if want nemo_threads; then
   timeout 170 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te --tokens 2048 --repeat 2 \
     --profile-tokens 2048 --warmup 5 --timed 19 --fit-timeout 80 --out "$OUT/nemo_threads" | tail -14
