@@ -11,12 +11,15 @@ and a cProfile dump (``host_profile_<mode>.pstats``) says where — without a se
 cost, and anything that waits on a peer, is what this cannot see; ``bench_nemo.py`` measures the
 real thing on ≥ 2 GPUs.
 
-    python bench/host_fake.py --modes dp2_te,gtp2_te --tokens 2048 --out results/host_fake
+    python bench/host_fake.py --modes dp2_te,gtp2_te --tokens 2048 --repeat 3 --out results/hf
     python bench/host_fake.py --modes dp2_cpu,gtp2_cpu --out /tmp/host_fake   # CPU, tiny GPT
 
 Per mode (one process each): median step wall time and median host time to issue forward +
 backward (batch start → before the optimizer step, no device sync), over ``--steps`` steps after
-``--warmup``; then ``--profile`` steps under cProfile.
+``--warmup``; CPU time per thread and Python GC time over those steps; then ``--profile`` steps
+under cProfile. Hosts are noisy (the same DP2 fit moved by up to 30 % between launches on a
+shared VM): ``--repeat N`` runs the modes N times interleaved, and the table gives each GTP
+mode's ratio to its DP2 twin per repeat and their median.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ CPU_SHAPE = [
 
 
 def _resolve(mode: str, tokens: int) -> tuple[str, list[str]]:
+    mode = mode.split("#")[0]  # repeat k of a mode (--repeat)
     if mode.split("@")[0] in CPU_MODES:
         config, overrides = CPU_MODES[mode.split("@")[0]]
         extra = [f"+gtp.{k}" for k in mode.split("@")[1:]]
@@ -180,6 +184,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile", type=int, default=3, help="steps under cProfile")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the modes this many times, interleaved"
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank-main", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -189,8 +196,13 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
+    names = [
+        mode if k == 0 else f"{mode}#{k}"
+        for k in range(args.repeat)
+        for mode in args.modes.split(",")
+    ]
     for tokens in (int(t) for t in args.tokens.split(",")):
-        for mode in args.modes.split(","):
+        for mode in names:
             spec = dict(
                 mode=mode,
                 tokens=tokens,
@@ -227,15 +239,44 @@ def main() -> int:
             tar.add(path, arcname=path.name)
     for path in profiles:
         path.unlink()
-    lines = ["| mode | tokens/GPU | step ms | host issue ms (fwd+bwd) |", "|---|---|---|---|"]
+    table = _table(records)
+    (out / "host_fake.md").write_text(table)
+    print(table)
+    return 0
+
+
+def _baseline(mode: str) -> str | None:
+    """``gtp2_te@layergraph#1`` -> ``dp2_te@layergraph#1``: the same mode without GTP."""
+    return "dp2" + mode[len("gtp2") :] if mode.startswith("gtp2") else None
+
+
+def _table(records: list[dict]) -> str:
+    """Step and host-issue time per mode, each GTP mode against its DP2 twin of the same repeat,
+    and the median of those ratios per mode."""
+    by = {(r["mode"], r["tokens_per_gpu"]): r for r in records}
+    lines = [
+        "| mode | tokens/GPU | step ms | host issue ms (fwd+bwd) | vs DP2 (step) |",
+        "|---|---|---|---|---|",
+    ]
+    ratios: dict[tuple[str, int], list[float]] = {}
     for r in records:
+        twin = by.get((_baseline(r["mode"]), r["tokens_per_gpu"]))
+        ratio = ""
+        if twin and "step_ms" in r and "step_ms" in twin:
+            value = r["step_ms"] / twin["step_ms"]
+            ratio = f"{value:.3f}×"
+            key = (r["mode"].split("#")[0], r["tokens_per_gpu"])
+            ratios.setdefault(key, []).append(value)
         lines.append(
             f"| {r['mode']} | {r['tokens_per_gpu']} | {r.get('step_ms', r.get('error'))} | "
-            f"{r.get('issue_ms', '')} |"
+            f"{r.get('issue_ms', '')} | {ratio} |"
         )
-    (out / "host_fake.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    for (mode, tokens), values in ratios.items():
+        lines.append(
+            f"\n{mode} at {tokens}: median {statistics.median(values):.3f}× DP2 over "
+            f"{len(values)} interleaved pair(s) ({', '.join(f'{v:.3f}' for v in values)})"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
