@@ -9,7 +9,9 @@ GPU (or on CPU) GTP2 vs DP2 at the same per-rank shapes gives the host time GTP 
 and a cProfile dump (``host_profile_<mode>.pstats``) says where — without a second GPU.
 ``bench/pstats_diff.py`` diffs two dumps (packed into ``host_profiles.tgz``). NCCL's own launch
 cost, and anything that waits on a peer, is what this cannot see; ``bench_nemo.py`` measures the
-real thing on ≥ 2 GPUs.
+real thing on ≥ 2 GPUs. Two fake-world costs fall on GTP's side only (its ratios are upper
+bounds): torch's fake backend copies every all-gather input into its output (a copy kernel per
+tensor), and without NCCL's AVG GTP's MEAN is a 1/GTP pre-scale (one ``mul_`` per weight).
 
     python bench/host_fake.py --modes dp2_te,gtp2_te --tokens 2048 --repeat 3 --out results/hf
     python bench/host_fake.py --modes dp2_cpu,gtp2_cpu --out /tmp/host_fake   # CPU, tiny GPT
