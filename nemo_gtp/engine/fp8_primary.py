@@ -47,9 +47,8 @@ from nemo_gtp.engine.fp8 import (
     _real_rows,
     scale_from_amax,
 )
+from nemo_gtp.engine.fp8_gather import _SCALAR_STRIDE as _STRIDE  # cuBLAS-aligned scalars
 from nemo_gtp.engine.param import GTPShardedParam
-
-_STRIDE = 4  # each weight's scalars 16-byte aligned (cuBLAS FP8 scale pointers), design §1.3
 
 
 def is_fp8_primary(param: object) -> bool:
@@ -84,8 +83,10 @@ def make_fp8_primary(runtime: object, scaling: FP8Scaling) -> None:
     amax views into runtime-wide vectors (``param.gtp_state.fp8``), the training dtype is
     remembered as ``gtp_state.fp8_primary_dtype`` (the GEMM and gradient dtype) and the
     training-dtype shard is kept for the optimizer's master until
-    :func:`clear_fp8_primary_init_value`. Run it after the model is built and before DDP
-    wraps it (DDP moves the param's storage into its buffer). Checks run before the collective.
+    :meth:`GTPShardedParam.clear_high_precision_init_val`. The quantization itself is
+    :func:`write_back_fp8_primary` of each shard's own values. Run it after the model is built
+    and before DDP wraps it (DDP moves the param's storage into its buffer). Checks run before
+    the collective.
 
     Example::
 
@@ -106,27 +107,19 @@ def make_fp8_primary(runtime: object, scaling: FP8Scaling) -> None:
         if not param.dtype.is_floating_point:
             raise ValueError(f"{param!r}: FP8 primary weights need a floating-point shard")
     device = params[0].device
-    amax, scale, scale_inv = _scalars(len(params), device)
-    k = _STRIDE
+    amax, scale, scale_inv = _scalars(len(params), device)  # runtime-wide, one slot per weight
     with torch.no_grad():
         for i, param in enumerate(params):
-            rows = _real_rows(param.gtp_spec, param.shape[0])
-            if rows and param.numel():
-                amax[i * k] = param.detach()[:rows].float().abs().max()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=runtime.group)
-        scale.copy_(scale_from_amax(amax, scaling))
-        torch.reciprocal(scale, out=scale_inv)
-        for i, param in enumerate(params):
             state = param.gtp_state
-            values = param.detach()
-            rows = _real_rows(param.gtp_spec, param.shape[0])
-            data = torch.zeros(param.shape, dtype=scaling.fp8_dtype, device=device)
-            view = slice(i * k, i * k + 1)
-            data[:rows].copy_(_cast(values[:rows].float(), scale[view], scaling))
-            state.fp8_init = values.clone()
+            view = slice(i * _STRIDE, i * _STRIDE + 1)
+            state.fp8_init = param.detach().clone()
             state.fp8_primary_dtype = param.dtype
+            data = torch.zeros(param.shape, dtype=scaling.fp8_dtype, device=device)
             state.fp8 = FP8Shard(data, scale_inv[view], scale[view], amax[view], scaling)
             param.data = data
+    # The initial quantization is a write-back of the whole shard from its own values.
+    masters = [p.gtp_state.fp8_init.reshape(-1) for p in params]
+    write_back_fp8_primary(params, masters, [0] * len(params), [runtime.group])
     runtime.fp8_primary = scaling
 
 
@@ -142,11 +135,6 @@ def fp8_primary_init_value(param: GTPShardedParam) -> torch.Tensor:
     if state.fp8_init is not None:
         return state.fp8_init
     return dequantize_fp8_primary(param)
-
-
-def clear_fp8_primary_init_value(param: GTPShardedParam) -> None:
-    """Drop the kept training-dtype shard (the optimizer has its master now)."""
-    param.gtp_state.fp8_init = None
 
 
 def dequantize_fp8_primary(
