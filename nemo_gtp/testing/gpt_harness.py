@@ -26,7 +26,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, is_gtp_param
-from nemo_gtp.engine.fp8 import FP8Scaling, _cast, scale_from_amax
+from nemo_gtp.engine.fp8 import FP8Scaling, _cast, quantize_shard, scale_from_amax
 from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary, make_fp8_primary
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
@@ -482,10 +482,8 @@ FP8_PRIMARY_WEIGHTS = (
 
 def _fp8_dequantized(values: torch.Tensor) -> torch.Tensor:
     """``values`` quantized on one rank (per-tensor current scaling) and dequantized."""
-    scaling = FP8Scaling("tensorwise")
-    full = values.detach().float()
-    scale = scale_from_amax(full.abs().max().reshape(1), scaling)
-    return (_cast(full, scale, scaling).float() * torch.reciprocal(scale)).to(values.dtype)
+    quantized = quantize_shard(values.detach(), FP8Scaling("tensorwise"))
+    return (quantized.data.float() * quantized.scale_inv).to(values.dtype)
 
 
 def quantize_full_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
