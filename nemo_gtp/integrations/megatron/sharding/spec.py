@@ -100,12 +100,17 @@ def replace_modules_in_spec(
     return walk(spec, not within)
 
 
-def presharded_classes() -> dict[type, type]:
-    """Every megatron linear class GTP opts in, mapped to its pre-sharded subclass.
+def presharded_classes(kinds: Mapping[type, bool] | None = None) -> dict[type, type]:
+    """Megatron linear classes (``kinds``: class -> "TP splits out_features"; default every
+    class GTP opts in: the local linears and, when TransformerEngine is importable, its
+    wrappers) mapped to their pre-sharded subclasses.
 
-    The TE wrappers appear only when TransformerEngine is importable.
+    Example::
+
+        presharded_classes()   # {ColumnParallelLinear: GTPColumnParallelLinear, ...}
     """
-    kinds = _local_and_te_kinds(import_te=True)
+    if kinds is None:
+        kinds = _local_and_te_kinds(import_te=True)
     return {base: presharded_class(base, column) for base, column in kinds.items()}
 
 
@@ -283,10 +288,10 @@ def preshard_config_layer_spec(
     if expert_classes is None and default:
         expert_classes = presharded_expert_classes(_local_and_te_kinds(import_te=False))
     if groups.gtp_size > 1 and classes is None and default:
-        kinds = dict(te_parallel_linear_kinds(import_te=False))
         if config.preshard_linears == "all":
-            kinds.update({ColumnParallelLinear: True, RowParallelLinear: False})
-        classes = {base: presharded_class(base, column) for base, column in kinds.items()}
+            classes = presharded_classes(_local_and_te_kinds(import_te=False))
+        else:
+            classes = presharded_classes(te_parallel_linear_kinds(import_te=False))
 
     def swaps_for(spec: Any) -> list[_Swap]:
         grouped = grouped_classes
