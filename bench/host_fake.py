@@ -98,6 +98,7 @@ def _rank_main(spec: dict) -> dict:
     os.environ.setdefault("MASTER_PORT", "29533")
     _init_fake_world(spec["world"])
     from bench_nemo import _thread_cpu_per_step, thread_cpu_seconds
+    from gtp_host_timer import GTPHostTimer
 
     from nemo_gtp.recipes.loader import build_fit, load_recipe
 
@@ -116,6 +117,7 @@ def _rank_main(spec: dict) -> dict:
             gc_time["runs"][info["generation"]] += 1
 
     gc.callbacks.append(on_gc)
+    timer = GTPHostTimer.install()  # before the model is built: TE's pre-hooks bind then
 
     class _Times(pl.Callback):
         def __init__(self) -> None:
@@ -128,12 +130,14 @@ def _rank_main(spec: dict) -> dict:
             if trainer.global_step == warmup:
                 self.threads = thread_cpu_seconds()
                 gc_time.update(s=0.0, runs=[0, 0, 0])
+                self.timer_start = timer.snapshot()
             if trainer.global_step == warmup + steps:
                 self.threads = _thread_cpu_per_step(self.threads, thread_cpu_seconds(), steps)
                 self.gc = {
                     "ms_per_step": round(1000 * gc_time["s"] / steps, 2),
                     "collections_per_generation": list(gc_time["runs"]),
                 }
+                self.inside = timer.per_step(self.timer_start, timer.snapshot(), steps)
                 prof.enable()
             self._start = time.perf_counter()
 
@@ -175,6 +179,7 @@ def _rank_main(spec: dict) -> dict:
         "profiled_steps": profiled,
         "thread_cpu_ms_per_step": times.threads,
         "python_gc": times.gc,
+        "host_inside": times.inside,
     }
 
 
@@ -257,8 +262,9 @@ def _table(records: list[dict]) -> str:
     and the median of those ratios per mode."""
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records}
     lines = [
-        "| mode | tokens/GPU | step ms | host issue ms (fwd+bwd) | vs DP2 (step) |",
-        "|---|---|---|---|---|",
+        "| mode | tokens/GPU | step ms | host issue ms (fwd+bwd) | inside GTP ms | optimizer ms "
+        "| vs DP2 (step) |",
+        "|---|---|---|---|---|---|---|",
     ]
     ratios: dict[tuple[str, int], list[float]] = {}
     for r in records:
@@ -269,9 +275,11 @@ def _table(records: list[dict]) -> str:
             ratio = f"{value:.3f}×"
             key = (r["mode"].split("#")[0], r["tokens_per_gpu"])
             ratios.setdefault(key, []).append(value)
+        inside = r.get("host_inside", {})
         lines.append(
             f"| {r['mode']} | {r['tokens_per_gpu']} | {r.get('step_ms', r.get('error'))} | "
-            f"{r.get('issue_ms', '')} | {ratio} |"
+            f"{r.get('issue_ms', '')} | {inside.get('gtp_ms', '')} | "
+            f"{inside.get('optimizer_ms', '')} | {ratio} |"
         )
     for (mode, tokens), values in ratios.items():
         lines.append(
