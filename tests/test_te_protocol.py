@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
+from nemo_gtp.integrations.te_grad_mode import record_grad_mode
 from nemo_gtp.testing.spawn import run_distributed
 from nemo_gtp.testing.te_grouped import (
     finalize_weight_grads,
@@ -30,20 +31,27 @@ def _chain_steady_state(groups: object, rank: int, world: int) -> None:
     layer_bytes = sum(o * i * 4 for o, i in shapes)
     config = GTPConfig(coalesce_mb=2 * layer_bytes / 2**20, pad_for_alignment=8)  # 2 layers
     runtime = GTPRuntime(groups, config)
-    weights = []
+    weights, modules = [], []
     for layer in range(3):
         for j, (out_f, in_f) in enumerate(shapes):
             torch.manual_seed(layer * 4 + j)
-            weight = shard_linear(torch.nn.Linear(in_f, out_f, bias=False), runtime, f"{layer}.{j}")
+            module = _TEStandIn(in_f, out_f)
+            weight = runtime.shard_parameter(module, "weight", f"{layer}.{j}")
             weight.main_grad = torch.zeros_like(weight)
+            record_grad_mode(module)  # what adopt_te_linear does for a TE linear
             weights.append(weight)
+            modules.append(module)
     n = len(weights)
+    x = torch.zeros(2, 16)
     for step in range(3):
         runtime.stats.reset()
-        for weight in weights:  # TE's forward: autograd functions run with grad mode off
-            weight.gtp_state.forward_grad_enabled = True  # what record_grad_mode notes
-            with torch.no_grad():
-                materialize_weight_for_forward([weight])
+        for module in modules:
+            module(x)
+        # Once linked, each grad-mode hook went at its module's next call, but the forward
+        # chain's hand-over point's (the tail unit's lead): the handover still prefetches.
+        hooked = [bool(m._forward_pre_hooks) for m in modules]
+        assert hooked == [not step or runtime.needs_forward_grad_mode(w) for w in weights]
+        assert step == 0 or sum(hooked) == 1, hooked
         for weight in reversed(weights):
             (full,) = materialize_weight_for_backward([weight])
             finalize_weight_grads([weight], [torch.full_like(full, float(rank + 1))])
@@ -57,6 +65,17 @@ def _chain_steady_state(groups: object, rank: int, world: int) -> None:
     for weight in weights:
         assert torch.equal(weight.main_grad, torch.full_like(weight, 3 * mean))
     assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
+
+
+class _TEStandIn(torch.nn.Linear):
+    """A TE linear's protocol consume: its autograd forward runs with grad mode off."""
+
+    def __init__(self, in_f: int, out_f: int) -> None:
+        super().__init__(in_f, out_f, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return materialize_weight_for_forward([self.weight])[0]
 
 
 def _fp8_backward_of_training_dtype_gathers(groups: object, rank: int) -> None:

@@ -695,6 +695,19 @@ class GTPRuntime(GraphSegments):
             return GatherBackend.PROCESS_GROUP
         return GatherBackend.COPY_ENGINE
 
+    def needs_forward_grad_mode(self, param: GTPShardedParam) -> bool:
+        """Whether :meth:`materialize_group_for_protocol` may still read ``param``'s
+        ``forward_grad_enabled`` (what an integration records at each call of the module that
+        consumes it): while its chain is observed, and, once linked, on the slot where the
+        forward chain hands over to the backward (a unit lead with no forward link ahead).
+        Anywhere else the grad mode changes no decision, so the integration may stop
+        recording it (design §3.1 "Host cost")."""
+        state = param.gtp_state
+        if state.chain.phase is ChainPhase.OBSERVING:
+            return True
+        slot = state.fwd
+        return not slot.ahead and bool(slot.handover)
+
     def note_tokens(self, tokens: int) -> None:
         """Rows of the GEMMs about to run (read by gather_backend='auto' at the first gather)."""
         self.tokens_per_gemm = tokens

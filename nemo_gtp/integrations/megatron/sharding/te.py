@@ -29,8 +29,17 @@ import warnings
 import torch
 
 from nemo_gtp.engine.config import GTPConfig
-from nemo_gtp.engine.param import GTPShardedParam
 from nemo_gtp.integrations.te_fp8_backward import attach_te_weight_states
+from nemo_gtp.integrations.te_grad_mode import drop_grad_mode_hooks, record_grad_mode
+
+__all__ = [  # the grad-mode hook lives in nemo_gtp.integrations.te_grad_mode (no megatron import)
+    "adopt_te_linear",
+    "drop_grad_mode_hooks",
+    "record_grad_mode",
+    "te_grouped_linear_kinds",
+    "te_parallel_linear_kinds",
+    "warn_unsharded_te_modules",
+]
 
 
 def te_parallel_linear_kinds(*, import_te: bool = False) -> dict[type, bool]:
@@ -106,22 +115,6 @@ def warn_unsharded_te_modules(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _record(module: torch.nn.Module, args: tuple) -> None:
-    # A GroupedLinear's leader (weights[0], design §3.4) is its first expert's weight.
-    params = module._parameters
-    weight = params.get("weight", params.get("weight0"))
-    if isinstance(weight, GTPShardedParam):
-        weight.gtp_state.forward_grad_enabled = torch.is_grad_enabled()
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        runtime = weight.gtp_state.runtime() if weight.gtp_state.runtime is not None else None
-        if x is not None and x.dim() > 0 and runtime is not None:
-            # Rows of TE's GEMM; under sequence parallelism TE gathers the sequence first. A
-            # GroupedLinear splits its rows over its experts' GEMMs (on average).
-            tp = getattr(module, "tp_size", 1) if getattr(module, "sequence_parallel", False) else 1
-            gemms = max(1, int(getattr(module, "num_gemms", 1) or 1))
-            runtime.note_tokens(x.numel() // x.shape[-1] * tp // gemms)
-
-
 def adopt_te_linear(module: torch.nn.Module, config: GTPConfig) -> None:
     """Prepare a TE linear whose weight is now a GTP shard for the protocol (design §3.1 "The
     bridge"): record its grad mode per call, keep what its FP8 backward needs on its weights
@@ -139,21 +132,3 @@ def adopt_te_linear(module: torch.nn.Module, config: GTPConfig) -> None:
     attach_te_weight_states(module)  # its FP8 backward (design §1.3 "Consumer-quantized ...")
     if config.te_fuse_wgrad and hasattr(module, "fuse_wgrad_accumulation"):
         module.fuse_wgrad_accumulation = True
-
-
-def record_grad_mode(module: torch.nn.Module) -> None:
-    """Record the grad mode of each call of TE ``module`` on its GTP weight (see module doc);
-    a ``GroupedLinear``'s on ``weight0``, the leader TE materializes the group through."""
-    if not getattr(module, "_gtp_grad_mode_hook", None):
-        module._gtp_grad_mode_hook = module.register_forward_pre_hook(_record)
-
-
-def drop_grad_mode_hooks(module: torch.nn.Module) -> None:
-    """Remove :func:`record_grad_mode`'s hooks under ``module`` (a layer megatron captures as a
-    CUDA graph: its replay refuses modules with forward pre-hooks, and a captured layer's chain
-    hands nothing over to the backward, so the grad mode is not needed there)."""
-    for child in module.modules():
-        handle = getattr(child, "_gtp_grad_mode_hook", None)
-        if handle is not None and hasattr(handle, "remove"):
-            handle.remove()
-            child._gtp_grad_mode_hook = True  # never added again
