@@ -282,9 +282,11 @@ class ReduceScatterSlot:
         "scratch_pool",
         "output_pool",
         "recv_pool",
+        "nbytes",
     )
 
     def __init__(self) -> None:
+        self.nbytes = 0  # bytes this rank sends per reduce-scatter (set with the pools)
         self.state = ReduceScatterState.NONE
         self.work: Any = None
         self.scratch: torch.Tensor | None = None
@@ -556,7 +558,7 @@ class GTPShardedParam(torch.nn.Parameter):
         Returns None for a group of one and N Nones for a group of N: TE returns them to
         autograd as the weights' grads (async: nothing reaches autograd).
         """
-        grads = list(wgrads) if isinstance(wgrads, (list, tuple)) else [wgrads]
+        grads = list(wgrads) if isinstance(wgrads, (list, tuple)) else (wgrads,)
         size = self.runtime.finalize_group_for_protocol(self, grads)
         return None if size == 1 else [None] * size
 

@@ -23,6 +23,7 @@ gathered synchronously, and a prefetch whose buffer is still held is skipped.
 from __future__ import annotations
 
 import enum
+import math
 import weakref
 from dataclasses import dataclass, fields
 
@@ -757,19 +758,26 @@ class GTPRuntime(GraphSegments):
         rows; in a backward whose forward the ``consumer_quantize`` noted as quantized, the
         consumer's quantization of the buffer (design §1.3 "Consumer-quantized backward").
         """
-        members = self.protocol_members(param)
-        chain = param.gtp_state.chain
+        state = param.gtp_state
+        # every dense TE linear is in no weight group: skip the group lookups (hot path)
+        members = (param,) if state.group < 0 else self.protocol_members(param)
+        chain = state.chain
         last = chain.protocol_last
         which = 0 if direction is _FWD else 1
         previous = last[which]
         if previous is not None and previous is not param:
-            for member in self.protocol_members(previous):
-                self.release(member, direction)
+            if previous.gtp_state.group < 0:
+                self.release(previous, direction)
+            else:
+                for member in self.protocol_members(previous):
+                    self.release(member, direction)
         if direction is _BWD and last[0] is not None:
-            for member in self.protocol_members(last[0]):
-                self.release(member, _FWD)
+            if last[0].gtp_state.group < 0:
+                self.release(last[0], _FWD)
+            else:
+                for member in self.protocol_members(last[0]):
+                    self.release(member, _FWD)
             last[0] = None
-        state = param.gtp_state
         will_backward = torch.is_grad_enabled() or state.forward_grad_enabled
         last[which] = param
         requant = self.consumer_quantize
@@ -850,10 +858,13 @@ class GTPRuntime(GraphSegments):
         return cached[1]
 
     def finalize_group_for_protocol(
-        self, param: GTPShardedParam, wgrads: list[torch.Tensor]
+        self, param: GTPShardedParam, wgrads: list[torch.Tensor] | tuple[torch.Tensor, ...]
     ) -> int:
         """TE's ``finalize_group_grads`` on ``param``: reduce-scatter one full wgrad per member
         of its group (:meth:`protocol_members`, same order); returns the group's size."""
+        if param.gtp_state.group < 0 and len(wgrads) == 1:  # a dense TE linear (hot path)
+            self.reduce_scatter_foreign_wgrad(param, wgrads[0])
+            return 1
         members = self.protocol_members(param)
         if len(wgrads) != len(members):
             plural = "s" if len(members) > 1 else ""
@@ -878,6 +889,8 @@ class GTPRuntime(GraphSegments):
         )
         rs.output_pool = self.wgrad_pool.free_list(spec.shard_shape, dtype, param.device)
         rs.recv_pool = self.wgrad_pool.free_list(spec.gathered_shape, dtype, param.device)
+        numel = spec.padded_dim0 * math.prod(spec.logical_shape[1:])
+        rs.nbytes = numel * dtype.itemsize * (self.size - 1) // self.size
 
     def wgrad_scratch(self, param: GTPShardedParam) -> torch.Tensor:
         """A pooled full-size wgrad buffer (dtype of ``main_grad``); pad rows are zero."""
@@ -906,7 +919,7 @@ class GTPRuntime(GraphSegments):
         tensor of the logical shape (copied into pooled scratch, pad rows zero).
         """
         spec, state = param.gtp_spec, param.gtp_state
-        if tuple(wgrad.shape) != spec.logical_shape:
+        if wgrad.shape != spec.logical_shape:
             raise ValueError(
                 f"{state.name}: wgrad shape {tuple(wgrad.shape)} != logical weight "
                 f"shape {spec.logical_shape}"
@@ -1007,13 +1020,11 @@ class GTPRuntime(GraphSegments):
         """Count and trace the reduce-scatter just issued for ``params``, finalize the previous
         one of ``chain`` (the one-step deferral), and finalize these at once when ``sync``."""
         stats = self.stats
+        stats.reduce_scatters += len(params)
         for param in params:
-            scratch = param.gtp_state.rs.scratch
-            stats.reduce_scatters += 1
-            stats.reduce_scatter_bytes += (
-                scratch.numel() * scratch.element_size() * (self.size - 1) // self.size
-            )
-            if self.trace is not None:
+            stats.reduce_scatter_bytes += param.gtp_state.rs.nbytes  # set with its pools
+        if self.trace is not None:
+            for param in params:
                 self.record("rs_issue_sync" if sync else "rs_issue_async", param, _BWD)
         pending = chain.pending_rs
         if pending:  # the one-step-deferred finalize of the previous weight(s) or unit
