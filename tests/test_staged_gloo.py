@@ -177,6 +177,13 @@ def _coalesced(rank: int, world: int) -> bool:
     with _coalescing_manager(staged):
         for buf in buffers:
             dist.all_reduce(buf, group=staged)
+    # TE's FP8 gathers name the device: the group's own start / end of coalescing run too
+    gathered = [torch.zeros(4, 3), torch.zeros(2, 5, dtype=torch.bfloat16)]
+    with _coalescing_manager(staged, device=torch.device("cpu"), async_ops=True) as cm:
+        for out, shard in zip(gathered, shards):
+            dist.all_gather_into_tensor(out, shard, group=staged, async_op=True)
+    cm.wait()
+    assert all(torch.equal(a, b) for a, b in zip(gathered, fulls))
     return True
 
 
@@ -332,3 +339,76 @@ def test_registered_and_idempotent() -> None:
     assert staged_gloo.register() == staged_gloo.register() == "cpu:gloo,cuda:staged_gloo"
     assert "STAGED_GLOO" in dist.Backend._plugins
     assert dist.Backend.backend_capability["staged_gloo"] == ["cuda"]
+
+
+# ----------------------------------------------------------------- bench_nemo.py --shared-device
+def test_bench_nemo_shared_device_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--shared-device --dry-run``: every rank is local rank 0 of its own node (``cuda:0``),
+    the recipes run on the staged backend with the cut-down shape, nothing is launched."""
+    import json
+
+    from bench_nemo import SHARED_DEVICE_SHAPE, main
+
+    args = ["--shared-device", "--modes", "dp2_te,gtp2_te", "--tokens", "2048", "--dry-run"]
+    assert main([*args, "--out", "unused"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [r["mode"] for r in plan["runs"]] == ["dp2_te", "gtp2_te"]
+    for run in plan["runs"]:
+        assert run["overrides"][: len(SHARED_DEVICE_SHAPE)] == list(SHARED_DEVICE_SHAPE)
+        assert run["overrides"][-3:] == [
+            "trainer.devices=1",
+            "+trainer.num_nodes=2",
+            "+strategy.process_group_backend=cpu:gloo,cuda:staged_gloo",
+        ]
+        assert run["precision"] == "bf16-mixed"
+    ranks = [(r["RANK"], r["LOCAL_RANK"], r["NODE_RANK"], r["WORLD_SIZE"]) for r in plan["ranks"]]
+    assert ranks == [("0", "0", "0", "2"), ("1", "0", "1", "2")]
+    assert plan["ranks"][0]["MASTER_PORT"] == plan["ranks"][1]["MASTER_PORT"]
+    assert main([*args, "--full-size", "--out", "unused"]) == 0  # the recipe's own shape
+    assert "model.num_layers=4" not in json.loads(capsys.readouterr().out)["runs"][0]["overrides"]
+    # refused before any launch: CUDA graphs, Megatron-FSDP
+    assert main([*args[:2], "gtp2_te@graph,mfsdp_te", "--dry-run", "--out", "unused"]) == 2
+    errors = json.loads(capsys.readouterr().out)["errors"]
+    assert "cannot capture the staged backend" in errors[0] and "Megatron-FSDP" in errors[1]
+    # without --shared-device: one local rank per GPU, as before
+    assert main(["--modes", "dp2_cpu", "--tokens", "64", "--dry-run", "--out", "unused"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["runs"][0]["overrides"][-1] == "trainer.devices=2"
+    assert [r["LOCAL_RANK"] for r in plan["ranks"]] == ["0", "1"]
+    with pytest.raises(SystemExit):
+        main(["--full-size", "--out", "unused"])
+    with pytest.raises(SystemExit) as help_exit:
+        main(["--help"])
+    assert help_exit.value.code == 0 and "--shared-device" in capsys.readouterr().out
+
+
+def test_bench_nemo_parity_report(tmp_path: Path) -> None:
+    """The report of a shared-device run says step times mean nothing and judges each mode's
+    losses and grad norms against its baseline at the recipe precision's tolerance."""
+    from bench_nemo import _report
+
+    fit = {"tokens_per_gpu": 2048, "step_ms": 100.0, "tokens_per_s_per_gpu": 1, "peak_gib": 1.0}
+    base = {**fit, "mode": "dp2_te", "losses": [10.0, 9.0, 8.0], "grad_norms": [4.0, 2.0, 1.0]}
+    records = [
+        {**base, "precision": "bf16-mixed", "shared_device": 2},
+        {
+            **fit,
+            "mode": "gtp2_te",
+            "losses": [10.0, 9.009, 8.0],
+            "grad_norms": [4.0, 2.0, 1.1],
+            "precision": "bf16-mixed",
+            "shared_device": 2,
+        },
+        {**base, "mode": "dp2_cpu", "precision": "32", "shared_device": 2},
+        {**base, "mode": "gtp2_cpu", "losses": [10.0, 9.0, 8.001], "shared_device": 2},
+    ]
+    records[3]["precision"] = "32"
+    table = _report(records, tmp_path)
+    assert table.startswith("**--shared-device: 2 ranks on one GPU**")
+    assert "NOT meaningful" in table and not (tmp_path / "bench_nemo_ratio.png").exists()
+    row = next(line for line in table.splitlines() if line.startswith("| gtp2_te | dp2_te |"))
+    assert "| 3 | identical | 9.00e-03 | 1.00e-03 | 1.00e-01 | 2e-02 | match |" in row
+    assert "PARITY gtp2_cpu vs dp2_cpu at 2048 tokens/GPU: DIFFERS (max rel loss diff 1.25e-04" in (
+        table
+    )
+    assert (tmp_path / "bench_nemo.md").read_text().strip() == table.strip()
