@@ -706,12 +706,18 @@ def _parity_summary(records: list[dict]) -> str:
     """Each mode against its baseline in this launch (same size): the loss curves and grad norms
     (:func:`parity`), one row per pair, then one line per pair (the run's verdicts)."""
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
-    rows, verdicts = [], []
+    rows, verdicts, own_init = [], [], []
     for (mode, tokens), r in by.items():
-        base_mode = resolve_mode(mode)[2]
+        config, overrides, base_mode = resolve_mode(mode)
         base = by.get((base_mode or "", tokens))
-        if base is None:
-            continue
+        if base is None or resolve_mode(base_mode)[0] != config:
+            continue  # no baseline here, or another recipe's (dp2_local's is dp2_te: speed only)
+        if (
+            mode.startswith("gtp")
+            and "layer_spec: te" in (ROOT / config).read_text()
+            and "+gtp.preshard_linears=none" not in overrides
+        ):
+            own_init.append(mode)
         p = parity(r, base)
         if not p["steps"]:
             continue
@@ -741,7 +747,16 @@ def _parity_summary(records: list[dict]) -> str:
         "max abs loss diff | max rel loss diff | max rel grad-norm diff | tolerance | verdict |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    return "\n".join([*head, *rows, "", *verdicts])
+    notes = []
+    if own_init:
+        notes = [
+            "",
+            f"{', '.join(sorted(set(own_init)))}: TE linears built as their GTP shards draw "
+            'their own initial weights (design §3.1 "Per-GTP-rank init"), so the curves agree '
+            "statistically, not step for step; `@preshard_linears=none` builds them full and "
+            "slices (the baseline's weights: step-0 loss identical).",
+        ]
+    return "\n".join([*head, *rows, *notes, "", *verdicts])
 
 
 def _thread_summary(records: list[dict]) -> str:

@@ -399,10 +399,11 @@ def test_bench_nemo_parity_report(tmp_path: Path) -> None:
             "precision": "bf16-mixed",
             "shared_device": 2,
         },
+        {**base, "mode": "dp2_local", "losses": [11.0, 10.0, 9.0], "shared_device": 2},
         {**base, "mode": "dp2_cpu", "precision": "32", "shared_device": 2},
         {**base, "mode": "gtp2_cpu", "losses": [10.0, 9.0, 8.001], "shared_device": 2},
     ]
-    records[3]["precision"] = "32"
+    records[4]["precision"] = "32"
     table = _report(records, tmp_path)
     assert table.startswith("**--shared-device: 2 ranks on one GPU**")
     assert "NOT meaningful" in table and not (tmp_path / "bench_nemo_ratio.png").exists()
@@ -411,4 +412,6 @@ def test_bench_nemo_parity_report(tmp_path: Path) -> None:
     assert "PARITY gtp2_cpu vs dp2_cpu at 2048 tokens/GPU: DIFFERS (max rel loss diff 1.25e-04" in (
         table
     )
+    assert "gtp2_te: TE linears built as their GTP shards draw their own" in table
+    assert "| dp2_local | dp2_te |" not in table  # another recipe: a speed baseline only
     assert (tmp_path / "bench_nemo.md").read_text().strip() == table.strip()
