@@ -36,7 +36,7 @@ are refused there. ``dp2_cpu`` / ``gtp2_cpu`` (``configs/tiny_cpu.yaml``, fp32) 
 launch on CPU, ``--dry-run`` prints the launch plan after checking every recipe:
 
     python bench/bench_nemo.py --shared-device --modes dp2_te,gtp2_te --tokens 2048 \
-        --warmup 2 --timed 15 --out results_dir
+        --warmup 2 --timed 18 --fit-timeout 150 --out results_dir
     python bench/bench_nemo.py --shared-device --modes dp2_cpu,gtp2_cpu --out /tmp/sd  # CPU
 """
 
