@@ -23,6 +23,21 @@ full-iteration CUDA graph, TE's RNG tracker: needs TE), ``@layergraph`` /
 its baseline is its base mode's, with the same graphs.
 Per fit the table also splits three steps into the host's time to issue forward + backward
 from an idle GPU and what the GPU still had to do after it (a GPU tail near 0: host-bound).
+
+Two ranks on one GPU (numerics only): ``--shared-device`` runs the ``--devices`` ranks all on
+``cuda:0`` (each the local rank 0 of its own Lightning "node": ``trainer.devices=1``,
+``trainer.num_nodes=<ranks>``), their CUDA collectives staged through host memory over gloo
+(``nemo_gtp.testing.staged_gloo``, backend ``cpu:gloo,cuda:staged_gloo``), on a 4-layer,
+hidden-1024 cut of the recipe (``--full-size`` keeps the recipe's shape). Step times, tokens/s,
+exposed communication and memory of such a run mean nothing; its losses and grad norms do:
+the report adds each mode's parity against its baseline (max |loss diff|, relative loss and
+grad-norm differences, verdict at ``nemo_gtp.run``'s tolerance). CUDA graphs and Megatron-FSDP
+are refused there. ``dp2_cpu`` / ``gtp2_cpu`` (``configs/tiny_cpu.yaml``, fp32) run the same
+launch on CPU, ``--dry-run`` prints the launch plan after checking every recipe:
+
+    python bench/bench_nemo.py --shared-device --modes dp2_te,gtp2_te --tokens 2048 \
+        --warmup 2 --timed 18 --fit-timeout 150 --out results_dir
+    python bench/bench_nemo.py --shared-device --modes dp2_cpu,gtp2_cpu --out /tmp/sd  # CPU
 """
 
 from __future__ import annotations
@@ -64,6 +79,9 @@ MODES = {
         "configs/gpt_1b.yaml",
         ["+gtp.copy_engine_min_tokens=0", "+gtp.separate_reduce_scatter_group=true"],
     ),
+    # tiny fp32 GPT on CPU (gloo; staged_gloo under --shared-device): the launch, dry-run
+    "dp2_cpu": ("configs/tiny_cpu.yaml", ["strategy.num_weight_shards=1"]),
+    "gtp2_cpu": ("configs/tiny_cpu.yaml", []),
     "mfsdp_te": (
         "configs/gpt_1b_te.yaml",
         [
@@ -84,7 +102,15 @@ BASELINE = {
     "gtp2_local_ce_rs2": "dp2_local",
     "dp2_local": "dp2_te",
     "mfsdp_te": "dp2_te",
+    "gtp2_cpu": "dp2_cpu",
 }
+CPU_CONFIGS = {"configs/tiny_cpu.yaml"}  # their own data shape: --tokens only labels the fit
+SHARED_DEVICE_SHAPE = (  # --shared-device: numerics need no 1B model, the staged copies are slow
+    "model.num_layers=4",
+    "model.hidden_size=1024",
+    "model.ffn_hidden_size=4096",
+    "model.num_attention_heads=8",
+)
 
 
 def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
@@ -130,7 +156,9 @@ GRAPH_KINDS = {  # mode modifier -> recipe overrides (design §3.5)
 }
 
 
-def _token_overrides(tokens: int) -> list[str]:
+def _token_overrides(tokens: int, config: str | None = None) -> list[str]:
+    if config in CPU_CONFIGS:
+        return []
     seq = 1024 if tokens < 2048 else 2048
     mbs = max(1, tokens // seq)
     return [
@@ -140,7 +168,105 @@ def _token_overrides(tokens: int) -> list[str]:
     ]
 
 
+def world_overrides(world: int, shared_device: bool) -> list[str]:
+    """The recipe's world: ``world`` local ranks, or under ``shared_device`` ``world`` one-rank
+    "nodes" (every rank is local rank 0: ``cuda:0``) on the staged backend."""
+    if not shared_device:
+        return [f"trainer.devices={world}"]
+    from nemo_gtp.testing.staged_gloo import BACKEND
+
+    return [
+        "trainer.devices=1",
+        f"+trainer.num_nodes={world}",
+        f"+strategy.process_group_backend={BACKEND}",
+    ]
+
+
+def shared_device_refusal(mode: str) -> str | None:
+    """Why ``mode`` cannot run under ``--shared-device`` (None: it can)."""
+    base, *knobs = mode.split("#")[0].split("@")
+    if any(k in GRAPH_KINDS for k in knobs):
+        return (
+            f"{mode}: CUDA graphs cannot capture the staged backend's host copies; drop "
+            f"@{'/@'.join(k for k in knobs if k in GRAPH_KINDS)} under --shared-device"
+        )
+    if base == "mfsdp_te":
+        return f"{mode}: Megatron-FSDP needs an NCCL backend; not under --shared-device"
+    return None
+
+
+def rank_environment(rank: int, world: int, shared_device: bool, port: int) -> dict[str, str]:
+    """Process ``rank``'s environment. ``shared_device``: Lightning sees local rank 0 of node
+    ``rank`` (``NODE_RANK``), so every rank takes ``cuda:0``; ``RANK`` stays the global rank."""
+    from nemo_gtp.recipes.launch import rank_env
+
+    env = rank_env(rank, world, nccl=True, master_port=port)
+    if shared_device:
+        env.update(LOCAL_RANK="0", NODE_RANK=str(rank))
+    return env
+
+
+def launch_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
+    """(the runs, in order, each with its recipe and overrides; the errors, one line each:
+    refused modes and recipes that fail the CLI's checks)."""
+    from nemo_gtp.recipes.config import RecipeError, load_recipe
+    from nemo_gtp.recipes.validate import validate_recipe
+
+    profile = {int(t) for t in args.profile_tokens.split(",") if t}
+    runs, errors = [], []
+    for tokens, repeat in ((int(t), k) for t in args.tokens.split(",") for k in range(args.repeat)):
+        for mode in args.modes.split(","):
+            if mode.split("#")[0].split("@")[0] not in MODES:
+                errors.append(f"{mode}: unknown mode (modes: {', '.join(MODES)})")
+                continue
+            refusal = shared_device_refusal(mode) if args.shared_device else None
+            if refusal:
+                errors.append(refusal)
+                continue
+            config, overrides, _ = resolve_mode(mode)
+            shape = []
+            if args.shared_device and not args.full_size and config not in CPU_CONFIGS:
+                shape = list(SHARED_DEVICE_SHAPE)  # first: a mode's @model.key=value wins
+            run = {
+                "mode": mode if repeat == 0 else f"{mode}#{repeat}",
+                "tokens_per_gpu": tokens,
+                "config": config,
+                "overrides": [
+                    *shape,
+                    *overrides,
+                    *_token_overrides(tokens, config),
+                    *world_overrides(args.devices, args.shared_device),
+                ],
+                "profile": tokens in profile and repeat == 0,
+            }
+            try:
+                cfg = load_recipe(str(ROOT / config), run["overrides"])
+                validate_recipe(cfg)
+                run["precision"] = str(cfg.get("precision", "bf16-mixed"))
+            except (RecipeError, ValueError) as err:
+                errors.append(f"{mode}: {err}")
+                continue
+            runs.append(run)
+    return runs, errors
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 # ----------------------------------------------------------------------------- one rank
+def _sync() -> None:
+    """Wait for the GPU (no-op on CPU, where ``dp2_cpu`` / ``gtp2_cpu`` run)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def thread_cpu_seconds() -> dict[str, float]:
     """CPU seconds (user + system) each thread of this process has used, by ``name:tid``
     (Linux ``/proc``; empty elsewhere). Two snapshots around the timed steps say whether the
@@ -180,8 +306,10 @@ def _thread_cpu_per_step(before: dict, after: dict, steps: int, top: int = 8) ->
     return {k: round(v, 1) for k, v in busiest if v > 0}
 
 
-def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
-    """The rank's Lightning callback (Lightning imported here: the parent process stays light)."""
+def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True):  # noqa: ANN202
+    """The rank's Lightning callback (Lightning imported here: the parent process stays light).
+    ``timing=False`` (``--shared-device``): no exposed-communication or host/GPU split steps,
+    whose numbers would mean nothing; the run is ``warmup + timed`` steps (+ profiling)."""
     import lightning.pytorch as pl
 
     class _Steps(pl.Callback):
@@ -190,6 +318,7 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
 
         def __init__(self, warmup: int, timed: int, profile: bool) -> None:
             self.warmup, self.timed, self.profile = warmup, timed, profile
+            self.extra = 3 if timing else 0  # steps in each of the exposed and split windows
             self.records: list[dict] = []
             self.exposed: dict[str, float] = {}
             self.trace_path: str | None = None  # --chrome-trace: where rank 0 writes it
@@ -209,27 +338,27 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
         def windows(self) -> dict[str, range]:
             """Step ranges: timed, exposed-communication, torch.profiler, cProfile."""
             t0 = self.warmup + self.timed
+            t1 = t0 + 2 * self.extra  # the profiling windows follow
             return {
                 "timed": range(self.warmup, t0),
-                "exposed": range(t0, t0 + 3),
-                "split": range(t0 + 3, t0 + 6),
-                "torch": range(t0 + 6, t0 + 9) if self.profile else range(0),
-                "host": range(t0 + 9, t0 + 12) if self.profile else range(0),
+                "exposed": range(t0, t0 + self.extra),
+                "split": range(t0 + self.extra, t1),
+                "torch": range(t1, t1 + 3) if self.profile else range(0),
+                "host": range(t1 + 3, t1 + 6) if self.profile else range(0),
             }
 
         @property
         def total_steps(self) -> int:
-            return self.warmup + self.timed + (12 if self.profile else 6)
+            return self.warmup + self.timed + 2 * self.extra + (6 if self.profile else 0)
 
         def on_before_optimizer_step(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
             """Host-bound or GPU-bound? In the split window (the GPU idle at the batch start):
             the host's time to issue forward + backward, then how long the GPU still needs."""
-            import torch
 
             if trainer.global_step not in self.windows["split"]:
                 return
             issued = time.perf_counter()
-            torch.cuda.synchronize()
+            _sync()
             done = time.perf_counter()
             self.split.append(
                 {
@@ -253,11 +382,11 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
                 self.thread_cpu_ms_per_step["wall"] = round(
                     1000 * (time.perf_counter() - self._timed_wall) / len(w["timed"]), 1
                 )
-            if step == w["exposed"].start:
+            if w["exposed"] and step == w["exposed"].start:
                 for runtime in gtp_runtimes(trainer):
                     runtime.wait_timer.enable()
                     runtime.wait_timer.collect()
-            if step == w["exposed"].stop:
+            if w["exposed"] and step == w["exposed"].stop:
                 for runtime in gtp_runtimes(trainer):
                     runtime.wait_timer.enable(False)
             if w["torch"] and step == w["torch"].start:
@@ -274,15 +403,14 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
             if step in w["split"]:
                 for runtime in gtp_runtimes(trainer):
                     runtime.stats.reset()
-            torch.cuda.synchronize()
+            _sync()
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
-            import torch
 
             from nemo_gtp.strategy import gtp_runtimes
 
-            torch.cuda.synchronize()
+            _sync()
             step, w = trainer.global_step - 1, self.windows
             ms = 1000 * (time.perf_counter() - self._start)
             loss = trainer.callback_metrics.get("reduced_train_loss")
@@ -300,7 +428,7 @@ def _steps_callback(warmup: int, timed: int, profile: bool):  # noqa: ANN202
                 for runtime in gtp_runtimes(trainer):
                     for key, value in dataclasses.asdict(runtime.stats).items():
                         self.gtp_stats[key] = self.gtp_stats.get(key, 0) + value
-            if step == w["exposed"].stop - 1:
+            if w["exposed"] and step == w["exposed"].stop - 1:
                 for runtime in gtp_runtimes(trainer):
                     for kind, seconds in runtime.wait_timer.collect().items():
                         self.exposed[kind] = self.exposed.get(kind, 0.0) + seconds / 3
@@ -388,8 +516,10 @@ def timed_fit(
 
     fit = build_fit(cfg, callbacks=callbacks)
     fit.trainer.strategy.store = dist.FileStore(store, world)
-    torch.cuda.reset_peak_memory_stats()
-    leftover = torch.cuda.memory_allocated()  # what earlier fits left allocated
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    leftover = torch.cuda.memory_allocated() if cuda else 0  # what earlier fits left allocated
     fit.run()
     del fit
     timed = [r["ms"] for r in steps.records if r["step"] in steps.windows["timed"]]
@@ -397,7 +527,7 @@ def timed_fit(
     return dict(
         step_ms=round(median, 2),
         tokens_per_s_per_gpu=round(tokens_per_gpu / median * 1000),
-        peak_gib=round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2),
+        peak_gib=round(((torch.cuda.max_memory_allocated() if cuda else 0) - leftover) / 2**30, 2),
         leftover_gib=round(leftover / 2**30, 2),
         losses=[r["loss"] for r in steps.records],
         grad_norms=[r["grad_norm"] for r in steps.records],
@@ -412,13 +542,17 @@ def _rank_main(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if spec.get("shared_device"):  # registers "staged_gloo", the recipes' process-group backend
+        import nemo_gtp.testing.staged_gloo  # noqa: F401
     out = []
     for i, run in enumerate(spec["runs"]):
         record = {k: run[k] for k in ("mode", "tokens_per_gpu")}
         if spec.get("fit_timeout"):  # a hung fit: every thread's stack in the rank's log, exit
             faulthandler.dump_traceback_later(spec["fit_timeout"], exit=True)
         try:
-            steps = _steps_callback(spec["warmup"], spec["timed"], run["profile"])
+            steps = _steps_callback(
+                spec["warmup"], spec["timed"], run["profile"], timing=not spec.get("shared_device")
+            )
             name = f"{run['mode']}_{run['tokens_per_gpu']}"
             if rank == 0 and run["profile"]:
                 steps.pstats_path = str(Path(spec["out"], f"host_profile_{name}.pstats"))
@@ -514,18 +648,115 @@ def _report(records: list[dict], out: Path) -> str:
             f"{split_text} | {'' if idle is None else f'{idle:.0%}'} | {kernels} | {misses} | "
             f"{diff} |"
         )
+    shared = next((r["shared_device"] for r in records if r.get("shared_device")), 0)
     table = (
-        "\n".join(lines)
+        (SHARED_DEVICE_NOTE.format(n=shared) + "\n\n" if shared else "")
+        + "\n".join(lines)
+        + _parity_summary(records)
         + _repeat_summary(records)
         + _graph_vs_eager(records)
         + _thread_summary(records)
     )
     (out / "bench_nemo.md").write_text(table + "\n")
+    if shared:  # a step-time ratio plot of a shared GPU would only mislead
+        return table
     try:
         _plot(records, out / "bench_nemo_ratio.png")
     except Exception as err:  # noqa: BLE001 (matplotlib missing: the table is the result)
         print(f"plot skipped: {err}")
     return table
+
+
+SHARED_DEVICE_NOTE = (
+    "**--shared-device: {n} ranks on one GPU**, every collective staged through host memory "
+    "over gloo (backend staged_gloo). Step times, tokens/s, exposed communication, GPU idle, "
+    "kernel times and peak memory below are NOT meaningful (the ranks share the GPU and the "
+    "host copies are synchronous); losses and grad norms are: see the parity table."
+)
+
+
+def parity(record: dict, base: dict) -> dict:
+    """Loss and grad-norm agreement of ``record`` with its baseline ``base`` over their common
+    steps: max |loss diff|, max relative loss and grad-norm differences, and whether the loss
+    stays within ``nemo_gtp.run``'s tolerance for the recipe's precision."""
+    from nemo_gtp.run import TOLERANCE
+
+    pairs = [
+        (a, b) for a, b in zip(record["losses"], base["losses"]) if a is not None and b is not None
+    ]
+    norms = [
+        (a, b)
+        for a, b in zip(record.get("grad_norms") or [], base.get("grad_norms") or [])
+        if a is not None and b
+    ]
+    tolerance = TOLERANCE.get(record.get("precision") or "", TOLERANCE["bf16-mixed"])
+    rel = max((abs(a - b) / abs(b) for a, b in pairs), default=None)
+    return {
+        "steps": len(pairs),
+        "first_loss": (pairs[0] if pairs else None),
+        "max_abs_loss_diff": max((abs(a - b) for a, b in pairs), default=None),
+        "max_rel_loss_diff": rel,
+        "max_rel_grad_norm_diff": max((abs(a - b) / abs(b) for a, b in norms), default=None),
+        "tolerance": tolerance,
+        "match": rel is not None and rel <= tolerance,
+    }
+
+
+def _parity_summary(records: list[dict]) -> str:
+    """Each mode against its baseline in this launch (same size): the loss curves and grad norms
+    (:func:`parity`), one row per pair, then one line per pair (the run's verdicts)."""
+    by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
+    rows, verdicts, own_init = [], [], []
+    for (mode, tokens), r in by.items():
+        config, overrides, base_mode = resolve_mode(mode)
+        base = by.get((base_mode or "", tokens))
+        if base is None or resolve_mode(base_mode)[0] != config:
+            continue  # no baseline here, or another recipe's (dp2_local's is dp2_te: speed only)
+        if (
+            mode.startswith("gtp")
+            and "layer_spec: te" in (ROOT / config).read_text()
+            and "+gtp.preshard_linears=none" not in overrides
+        ):
+            own_init.append(mode)
+        p = parity(r, base)
+        if not p["steps"]:
+            continue
+        first = p["first_loss"]
+        first_text = "identical" if first[0] == first[1] else f"{first[0]:.6f} / {first[1]:.6f}"
+        norm = p["max_rel_grad_norm_diff"]
+        verdict = "match" if p["match"] else "DIFFERS"
+        rows.append(
+            f"| {mode} | {base_mode} | {tokens} | {p['steps']} | {first_text} | "
+            f"{p['max_abs_loss_diff']:.2e} | {p['max_rel_loss_diff']:.2e} | "
+            f"{'' if norm is None else f'{norm:.2e}'} | {p['tolerance']:.0e} | {verdict} |"
+        )
+        verdicts.append(
+            f"PARITY {mode} vs {base_mode} at {tokens} tokens/GPU: {verdict} (max rel loss diff "
+            f"{p['max_rel_loss_diff']:.2e}, max |loss diff| {p['max_abs_loss_diff']:.2e}, "
+            f"max rel grad-norm diff {'n/a' if norm is None else f'{norm:.2e}'} over "
+            f"{p['steps']} steps; tolerance {p['tolerance']:.0e})"
+        )
+    if not rows:
+        return ""
+    head = [
+        "",
+        "",
+        "Parity vs baseline (same launch, same size; step 0 = the first training step):",
+        "",
+        "| mode | baseline | tokens/GPU | steps | step-0 loss mode / baseline | "
+        "max abs loss diff | max rel loss diff | max rel grad-norm diff | tolerance | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    if own_init:
+        notes = [
+            "",
+            f"{', '.join(sorted(set(own_init)))}: TE linears built as their GTP shards draw "
+            'their own initial weights (design §3.1 "Per-GTP-rank init"), so the curves agree '
+            "statistically, not step for step; `@preshard_linears=none` builds them full and "
+            "slices (the baseline's weights: step-0 loss identical).",
+        ]
+    return "\n".join([*head, *rows, *notes, "", *verdicts])
 
 
 def _thread_summary(records: list[dict]) -> str:
@@ -675,7 +906,8 @@ def _wait_all(procs: list, grace_s: float = 60.0) -> list[int]:
     return [proc.returncode for proc, _ in procs]
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``--help`` lists it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="dp2_local,gtp2_local,dp2_te,gtp2_te")
     parser.add_argument("--tokens", default="1024,2048,4096,8192")
@@ -688,7 +920,7 @@ def main() -> int:
     )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timed", type=int, default=20)
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=2, help="ranks (one per GPU unless shared)")
     parser.add_argument(
         "--repeat", type=int, default=1, help="run every mode this many times, interleaved"
     )
@@ -699,24 +931,65 @@ def main() -> int:
         help="seconds per fit (build, steps, teardown); past it each rank writes every "
         "thread's stack to its log and exits (finding a hang)",
     )
+    parser.add_argument(
+        "--shared-device",
+        action="store_true",
+        help="all --devices ranks on one GPU (cuda:0), collectives staged through host memory "
+        "over gloo (backend staged_gloo): numerics only, step times mean nothing",
+    )
+    parser.add_argument(
+        "--full-size",
+        action="store_true",
+        help="with --shared-device: keep the recipe's model shape (default: 4 layers, hidden "
+        "1024, ffn 4096, 8 heads)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every run's recipe and print the launch plan (runs, per-rank environment); "
+        "launch nothing",
+    )
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.full_size and not args.shared_device:
+        parser.error("--full-size only applies with --shared-device")
+    if args.devices < 1:
+        parser.error(f"--devices must be >= 1, got {args.devices}")
+    return args
+
+
+PLAN_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    profile = {int(t) for t in args.profile_tokens.split(",") if t}
-    runs = []
-    for tokens, repeat in ((int(t), k) for t in args.tokens.split(",") for k in range(args.repeat)):
-        for mode in args.modes.split(","):
-            config, overrides, _ = resolve_mode(mode)
-            runs.append(
+    runs, errors = launch_plan(args)
+    port = _free_port()
+    if args.dry_run or errors:
+        plan = {
+            "shared_device": args.shared_device,
+            "runs": runs,
+            "ranks": [
                 {
-                    "mode": mode if repeat == 0 else f"{mode}#{repeat}",
-                    "tokens_per_gpu": tokens,
-                    "config": config,
-                    "overrides": [*overrides, *_token_overrides(tokens)],
-                    "profile": tokens in profile and repeat == 0,
+                    k: rank_environment(r, args.devices, args.shared_device, port)[k]
+                    for k in PLAN_ENV
                 }
-            )
+                for r in range(args.devices)
+            ],
+            "errors": errors,
+        }
+        print(json.dumps(plan, indent=1))
+        for error in errors:
+            print(f"error: {error}", file=sys.stderr)
+        return 2 if errors else 0
+    out.mkdir(parents=True, exist_ok=True)
+    if args.shared_device:
+        print(
+            f"--shared-device: {args.devices} ranks on cuda:0, collectives staged through the "
+            "host (staged_gloo): numerics only, step times mean nothing",
+            flush=True,
+        )
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
         spec.write_text(
@@ -729,14 +1002,13 @@ def main() -> int:
                     "chrome_trace": args.chrome_trace,
                     "timed": args.timed,
                     "fit_timeout": args.fit_timeout,
+                    "shared_device": args.shared_device,
                 }
             )
         )
-        from nemo_gtp.recipes.launch import rank_env
-
         procs = []
         for rank in range(args.devices):
-            env = rank_env(rank, args.devices, nccl=True)
+            env = rank_environment(rank, args.devices, args.shared_device, port)
             log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
             procs.append(
                 (
@@ -752,6 +1024,10 @@ def main() -> int:
         codes = _wait_all(procs)
         records_path = Path(tmp, "records.json")
         records = json.loads(records_path.read_text()) if records_path.exists() else []
+    precision = {run["mode"]: run["precision"] for run in runs}
+    for record in records:
+        record["precision"] = precision.get(record["mode"])
+        record["shared_device"] = args.devices if args.shared_device else 0  # ranks on one GPU
     (out / "bench_nemo.json").write_text(json.dumps(records, indent=1))
     print(_report(records, out))
     return max(codes)
