@@ -41,7 +41,8 @@ GTP_ENTRIES = (
     ("nemo_gtp.engine.runtime", "GTPRuntime", "drain", "gtp"),
     ("nemo_gtp.engine.runtime", "GTPRuntime", "drain_reduce_scatters", "gtp"),
     ("nemo_gtp.engine.runtime", "GTPRuntime", "drain_gathers", "gtp"),
-    ("nemo_gtp.integrations.megatron.sharding.te", None, "_record", "gtp"),
+    ("nemo_gtp.integrations.te_grad_mode", None, "_record", "gtp"),
+    ("nemo_gtp.integrations.megatron.sharding.te", None, "_record", "gtp"),  # before it moved
     ("megatron.core.optimizer.optimizer", "MegatronOptimizer", "step", "optimizer"),
     ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer", "step", "optimizer"),
     ("megatron.core.optimizer.optimizer", "ChainedOptimizer", "step", "optimizer"),

@@ -138,7 +138,8 @@ def _rank_main(spec: dict) -> dict:
                     "collections_per_generation": list(gc_time["runs"]),
                 }
                 self.inside = timer.per_step(self.timer_start, timer.snapshot(), steps)
-                prof.enable()
+                if profiled:
+                    prof.enable()
             self._start = time.perf_counter()
 
         def on_before_optimizer_step(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
@@ -157,17 +158,19 @@ def _rank_main(spec: dict) -> dict:
             *overrides,
             "trainer.devices=1",  # one device; Lightning's world = nodes x devices
             f"+trainer.num_nodes={spec['world']}",
-            f"trainer.max_steps={warmup + steps + profiled}",
+            # one step past the window at least: its start closes the window's records
+            f"trainer.max_steps={warmup + steps + max(profiled, 1)}",
         ],
     )
     times = _Times()
     build_fit(cfg, callbacks=[times]).run()
     out = Path(spec["out"])
     name = f"{spec['mode']}_{spec['tokens']}"
-    prof.dump_stats(str(out / f"host_profile_{name}.pstats"))
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
-    (out / f"host_profile_{name}.txt").write_text(text.getvalue())
+    if profiled:
+        prof.dump_stats(str(out / f"host_profile_{name}.pstats"))
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+        (out / f"host_profile_{name}.txt").write_text(text.getvalue())
     window = slice(warmup, warmup + steps)
     return {
         "mode": spec["mode"],
