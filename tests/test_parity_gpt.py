@@ -596,6 +596,45 @@ def _grad_guard_case(rank: int, world: int) -> None:
     ddp.zero_grad_buffer()
 
 
+def _optimizer_copies_case(rank: int, world: int) -> int:
+    """The planned distributed-optimizer copies (``plan_optimizer_copies``) do bit for bit what
+    megatron's per-tensor methods do, on a GTP2 rank's optimizer (bf16 params, fp32 mains)."""
+    import torch
+
+    from nemo_gtp.integrations.megatron.optimizer_copies import megatron_method
+    from nemo_gtp.testing.gpt_harness import build, train_built
+
+    case = Run(gtp=2, steps=2, distopt=True, bf16=True)
+    setup = build(case)
+    train_built(setup, case)  # two steps through the planned copies
+    (optimizer,) = getattr(setup["optimizer"], "chained_optimizers", [setup["optimizer"]])
+    planned_grads = optimizer._copy_model_grads_to_main_grads
+    planned_params = optimizer._copy_main_params_to_model_params
+    assert "_copy_model_grads_to_main_grads" in vars(optimizer), "copies were not planned"
+    mains = [p for group in optimizer.shard_fp32_from_float16_groups for p in group]
+    mains += [p for group in optimizer.shard_fp32_groups for p in group]
+    gen = torch.Generator().manual_seed(rank)
+    for ddp_buffer in setup["ddp"].buffers:
+        ddp_buffer.grad_data.copy_(torch.randn(ddp_buffer.grad_data.shape, generator=gen))
+    megatron_method(optimizer, "_copy_model_grads_to_main_grads")()
+    want = [p.grad.clone() for p in mains]
+    for p in mains:
+        p.grad = None
+    planned_grads()
+    assert all(torch.equal(p.grad, w) for p, w in zip(mains, want, strict=True))
+    with torch.no_grad():
+        for p in mains:
+            p.add_(torch.randn(p.shape, generator=gen))  # mains no bf16 value equals exactly
+    megatron_method(optimizer, "_copy_main_params_to_model_params")()
+    want = [b.param_data.clone() for buf in setup["ddp"].buffers for b in buf.buckets]
+    for buf in setup["ddp"].buffers:
+        buf.param_data.zero_()
+    planned_params()
+    got = [b.param_data for buf in setup["ddp"].buffers for b in buf.buckets]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    return len(mains)
+
+
 def _cases(runs: list[Run]) -> list:
     return [("setup", _setup, ()), *((f"parity {run}", _parity_case, (run,)) for run in runs)]
 
@@ -605,6 +644,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcom
     cases = _cases(CASES_2) + [("wrong data group", _wrong_data_group_worker, ())]
     cases += [(f"layer graphs {run}", _layer_graph_case, (run,)) for run in LAYER_GRAPH_CASES_2]
     cases += [("grad guard", _grad_guard_case, ())]
+    cases += [("optimizer copies", _optimizer_copies_case, ())]
     cases += [("fp8 primary", _fp8_primary_case, (FP8_PRIMARY_2,))]
     cases += [("fp8 checkpoint", _fp8_checkpoint_case, (str(tmp_path_factory.mktemp("fp8ckpt")),))]
     cases += [(f"megatron graph flow ring={r}", _megatron_graph_flow_case, (r,)) for r in (0, 2)]
@@ -630,6 +670,12 @@ def _check_all(outcomes: dict[str, list[Outcome]], runs: list[Run]) -> None:
 
 def test_parity_two_ranks(two_ranks: dict[str, list[Outcome]]) -> None:
     _check_all(two_ranks, CASES_2)
+
+
+def test_planned_optimizer_copies_are_megatrons_bit_for_bit(
+    two_ranks: dict[str, list[Outcome]],
+) -> None:
+    assert all(count > 0 for count in case_values(two_ranks["optimizer copies"]))
 
 
 def test_ddp_refuses_groups_that_do_not_match_the_gtp_config(

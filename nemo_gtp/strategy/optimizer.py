@@ -10,7 +10,9 @@ shards over the GTP-excluded replicate group; the model-parallel group includes 
 NeMo imports the function from ``megatron.core.optimizer`` at call time, so
 :func:`megatron_optimizer_pg_collection` replaces that attribute only while the strategy sets up
 its optimizers. Gloo groups are turned off because megatron would derive them from its own
-data-parallel group, which is the wrong one under GTP.
+data-parallel group, which is the wrong one under GTP. The optimizer it returns gets its
+per-tensor copies planned once (:func:`~nemo_gtp.integrations.megatron.optimizer_copies.
+plan_optimizer_copies`): a GTP rank owns twice the tensors of a DP rank's distributed optimizer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 
 import megatron.core.optimizer as mcore_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
+
+from nemo_gtp.integrations.megatron.optimizer_copies import plan_optimizer_copies
 
 
 @contextlib.contextmanager
@@ -39,7 +43,9 @@ def megatron_optimizer_pg_collection(pg_collection: ProcessGroupCollection) -> I
     def get_megatron_optimizer(*args: Any, **kwargs: Any) -> Any:
         kwargs["pg_collection"] = pg_collection
         kwargs["use_gloo_process_groups"] = False
-        return original(*args, **kwargs)
+        optimizer = original(*args, **kwargs)
+        plan_optimizer_copies(optimizer)  # its per-tensor copies, exact (design §3.2)
+        return optimizer
 
     mcore_optimizer.get_megatron_optimizer = get_megatron_optimizer
     try:

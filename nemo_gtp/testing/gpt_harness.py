@@ -34,6 +34,7 @@ from nemo_gtp.integrations.megatron import (
     gtp_process_groups,
     initialize_gtp_parallel,
     make_finalize_model_grads,
+    plan_optimizer_copies,
     preshard_config_layer_spec,
     presharded_grouped_classes,
     shard_model,
@@ -408,6 +409,8 @@ def build(run: Run) -> dict:
         use_gloo_process_groups=False,
         pg_collection=pgs,
     )
+    if run.gtp_on:  # as GTPMegatronStrategy's optimizer setup does
+        plan_optimizer_copies(optimizer)
     config.finalize_model_grads_func = make_finalize_model_grads(groups)
     config.no_sync_func = ddp.no_sync
     return dict(model=model, ddp=ddp, optimizer=optimizer, groups=groups, device=device)

@@ -33,6 +33,7 @@ from nemo_gtp.integrations.megatron.model_config import (
     mirror_per_token_loss,
     validate_model_config_for_gtp,
 )
+from nemo_gtp.integrations.megatron.optimizer_copies import plan_optimizer_copies
 from nemo_gtp.integrations.megatron.parallel import (
     gtp_nccl_options,
     gtp_process_groups,
@@ -68,6 +69,7 @@ __all__ = [
     "make_finalize_model_grads",
     "make_gtp_sharded_state_dict",
     "mirror_per_token_loss",
+    "plan_optimizer_copies",
     "preshard_config_layer_spec",
     "presharded_class",
     "presharded_classes",
