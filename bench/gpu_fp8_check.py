@@ -58,11 +58,20 @@ are reported, not judged. ``--modes a,b`` runs a subset (a line whose modes did 
 "not measured"). Writes ``fp8_check.json`` and ``summary.md`` under ``--out`` (also on a
 failure or at the ``--deadline``: never hangs past it).
 
+One GPU: ``--shared-device`` (same torchrun line, ``--nproc-per-node 2``) puts every local rank
+on ``cuda:0`` and the process group on ``nemo_gtp.testing.staged_gloo`` (collectives staged
+through host memory over gloo; megatron's and GTP's groups inherit it). Losses, bytes, bit
+checks, refresh and allocation counts keep their meaning (peak GiB is each rank's own
+allocator); step times do not, and GTP sees a non-NCCL group (MEAN as a 1/2 pre-scale, no
+copy-engine gather)::
+
+    torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --shared-device --out /tmp/fp8_1gpu
+
 ``--cpu-smoke`` (2 gloo processes, no TE): the same script with the megatron-local spec in bf16
 (modes ``bf16_dp2`` / ``bf16_gtp2``), plus the runtime's FP8 gather through a pure-torch
 consumer on a few GTP linears (bytes, bit checks, refreshes) and the bf16-gather FP8 backward
 through GTP's TE consumer on stand-ins of TE's FP8 linear (``te_backward_bit_checks`` on
-them): the plumbing, not TE.
+them): the plumbing, not TE. ``--cpu-smoke --shared-device``: the same on the staged backend.
 """
 
 from __future__ import annotations
@@ -736,6 +745,8 @@ def summary_markdown(result: dict) -> str:
     lines.append(
         f"device: {result.get('device')}, torch {result.get('torch')}, TE {result.get('te')}"
     )
+    if result.get("shared_device"):
+        lines += ["", SHARED_DEVICE_NOTE]
     lines += ["", "| check | result | detail |", "|---|---|---|"]
     for name, ok, detail in verdicts(result):
         mark = "not measured" if ok is None else ("PASS" if ok else "FAIL")
@@ -759,6 +770,29 @@ def summary_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+SHARED_DEVICE_NOTE = (
+    "**--shared-device**: every rank on cuda:0 (the CPU under --cpu-smoke), collectives staged "
+    "through host memory over gloo (staged_gloo): step ms mean nothing; losses, bytes, bits, "
+    "counts and each rank's own peak GiB hold."
+)
+
+
+def world_plan(shared_device: bool, local_rank: int, cuda: bool = CUDA) -> tuple[str, int | None]:
+    """``(process-group backend, CUDA device index or None)`` of a torchrun process:
+    NCCL on ``cuda:<LOCAL_RANK>``, gloo on CPU, or under ``--shared-device`` the staged backend
+    with every local rank on ``cuda:0`` (on the CPU with ``--cpu-smoke``).
+
+    Example::
+
+        world_plan(True, 1, cuda=True)  # ("cpu:gloo,cuda:staged_gloo", 0)
+    """
+    if shared_device:
+        from nemo_gtp.testing.staged_gloo import BACKEND  # importing registers the backend
+
+        return BACKEND, 0 if cuda else None
+    return ("nccl", local_rank) if cuda else ("gloo", None)
+
+
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gpt, te_gpt_nccl
     from te_gpt_nccl import add_run_args
@@ -770,6 +804,12 @@ def main() -> None:
     parser.add_argument("--out", default="fp8_check_out")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo, local spec, no TE")
     parser.add_argument(
+        "--shared-device",
+        action="store_true",
+        help="every local rank on cuda:0 (one GPU), collectives staged through host memory over "
+        "gloo (backend staged_gloo): numerics only",
+    )
+    parser.add_argument(
         "--probe-gemm",
         action="store_true",
         help="record the operands of a failing TE GEMM and which copied operand makes it run "
@@ -777,20 +817,21 @@ def main() -> None:
     )
     args = parser.parse_args()
     _watchdog(args)
+    backend, device_index = world_plan(args.shared_device, int(os.environ.get("LOCAL_RANK", 0)))
     if CUDA:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device_index)
     else:
         from nemo_gtp.testing.cpu_compat import enable_cpu_compat
 
         enable_cpu_compat()
         args.layers, args.hidden, args.heads, args.vocab, args.seq = 2, 64, 4, 256, 32
         args.steps, args.timing_from = min(args.steps, 4), 1
-    dist.init_process_group(
-        "nccl" if CUDA else "gloo", timeout=datetime.timedelta(seconds=max(30, args.deadline / 2))
-    )
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(30, args.deadline / 2)))
     RESULT.update(
         args=vars(args),
         device=torch.cuda.get_device_name() if CUDA else "cpu (smoke)",
+        shared_device=args.shared_device,
+        backend=backend,
         torch=torch.__version__,
         world=dist.get_world_size(),
         records={},

@@ -33,7 +33,24 @@ itself and ends them after ``--timeout`` seconds)::
     PYTHONPATH=/tmp/te:/tmp/site:$PWD timeout 115 python bench/gpu_grouped_experts.py \
         --timeout 110 --out /tmp/gpu_grouped_experts
 
-Here, on CPU (gloo, TE's stand-in, the same checks on tiny sizes; about 1 minute)::
+On a machine with ONE GPU, ``--shared-device`` runs both ranks on ``cuda:0``, their
+collectives staged through host memory over gloo (``nemo_gtp.testing.staged_gloo``, backend
+``cpu:gloo,cuda:staged_gloo``; every megatron / GTP sub-group inherits it)::
+
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TORCH_FR_BUFFER_SIZE=0
+    PYTHONPATH=/tmp/te:/tmp/site:$PWD timeout 145 python bench/gpu_grouped_experts.py \
+        --shared-device --timeout 140 --out /tmp/gpu_grouped_experts_1gpu
+
+Every check keeps its meaning there: the parities and checkpoints compare values (the staged
+collectives move the same values as NCCL; GTP sees a non-NCCL group, so it averages by a 1/2
+pre-scale instead of inside the reduce-scatter, as on gloo), and the build-memory checks read
+``torch.cuda.max_memory_allocated`` / ``memory_allocated``, which count this process's own
+caching allocator only (the other rank's allocations on the same GPU are not in them, and
+the staged collectives allocate no GPU scratch of their own). Not checked that way: NCCL
+itself and the copy-engine gather; the ``seconds`` of each check mean nothing.
+
+Here, on CPU (gloo, TE's stand-in, the same checks on tiny sizes; about 1 minute; add
+``--shared-device`` to run them through the staged backend)::
 
     PYTHONPATH=$PWD python bench/gpu_grouped_experts.py --cpu-smoke --out /tmp/gpu_grouped_smoke
 
@@ -79,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moe-ffn", type=int, default=2816)
     parser.add_argument("--timeout", type=float, default=110.0, help="whole launch, seconds")
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo on CPU, TE's stand-in")
+    parser.add_argument(
+        "--shared-device",
+        action="store_true",
+        help="both ranks on cuda:0 (one GPU), collectives staged through host memory over gloo "
+        "(backend staged_gloo); with --cpu-smoke: the staged backend on CPU",
+    )
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         args.local_experts, args.hidden, args.moe_ffn = 3, 32, 64
@@ -322,9 +345,17 @@ def write(args: argparse.Namespace, records: dict, device: str) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ok = all(records.get(c, {}).get("ok") for c in args.checks.split(","))
-    result = dict(ok=ok, device=device, torch=torch.__version__, checks=records)
+    result = dict(
+        ok=ok,
+        device=device,
+        shared_device=args.shared_device,
+        torch=torch.__version__,
+        checks=records,
+    )
     (out / "gpu_grouped_experts.json").write_text(json.dumps(result, indent=1, default=str))
     lines = [f"# Routed experts pre-sharded over EGTP2 ({device})", ""]
+    if args.shared_device:
+        lines += [SHARED_DEVICE_NOTE, ""]
     lines += ["| check | result | details |", "|---|---|---|"]
     for name, rec in records.items():
         if "error" in rec:
@@ -335,30 +366,62 @@ def write(args: argparse.Namespace, records: dict, device: str) -> None:
     (out / "gpu_grouped_experts.md").write_text("\n".join(lines) + "\n")
 
 
+SHARED_DEVICE_NOTE = (
+    "**--shared-device**: both ranks on one device (cuda:0; the CPU with --cpu-smoke), "
+    "collectives staged through host memory over gloo (staged_gloo). Values are those of two "
+    "GPUs; the memory figures count each rank's own allocator (per process), so they hold too; "
+    "`seconds` mean nothing."
+)
+
+
 # ------------------------------------------------------------------------------- processes
+def world_plan(rank: int, args: argparse.Namespace) -> tuple[str, str]:
+    """``(backend, device)`` of ``rank``: gloo on CPU (``--cpu-smoke``), NCCL on ``cuda:<rank>``,
+    or under ``--shared-device`` the staged backend on ``cuda:0`` (on CPU with ``--cpu-smoke``).
+
+    Example::
+
+        world_plan(1, parse_args(["--out", "o", "--shared-device"]))
+        # ("cpu:gloo,cuda:staged_gloo", "cuda:0")
+    """
+    if args.shared_device:
+        from nemo_gtp.testing.staged_gloo import BACKEND  # importing registers the backend
+
+        return BACKEND, "cpu" if args.cpu_smoke else "cuda:0"
+    return ("gloo", "cpu") if args.cpu_smoke else ("nccl", f"cuda:{rank}")
+
+
+def init_world(rank: int, world: int, args: argparse.Namespace, store_path: str) -> str:
+    """Join the ``world``-rank group of :func:`world_plan` through a file store; the device."""
+    backend, device = world_plan(rank, args)
+    # under --shared-device every rank is local rank 0 of its own "node" (as bench_nemo.py's)
+    local_rank = 0 if args.shared_device else rank
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group(
+        backend,
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=max(30.0, args.timeout / 2)),
+        # NCCL binds its communicator to the device at once; the staged group needs no binding
+        **({"device_id": torch.device(device)} if backend == "nccl" else {}),
+    )
+    return device
+
+
 def worker(rank: int, world: int, args: argparse.Namespace, store_path: str, root: str) -> None:
     """One rank: every check in turn; rank 0 writes the results after each."""
     cpu = args.cpu_smoke
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if cpu:
         torch.set_num_threads(1)
         from nemo_gtp.testing.cpu_compat import enable_cpu_compat
 
         enable_cpu_compat(nemo=False)
-        device = "cpu"
-    else:
-        torch.cuda.set_device(rank)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        device = f"cuda:{rank}"
-    dist.init_process_group(
-        "gloo" if cpu else "nccl",
-        store=dist.FileStore(store_path, world),
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=max(30.0, args.timeout / 2)),
-        **({} if cpu else {"device_id": torch.device(device)}),
-    )
+    device = init_world(rank, world, args, store_path)
     records: dict[str, dict] = {}
     try:
         for name in args.checks.split(","):
@@ -379,7 +442,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, store_path: str, roo
                 print(f"[rank {rank}] {name} failed: {err!r}", flush=True)
             records[name]["seconds"] = round(time.monotonic() - start, 1)
             if rank == 0:
-                write(args, records, torch.cuda.get_device_name() if not cpu else "cpu")
+                write(args, records, "cpu" if cpu else torch.cuda.get_device_name())
                 print(f"[gpu_grouped_experts] {name}: ok={records[name]['ok']}", flush=True)
     finally:
         dist.destroy_process_group()
@@ -389,9 +452,18 @@ def main(argv: list[str] | None = None) -> int:
     """Spawn 2 ranks, bound the launch by ``--timeout``; exit 0 when every check passed."""
     args = parse_args(argv)
     world = 2
-    if not args.cpu_smoke and torch.cuda.device_count() < world:
-        print(f"needs {world} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+    gpus = 1 if args.shared_device else world
+    if not args.cpu_smoke and torch.cuda.device_count() < gpus:
+        hint = "" if args.shared_device else " (one GPU: --shared-device)"
+        print(f"needs {gpus} GPU(s), found {torch.cuda.device_count()}{hint}", file=sys.stderr)
         return 2
+    if args.shared_device:
+        print(
+            f"[gpu_grouped_experts] --shared-device: {world} ranks on "
+            f"{'the CPU' if args.cpu_smoke else 'cuda:0'}, collectives staged through the host "
+            "(staged_gloo)",
+            flush=True,
+        )
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     from nemo_gtp.testing.spawn import spawn_bounded  # after ROOT went first on sys.path

@@ -6,6 +6,10 @@
 #   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 #   export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 PYTHONPATH=/tmp/te:/tmp/site:$PWD
 #   bash bench/gpu_pending.sh            # or: bash bench/gpu_pending.sh nemo_threads fp8
+# One GPU (ONE_GPU=1): the numerics stages (grouped, fp8) with --shared-device, both ranks on
+# cuda:0 through the staged backend (nemo_gtp.testing.staged_gloo; step times mean nothing);
+# the timing, graph and Megatron-FSDP stages need 2 GPUs and are skipped:
+#   ONE_GPU=1 bash bench/gpu_pending.sh   # ~4 minutes
 # Record what ran in bench/results/<date>_*.md (command, device, numbers) and point
 # bench/README.md at it.
 set -u
@@ -14,7 +18,14 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 pack() { (cd "$OUT" && tar czf "$1.tgz" "$1" && rm -rf "$1"); echo "$1 done $(( $(date +%s) - T0 )) s"; }
 STAGES="$*"  # empty: every stage
-want() { [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]]; }
+ONE_GPU=${ONE_GPU:-0}
+SHARED=""; [ "$ONE_GPU" = 1 ] && SHARED="--shared-device"
+want() {
+  [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]] || return 1
+  if [ "$ONE_GPU" = 1 ] && [[ " grouped fp8 " != *" $1 "* ]]; then
+    echo "$1 skipped: ONE_GPU=1 (needs 2 GPUs)"; return 1
+  fi
+}
 
 # 1. The 2k eager TE gap (GTP2 1.17-1.55x DP2 across hosts; 1.08-1.35x without communication on
 #    one GPU, host_fake.py): per-thread CPU of both ranks over the timed steps, twice interleaved.
@@ -25,15 +36,17 @@ if want nemo_threads; then
 fi
 # 2. Expert linears built as their EGTP shards on real TE: init, memory, parity, checkpoints.
 if want grouped; then
-  timeout 125 python3 bench/gpu_grouped_experts.py --timeout 120 --out "$OUT/grouped" 2>&1 \
-    | grep -v Warn | tail -6
+  timeout 145 python3 bench/gpu_grouped_experts.py $SHARED --timeout 140 --out "$OUT/grouped" \
+    2>&1 | grep -v Warn | tail -6
   pack grouped
 fi
 # 3. FP8: primary GTP shards vs TE's quantizer (bits), blockwise modes, and the loss check at a
-#    stable learning rate (lr 3e-4 turned DP2 itself unstable after 22 steps).
+#    stable learning rate (lr 3e-4 turned DP2 itself unstable after 22 steps). One GPU: 12 steps
+#    (the staged collectives are host copies).
 if want fp8; then
-  timeout 130 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --deadline 120 \
-    --modes fp8_dp2,fp8_gtp2,fp8block_dp2,fp8block_gtp2 --lr 1e-4 --steps 50 \
+  STEPS=50; [ "$ONE_GPU" = 1 ] && STEPS=12
+  timeout 145 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py $SHARED --deadline 135 \
+    --modes fp8_dp2,fp8_gtp2,fp8block_dp2,fp8block_gtp2 --lr 1e-4 --steps $STEPS \
     --out "$OUT/fp8" 2>&1 | grep -v Warn | tail -8
   pack fp8
 fi

@@ -6,7 +6,9 @@ host buffer, the gloo collective runs there, the result is copied back. Each cas
 results against plain gloo over the same ranks where gloo has the collective, else against the
 collective's definition; the last case re-creates the world on the staged backend (the default
 group and the groups ``new_group`` derives from it) and saves / loads a
-``torch.distributed.checkpoint``.
+``torch.distributed.checkpoint``; then ``bench/gpu_grouped_experts.py``'s ``--shared-device``
+launch re-creates it once more through the script's own ``init_world`` (on CPU). The launch
+plans of the GPU checks' one-GPU mode are checked in this process, nothing spawned.
 """
 
 from __future__ import annotations
@@ -282,6 +284,28 @@ def _staged_world(rank: int, world: int, store_dir: str) -> dict:
     return {"backend": dist.get_backend(), "group": type(child).__name__}
 
 
+def _grouped_experts_world(rank: int, world: int, store_dir: str) -> dict:
+    """``bench/gpu_grouped_experts.py --cpu-smoke --shared-device``'s launch: its ranks join the
+    staged world through the script's own ``init_world`` (the CPU form of its one-GPU path)."""
+    from gpu_grouped_experts import init_world, parse_args
+
+    from nemo_gtp.testing.staged_gloo import StagedGlooGroup, world_on_gpu
+
+    dist.destroy_process_group()  # the world of the case before
+    args = parse_args(["--out", store_dir, "--cpu-smoke", "--shared-device", "--timeout", "60"])
+    device = init_world(rank, world, args, os.path.join(store_dir, "grouped_world"))
+    assert isinstance(dist.group.WORLD, StagedGlooGroup)
+    value = _data(rank, (3,))
+    dist.all_reduce(value)
+    assert torch.equal(value, _data(0, (3,)) + _data(1, (3,)))
+    return {
+        "device": device,
+        "backend": dist.get_backend(),
+        "on_gpu": world_on_gpu(),
+        "local_rank": os.environ["LOCAL_RANK"],
+    }
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
     out = tmp_path_factory.mktemp("staged_gloo")
@@ -292,7 +316,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcom
         ("coalesced", _coalesced, ()),
         ("movement", _movement, ()),
         ("single_rank_groups", _single_rank_groups, ()),
-        ("staged_world", _staged_world, (str(out),)),  # last: it replaces the world
+        # last: these replace the world
+        ("staged_world", _staged_world, (str(out),)),
+        ("grouped_experts_world", _grouped_experts_world, (str(out),)),
     ]
     return run_cases(cases, 2, out)
 
@@ -331,6 +357,44 @@ def test_single_rank_groups(two_ranks: dict[str, list[Outcome]]) -> None:
 def test_default_group_and_checkpoint(two_ranks: dict[str, list[Outcome]]) -> None:
     want = {"backend": "cpu:gloo,cuda:staged_gloo", "group": "StagedGlooGroup"}
     assert case_values(two_ranks["staged_world"]) == [want, want]
+
+
+def test_grouped_experts_shared_device_launch(two_ranks: dict[str, list[Outcome]]) -> None:
+    """The self-spawning grouped-experts check's ``--shared-device`` launch, on CPU: the staged
+    world, every rank local rank 0, the CPU as the device (no CUDA here)."""
+    want = {"device": "cpu", "backend": "cpu:gloo,cuda:staged_gloo", "on_gpu": False}
+    assert case_values(two_ranks["grouped_experts_world"]) == [{**want, "local_rank": "0"}] * 2
+
+
+def test_one_gpu_launch_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--shared-device`` of the GPU checks: every rank on ``cuda:0`` through the staged backend
+    (``gpu_grouped_experts.py`` self-spawned, ``gpu_fp8_check.py`` under torchrun, where local
+    rank 1 maps to ``cuda:0``); without it one GPU per rank on NCCL, as before."""
+    from gpu_fp8_check import SHARED_DEVICE_NOTE, summary_markdown
+    from gpu_fp8_check import world_plan as fp8_plan
+    from gpu_grouped_experts import main, parse_args, world_plan
+
+    from nemo_gtp.testing.staged_gloo import BACKEND, world_on_gpu
+
+    def plan(rank: int, *flags: str) -> tuple[str, str]:
+        return world_plan(rank, parse_args(["--out", "o", *flags]))
+
+    assert plan(0, "--shared-device") == plan(1, "--shared-device") == (BACKEND, "cuda:0")
+    assert plan(1) == ("nccl", "cuda:1") and plan(1, "--cpu-smoke") == ("gloo", "cpu")
+    assert plan(1, "--cpu-smoke", "--shared-device") == (BACKEND, "cpu")
+    if torch.cuda.device_count() == 0:  # refused before any spawn, naming the one-GPU flag
+        assert main(["--out", str(tmp_path)]) == 2
+        assert "needs 2 GPU(s), found 0 (one GPU: --shared-device)" in capsys.readouterr().err
+        assert main(["--out", str(tmp_path), "--shared-device"]) == 2
+        assert "needs 1 GPU(s), found 0" in capsys.readouterr().err
+    assert fp8_plan(True, 1, cuda=True) == (BACKEND, 0)
+    assert fp8_plan(False, 1, cuda=True) == ("nccl", 1)
+    assert fp8_plan(True, 1, cuda=False) == (BACKEND, None)
+    assert fp8_plan(False, 1, cuda=False) == ("gloo", None)
+    assert SHARED_DEVICE_NOTE in summary_markdown({"shared_device": True})
+    assert SHARED_DEVICE_NOTE not in summary_markdown({})
+    assert world_on_gpu("nccl") and not world_on_gpu("gloo")
+    assert world_on_gpu(BACKEND) == torch.cuda.is_available()
 
 
 def test_registered_and_idempotent() -> None:

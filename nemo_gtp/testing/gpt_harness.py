@@ -2,7 +2,8 @@
 
 Every run goes through the real stack: megatron ``parallel_state``, ``GPTModel``, megatron DDP
 (our GTP-aware subclass), ``get_megatron_optimizer`` and ``forward_backward_no_pipelining``.
-The GPU benchmarks build their models here too (:func:`build` on NCCL, sizes from :class:`Run`).
+The GPU benchmarks build their models here too (:func:`build` on NCCL, or on the staged backend
+with several ranks sharing one GPU; sizes from :class:`Run`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from nemo_gtp.integrations.megatron import (
     shard_model,
 )
 from nemo_gtp.testing import graph_stand_in
+from nemo_gtp.testing.staged_gloo import world_on_gpu
 
 VOCAB, SEQ, MBS, MICROBATCHES = 128, 16, 2, 2
 
@@ -282,7 +284,8 @@ def layer_spec(run: Run, on_gpu: bool = False) -> object:
 def train(run: Run) -> dict:
     """Train ``run`` on the current world; returns per-rank losses, grad norms, grads, weights.
 
-    gloo runs on CPU through the CPU compatibility layer; NCCL runs on the current CUDA device.
+    gloo runs on CPU through the CPU compatibility layer; NCCL (or the staged backend with
+    CUDA: ``staged_gloo.world_on_gpu``) runs on the current CUDA device.
     """
     setup = build(run)
     return train_built(setup, run)
@@ -298,11 +301,13 @@ def build(run: Run) -> dict:
         setup = build(Run(gtp=2, layers=4, hidden=1024, ffn=4096, heads=16, vocab=8192,
                           seq=512, lr=3e-4, bucket_size=None, distopt=True))
     """
-    on_gpu = dist.get_backend() == "nccl"
+    on_gpu = world_on_gpu()
     if run.spec not in ("local", "te"):
         raise ValueError(f"Run.spec must be 'local' or 'te', got {run.spec!r}")
     if run.spec == "te" and not on_gpu:
-        raise ValueError("Run.spec='te' needs TransformerEngine on GPUs (NCCL); use 'local'")
+        raise ValueError(
+            "Run.spec='te' needs TransformerEngine on GPUs (NCCL or staged_gloo); use 'local'"
+        )
     device = f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu"
     if not on_gpu:
         # Imported here: GPU runs (the NCCL benchmarks) never load the CPU patches. megatron

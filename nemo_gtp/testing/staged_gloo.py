@@ -540,4 +540,17 @@ def register() -> str:
     return BACKEND
 
 
+def world_on_gpu(backend: str | None = None) -> bool:
+    """Whether a world on ``backend`` (default: the default group's) computes on CUDA: NCCL, or
+    this backend where CUDA is present (ranks sharing a GPU). Plain gloo, and this backend on a
+    CPU-only torch (the CPU dry runs of the one-GPU launches), compute on the CPU.
+
+    Example::
+
+        device = f"cuda:{torch.cuda.current_device()}" if world_on_gpu() else "cpu"
+    """
+    backend = dist.get_backend() if backend is None else backend
+    return backend == "nccl" or (BACKEND_NAME in backend and torch.cuda.is_available())
+
+
 register()
