@@ -68,9 +68,9 @@ failure or at the ``--deadline``: never hangs past it).
 ``--cpu-smoke`` (2 gloo processes, no TE): the same script with the megatron-local spec in bf16
 (modes ``bf16_dp2`` / ``bf16_gtp2``, and ``fp8param_gtp2``: ``fp8_param`` makes the local
 linears' shards FP8 primary, judged without its DP twin), plus the runtime's FP8 gather
-through a pure-torch consumer on a few GTP linears (bytes, bit checks, refreshes) and the bf16-gather FP8 backward
-through GTP's TE consumer on stand-ins of TE's FP8 linear (``te_backward_bit_checks`` on
-them): the plumbing, not TE.
+through a pure-torch consumer on a few GTP linears (bytes, bit checks, refreshes) and the
+bf16-gather FP8 backward through GTP's TE consumer on stand-ins of TE's FP8 linear
+(``te_backward_bit_checks`` on them): the plumbing, not TE.
 """
 
 from __future__ import annotations
