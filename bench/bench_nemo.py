@@ -13,7 +13,10 @@ busy vs idle per step) and a cProfile of the host (time in GTP code per call).
 
 Modes (1B recipe, 24 layers, hidden 2048): ``dp2_local`` / ``gtp2_local``
 (``configs/gpt_1b.yaml``, megatron-local linears), ``dp2_te`` / ``gtp2_te``
-(``configs/gpt_1b_te.yaml``, NeMo's default TransformerEngine spec), ``mfsdp_te`` (plain
+(``configs/gpt_1b_te.yaml``, NeMo's default TransformerEngine spec), ``dp2_fp8`` /
+``gtp2_fp8`` (``configs/gpt_1b_fp8.yaml``, TE's FP8 GEMMs, per-tensor current scaling),
+``dp2_fp8param`` / ``gtp2_fp8param`` (the same with ``fp8.param_gather=true``: FP8 primary
+weights, GTP's own FP8 shards vs TE's FP8 params), ``mfsdp_te`` (plain
 ``MegatronStrategy`` with Megatron-FSDP, when this stack runs it: its error is recorded
 otherwise). Tokens per GPU T: sequence 2048 (1024 for T=1024), micro-batch T / sequence,
 global batch = micro-batch x 2. A mode takes modifiers: ``gtp2_local@coalesce_mb=96`` (a
@@ -82,6 +85,15 @@ MODES = {
     # tiny fp32 GPT on CPU (gloo; staged_gloo under --shared-device): the launch, dry-run
     "dp2_cpu": ("configs/tiny_cpu.yaml", ["strategy.num_weight_shards=1"]),
     "gtp2_cpu": ("configs/tiny_cpu.yaml", []),
+    # TE's FP8 GEMMs, per-tensor current scaling (design §1.3): FP8 gathers of bf16 shards;
+    # "fp8param": fp8.param_gather=true, FP8 primary weights (GTP: its own FP8 shards; DP: TE's)
+    "dp2_fp8": ("configs/gpt_1b_fp8.yaml", ["strategy.num_weight_shards=1"]),
+    "gtp2_fp8": ("configs/gpt_1b_fp8.yaml", []),
+    "dp2_fp8param": (
+        "configs/gpt_1b_fp8.yaml",
+        ["strategy.num_weight_shards=1", "fp8.param_gather=true"],
+    ),
+    "gtp2_fp8param": ("configs/gpt_1b_fp8.yaml", ["fp8.param_gather=true"]),
     "mfsdp_te": (
         "configs/gpt_1b_te.yaml",
         [
@@ -103,6 +115,8 @@ BASELINE = {
     "dp2_local": "dp2_te",
     "mfsdp_te": "dp2_te",
     "gtp2_cpu": "dp2_cpu",
+    "gtp2_fp8": "dp2_fp8",
+    "gtp2_fp8param": "dp2_fp8param",
 }
 CPU_CONFIGS = {"configs/tiny_cpu.yaml"}  # their own data shape: --tokens only labels the fit
 SHARED_DEVICE_SHAPE = (  # --shared-device: numerics need no 1B model, the staged copies are slow

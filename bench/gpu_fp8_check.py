@@ -19,7 +19,12 @@ under TE's FP8 autocast (megatron ``fp8="hybrid"``), in these modes:
   forward's scale);
 - ``fp8block_dp2`` / ``fp8block_gtp2``: ``fp8_recipe="blockwise"`` (TE's Float8BlockScaling,
   Hopper): bf16 gathers, TE quantizes the gathered weight, the backward as above;
-- ``bf16_gtp2``: TP1·GTP2 without FP8 (the bf16 gather's bytes per step).
+- ``bf16_gtp2``: TP1·GTP2 without FP8 (the bf16 gather's bytes per step);
+- ``fp8param_dp2`` / ``fp8param_gtp2``: per-tensor current scaling with megatron's
+  ``fp8_param`` (FP8 primary weights; megatron builds the layers inside TE's FP8 param init):
+  DP2 on TE's own ``Float8Tensor`` params (their kept init values pointed at the loaded
+  weights), GTP2 with the TE linears built plain as shards and made GTP's FP8 primary shards by
+  ``shard_model`` (design §1.3 "FP8 primary weights").
 
 Checks (``checks`` in the JSON): after ``fp8_gtp2`` trained, every GTP weight's gathered
 ``Float8Tensor`` (forward) and its column-wise copy (backward) against TE's own
@@ -45,12 +50,14 @@ linears, fp32) with FP8 primary GTP shards trained 3 steps by megatron DDP and t
 optimizer at GTP2 vs DP2 whose linear weights are megatron's FP8 params emulated on full
 weights: losses and weights within 1e-5, every shard's bytes and scale exactly its fp32 main
 slice quantized with the whole master's scale (bit-identical FP8 weights vs the reference are
-reported, not judged). megatron's ``fp8_param_gather`` setting under GTP (TE's FP8 param
-init, GPT modes) is not wired in yet.
+reported, not judged). After ``fp8param_gtp2`` trained: every GTP shard an FP8 primary
+weight (float8, fp32 masters, each shard exactly its masters rounded to bf16 and quantized with
+the whole master's scale), no refresh cast, every gather FP8, TE handed a ``Float8Tensor`` for
+every weight in both directions.
 
 Success: ``summary.md`` says PASS on each line: |loss diff| fp8_gtp2 vs fp8_dp2,
-fp8_gtp2_bf16_gather vs fp8_dp2, fp8delayed_gtp2 vs fp8delayed_dp2 and fp8block_gtp2 vs
-fp8block_dp2 <= 0.02 on every step,
+fp8_gtp2_bf16_gather vs fp8_dp2, fp8delayed_gtp2 vs fp8delayed_dp2, fp8block_gtp2 vs
+fp8block_dp2 and fp8param_gtp2 vs fp8param_dp2 <= 0.02 on every step, the fp8param_gtp2 line,
 gathered bytes fp8_gtp2 / bf16_gtp2 = 0.50 (+-3 %), bit-exact gathered weights and
 transposes, one FP8 refresh per step, no allocation after the second step, the bf16-gather
 FP8 modes' backward weights bit-exact and quantized at every backward consume. Step times
@@ -68,10 +75,12 @@ copy-engine gather)::
     torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --shared-device --out /tmp/fp8_1gpu
 
 ``--cpu-smoke`` (2 gloo processes, no TE): the same script with the megatron-local spec in bf16
-(modes ``bf16_dp2`` / ``bf16_gtp2``), plus the runtime's FP8 gather through a pure-torch
-consumer on a few GTP linears (bytes, bit checks, refreshes) and the bf16-gather FP8 backward
-through GTP's TE consumer on stand-ins of TE's FP8 linear (``te_backward_bit_checks`` on
-them): the plumbing, not TE. ``--cpu-smoke --shared-device``: the same on the staged backend.
+(modes ``bf16_dp2`` / ``bf16_gtp2``, and ``fp8param_gtp2``: ``fp8_param`` makes the local
+linears' shards FP8 primary, judged without its DP twin), plus the runtime's FP8 gather
+through a pure-torch consumer on a few GTP linears (bytes, bit checks, refreshes) and the
+bf16-gather FP8 backward through GTP's TE consumer on stand-ins of TE's FP8 linear
+(``te_backward_bit_checks`` on them): the plumbing, not TE. ``--cpu-smoke --shared-device``: the
+same on the staged backend.
 """
 
 from __future__ import annotations
@@ -93,7 +102,8 @@ import torch.distributed as dist
 
 CUDA = torch.cuda.is_available() and "--cpu-smoke" not in sys.argv
 DEVICE = "cuda" if CUDA else "cpu"
-MODES = {  # mode -> (gtp, megatron fp8_recipe or None: bf16 compute, GTPConfig.fp8_gather)
+MODES = {  # mode -> (gtp, megatron fp8_recipe or None: bf16 compute, GTPConfig.fp8_gather
+    #          [, megatron fp8_param: FP8 primary weights])
     "fp8_dp2": (1, "tensorwise", True),
     "fp8_gtp2": (2, "tensorwise", True),
     "fp8_gtp2_bf16_gather": (2, "tensorwise", False),
@@ -102,17 +112,24 @@ MODES = {  # mode -> (gtp, megatron fp8_recipe or None: bf16 compute, GTPConfig.
     "fp8block_dp2": (1, "blockwise", True),
     "fp8block_gtp2": (2, "blockwise", True),
     "bf16_gtp2": (2, None, True),
+    "fp8param_dp2": (1, "tensorwise", True, True),
+    "fp8param_gtp2": (2, "tensorwise", True, True),
 }
-SMOKE_MODES = {"bf16_dp2": (1, None, True), "bf16_gtp2": (2, None, True)}
+SMOKE_MODES = {
+    "bf16_dp2": (1, None, True),
+    "bf16_gtp2": (2, None, True),
+    "fp8param_gtp2": (2, "tensorwise", True, True),  # CPU: no TE, the GTP side's plumbing
+}
 PAIRS = [  # (GTP mode, its twin); loss pairs judged at <= LOSS_TOLERANCE
     ("fp8_gtp2", "fp8_dp2"),
     ("fp8_gtp2_bf16_gather", "fp8_dp2"),
     ("fp8delayed_gtp2", "fp8delayed_dp2"),
     ("fp8block_gtp2", "fp8block_dp2"),
+    ("fp8param_gtp2", "fp8param_dp2"),
     ("fp8_gtp2", "fp8_gtp2_bf16_gather"),
     ("bf16_gtp2", "bf16_dp2"),
 ]
-JUDGED_PAIRS = PAIRS[:4]
+JUDGED_PAIRS = PAIRS[:5]
 LOSS_TOLERANCE = 0.02
 BWD_QUANTIZED_MODES = ("fp8_gtp2_bf16_gather", "fp8delayed_gtp2")
 RESULT: dict = {}
@@ -157,8 +174,25 @@ def fp8_config(config: object, recipe: str = "tensorwise") -> object:
     return dataclasses.replace(config, fp8="hybrid", fp8_recipe=recipe)
 
 
+def _te_init_values(model: torch.nn.Module, reference: dict) -> int:
+    """Point TE's FP8 params' kept init values (the distributed optimizer's master seeds) at
+    the loaded reference weights: TE kept its constructor's values, GTP's FP8 primary shards
+    keep the loaded ones. Returns how many TE FP8 params it found."""
+    found = 0
+    for name, param in model.named_parameters():
+        if getattr(param, "_high_precision_init_val", None) is not None:
+            param._high_precision_init_val = reference[name].detach().to(torch.bfloat16).cpu()
+            found += 1
+    return found
+
+
 def run_mode(
-    args: argparse.Namespace, mode: str, gtp: int, fp8: str | None, fp8_gather: bool
+    args: argparse.Namespace,
+    mode: str,
+    gtp: int,
+    fp8: str | None,
+    fp8_gather: bool,
+    fp8_param: bool = False,
 ) -> dict:
     from bench_gpt import model_config
     from megatron.core import parallel_state
@@ -182,6 +216,8 @@ def run_mode(
     config = model_config(args)
     if fp8:
         config = fp8_config(config, fp8)
+    if fp8_param:  # megatron builds the layers inside TE's FP8 param init (design §1.3)
+        config = dataclasses.replace(config, fp8_param=True)
     reference = reference_weights(args, kind, False)
     gtp_config = GTPConfig(fp8_gather=fp8_gather)
     spec = layer_spec(kind)
@@ -190,6 +226,7 @@ def run_mode(
     _seed(4321)
     model = GPTModel(config, spec, args.vocab, args.seq).to(DEVICE)
     load_full_weights(model, reference)
+    te_fp8_params = _te_init_values(model, reference) if fp8_param else 0
     model = Float16Module(config, model)
     runtime = shard_model(model, groups, gtp_config) if gtp > 1 else None
     for module in model.modules():  # TE's fused wgrad accumulation (megatron's fusion)
@@ -199,6 +236,7 @@ def run_mode(
     data_rank = parallel_state.get_data_parallel_rank()
     forward_backward = get_forward_backward_func()
     record: dict = dict(mode=mode, gtp=gtp, fp8=fp8, fp8_gather=fp8_gather, losses=[], norms=[])
+    record["fp8_param"], record["te_fp8_params"] = fp8_param, te_fp8_params
     consumer = None if runtime is None else runtime.quantized_gather
     record["consumer"] = type(consumer).__name__ if consumer is not None else None
     addresses: dict[tuple, set] = {}
@@ -260,6 +298,11 @@ def run_mode(
         record["fp8_refreshes_per_step"] = sorted({s["fp8_quantizes"] for s in stats[1:]})
         record["buffer_addresses_stable"] = all(len(v) == 1 for v in addresses.values())
         record["wrapped_gathers"] = len(addresses)
+    if fp8_param and runtime is not None:
+        try:
+            record["fp8_primary"] = fp8_primary_state(runtime, ddp, optimizer)
+        except Exception:  # noqa: BLE001 - record, go on
+            record["fp8_primary"] = {"error": traceback.format_exc()}
     if mode == "fp8_gtp2" and CUDA:
         try:
             record["bit_checks"] = te_bit_checks(model, runtime, args)
@@ -276,6 +319,27 @@ def run_mode(
     if CUDA:
         torch.cuda.empty_cache()
     return record
+
+
+def fp8_primary_state(runtime: object, ddp: object, optimizer: object) -> dict:
+    """What megatron's ``fp8_param`` made of the GTP shards (design §1.3 "FP8 primary
+    weights"): their dtypes, the training dtype, the masters' dtype, the TE linears among them,
+    and the shards that are not exactly their fp32 main slices (rounded to the training dtype)
+    quantized with the whole master's scale (collective)."""
+    from nemo_gtp.engine.fp8_primary import is_fp8_primary
+    from nemo_gtp.testing.gpt_harness import fp8_primary_write_back_errors
+
+    params = runtime.params
+    return {
+        "shards": len(params),
+        "all_fp8_primary": all(is_fp8_primary(p) for p in params),
+        "shard_dtypes": sorted({str(p.dtype) for p in params}),
+        "training_dtypes": sorted({str(p.gtp_state.fp8_primary_dtype) for p in params}),
+        "master_dtypes": sorted(
+            {str(p.main_param.dtype) for p in params if getattr(p, "main_param", None) is not None}
+        ),
+        "write_back_errors": fp8_primary_write_back_errors({"ddp": ddp, "optimizer": optimizer}),
+    }
 
 
 def te_bit_checks(model: torch.nn.Module, runtime: object, args: argparse.Namespace) -> dict:
@@ -706,6 +770,32 @@ def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
                 and hook.get("write_back_errors") == []
                 and hook.get("refreshes") == 0,
                 str(hook)[-300:],
+            )
+        )
+    param = records.get("fp8param_gtp2")
+    if param is not None:
+        state, per = param.get("fp8_primary") or {}, param.get("per_step", {})
+        gathers_fp8 = bool(per) and per.get("fp8_gathers") == per.get("gathers") > 0
+        te_ok = not CUDA or param.get("wrapped_gathers") == 2 * param.get("te_weights", -1)
+        out.append(
+            (
+                "fp8param_gtp2 (megatron fp8_param, TE linears): every GTP shard an FP8 primary "
+                "weight (float8, fp32 masters), written back exactly; every gather FP8 with no "
+                "refresh cast; TE handed a Float8Tensor for every weight and direction",
+                None
+                if not state and not param.get("error")
+                else "error" not in state
+                and state.get("all_fp8_primary") is True
+                and state.get("shard_dtypes") == ["torch.float8_e4m3fn"]
+                and state.get("master_dtypes") == ["torch.float32"]
+                and state.get("write_back_errors") == []
+                and param.get("fp8_refreshes_per_step") == [0]
+                and gathers_fp8
+                and te_ok,
+                f"{str(state)[-160:]} refreshes {param.get('fp8_refreshes_per_step')} "
+                f"per-step gathers {per.get('gathers')} fp8 {per.get('fp8_gathers')} wrapped "
+                f"{param.get('wrapped_gathers')} TE weights {param.get('te_weights')} "
+                f"{(param.get('error') or '').strip()[-160:]}",
             )
         )
     cpu = result.get("cpu_backward_quantize")

@@ -2,7 +2,7 @@
 # The GPU checks written but not yet run on 2 GPUs, in priority order, each bounded and packed
 # into $OUT/<stage>.tgz as it finishes (so a cut call keeps the earlier stages). Run on the GPU
 # machine from the repository root after TE is built (bench/te_build.sh; see the device notes
-# for carrying .whl / .te0..5 / .te_ext), ~9 minutes in all:
+# for carrying .whl / .te0..5 / .te_ext), ~13 minutes in all:
 #   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 #   export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 PYTHONPATH=/tmp/te:/tmp/site:$PWD
 #   bash bench/gpu_pending.sh            # or: bash bench/gpu_pending.sh nemo_threads fp8
@@ -61,4 +61,15 @@ if want rows; then
   timeout 150 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te,mfsdp_te --tokens 1024,4096 \
     --warmup 5 --timed 19 --fit-timeout 60 --out "$OUT/rows" | tail -10
   pack rows
+fi
+# 6. FP8 primary weights (megatron's fp8_param, per-tensor current scaling) on real TE: the
+#    megatron GPT (loss vs TE's own FP8 params, the FP8 primary state, a Float8Tensor per weight
+#    and direction), then the 1B FP8 recipe with fp8.param_gather=true through the strategy.
+if want fp8param; then
+  timeout 130 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --deadline 120 \
+    --modes fp8param_dp2,fp8param_gtp2 --lr 1e-4 --steps 30 \
+    --out "$OUT/fp8param" 2>&1 | grep -v Warn | tail -8
+  timeout 170 python3 bench/bench_nemo.py --modes dp2_fp8param,gtp2_fp8param --tokens 2048 \
+    --warmup 5 --timed 10 --fit-timeout 80 --out "$OUT/fp8param/nemo" | tail -8
+  pack fp8param
 fi

@@ -114,7 +114,20 @@ BAD_FP8_OVERRIDES = [
     (["fp8.recipe=mxfp9"], "fp8.recipe='mxfp9' is not supported (did you mean 'mxfp8'?)"),
     (["+fp8.margin=1"], "fp8.margin is not an fp8 setting"),
     (["fp8.format=null"], "fp8.format is missing"),
-    (["fp8.param_gather=true"], "fp8.param_gather=true (FP8 primary weights)"),
+    (
+        ["fp8.param_gather=true", "fp8.recipe=delayed"],
+        "fp8.param_gather=true (FP8 primary weights) with fp8.recipe=delayed is not supported "
+        "with GTP",
+    ),
+    (
+        ["fp8.param_gather=true", "optim.use_distributed_optimizer=false"],
+        "set optim.use_distributed_optimizer=true",
+    ),
+    (
+        ["fp8.param_gather=true", "ddp.grad_reduce_in_fp32=false"],
+        "needs ddp.grad_reduce_in_fp32=true",
+    ),
+    (["fp8.param_gather=true", "+resume=/tmp"], "resume with fp8.param_gather=true"),
     (["precision=32"], "fp8 needs precision: bf16-mixed"),
     (["model.layer_spec=local"], "set model.layer_spec=te"),
     (["cpu_compat=true"], "set cpu_compat=false"),
@@ -128,7 +141,9 @@ def test_bad_fp8_recipe_override(overrides: list[str], message: str) -> None:
         validate_recipe(load_recipe(FP8_1B, overrides))
     assert message in str(err.value)
     assert "\n" not in str(err.value)
-    # FP8 primary weights are fine without GTP (the baseline of --compare-baseline)
+    # FP8 primary weights: GTP's own under per-tensor current scaling (design §1.3), TE's
+    # without GTP (the baseline of --compare-baseline)
+    validate_recipe(load_recipe(FP8_1B, ["fp8.param_gather=true"]))
     validate_recipe(load_recipe(FP8_1B, ["fp8.param_gather=true", "strategy.num_weight_shards=1"]))
 
 

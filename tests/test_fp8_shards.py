@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_gtp.engine.fp8 import (
+    FP8_PRIMARY,
     GATHER_FP8,
     GATHER_TRAINING_DTYPE,
     FP8Scaling,
@@ -444,6 +445,16 @@ def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
     assert first["fp8_quantizes"] == 0 and first["fp8_gathers"] == first["gathers"]
     allocations = runtime.weight_cache.allocations
     ptrs = {k: v.data.data_ptr() for k, v in consumer.seen.items()}
+    # outside the consumer's FP8 region (megatron's bf16 layers, evaluation without FP8) its
+    # GEMM gets the dequantized weight in the training dtype, and so does the backward
+    dense = params[1]
+    consumer.dense.add(dense.gtp_state.name)
+    want = quantize_shard(fulls[1].float(), scaling).dequantize(torch.bfloat16)
+    for got in (dense.materialize_group_for_forward(), dense.materialize_group_for_backward()):
+        assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], want)
+    dense.finalize_group_grads(torch.zeros(dense.gtp_spec.logical_shape, dtype=torch.bfloat16))
+    consumer.dense.clear()
+    runtime.drain()
     # the autograd path (megatron-local linears): the dequantized gathered weight
     x = torch.randn(3, fulls[1].shape[1], dtype=torch.bfloat16)
     y = gtp_linear(x, params[1])
@@ -761,7 +772,18 @@ def test_recipe_accepted() -> None:
     [
         ({"fp8": "hybrid", "fp8_recipe": "mxfp8"}, HOPPER, "fp8_recipe='mxfp8'.*10.0.*9.0"),
         ({"fp8": None, "fp4": "e2m1"}, HOPPER, "fp4='e2m1'.*10.0"),
-        ({"fp8": "e4m3", "fp8_param": True}, None, "fp8_param=True.*not supported with GTP"),
+        ({"fp8": "e4m3", "fp8_param": True}, None, "fp8_param=True.*'delayed'.*tensorwise"),
+        (
+            {"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": True},
+            HOPPER,
+            "fp8_param=True.*'blockwise' is not supported with GTP",
+        ),
+        (
+            {"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param": True},
+            BLACKWELL,
+            "fp8_param=True.*'mxfp8' is not supported with GTP",
+        ),
+        ({"fp8": None, "fp4": "e2m1", "fp8_param": True}, BLACKWELL, "fp8_param=True.*fp4="),
         ({"fp8": "e4m3", "fp8_recipe": "tensorwise"}, AMPERE, "fp8='e4m3'.*8.9"),
         ({"fp8": "e4m3", "fp8_recipe": "blockwise"}, ADA, "blockwise'.*9.0"),
         ({"fp8": "e5m2"}, None, "fp8 must be one of"),
@@ -793,8 +815,13 @@ def test_fp8_training_gather_format() -> None:
         assert check_fp8_training_for_gtp(None, fp4="e2m1", capability=capability) == (
             GATHER_TRAINING_DTYPE
         )
-    # FP8 primary weights are a GTP question only when FP8 is on
+    # FP8 primary weights are a GTP question only when FP8 is on; per-tensor current scaling:
+    # the shards are FP8 (design §1.3 "FP8 primary weights")
     assert check_fp8_training_for_gtp(None, fp8_param=True) is None
+    for capability in (HOPPER, None):
+        assert check_fp8_training_for_gtp(
+            "hybrid", "tensorwise", fp8_param=True, capability=capability
+        ) == (FP8_PRIMARY)
 
 
 def test_fp8_primary_megatron_ddp_settings_named() -> None:

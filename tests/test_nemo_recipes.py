@@ -137,6 +137,15 @@ def _mutate(path: str, value: Any) -> Any:
     return apply
 
 
+def _mutates(*changes: tuple[str, Any]) -> Any:
+    def apply(recipe: Any) -> Any:
+        for path, value in changes:
+            recipe = _mutate(path, value)(recipe)
+        return recipe
+
+    return apply
+
+
 BAD = [
     ("llama3_8b", 8, {}, _mutate("trainer.strategy.fsdp", "megatron"), "trainer.strategy.fsdp"),
     ("llama3_8b", 8, {}, _mutate("trainer.strategy.ddp", "pytorch"), "trainer.strategy.ddp="),
@@ -175,7 +184,27 @@ BAD = [
         8,
         {},
         _mutate("trainer.plugins.fp8_param_gather", True),
-        "trainer.plugins.fp8_param_gather",
+        "trainer.plugins.fp8_param_gather=True (FP8 primary weights) needs FP8",
+    ),  # fmt: skip
+    (
+        "llama3_8b",
+        8,
+        {},
+        _mutates(("trainer.plugins.fp8", "hybrid"), ("trainer.plugins.fp8_param_gather", True)),
+        "trainer.plugins.fp8_param_gather=True (FP8 primary weights, megatron's "
+        "fp8_param_gather) with trainer.plugins.fp8_recipe='delayed'",
+    ),  # fmt: skip
+    (
+        "llama3_8b",
+        8,
+        {},
+        _mutates(
+            ("trainer.plugins.fp8", "hybrid"),
+            ("trainer.plugins.fp8_recipe", "tensorwise"),
+            ("trainer.plugins.fp8_param_gather", True),
+            ("optim.config.use_distributed_optimizer", False),
+        ),
+        "needs megatron's distributed optimizer: set optim.config.use_distributed_optimizer",
     ),  # fmt: skip
     (
         "llama3_8b",
@@ -217,6 +246,18 @@ def test_with_gtp_rejects_with_the_setting_named(
         recipe = change(recipe)
     with pytest.raises(RecipeError, match=re.escape(message)):
         with_gtp(recipe, num_weight_shards=shards, **options)
+
+
+def test_with_gtp_keeps_fp8_primary_weights_under_tensorwise() -> None:
+    """NeMo's ``fp8_param_gather`` with per-tensor current scaling: FP8 primary GTP shards
+    (design §1.3 "FP8 primary weights"), kept as the recipe asks."""
+    from nemo_gtp.recipes import with_gtp
+
+    recipe = _recipe()
+    for key, value in (("fp8", "hybrid"), ("fp8_recipe", "tensorwise"), ("fp8_param_gather", True)):
+        setattr(recipe.trainer.plugins, key, value)
+    out = with_gtp(recipe, num_weight_shards=8)
+    assert out.trainer.plugins.fp8_param_gather and out.optim.config.use_distributed_optimizer
 
 
 def test_with_gtp_keeps_per_layer_graphs_with_the_te_rng_tracker() -> None:

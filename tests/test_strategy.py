@@ -32,6 +32,10 @@ from nemo_gtp.testing.strategy_harness import (
 TOL = 1e-5
 
 
+FP8_PARAM_FIT = dict(  # NeMo's precision plugin puts fp8_recipe into the OptimizerConfig too
+    model_kwargs=dict(fp8="hybrid", fp8_recipe="tensorwise", fp8_param=True),
+    optim_kwargs=dict(fp8_recipe="tensorwise"),
+)
 TWO_RANK_FITS = [
     Fit("base_tp1_dp2"),
     Fit("tp1_gtp2", gtp=2, metrics=True),
@@ -51,6 +55,10 @@ TWO_RANK_FITS = [
         steps=5,
         strategy_kwargs={"gtp_config": GTPConfig(preshard_linears="all")},
     ),
+    # megatron's fp8_param (design §1.3 "FP8 primary weights"): GTP2 with FP8 primary shards vs
+    # DP2 whose linear weights are megatron's FP8 params emulated on full weights
+    Fit("base_fp8_param", steps=3, emulate_fp8_params=True, **FP8_PARAM_FIT),
+    Fit("tp1_gtp2_fp8_param", gtp=2, steps=3, **FP8_PARAM_FIT),
 ]
 shared_launch(2).add(TWO_RANK_FITS)  # one 2-rank spawn with test_hf_export's fit
 
@@ -124,6 +132,24 @@ def test_presharded_linears_register_through_the_strategy(two_ranks: dict) -> No
         losses, norms = rank["losses"], rank["grad_norms"]
         assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
         assert all(math.isfinite(n) and n > 0 for n in norms)  # gradients reach the shards
+
+
+def test_fp8_param_makes_fp8_primary_shards(two_ranks: dict) -> None:
+    """megatron's ``fp8_param`` through the strategy (design §1.3 "FP8 primary weights"): the
+    model transform makes every GTP shard FP8 (fp32 training dtype here), routes megatron's
+    FP8-param functions to them, the distributed optimizer keeps fp32 masters and writes each
+    shard back exactly (bytes and the whole master's scale); every gather moves the shards' own
+    FP8 bytes with no refresh cast; losses and grad norms equal DP2 with megatron's FP8 params
+    emulated on full weights (measured 3e-8; without the emulation the grad norms differ by
+    5e-4, so the tolerance sees it)."""
+    _assert_parity(two_ranks["tp1_gtp2_fp8_param"], two_ranks["base_fp8_param"], 1e-6, steps=3)
+    for rank in two_ranks["tp1_gtp2_fp8_param"]:
+        state = rank["fp8_primary"]
+        assert rank["shard_dtypes"] == ["torch.float8_e4m3fn"]
+        assert state["shards"] == 8 and state["training_dtypes"] == ["torch.float32"]
+        assert state["master_dtypes"] == ["torch.float32"] and state["hooks_installed"]
+        assert state["fp8_quantizes"] == 0 and state["fp8_gathers"] == state["gathers"] > 0
+        assert state["write_back_errors"] == []
 
 
 def test_parity_shard_replicated_params_over_gtp(two_ranks: dict) -> None:
@@ -409,6 +435,56 @@ def test_ddp_config_rechecked_before_wrap(nemo_env: Any) -> None:
     strategy = nemo_env.Strategy(num_weight_shards=2, ddp=nemo_env.DDPConfig())
     strategy.ddp_config.average_in_collective = True  # e.g. a callback edited it after __init__
     with pytest.raises(ValueError, match="average_in_collective"):
+        strategy.init_model_parallel()
+
+
+def _fp8_param_settings(**changes: Any) -> tuple[Any, Any, Any]:
+    """A model config asking for FP8 primary weights, and DDP / optimizer configs that take
+    them; ``changes`` (``ddp.x`` / ``optim.x`` / model keys) edit them."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    model = types.SimpleNamespace(fp8="hybrid", fp8_recipe="tensorwise", fp8_param=True)
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    optim = OptimizerConfig(use_distributed_optimizer=True)
+    for key, value in changes.items():
+        where, _, name = key.rpartition(".")
+        setattr({"ddp": ddp, "optim": optim, "": model}[where], name, value)
+    return model, ddp, optim
+
+
+FP8_PARAM_INVALID = [
+    ({"fp8_recipe": "delayed"}, 1, r"fp8_param=True.*fp8_recipe='delayed'.*'tensorwise'"),
+    ({"first_last_layers_bf16": True}, 1, "first_last_layers_bf16=False"),
+    ({"num_moe_experts": 4}, 2, "routed experts.*expert_num_weight_shards"),
+    ({"ddp.grad_reduce_in_fp32": False}, 1, r"DistributedDataParallelConfig\(grad_reduce_in_fp32"),
+    ({"ddp.use_distributed_optimizer": False}, 1, r"\(use_distributed_optimizer=True\)"),
+    ({"optim.use_distributed_optimizer": False}, 1, r"OptimizerConfig\(use_distributed_optim"),
+]
+
+
+@pytest.mark.parametrize("changes, egtp, match", FP8_PARAM_INVALID)
+def test_fp8_param_settings_named(changes: dict, egtp: int, match: str) -> None:
+    """megatron's ``fp8_param`` under GTP (FP8 primary shards, design §1.3): what it needs,
+    each refusal naming the setting, before any collective."""
+    from nemo_gtp.strategy.validation import validate_fp8_primary
+
+    with pytest.raises(ValueError, match=match):
+        validate_fp8_primary(*_fp8_param_settings(**changes), egtp=egtp)
+
+
+def test_fp8_param_settings_accepted_and_rechecked(nemo_env: Any) -> None:
+    from nemo_gtp.engine.fp8 import FP8Scaling
+    from nemo_gtp.strategy.validation import validate_fp8_primary
+
+    assert validate_fp8_primary(*_fp8_param_settings()) == FP8Scaling("tensorwise")
+    assert validate_fp8_primary(*_fp8_param_settings(fp8_param=False)) is None
+    assert validate_fp8_primary(*_fp8_param_settings(num_moe_experts=4), egtp=1) is not None
+    model, ddp, optim = _fp8_param_settings()
+    strategy = nemo_env.Strategy(num_weight_shards=2, ddp=ddp)
+    ddp.grad_reduce_in_fp32 = False  # e.g. a callback edited it after connect
+    strategy.model = types.SimpleNamespace(config=model, optim=types.SimpleNamespace(config=optim))
+    with pytest.raises(ValueError, match="grad_reduce_in_fp32"):
         strategy.init_model_parallel()
 
 

@@ -264,19 +264,35 @@ def test_te_recipes_the_runtime_gathers_in_fp8() -> None:
 
 def test_model_config_low_precision_checked_for_gtp() -> None:
     """The model config's FP8 settings, before any weight is built (design §1.3): FP8 primary
-    weights refused naming the setting; on CPU the device limits are unknown."""
+    weights taken under per-tensor current scaling, refused naming the setting otherwise (other
+    recipes, megatron's bf16 first / last layers, routed experts over expert GTP); on CPU the
+    device limits are unknown."""
     from types import SimpleNamespace
 
+    from nemo_gtp.engine.fp8 import FP8Scaling
     from nemo_gtp.integrations.megatron.model_config import (
         check_low_precision_for_gtp,
+        fp8_primary_scaling,
         validate_model_config_for_gtp,
     )
+    from nemo_gtp.integrations.megatron.sharding.built import refuse_fp8_primary_experts
 
     assert check_low_precision_for_gtp(SimpleNamespace()) is None
     config = SimpleNamespace(fp8="hybrid", fp8_recipe="tensorwise", fp8_param=False)
     assert check_low_precision_for_gtp(config) == "fp8"
-    config.fp8_recipe = "delayed"
-    assert check_low_precision_for_gtp(config) == "training_dtype"
+    assert fp8_primary_scaling(config) is None
+    refuse_fp8_primary_experts(config)  # no FP8 params: experts fine
     config.fp8_param = True
-    with pytest.raises(ValueError, match=r"TransformerConfig\.fp8_param=True"):
+    assert check_low_precision_for_gtp(config) == "fp8_primary"
+    assert fp8_primary_scaling(config) == FP8Scaling("tensorwise", fp8_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"routed experts.*expert_num_weight_shards"):
+        refuse_fp8_primary_experts(config)
+    config.first_last_layers_bf16 = True
+    with pytest.raises(ValueError, match=r"first_last_layers_bf16=True"):
         validate_model_config_for_gtp(config)
+    config.first_last_layers_bf16 = False
+    config.fp8_recipe = "delayed"
+    with pytest.raises(ValueError, match=r"TransformerConfig\.fp8_param=True.*'delayed'"):
+        validate_model_config_for_gtp(config)
+    config.fp8_param = False
+    assert check_low_precision_for_gtp(config) == "training_dtype"

@@ -101,7 +101,9 @@ class GTPConfig:
             without quantizing it again. Off: the training dtype is gathered and TE quantizes
             the gathered weight at every microbatch (its backward gets the weight quantized as
             the forward did, design §1.3 "Consumer-quantized backward"). No effect outside FP8
-            autocast, for other recipes and for megatron-local linears.
+            autocast, for other recipes, for megatron-local linears and for FP8 primary shards
+            (megatron's ``fp8_param``: the shards themselves are FP8 and always gathered so,
+            design §1.3 "FP8 primary weights").
         graph_wgrad_ring_size: per-layer CUDA graphs only (design §3.5 "Cross-graph
             reduce-scatter overlap"): 0 (default) waits a layer's last reduce-scatter inside
             its own backward graph; N >= 2 keeps that wgrad in a ring of N fixed-address slots

@@ -1,8 +1,8 @@
 """FP8 GTP shards: quantize a master shard, gather it quantized, write back (design §1.3).
 
 Engine plumbing (pure torch, ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``): the runtime's FP8
-gather (:mod:`nemo_gtp.engine.fp8_gather`) uses its scale formula and cast; FP8 primary weights
-are not wired in yet (design §1.3 "FP8 shards").
+gather (:mod:`nemo_gtp.engine.fp8_gather`) and FP8 primary weights
+(:mod:`nemo_gtp.engine.fp8_primary`) use its scale formula and cast (design §1.3 "FP8 shards").
 
 Why the scales need care under GTP: a gathered weight is the concatenation of every peer's shard,
 and a GEMM consumes it with one ``scale_inv`` per scaling unit. A unit owned by one rank (a block
@@ -521,6 +521,10 @@ GATHER_FP8 = "fp8"
 GATHER_TRAINING_DTYPE = "training_dtype"
 """:func:`check_fp8_training_for_gtp`: the runtime gathers the training dtype and TE quantizes the
 gathered weight itself (recipes the FP8 gather does not cover yet)."""
+FP8_PRIMARY = "fp8_primary"
+""":func:`check_fp8_training_for_gtp`: the shards are FP8 primary weights and every gather moves
+their own FP8 bytes (design §1.3 "FP8 primary weights"; ``fp8_param`` with per-tensor current
+scaling)."""
 
 _KEYS = {
     "fp8": "fp8",
@@ -541,7 +545,7 @@ def check_fp8_training_for_gtp(
     capability: tuple[int, int] | None = None,
     keys: dict[str, str] | None = None,
 ) -> str | None:
-    """Validate the FP8 / FP4 *compute* settings of a GTP run (shards in the training dtype).
+    """Validate the FP8 / FP4 settings of a GTP run: FP8 compute, and FP8 primary weights.
 
     Pure, no collective: run it before any process group. ``capability`` is the GPU's compute
     capability, or ``None`` when unknown (a launcher without the GPU: only names are checked,
@@ -551,25 +555,26 @@ def check_fp8_training_for_gtp(
     is on, :data:`GATHER_FP8` when the runtime will gather FP8 bytes (per-tensor current
     scaling, ``fp8_recipe="tensorwise"``), :data:`GATHER_TRAINING_DTYPE` for the recipes whose
     gathered weight TE quantizes itself (``"delayed"``, ``"blockwise"``; MXFP8 / NVFP4 on
-    Blackwell). Raises ``ValueError`` for FP8 primary weights (``fp8_param``, design §1.3:
-    not implemented), unknown names and recipes the hardware cannot run (MXFP8 / NVFP4 below
-    compute capability 10.0, FP8 below 8.9, blockwise below 9.0).
+    Blackwell), :data:`FP8_PRIMARY` for FP8 primary weights (``fp8_param`` with
+    ``fp8_recipe="tensorwise"``: the shards themselves are FP8, design §1.3 "FP8 primary
+    weights"). Raises ``ValueError`` for FP8 primary weights under any other recipe (delayed,
+    blockwise, MXFP8) or with FP4, unknown names and recipes the hardware cannot run (MXFP8 /
+    NVFP4 below compute capability 10.0, FP8 below 8.9, blockwise below 9.0).
 
     Example::
 
         check_fp8_training_for_gtp("hybrid", "tensorwise", capability=(9, 0))   # "fp8"
+        check_fp8_training_for_gtp("hybrid", "tensorwise", fp8_param=True)     # "fp8_primary"
+        check_fp8_training_for_gtp("e4m3", "delayed", fp8_param=True)          # ValueError
         check_fp8_training_for_gtp("e4m3", "mxfp8", capability=(9, 0))         # ValueError
     """
     key = {**_KEYS, **(keys or {})}
     where = "" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
     known = capability is not None
-    if fp8_param and (fp8 is not None or fp4 is not None):
+    if fp8_param and fp4 is not None:
         raise ValueError(
-            f"{key['fp8_param']}=True (FP8 primary weights, megatron's fp8_param_gather) is not "
-            f"supported with GTP yet (design §1.3: megatron's DDP and distributed optimizer "
-            f"take FP8 primary GTP shards, but TransformerEngine's FP8 param init does not build "
-            f"them): set {key['fp8_param']}=False; the shards then stay in the training dtype "
-            f"and are gathered in FP8 under {key['fp8_recipe']}='tensorwise'"
+            f"{key['fp8_param']}=True with {key['fp4']}={fp4!r}: FP4 primary weights are not "
+            f"supported with GTP (design §1.3): set {key['fp8_param']}=False"
         )
     if fp4 is not None:
         if fp4_recipe != "nvfp4":
@@ -603,4 +608,14 @@ def check_fp8_training_for_gtp(
             f"{key['fp8_recipe']}='blockwise' needs compute capability >= 9.0 (Hopper); this is "
             f"{where}: set {key['fp8_recipe']}='tensorwise'"
         )
+    if fp8_param and fp8_recipe != "tensorwise":
+        raise ValueError(
+            f"{key['fp8_param']}=True (FP8 primary weights, megatron's fp8_param_gather) with "
+            f'{key["fp8_recipe"]}={fp8_recipe!r} is not supported with GTP (design §1.3 "FP8 '
+            f"primary weights\": GTP's FP8 primary shards use per-tensor current scaling): set "
+            f"{key['fp8_recipe']}='tensorwise', or {key['fp8_param']}=False (the shards then "
+            f"stay in the training dtype)"
+        )
+    if fp8_param:
+        return FP8_PRIMARY
     return GATHER_FP8 if fp8_recipe == "tensorwise" else GATHER_TRAINING_DTYPE

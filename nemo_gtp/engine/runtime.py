@@ -786,7 +786,13 @@ class GTPRuntime(GraphSegments):
             fp8 = None
             if self.fp8_primary is not None:  # design §1.3 "FP8 primary weights"
                 full = self.materialize(param, direction, will_backward=will_backward)
-                if policy is None:  # no quantized consumer: hand it the dequantized weight
+                if policy is not None and direction is _FWD:
+                    # Outside the consumer's FP8 region (e.g. megatron's first/last layers in
+                    # bf16, evaluation without FP8) its GEMM is not FP8: it gets the dequantized
+                    # weight, as TE dequantizes its own FP8 params there; the backward follows
+                    # its forward.
+                    state.fp8_forward = policy.forward_scaling(param)
+                if policy is None or state.fp8_forward is None:
                     weight = self.gemm_weight(param, direction, full)
                     return [weight.detach().requires_grad_(param.requires_grad)]
                 return [policy.wrap(param, direction, self.fp8_gathered(param, direction))]

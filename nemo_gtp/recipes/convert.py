@@ -28,9 +28,11 @@ per-layer CUDA graphs                            kept for ``cuda_graph_impl="loc
                                                  ``"full"`` / ``"attn"`` with
                                                  ``use_te_rng_tracker=True``; otherwise rejected
                                                  (TE's graph helper, MoE, PP, recompute; §3.5)
-FP8 primary weights                              rejected (TE's FP8 param init does not build
-                                                 GTP shards yet; megatron's optimizer side
-                                                 exists, §1.3)
+FP8 primary weights (``fp8_param_gather``)      kept with ``fp8_recipe="tensorwise"``: the GTP
+                                                 shards are FP8 (§1.3 "FP8 primary weights");
+                                                 rejected with other recipes, without the
+                                                 distributed optimizer or fp32 grad reduction,
+                                                 for routed experts over expert GTP
 FP8 compute (``trainer.plugins.fp8``)            kept: ``fp8_recipe="tensorwise"`` gathers FP8
                                                  (§1.3 "FP8 gather"); unknown names rejected
                                                  here, MXFP8 / NVFP4 below compute capability
@@ -353,11 +355,6 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
                     f"trainer.strategy.ddp.{name}=True (Megatron FSDP) is not supported with GTP: "
                     f"set it False {off}"
                 )
-        if _get(ddp, "fp8_param_gather"):
-            raise RecipeError(
-                "trainer.strategy.ddp.fp8_param_gather=True (FP8 primary weights) is not "
-                f"supported with GTP: set it False {off}"
-            )
     fmt = _get(strategy, "save_ckpt_format", "torch_dist")
     if fmt != "torch_dist":
         raise RecipeError(
@@ -401,32 +398,67 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
             ) from None
     plugins = _get(recipe.trainer, "plugins")
     for i, plugin in enumerate(plugins if isinstance(plugins, list) else [plugins]):
+        if plugin is None:
+            continue
         where = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
-        for name in ("fp8_param_gather", "fp8_params"):
-            if plugin is not None and _get(plugin, name):
-                raise RecipeError(
-                    f"{where}.{name}=True (FP8 primary weights) is not supported with GTP "
-                    f"(design §1.3): set it False {off}"
-                )
-        if plugin is not None and (_get(plugin, "fp8") or _get(plugin, "fp4")):
-            _check_low_precision_names(plugin, where)
+        fp8_param = next(
+            (name for name in ("fp8_param_gather", "fp8_params") if _get(plugin, name)), None
+        )
+        if _get(plugin, "fp8") or _get(plugin, "fp4") or fp8_param:
+            _check_low_precision_names(plugin, where, fp8_param)
+        if fp8_param:
+            _check_fp8_primary(recipe, plugin, f"{where}.{fp8_param}", egtp)
 
 
-def _check_low_precision_names(plugin: Any, where: str) -> None:
-    """The precision plugin's FP8 / FP4 names (the hardware is checked on the device)."""
+def _check_low_precision_names(plugin: Any, where: str, fp8_param: str | None = None) -> None:
+    """The precision plugin's FP8 / FP4 names (the hardware is checked on the device);
+    ``fp8_param``: the plugin's argument asking for FP8 primary weights."""
     from nemo_gtp.engine.fp8 import check_fp8_training_for_gtp
 
     names = ("fp8", "fp8_recipe", "fp4", "fp4_recipe")
+    keys = {name: f"{where}.{name}" for name in names}
+    keys["fp8_param"] = f"{where}.{fp8_param or 'fp8_param_gather'}"
     try:
         check_fp8_training_for_gtp(
             _get(plugin, "fp8"),
             _get(plugin, "fp8_recipe", "delayed"),
             _get(plugin, "fp4"),
             _get(plugin, "fp4_recipe", "nvfp4"),
-            keys={name: f"{where}.{name}" for name in names},
+            fp8_param=fp8_param is not None,
+            keys=keys,
         )
     except ValueError as err:
         raise RecipeError(str(err)) from None
+
+
+def _check_fp8_primary(recipe: Any, plugin: Any, key: str, egtp: int) -> None:
+    """FP8 primary GTP shards (design §1.3 "FP8 primary weights"; the recipe already checked
+    for ``fp8_recipe="tensorwise"``): megatron's distributed optimizer, fp32 gradient
+    reduction, no routed experts over expert GTP."""
+    off = f"or set {key}=False (the shards then stay in the training dtype)"
+    where = key.rpartition(".")[0]
+    if not _get(plugin, "fp8"):
+        raise RecipeError(
+            f"{key}=True (FP8 primary weights) needs FP8: set {where}.fp8='hybrid' (or 'e4m3') "
+            f"and {where}.fp8_recipe='tensorwise', {off}"
+        )
+    optim = _get(_get(recipe, "optim"), "config")
+    if optim is not None and not _get(optim, "use_distributed_optimizer"):
+        raise RecipeError(
+            f"{key}=True (FP8 primary weights) under GTP needs megatron's distributed "
+            f"optimizer: set optim.config.use_distributed_optimizer=True, {off}"
+        )
+    if _get(plugin, "grad_reduce_in_fp32", True) is False:
+        raise RecipeError(
+            f"{key}=True (FP8 primary weights) under GTP needs fp32 gradient reduction: set "
+            f"{where}.grad_reduce_in_fp32=True, {off}"
+        )
+    config = _get(_get(recipe, "model"), "config")
+    if egtp > 1 and _get(config, "num_moe_experts"):
+        raise RecipeError(
+            f"{key}=True (FP8 primary weights) is not supported for routed experts sharded "
+            f"over expert GTP: leave expert_num_weight_shards=None (experts whole), {off}"
+        )
 
 
 def _check_replicated_sharding(recipe: Any, strategy: Any, gtp_config: Any) -> None:

@@ -8,7 +8,8 @@ plus ``layer_spec``: ``te`` or ``local``, defaulting to ``te`` when TransformerE
 as NeMo does), ``data``, ``optim`` (megatron ``OptimizerConfig``), ``precision`` and
 ``cpu_compat``; optionally ``fp8`` (``format``, ``recipe``, ``param_gather``: NeMo's
 ``MegatronMixedPrecision(fp8=..., fp8_recipe=..., fp8_param_gather=...)``, TE's FP8 GEMMs;
-under GTP with ``recipe: tensorwise`` the weights are gathered in FP8, design §1.3),
+under GTP with ``recipe: tensorwise`` the weights are gathered in FP8, and with
+``param_gather: true`` the GTP shards are FP8 primary weights, design §1.3),
 ``checkpoint`` (``dir``, ``every_n_train_steps``: NeMo ``ModelCheckpoint`` saves, each a
 ``<dir>/step=N/`` torch_dist checkpoint) and ``resume`` (a checkpoint directory to continue
 from with ``trainer.fit(ckpt_path=...)``, at this recipe's layout, whatever layout saved it).

@@ -42,7 +42,8 @@ SECTIONS = (
 )
 CHECKPOINT_KEYS = ("dir", "every_n_train_steps")
 # The fp8 section: NeMo's MegatronMixedPrecision(fp8=format, fp8_recipe=recipe,
-# fp8_param_gather=param_gather), megatron's names (design §1.3 "FP8 gather").
+# fp8_param_gather=param_gather), megatron's names (design §1.3 "FP8 gather", "FP8 primary
+# weights").
 FP8_KEYS = ("format", "recipe", "param_gather")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
@@ -367,8 +368,9 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
 
 def _check_fp8(raw: dict[str, Any], dims: Any) -> None:
     """The ``fp8`` section (TE's FP8 GEMMs through NeMo's precision plugin, design §1.3): names,
-    what it needs (bf16-mixed, the TE layer spec, GPUs), and what GTP cannot run yet (FP8
-    primary weights). The GPU's own limits (MXFP8 needs Blackwell) are checked on the device."""
+    what it needs (bf16-mixed, the TE layer spec, GPUs), and what FP8 primary weights
+    (``fp8.param_gather``) need under GTP. The GPU's own limits (MXFP8 needs Blackwell) are
+    checked on the device."""
     section = raw.get("fp8")
     if section is None:
         return
@@ -397,11 +399,41 @@ def _check_fp8(raw: dict[str, Any], dims: Any) -> None:
             "linears have none)"
         )
     if dims.gtp_enabled and section.get("param_gather"):
+        _check_fp8_primary(raw, dims, section)
+
+
+def _check_fp8_primary(raw: dict[str, Any], dims: Any, section: dict[str, Any]) -> None:
+    """``fp8.param_gather=true`` under GTP: FP8 primary GTP shards (design §1.3 "FP8 primary
+    weights"): per-tensor current scaling, megatron's distributed optimizer with fp32 gradient
+    reduction, no routed experts over expert GTP, no NeMo checkpoint load yet."""
+    off = "or fp8.param_gather=false (the shards then stay bf16)"
+    recipe = section.get("recipe") or "delayed"
+    if recipe != "tensorwise":
         raise RecipeError(
-            "fp8.param_gather=true (FP8 primary weights) is not supported with GTP yet (design "
-            "§1.3: TransformerEngine's FP8 param init does not build GTP shards): set "
-            "fp8.param_gather=false; the shards stay bf16 and are gathered in FP8 under "
-            "fp8.recipe=tensorwise"
+            f"fp8.param_gather=true (FP8 primary weights) with fp8.recipe={recipe} is not "
+            f"supported with GTP (its FP8 primary shards use per-tensor current scaling): set "
+            f"fp8.recipe=tensorwise, {off}"
+        )
+    if not (raw.get("optim") or {}).get("use_distributed_optimizer"):
+        raise RecipeError(
+            "fp8.param_gather=true under GTP needs megatron's distributed optimizer (it keeps "
+            f"the fp32 masters the FP8 shards are written back from): set "
+            f"optim.use_distributed_optimizer=true, {off}"
+        )
+    if (raw.get("ddp") or {}).get("grad_reduce_in_fp32") is False:
+        raise RecipeError(
+            "fp8.param_gather=true under GTP needs ddp.grad_reduce_in_fp32=true (megatron DDP "
+            f"would allocate the gradient buffer in the shards' float8 dtype), {off}"
+        )
+    if dims.egtp > 1 and (raw.get("model") or {}).get("num_moe_experts"):
+        raise RecipeError(
+            "fp8.param_gather=true is not supported for routed experts sharded over expert GTP: "
+            f"drop strategy.expert_num_weight_shards (experts whole), {off}"
+        )
+    if raw.get("resume") is not None:
+        raise RecipeError(
+            "resume with fp8.param_gather=true under GTP is not supported yet (NeMo's load "
+            f"cannot re-quantize FP8 primary GTP shards): drop resume, {off}"
         )
 
 

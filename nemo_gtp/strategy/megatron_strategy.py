@@ -10,7 +10,8 @@ Hooks, in the order NeMo / Lightning run them:
 ===========================  =====================================================================
 ``__init__``                 validate every GTP-relevant argument (no collectives yet)
 ``connect``                  CUDA-graph warmup >= 2 on the model config (design §2.4)
-                             (per-layer graphs: ``shard_model`` splits the chains per layer)
+                             (per-layer graphs: ``shard_model`` splits the chains per layer);
+                             FP8 primary weights' settings checked (``fp8_param``, design §1.3)
 ``setup_distributed``        NeMo's process groups, then the GTP groups (design §3.1; kept for a
                              second run on the same trainer); TE linears of the config's layer
                              spec set to build as their shard
@@ -18,7 +19,8 @@ Hooks, in the order NeMo / Lightning run them:
                              telemetry configured as ``llm.train`` does (plain ``trainer.fit``);
                              validate / test / predict: each GTP peer keeps its own shard across
                              NeMo's parameter broadcast (:mod:`nemo_gtp.strategy.evaluation`)
-``init_model_parallel``      precision conversion -> ``shard_model`` -> GTP-aware megatron DDP
+``init_model_parallel``      precision conversion -> ``shard_model`` (FP8 primary shards under
+                             ``fp8_param``) -> GTP-aware megatron DDP
 ``setup_optimizers``         megatron optimizer over the GTP process groups (design §3.2); fit
                              only (Lightning's rule; NeMo's setup builds one for every entry point)
 ``on_train_start``           GTP-aware ``finalize_model_grads``; the one-line config log (§2.3)
@@ -81,6 +83,7 @@ from nemo_gtp.strategy.model_transform import convert_then_shard, shard_model_ch
 from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
 from nemo_gtp.strategy.validation import (
     validate_ddp_config,
+    validate_fp8_primary,
     validate_gtp_config,
     validate_moe_config,
     validate_strategy_args,
@@ -258,6 +261,14 @@ class GTPMegatronStrategy(MegatronStrategy):
             note = enforce_cuda_graph_warmup(config)
             if note:
                 nemo_logging.info(note)
+            self._validate_fp8_primary(model)
+
+    def _validate_fp8_primary(self, model: pl.LightningModule) -> None:
+        """megatron's ``fp8_param`` under GTP (design §1.3 "FP8 primary weights"): checked once
+        NeMo's ``connect`` has copied the precision plugin's settings into the model, DDP and
+        optimizer configs, before any process group exists."""
+        optim = getattr(getattr(model, "optim", None), "config", None)
+        validate_fp8_primary(model.config, self.ddp_config, optim, self.gtp_dims.egtp)
 
     def setup_distributed(self) -> None:
         """NeMo's process groups (megatron ``parallel_state``), then the GTP groups."""
@@ -338,6 +349,8 @@ class GTPMegatronStrategy(MegatronStrategy):
             return
         if self.ddp_config is not None:
             validate_ddp_config(self.ddp_config)  # callbacks may have edited it since __init__
+        if getattr(self.model, "config", None) is not None:  # again: the same edits
+            self._validate_fp8_primary(self.model)
         if self.gtp_groups is None:
             raise RuntimeError(
                 "GTPMegatronStrategy.setup_distributed must run before the model "
@@ -479,6 +492,19 @@ class GTPMegatronStrategy(MegatronStrategy):
             is_loading=is_loading,
             metadata=self.sharded_state_dict_metadata if metadata is None else metadata,
         )
+
+    def load_checkpoint(self, checkpoint_path: Any, selective_restore: bool = False) -> Any:
+        """NeMo's load; refused with FP8 primary GTP shards (before any collective): NeMo's
+        load copies the saved training-dtype weights into the params, which for an FP8 shard
+        would be a cast without its scale (design §1.3 "FP8 primary weights"; the megatron-level
+        ``load_gtp_checkpoint`` re-quantizes them)."""
+        if any(r.fp8_primary is not None for r in self.gtp_runtimes):
+            raise NotImplementedError(
+                "loading a checkpoint into FP8 primary GTP shards (fp8_param_gather=True) through "
+                "GTPMegatronStrategy is not supported yet: resume with fp8_param_gather=False, "
+                "or load with nemo_gtp.integrations.megatron.load_gtp_checkpoint"
+            )
+        return super().load_checkpoint(checkpoint_path, selective_restore=selective_restore)
 
     @property
     def lightning_restore_optimizer(self) -> bool:

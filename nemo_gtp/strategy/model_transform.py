@@ -4,7 +4,9 @@
 ``convert_module``: bf16/fp16 ``Float16Module`` wrapping) to every model chunk right before
 ``init_ddp``. :func:`convert_then_shard` composes that function with :func:`shard_model`, so
 the order is: model built by ``configure_model`` -> precision conversion (the shards get the
-training dtype) -> GTP sharding -> DDP wrap.
+training dtype) -> GTP sharding (under megatron's ``fp8_param``: the shards made FP8 primary
+weights, megatron's FP8-param functions routed to them; design §1.3 "FP8 primary weights") ->
+DDP wrap.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPRuntime, runtimes_of
 from nemo_gtp.integrations.megatron import mirror_per_token_loss, shard_model
+from nemo_gtp.integrations.megatron.fp8_primary import install_fp8_primary_hooks
 
 
 def shard_model_chunk(
@@ -25,7 +28,9 @@ def shard_model_chunk(
     Idempotent: a chunk whose weights are already owned by a runtime keeps it (NeMo may run
     ``init_model_parallel`` again, e.g. PEFT's deferred setup). Linears built as their shard
     (TE wrappers from the rewritten layer spec) own no runtime yet: ``shard_model`` registers
-    them.
+    them. Under megatron's ``fp8_param`` ``shard_model`` makes the shards FP8 primary weights;
+    megatron's FP8-param functions are then routed to them here, before DDP wraps the chunk
+    (design §1.3 "The megatron hook"; the strategy checked DDP's settings at ``connect``).
     """
     module = getattr(chunk, "module", chunk)
     existing = runtimes_of(module)
@@ -34,7 +39,10 @@ def shard_model_chunk(
     # The strategy owns both configs, so the model's per-token-loss setting wins (the user need
     # not repeat it in GTPConfig); plain shard_model refuses a mismatch instead.
     config = mirror_per_token_loss(config, getattr(module, "config", None), adopt=True)
-    return shard_model(module, groups, config)
+    runtime = shard_model(module, groups, config)
+    if any(r.fp8_primary is not None for r in runtimes_of(module)):
+        install_fp8_primary_hooks()
+    return runtime
 
 
 def convert_then_shard(

@@ -13,7 +13,11 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from nemo_gtp.engine.fp8 import FP8Scaling
 from nemo_gtp.integrations.megatron.ddp import validate_ddp_config_for_gtp
+from nemo_gtp.integrations.megatron.fp8_primary import check_fp8_primary_ddp
+from nemo_gtp.integrations.megatron.model_config import fp8_primary_scaling
+from nemo_gtp.integrations.megatron.sharding.built import refuse_fp8_primary_experts
 
 
 def validate_ddp_config(ddp_config: Any) -> None:
@@ -131,3 +135,41 @@ def legacy_grouped_experts_reason(model_config: Any) -> str:
     if importlib.util.find_spec("transformer_engine") is None:
         return "moe_grouped_gemm=True without TransformerEngine installed"
     return ""
+
+
+def validate_fp8_primary(
+    model_config: Any, ddp_config: Any, optim_config: Any, egtp: int = 1
+) -> FP8Scaling | None:
+    """FP8 primary GTP shards (megatron's ``fp8_param``, NeMo's ``fp8_param_gather``): the
+    settings they need, checked before any collective (design §1.3 "FP8 primary weights").
+
+    Returns the shards' :class:`FP8Scaling`, or ``None`` when ``fp8_param`` is off. Raises
+    ``ValueError`` naming the setting: ``fp8_recipe`` other than ``"tensorwise"``, megatron's
+    bf16 first / last layers, routed experts under expert GTP (``egtp > 1``), DDP without
+    ``grad_reduce_in_fp32`` or the distributed optimizer, an ``OptimizerConfig`` without
+    ``use_distributed_optimizer`` (megatron's other optimizers copy the fp32 main params into
+    the model params with a plain copy, which an FP8 shard cannot take).
+
+    Example::
+
+        validate_fp8_primary(gpt_config, ddp_config, optim_config)   # FP8Scaling("tensorwise")
+    """
+    scaling = fp8_primary_scaling(model_config)
+    if scaling is None:
+        return None
+    if egtp > 1 and getattr(model_config, "num_moe_experts", None):
+        refuse_fp8_primary_experts(model_config, "expert_num_weight_shards > ETP")
+    if ddp_config is None or isinstance(ddp_config, str):
+        raise ValueError(
+            "FP8 primary GTP shards (fp8_param_gather) need megatron DDP with "
+            "ddp=DistributedDataParallelConfig(grad_reduce_in_fp32=True, "
+            f"use_distributed_optimizer=True), got ddp={ddp_config!r}"
+        )
+    if optim_config is not None and not getattr(optim_config, "use_distributed_optimizer", False):
+        raise ValueError(
+            "optim: FP8 primary GTP shards (fp8_param_gather) need megatron's distributed "
+            "optimizer: set OptimizerConfig(use_distributed_optimizer=True) (recipes: "
+            "optim.use_distributed_optimizer=true), or fp8_param_gather=False"
+        )
+    check_fp8_primary_ddp(ddp_config)
+    return scaling

@@ -589,9 +589,9 @@ def load_emulated_fp8_checkpoint(path: str, setup: dict, *, optimizer: bool = Tr
 
 def fp8_primary_write_back_errors(setup: dict) -> list[str]:
     """Which FP8 primary shards of a trained :func:`build` result are not, bit for bit, their
-    fp32 main slices (megatron's distributed optimizer) quantized with the scale of the whole
-    master (amax over every rank: all of them hold pieces of the same weights; TP 1). Empty
-    when all are. Collective over the world.
+    fp32 main slices (megatron's distributed optimizer), rounded to the training dtype as the
+    write-back does, quantized with the scale of the whole master (amax over every rank: all of
+    them hold pieces of the same weights; TP 1). Empty when all are. Collective over the world.
 
     Example::
 
@@ -606,7 +606,8 @@ def fp8_primary_write_back_errors(setup: dict) -> list[str]:
         main = param.main_param  # this rank's fp32 slice of the shard, or None
         amax = torch.zeros(1, device=param.device)
         if main is not None:
-            amax = main.detach().abs().max().reshape(1)
+            main = main.detach().to(param.gtp_state.fp8_primary_dtype).float()
+            amax = main.abs().max().reshape(1)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
         scale = scale_from_amax(amax, scaling)
         if not torch.equal(param.gtp_state.fp8.scale, scale):
@@ -615,7 +616,7 @@ def fp8_primary_write_back_errors(setup: dict) -> list[str]:
             (owner,) = [o for o in optimizers if param in o.model_param_gbuf_map]
             start = owner._get_model_param_range_map(param)["param"].start
             flat = param.detach().view(-1)[start : start + main.numel()]
-            want = _cast(main.detach(), scale, scaling)
+            want = _cast(main, scale, scaling)
             if not torch.equal(flat.view(torch.uint8), want.view(torch.uint8)):
                 wrong.append(f"{name} bytes")
     return wrong

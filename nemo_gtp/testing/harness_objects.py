@@ -46,6 +46,44 @@ class Recorder(pl.Callback):
         }
 
 
+class EmulatedFP8Params(pl.Callback):
+    """megatron's FP8 params emulated on the full linear weights of a run without GTP: the
+    reference of FP8 primary GTP shards (design §1.3 "FP8 primary weights").
+
+    The fp32 masters are kept here; between optimizer steps the linear weights that GTP shards
+    hold their masters quantized on one rank (per-tensor current scaling, the engine's formula)
+    and dequantized, and the optimizer steps on the masters
+    (:func:`~nemo_gtp.testing.gpt_harness.quantize_full_weights`, as the megatron-level
+    harness does around its own steps).
+    """
+
+    def __init__(self) -> None:
+        self.masters: dict[str, Any] = {}
+
+    @staticmethod
+    def _weights(pl_module: pl.LightningModule) -> dict[str, Any]:
+        from nemo_gtp.testing.gpt_harness import FP8_PRIMARY_WEIGHTS
+
+        return {n: p for n, p in pl_module.named_parameters() if n.endswith(FP8_PRIMARY_WEIGHTS)}
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        from nemo_gtp.testing.gpt_harness import quantize_full_weights
+
+        self.masters = quantize_full_weights(self._weights(pl_module))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        import torch
+
+        with torch.no_grad():  # the optimizer updates the masters, not their quantization
+            for name, param in self._weights(pl_module).items():
+                param.copy_(self.masters[name])
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # noqa: ANN001, ANN002
+        from nemo_gtp.testing.gpt_harness import quantize_full_weights
+
+        self.masters = quantize_full_weights(self._weights(pl_module))
+
+
 class TestableGPTModel(GPTModel):
     """NeMo's ``llm.GPTModel`` plus the ``test_step`` it lacks (``trainer.test`` refuses it with
     "No `test_step()` method defined"): a test step is a validation step, on the test split."""

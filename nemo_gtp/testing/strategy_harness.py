@@ -88,6 +88,10 @@ class Fit:
     sanity_val_steps: int = 0
     evaluate_after: bool = False
     entry: str = "fit"
+    # more OptimizerConfig fields; megatron's FP8 params emulated on full weights (the reference
+    # of FP8 primary GTP shards: harness_objects.EmulatedFP8Params)
+    optim_kwargs: dict[str, Any] = field(default_factory=dict)
+    emulate_fp8_params: bool = False
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -285,6 +289,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
             lr=1e-3,
             clip_grad=1.0,
             weight_decay=0.01,
+            **fit.optim_kwargs,
         ),
         lr_scheduler=nl.lr_scheduler.CosineAnnealingScheduler(
             warmup_steps=3, max_steps=fit.steps, min_lr=1e-4
@@ -334,6 +339,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     callbacks = [recorder, evals] + ([metrics_cb] if metrics_cb else [])
     if fit.stop_after:
         callbacks.append(_stopper(fit.stop_after))
+    if fit.emulate_fp8_params:
+        from nemo_gtp.testing.harness_objects import EmulatedFP8Params
+
+        callbacks.append(EmulatedFP8Params())
     if fit.state_to:
         from nemo_gtp.testing.harness_objects import StateDump
 
@@ -435,12 +444,37 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "logged_val_loss": _logged(memory_logger, "val_loss"),
         **after,
     }
+    if any(r.fp8_primary is not None for r in runtimes):
+        out["fp8_primary"] = _fp8_primary_state(runtimes, ddp, optimizer)
     if fit.metrics and runtimes:
         out["expected_gather_bytes_per_pass"] = sum(  # per runtime: dense and expert sizes
             sum(math.prod(p.gtp_spec.gathered_shape) * 4 for p in r.params) * (r.size - 1) // r.size
             for r in runtimes
         )
     return out
+
+
+def _fp8_primary_state(runtimes: list, ddp: Any, optimizer: Any) -> dict[str, Any]:
+    """What the model transform made of megatron's ``fp8_param`` (design §1.3 "FP8 primary
+    weights"): shard and master dtypes, the megatron hooks, the last step's gathers, and the
+    shards that are not exactly their fp32 main slices quantized with the whole master's
+    scale (collective)."""
+    from nemo_gtp.integrations.megatron.fp8_primary import fp8_primary_hooks_installed
+    from nemo_gtp.testing.gpt_harness import fp8_primary_write_back_errors
+
+    params = [p for r in runtimes for p in r.params]
+    return {
+        "shards": len(params),
+        "training_dtypes": sorted({str(p.gtp_state.fp8_primary_dtype) for p in params}),
+        "master_dtypes": sorted(
+            {str(p.main_param.dtype) for p in params if getattr(p, "main_param", None) is not None}
+        ),
+        "hooks_installed": fp8_primary_hooks_installed(),
+        "fp8_quantizes": sum(r.stats.fp8_quantizes for r in runtimes),
+        "fp8_gathers": sum(r.stats.fp8_gathers for r in runtimes),
+        "gathers": sum(r.stats.gathers for r in runtimes),
+        "write_back_errors": fp8_primary_write_back_errors({"ddp": ddp, "optimizer": optimizer}),
+    }
 
 
 def _under(fit: Fit, out_dir: str) -> Fit:

@@ -53,8 +53,9 @@ def check_fp8_primary_ddp(ddp_config: object) -> None:
     if not getattr(ddp_config, "grad_reduce_in_fp32", False):
         raise ValueError(
             "ddp: FP8 primary GTP shards (fp8_param_gather) need "
-            "DistributedDataParallelConfig(grad_reduce_in_fp32=True): megatron DDP would "
-            "otherwise allocate the gradient buffer in the shard's float8 dtype"
+            "DistributedDataParallelConfig(grad_reduce_in_fp32=True) (NeMo: "
+            "MegatronMixedPrecision(grad_reduce_in_fp32=True), its default, sets it): megatron "
+            "DDP would otherwise allocate the gradient buffer in the shard's float8 dtype"
         )
     if not getattr(ddp_config, "use_distributed_optimizer", False):
         raise ValueError(

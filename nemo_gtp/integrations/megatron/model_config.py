@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from nemo_gtp.engine.config import GTPConfig
-from nemo_gtp.engine.fp8 import check_fp8_training_for_gtp
+from nemo_gtp.engine.fp8 import FP8_PRIMARY, FP8Scaling, check_fp8_training_for_gtp
 
 
 def mirror_per_token_loss(
@@ -85,9 +85,11 @@ def check_low_precision_for_gtp(config: object) -> str | None:
 
     ``None`` when neither is on; ``"fp8"`` when TE's GEMMs will get FP8 gathers (per-tensor
     current scaling), ``"training_dtype"`` when TE quantizes the gathered weight itself
-    (other recipes). Raises ``ValueError`` naming the setting for FP8 primary weights
-    (``fp8_param``) and for recipes this GPU cannot run (MXFP8 / NVFP4 below compute
-    capability 10.0): before any weight is built or sharded.
+    (other recipes), ``"fp8_primary"`` for FP8 primary weights (``fp8_param`` with
+    ``fp8_recipe="tensorwise"``: ``shard_model`` makes the shards FP8, design §1.3 "FP8 primary
+    weights"). Raises ``ValueError`` naming the setting for FP8 primary weights under another
+    recipe or with megatron's bf16 first / last layers, and for recipes this GPU cannot run
+    (MXFP8 / NVFP4 below compute capability 10.0): before any weight is built or sharded.
 
     Example::
 
@@ -97,7 +99,7 @@ def check_low_precision_for_gtp(config: object) -> str | None:
     if fp8 is None and fp4 is None:
         return None
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    return check_fp8_training_for_gtp(
+    kind = check_fp8_training_for_gtp(
         _value(fp8),
         _value(getattr(config, "fp8_recipe", "delayed")),
         _value(fp4),
@@ -106,3 +108,36 @@ def check_low_precision_for_gtp(config: object) -> str | None:
         capability=capability,
         keys=FP8_CONFIG_KEYS,
     )
+    if kind == FP8_PRIMARY and _bf16_edge_layers(config):
+        raise ValueError(
+            "TransformerConfig.fp8_param=True with first_last_layers_bf16=True is not supported "
+            "with GTP: megatron keeps the weights of the bf16 first / last layers in bf16, but "
+            'every shard of a GTP runtime is an FP8 primary weight (design §1.3 "FP8 primary '
+            'weights"): set first_last_layers_bf16=False, or fp8_param=False'
+        )
+    return kind
+
+
+def _bf16_edge_layers(config: object) -> bool:
+    if not getattr(config, "first_last_layers_bf16", False):
+        return False
+    start = getattr(config, "num_layers_at_start_in_bf16", 1) or 0
+    return bool(start or getattr(config, "num_layers_at_end_in_bf16", 1))
+
+
+def fp8_primary_scaling(config: object) -> FP8Scaling | None:
+    """The :class:`FP8Scaling` of the FP8 primary shards a model config asks for, or ``None``.
+
+    megatron's ``fp8_param`` (NeMo's ``fp8_param_gather``) with FP8 on: the weights are FP8
+    primary weights, per-tensor current scaling with TE's weight format (E4M3 under both
+    ``"e4m3"`` and ``"hybrid"``), design §1.3 "FP8 primary weights". The settings are checked
+    first (:func:`check_low_precision_for_gtp`: other recipes are refused, naming the setting).
+
+    Example::
+
+        fp8_primary_scaling(TransformerConfig(..., fp8="hybrid", fp8_recipe="tensorwise",
+                                              fp8_param=True))   # FP8Scaling("tensorwise")
+    """
+    if check_low_precision_for_gtp(config) != FP8_PRIMARY:
+        return None
+    return FP8Scaling("tensorwise", fp8_dtype=torch.float8_e4m3fn)

@@ -32,6 +32,7 @@ import torch
 from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.param import GTPShardedParam, ShardSpec, carry_param_attributes
 from nemo_gtp.integrations.megatron.model_config import validate_model_config_for_gtp
+from nemo_gtp.integrations.megatron.sharding.te import plain_weight_init
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,8 @@ class PreShardedLinearMixin:
             )
             return
         validate_model_config_for_gtp(config)
+        if expert:
+            refuse_fp8_primary_experts(config, type(self).__name__)
         if expert and kwargs.get("stride", 1) != 1:
             raise ValueError(
                 f"{type(self).__name__}: stride={kwargs['stride']} interleaves the TP split, which "
@@ -217,7 +220,12 @@ class PreShardedLinearMixin:
             if expert
             else per_peer_init(init_method, gtp.gtp_rank)
         )
-        super().__init__(input_size, built_out, *args, config=config, init_method=init, **kwargs)
+        # Under megatron's fp8_param the weight stays plain: shard_model makes it a GTP FP8
+        # primary shard (design §1.3 "FP8 primary weights"), not TE's Float8Tensor.
+        with plain_weight_init():
+            super().__init__(
+                input_size, built_out, *args, config=config, init_method=init, **kwargs
+            )
         attach_presharded_weight(self, spec)
         # The module computes logical-width outputs (the GEMM sees the gathered weight).
         for attr, value in (
@@ -227,6 +235,25 @@ class PreShardedLinearMixin:
         ):
             if hasattr(self, attr):
                 setattr(self, attr, value)
+
+
+def refuse_fp8_primary_experts(config: Any, where: str = "") -> None:
+    """FP8 primary weights (megatron's ``fp8_param``) are not supported for routed experts
+    sharded over expert GTP (``make_fp8_primary`` does not take weight groups): raised before
+    any weight is built, naming the settings (design §1.3 "FP8 primary weights").
+
+    Example::
+
+        refuse_fp8_primary_experts(TransformerConfig(..., fp8="hybrid", fp8_param=True))  # raises
+    """
+    if getattr(config, "fp8_param", False) and getattr(config, "fp8", None) is not None:
+        of = f" ({where})" if where else ""
+        raise ValueError(
+            f"TransformerConfig.fp8_param=True (FP8 primary weights) is not supported for routed "
+            f"experts sharded over expert GTP{of}: set expert_num_weight_shards to the expert TP "
+            f"size (experts whole; their weights are then TE's own FP8 params), or "
+            f"fp8_param=False"
+        )
 
 
 def _tp_size(tp_group: object, *, expert: bool = False) -> int:
@@ -281,6 +308,7 @@ class PreShardedGroupedLinearMixin:
             )
             return
         validate_model_config_for_gtp(config)
+        refuse_fp8_primary_experts(config, type(self).__name__)
         tp = _tp_size(kwargs.get("tp_group"), expert=True)
         logical_out = output_size // tp if self.gtp_column else output_size
         in_local = input_size if self.gtp_column else input_size // tp
@@ -316,8 +344,10 @@ def attach_presharded_weight(
     if type(old.data) is not torch.Tensor:
         raise NotImplementedError(
             f"{type(module).__name__}: GTP shards plain tensors only, got a "
-            f"{type(old.data).__name__} weight (FP8 primary weights / fp8_param_gather are not "
-            "supported with GTP yet: set fp8_param_gather=False; design §1.3)"
+            f"{type(old.data).__name__} weight (built inside TransformerEngine's FP8 param init "
+            "by a class that does not build plain weights there; GTP's FP8 primary weights are "
+            'made from plain shards after shard_model, design §1.3 "FP8 primary weights"): '
+            "set fp8_param_gather=False, or build this linear outside quantized_model_init"
         )
     if tuple(old.shape) != spec.shard_shape:
         raise ValueError(

@@ -31,6 +31,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from nemo_gtp.engine.config import GTPConfig
+from nemo_gtp.engine.fp8_primary import make_fp8_primary
 from nemo_gtp.engine.grid import GTPGroups, WeightAxis
 from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
 from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
@@ -41,10 +42,11 @@ from nemo_gtp.integrations.megatron.layer_graphs import (
     layer_graph_scope,
 )
 from nemo_gtp.integrations.megatron.model_config import (
+    fp8_primary_scaling,
     mirror_per_token_loss,
     validate_model_config_for_gtp,
 )
-from nemo_gtp.integrations.megatron.sharding.built import is_presharded
+from nemo_gtp.integrations.megatron.sharding.built import is_presharded, refuse_fp8_primary_experts
 from nemo_gtp.integrations.megatron.sharding.experts import (
     check_grouped_linear_for_gtp,
     check_moe_for_gtp,
@@ -56,6 +58,7 @@ from nemo_gtp.integrations.megatron.sharding.experts import (
 )
 from nemo_gtp.integrations.megatron.sharding.te import (
     adopt_te_linear,
+    set_te_activation_dtype,
     te_grouped_linear_kinds,
     te_parallel_linear_kinds,
     warn_unsharded_te_modules,
@@ -159,11 +162,18 @@ def shard_model(
     boundary on each (:func:`~nemo_gtp.integrations.megatron.layer_graphs.install_layer_graphs`,
     design §3.5); ``gather_backend="auto"`` then means the process group.
 
+    A model config with megatron's ``fp8_param`` (and ``fp8_recipe="tensorwise"``) gets FP8
+    primary shards: after every check, the dense runtime's shards are made FP8 with the full
+    weights' scales (``make_fp8_primary``, one all-reduce over GTP), and TE linears get them as
+    ``Float8Tensor``s (design §1.3 "FP8 primary weights"); DDP must then be built with
+    ``grad_reduce_in_fp32=True`` and the distributed optimizer.
+
     Raises ``ValueError`` for settings GTP cannot honour (megatron's legacy ``GroupedMLP``
     under expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, weights
     built as shards for other groups than ``groups``,
-    per-layer graphs with routed experts or fewer than 2 warmup steps, ...) and warns once
-    naming TE ``LayerNormMLP``s, which stay unsharded.
+    per-layer graphs with routed experts or fewer than 2 warmup steps, ``fp8_param`` with a
+    recipe other than ``"tensorwise"``, with routed experts under expert GTP or with TE linears
+    to slice, ...) and warns once naming TE ``LayerNormMLP``s, which stay unsharded.
     """
     if hasattr(model, "param_to_bucket_group") or isinstance(
         model, torch.nn.parallel.DistributedDataParallel
@@ -175,6 +185,10 @@ def shard_model(
     config = mirror_per_token_loss(config, model_config)
     validate_model_config_for_gtp(model_config)
     is_moe = check_moe_for_gtp(model, groups, config)
+    # megatron's fp8_param: the shards become FP8 primary weights (design §1.3)
+    fp8_primary = fp8_primary_scaling(model_config)
+    if fp8_primary is not None and is_moe and groups.expert_gtp_size > 1:
+        refuse_fp8_primary_experts(model_config)
     graph_scope = layer_graph_scope(model_config)
     if graph_scope is not None:  # megatron's per-layer CUDA graphs (design §3.5)
         config = check_layer_graph_settings(model_config, config, moe=is_moe)
@@ -225,6 +239,14 @@ def shard_model(
         if is_presharded(weight):  # built as its shard from a gtp_layer_spec: register only
             runtime.register(weight, f"{module_name}.weight", chain)
         elif should_shard(module_name, module):
+            if type(weight.data) is not torch.Tensor:  # TE's FP8 param init built it
+                raise ValueError(
+                    f"{module_name}: its weight was built as a {type(weight.data).__name__} "
+                    "(TransformerEngine's FP8 param init, megatron's fp8_param) and GTP slices "
+                    "plain weights only: build the TE linears as their GTP shard "
+                    "(GTPConfig.preshard_linears='te', the default, or gtp_layer_spec), or set "
+                    "fp8_param=False"
+                )
             if isinstance(module, (*_MEGATRON_LINEARS, *te_linears)):
                 runtime.shard_parameter(module, "weight", f"{module_name}.weight", chain)
                 sliced_te += [module_name] if isinstance(module, te_linears) else []
@@ -237,7 +259,9 @@ def shard_model(
         elif isinstance(module, te_linears):
             adopt_te_linear(module, config)  # TE drives the weight through the protocol
             te_runtimes[id(runtime)] = te_quantize_runtimes[id(runtime)] = runtime
-    if config.fp8_gather:  # TE's FP8 GEMMs get FP8 gathers (design §1.3 "FP8 gather")
+    if config.fp8_gather or fp8_primary is not None:
+        # TE's FP8 GEMMs get FP8 gathers (design §1.3 "FP8 gather"); FP8 primary shards are FP8
+        # whatever fp8_gather says
         for runtime in te_runtimes.values():
             install_te_fp8_gather(runtime)
     for runtime in te_quantize_runtimes.values():  # design §1.3 "Consumer-quantized backward"
@@ -256,6 +280,14 @@ def shard_model(
         register_expert_groups(model, runtimes[WeightAxis.EXPERT])
     experts = {id(p) for p in route_expert_params(model, expert_ids)}
     _mark_shared(model, groups, config, experts)
+    if fp8_primary is not None and runtimes[WeightAxis.DENSE] is not None:
+        # The one collective here, after every check: the shards become FP8 (design §1.3 "FP8
+        # primary weights")
+        make_fp8_primary(runtimes[WeightAxis.DENSE], fp8_primary)
+        for module in model.modules():
+            weight = module._parameters.get("weight")
+            if isinstance(module, te_linears) and isinstance(weight, GTPShardedParam):
+                set_te_activation_dtype(module, weight.gtp_state.fp8_primary_dtype)
     model.gtp_runtime = runtimes[WeightAxis.DENSE]
     model.gtp_expert_runtime = runtimes[WeightAxis.EXPERT]
     if graph_scope is not None and runtimes[WeightAxis.DENSE] is not None:

@@ -15,7 +15,10 @@ straight into ``grad_buffer()``). What this module adds around that bridge:
   could not otherwise tell that a backward follows (the chain tail's hand-over prefetch, §1.1),
 - what TE's FP8 backward of a weight gathered in the training dtype needs, on the weights
   (``nemo_gtp.integrations.te_fp8_backward``; design §1.3 "Consumer-quantized backward"),
-- one warning naming the TE modules GTP leaves unsharded (:func:`warn_unsharded_te_modules`).
+- one warning naming the TE modules GTP leaves unsharded (:func:`warn_unsharded_te_modules`),
+- TE linears built as GTP shards stay plain tensors inside TE's FP8 param init (megatron's
+  ``fp8_param``): ``shard_model`` makes them GTP's own FP8 primary shards instead
+  (:func:`plain_weight_init`; design §1.3 "FP8 primary weights").
 
 TransformerEngine is never imported here unless asked (``import_te=True``) or already loaded:
 without TE there can be no TE module in the model.
@@ -23,8 +26,10 @@ without TE there can be no TE module in the model.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -78,6 +83,65 @@ def te_grouped_linear_kinds(*, import_te: bool = False) -> dict[type, bool]:
     if not (isinstance(column, type) and isinstance(row, type)):
         return {}
     return {column: True, row: False}
+
+
+def te_fp8_param_init() -> bool:
+    """Whether TE's FP8 param init (``quantized_model_init``, megatron's ``fp8_param``) is on:
+    a TE module built now would hold its weights as TE ``Float8Tensor``s. False without TE."""
+    if "transformer_engine" not in sys.modules:
+        return False
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    return bool(FP8GlobalStateManager.with_fp8_parameters())
+
+
+@contextlib.contextmanager
+def plain_weight_init() -> Iterator[bool]:
+    """Build TE linears with plain weights inside TE's FP8 param init (design §1.3 "FP8 primary
+    weights"); yields whether that init was on.
+
+    megatron builds every transformer layer inside TE's ``quantized_model_init`` when
+    ``fp8_param`` is set, so a TE linear would quantize its weight into a ``Float8Tensor`` at
+    construction. A linear built as its GTP shard must stay a plain training-dtype tensor: GTP
+    makes it its own FP8 primary shard after ``shard_model`` registered it, with the scale of
+    the full weight agreed over the GTP group (``make_fp8_primary``). A no-op when TE is not
+    loaded or its FP8 param init is off.
+
+    Example::
+
+        with plain_weight_init():
+            layer = TEColumnParallelLinear(...)   # plain weight, whatever megatron's fp8_param
+    """
+    if not te_fp8_param_init():
+        yield False
+        return
+    from transformer_engine.pytorch.quantization import quantized_model_init
+
+    with quantized_model_init(enabled=False):
+        yield True
+
+
+def set_te_activation_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Tell TE ``module`` its activation dtype: ``dtype``, the training dtype of its FP8
+    primary GTP shard (design §1.3 "FP8 primary weights").
+
+    Outside torch autocast TE checks, once per input dtype, that every param of the module has
+    the input's dtype (``set_activation_dtype``). TE's own FP8 params pass, since a
+    ``Float8Tensor`` reports its nominal dtype; an FP8 primary shard's storage dtype is float8.
+    With the module's activation dtype already the training dtype TE skips that check for
+    inputs of the training dtype (the shard's GEMM runs in it: TE gets the gathered weight as a
+    ``Float8Tensor`` of that nominal dtype, or dequantized to it); an input of another dtype is
+    still checked (and refused, as for a training-dtype weight).
+
+    Example::
+
+        set_te_activation_dtype(layer.linear_qkv, torch.bfloat16)
+    """
+    setter = getattr(module, "fast_setattr", None)  # TE's plain-attribute setter
+    if setter is not None:
+        setter("activation_dtype", dtype)
+    else:
+        module.activation_dtype = dtype
 
 
 def _unsharded_te_types() -> tuple[type, ...]:
