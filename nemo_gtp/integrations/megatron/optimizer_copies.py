@@ -31,14 +31,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core.optimizer import distrib_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-try:  # TE's FP8 params (and GTP's FP8 primary shards, through the megatron hook)
-    from megatron.core.fp8_utils import is_float8tensor
-except ImportError:  # pragma: no cover - megatron-core 0.15 has it
+from nemo_gtp.engine.fp8_primary import is_fp8_primary
 
-    def is_float8tensor(tensor: torch.Tensor) -> bool:  # type: ignore[misc]
-        return False
+
+def _is_fp8_param(param: torch.Tensor) -> bool:
+    # megatron's check as its optimizer sees it now (the FP8-primary hook wraps that name in
+    # the optimizer's module), and GTP's FP8 primary shards by name, whatever the install order
+    return is_fp8_primary(param) or bool(distrib_optimizer.is_float8tensor(param))
 
 
 def _applies(optimizer: DistributedOptimizer) -> bool:
@@ -49,7 +51,7 @@ def _applies(optimizer: DistributedOptimizer) -> bool:
         return False
     for group in (*optimizer.model_float16_groups, *optimizer.model_fp32_groups):
         for param in group:
-            if is_float8tensor(param) or getattr(param, "main_grad", None) is None:
+            if _is_fp8_param(param) or getattr(param, "main_grad", None) is None:
                 return False
             if param.main_grad.dtype != torch.float32:
                 return False
