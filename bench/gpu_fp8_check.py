@@ -86,6 +86,7 @@ same on the staged backend.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -563,11 +564,22 @@ def fp8_primary_check() -> dict:
 
     result: dict = {"bit_exact": True, "weights": 0, "refreshes": 0}
 
+    def fp8_region() -> object:
+        """TE's FP8 autocast (current scaling): outside one, TE's GEMM is not FP8 and an FP8
+        primary shard is handed dequantized (as TE dequantizes its own FP8 params there)."""
+        if not CUDA:
+            return contextlib.nullcontext()
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import Float8CurrentScaling
+
+        return te.fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling())
+
     def check(masters: list[torch.Tensor], label: str) -> None:
         runtime.stats.reset()
         for i, param in enumerate(params):
             ref_data, ref_scale_inv, ref_t = reference(masters[i].to(torch.bfloat16))
-            got = param.materialize_group_for_forward()[0]
+            with fp8_region():
+                got = param.materialize_group_for_forward()[0]
             data, scale_inv, _ = parts(got)
             if data is None:  # CPU: the dequantized FP8 rows against the dequantized reference
                 want = quantize_shard(masters[i].to(torch.bfloat16).float(), FP8Scaling())
