@@ -280,11 +280,12 @@ def check_seq_init_memory(args: argparse.Namespace, device: str) -> dict:
 def check_seq_parity(args: argparse.Namespace, device: str) -> dict:
     """GPT with SequentialMLP experts (TE linears on GPUs): EP1·EGTP2, experts built
     pre-sharded, vs the run without GTP."""
-    from nemo_gtp.testing.gpt_harness import Run, assert_parity, build, train, train_built
+    from nemo_gtp.testing.gpt_harness import Run, build, train, train_built
 
     fields = {**RUN_FIELDS, "grouped": False, "spec": "local" if device == "cpu" else "te"}
     base = Run(steps=4, **fields)
     reference = train(base)
+    repeat = train(base) if device != "cpu" else None
     case = dataclasses.replace(base, egtp=2, preshard_experts=True)
     setup = build(case)
     # the experts' linears as built: GTPExpertTEColumnParallelLinear ... on GPUs
@@ -292,24 +293,36 @@ def check_seq_parity(args: argparse.Namespace, device: str) -> dict:
         {type(m).__name__ for m in setup["model"].modules() if type(m).__name__[:9] == "GTPExpert"}
     )
     result = train_built(setup, case)
-    worst = assert_parity(result, reference)
+    judged = judged_parity(result, reference, repeat)
     te = device == "cpu" or all("TE" in name for name in built)
-    ok = worst <= 1e-5 and len(built) == 2 and te
-    return dict(ok=ok, max_rel_err=worst, expert_classes=built, losses=result["losses"])
+    ok = judged["ok"] and len(built) == 2 and te
+    return dict(judged, ok=ok, expert_classes=built, losses=result["losses"])
 
 
 RUN_FIELDS = dict(experts=4, topk=2, hidden=64, ffn=128, moe_ffn=96, grouped=True)
 
 
+def judged_parity(result: dict, reference: dict, repeat: dict | None) -> dict:
+    """GTP vs the reference at fp32's 1e-5, or within twice the reference's own run-to-run
+    spread where a second reference run differs (TE's fp32 LayerNorm backward and grouped GEMM
+    are not bit-deterministic on GPUs; on CPU the runs repeat exactly)."""
+    from nemo_gtp.testing.gpt_harness import assert_parity
+
+    worst = assert_parity(result, reference, tol=float("inf"))
+    floor = 0.0 if repeat is None else assert_parity(repeat, reference, tol=float("inf"))
+    tol = max(1e-5, 2 * floor)
+    return dict(ok=worst <= tol, max_rel_err=worst, noise_floor=floor, tolerance=tol)
+
+
 def check_parity(args: argparse.Namespace, device: str) -> dict:
     """GPT with TEGroupedMLP experts: EP1·EGTP2 built pre-sharded vs the run without GTP."""
-    from nemo_gtp.testing.gpt_harness import Run, assert_parity, train
+    from nemo_gtp.testing.gpt_harness import Run, train
 
     base = Run(steps=4, **RUN_FIELDS)
     reference = train(base)
+    repeat = train(base) if device != "cpu" else None
     result = train(dataclasses.replace(base, egtp=2, presharded=True))
-    worst = assert_parity(result, reference)
-    return dict(ok=worst <= 1e-5, max_rel_err=worst, losses=result["losses"])
+    return dict(judged_parity(result, reference, repeat), losses=result["losses"])
 
 
 def check_checkpoint(args: argparse.Namespace, device: str, root: str) -> dict:
