@@ -41,6 +41,11 @@ GTP_ENTRIES = (
     ("nemo_gtp.engine.runtime", "GTPRuntime", "drain", "gtp"),
     ("nemo_gtp.engine.runtime", "GTPRuntime", "drain_reduce_scatters", "gtp"),
     ("nemo_gtp.engine.runtime", "GTPRuntime", "drain_gathers", "gtp"),
+    ("nemo_gtp.engine.graph_segments", "GraphSegments", "end_graph_forward", "gtp"),
+    ("nemo_gtp.engine.graph_segments", "GraphSegments", "end_graph_backward", "gtp"),
+    ("nemo_gtp.engine.graph_segments", "GraphSegments", "fire_graph_hooks", "gtp"),
+    # a captured layer's whole call (replay included): megatron's and GTP's host cost together
+    ("nemo_gtp.integrations.megatron.layer_graphs", "GTPCudaGraphManager", "__call__", "layers"),
     ("nemo_gtp.integrations.te_grad_mode", None, "_record", "gtp"),
     ("nemo_gtp.integrations.megatron.sharding.te", None, "_record", "gtp"),  # before it moved
     ("megatron.core.optimizer.optimizer", "MegatronOptimizer", "step", "optimizer"),
