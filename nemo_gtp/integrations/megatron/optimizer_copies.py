@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,24 +58,30 @@ def _applies(optimizer: DistributedOptimizer) -> bool:
     return True
 
 
-def _grad_pairs(optimizer: DistributedOptimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(main param, its fp32 grad-buffer view) for every owned tensor, megatron's order."""
-    pairs = []
+def _owned(optimizer: DistributedOptimizer, range_key: str) -> Iterator[tuple[Any, Any, Any]]:
+    """(model param, its fp32 main param, the span of ``range_key`` megatron copies) for every
+    tensor the optimizer owns, in megatron's order (its 16-bit groups, then its fp32 ones)."""
     for model_groups, main_groups in (
         (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups),
         (optimizer.model_fp32_groups, optimizer.shard_fp32_groups),
     ):
         for model_group, main_group in zip(model_groups, main_groups):
             for model_param, main_param in zip(model_group, main_group):
-                span = optimizer._get_model_param_range_map(model_param)["param"]
+                span = optimizer._get_model_param_range_map(model_param)[range_key]
                 if span.size != main_param.nelement():
                     raise RuntimeError(
-                        f"optimizer range of size {span.size} for a main param of "
+                        f"{range_key} range of size {span.size} for a main param of "
                         f"{main_param.nelement()} elements"
                     )
-                view = model_param.main_grad.view(-1)[span.start : span.end]
-                pairs.append((main_param, view))
-    return pairs
+                yield model_param, main_param, span
+
+
+def _grad_pairs(optimizer: DistributedOptimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(main param, its fp32 grad-buffer view) for every owned tensor."""
+    return [
+        (main_param, model_param.main_grad.view(-1)[span.start : span.end])
+        for model_param, main_param, span in _owned(optimizer, "param")
+    ]
 
 
 def _param_copies(
@@ -83,24 +89,13 @@ def _param_copies(
 ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """Per (buffer dtype, main dtype): the param-buffer views and the main params they take."""
     by_dtypes: dict[tuple[torch.dtype, torch.dtype], tuple[list, list]] = {}
-    for main_groups, model_groups in (
-        (optimizer.shard_fp32_from_float16_groups, optimizer.model_float16_groups),
-        (optimizer.shard_fp32_groups, optimizer.model_fp32_groups),
-    ):
-        for main_group, model_group in zip(main_groups, model_groups):
-            for main_param, model_param in zip(main_group, model_group):
-                span = optimizer._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
-                if span.size != main_param.nelement():
-                    raise RuntimeError(
-                        f"param-buffer range of size {span.size} for a main "
-                        f"param of {main_param.nelement()} elements"
-                    )
-                gbuf_index, _, bucket_id = optimizer.model_param_gbuf_map[model_param]
-                buffer = optimizer.buffers[gbuf_index].buckets[bucket_id].param_data
-                view = buffer.view(-1)[span.start : span.end]
-                dsts, srcs = by_dtypes.setdefault((view.dtype, main_param.dtype), ([], []))
-                dsts.append(view)
-                srcs.append(main_param)  # not a detached alias: .data may be reassigned
+    for model_param, main_param, span in _owned(optimizer, "gbuf_world_in_bucket"):
+        gbuf_index, _, bucket_id = optimizer.model_param_gbuf_map[model_param]
+        buffer = optimizer.buffers[gbuf_index].buckets[bucket_id].param_data
+        view = buffer.view(-1)[span.start : span.end]
+        dsts, srcs = by_dtypes.setdefault((view.dtype, main_param.dtype), ([], []))
+        dsts.append(view)
+        srcs.append(main_param)  # not a detached alias: .data may be reassigned
     return list(by_dtypes.values())
 
 
