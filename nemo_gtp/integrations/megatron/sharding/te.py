@@ -40,7 +40,10 @@ from nemo_gtp.integrations.te_grad_mode import drop_grad_mode_hooks, record_grad
 __all__ = [  # the grad-mode hook lives in nemo_gtp.integrations.te_grad_mode (no megatron import)
     "adopt_te_linear",
     "drop_grad_mode_hooks",
+    "plain_weight_init",
     "record_grad_mode",
+    "set_te_activation_dtype",
+    "te_fp8_param_init",
     "te_grouped_linear_kinds",
     "te_parallel_linear_kinds",
     "warn_unsharded_te_modules",
