@@ -6,7 +6,7 @@
 #   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 #   export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 PYTHONPATH=/tmp/te:/tmp/site:$PWD
 #   bash bench/gpu_pending.sh            # or: bash bench/gpu_pending.sh nemo_threads fp8
-# One GPU (ONE_GPU=1): the numerics stages (grouped, fp8) with --shared-device, both ranks on
+# One GPU (ONE_GPU=1): the numerics stages (grouped, fp8, fp8param) with --shared-device, both ranks on
 # cuda:0 through the staged backend (nemo_gtp.testing.staged_gloo; step times mean nothing);
 # the timing, graph and Megatron-FSDP stages need 2 GPUs and are skipped:
 #   ONE_GPU=1 bash bench/gpu_pending.sh   # ~4 minutes
@@ -22,7 +22,7 @@ ONE_GPU=${ONE_GPU:-0}
 SHARED=""; [ "$ONE_GPU" = 1 ] && SHARED="--shared-device"
 want() {
   [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]] || return 1
-  if [ "$ONE_GPU" = 1 ] && [[ " grouped fp8 " != *" $1 "* ]]; then
+  if [ "$ONE_GPU" = 1 ] && [[ " grouped fp8 fp8param host " != *" $1 "* ]]; then
     echo "$1 skipped: ONE_GPU=1 (needs 2 GPUs)"; return 1
   fi
 }
@@ -35,6 +35,8 @@ if want nemo_threads; then
   pack nemo_threads
 fi
 # 2. Expert linears built as their EGTP shards on real TE: init, memory, parity, checkpoints.
+#    One GPU (2026-12-01): all but the fp32 parity ok (2.2e-5 vs 1e-5); parity is now judged
+#    against the reference's own run-to-run spread too.
 if want grouped; then
   timeout 145 python3 bench/gpu_grouped_experts.py $SHARED --timeout 140 --out "$OUT/grouped" \
     2>&1 | grep -v Warn | tail -6
@@ -65,11 +67,21 @@ fi
 # 6. FP8 primary weights (megatron's fp8_param, per-tensor current scaling) on real TE: the
 #    megatron GPT (loss vs TE's own FP8 params, the FP8 primary state, a Float8Tensor per weight
 #    and direction), then the 1B FP8 recipe with fp8.param_gather=true through the strategy.
+#    One GPU (run 2026-12-01, all PASS / match): 10 steps and a 4-layer cut, numerics only.
 if want fp8param; then
-  timeout 130 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --deadline 120 \
-    --modes fp8param_dp2,fp8param_gtp2 --lr 1e-4 --steps 30 \
+  STEPS=30; [ "$ONE_GPU" = 1 ] && STEPS=10
+  timeout 130 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py $SHARED --deadline 120 \
+    --modes fp8param_dp2,fp8param_gtp2 --lr 1e-4 --steps $STEPS \
     --out "$OUT/fp8param" 2>&1 | grep -v Warn | tail -8
-  timeout 170 python3 bench/bench_nemo.py --modes dp2_fp8param,gtp2_fp8param --tokens 2048 \
-    --warmup 5 --timed 10 --fit-timeout 80 --out "$OUT/fp8param/nemo" | tail -8
+  timeout 170 python3 bench/bench_nemo.py $SHARED --modes dp2_fp8param,gtp2_fp8param \
+    --tokens 2048 --warmup 5 --timed 10 --fit-timeout 120 --out "$OUT/fp8param/nemo" | tail -8
   pack fp8param
+fi
+# 7. Host time inside GTP's entry points and the optimizer, per step (gtp_host_timer), eager
+#    and per-layer graphs, without communication (one device; the fake 2-rank world).
+if want host; then
+  timeout 260 python3 bench/host_fake.py \
+    --modes dp2_te,gtp2_te,dp2_te@layergraph,gtp2_te@layergraph --tokens 2048 --profile 0 \
+    --steps 15 --out "$OUT/host" | grep "^|"
+  pack host
 fi
