@@ -35,9 +35,9 @@ keeps the recipe's shape). Step times, tokens/s, exposed communication and memor
 mean nothing; losses, grad norms and the collective counts do:
 
     python bench/bench_moe.py --shared-device --modes grouped_dp2,grouped_egtp2 \\
-        --timeout 170 --out DIR                        # EGTP2 vs EP1 · DP2, 2 ranks
+        --timeout 165 --out DIR                        # EGTP2 vs EP1 · DP2, 2 ranks
     python bench/bench_moe.py --shared-device --modes grouped_ep2_dp2,grouped_ep2_egtp2 \\
-        --timeout 170 --out DIR                        # EP2 · EGTP2 vs EP2 · DP2, 4 ranks
+        --timeout 165 --out DIR                        # EP2 · EGTP2 vs EP2 · DP2, 4 ranks
     python bench/bench_moe.py --shared-device --modes cpu_ep2_dp2,cpu_ep2_egtp2 --out DIR  # CPU
 
 The whole run is bounded by ``--timeout`` (default 175 s): ranks still running then are killed
