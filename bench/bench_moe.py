@@ -1,23 +1,44 @@
 """MoE under expert GTP through NeMo: EGTP2 vs EP2 (and EP1 · DP2), SequentialMLP and TEGroupedMLP.
 
-One launch of 2 processes runs every mode of ``configs/moe_1b.yaml`` in turn (NeMo trainer +
+One launch runs every mode of ``configs/moe_1b.yaml`` in turn (NeMo trainer +
 ``GTPMegatronStrategy``, torn down in between, as ``bench_nemo.py`` does) and rank 0 writes one
 record per fit: median step time, tokens/s per GPU, peak memory, routed-expert parameters per
 GPU, the expert runtime's collectives (weights per gather: a whole group of local experts per
-collective, design §3.4), exposed GTP communication and the loss curve.
+collective, design §3.4), exposed GTP communication, the loss and grad-norm curves, and each
+mode's parity with its loss baseline (``bench_nemo.py``'s table and verdict).
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     PYTHONPATH=/tmp/te:/tmp/site:$PWD python bench/bench_moe.py --out bench/results/DIR
     python bench/bench_moe.py --dry-run --out /tmp/moe   # every mode's recipe checked, no launch
 
-Modes (dense part DP2 in all of them, so only the experts differ; 4096 tokens per GPU):
-``seq_*``: megatron ``SequentialMLP`` experts (local spec), ``grouped_*``: ``TEGroupedMLP``
-(TE spec, ``moe_grouped_gemm``, TransformerEngine's ``GroupedLinear``); ``*_dp2``: experts whole
-on both GPUs (EP1, expert DP2), ``*_ep2``: 4 of the 8 experts per GPU (EP2), ``*_egtp2``: half
-of every expert's rows per GPU (EP1 · EGTP2). The loss of an ``egtp2`` mode is compared with
-its ``dp2`` mode (the same initial weights: EP changes megatron's expert init seeds), its step
-time and memory with its ``ep2`` mode (the issue's baseline). A mode takes modifiers as in
-``bench_nemo.py``: ``seq_egtp2@prefetch_depth=2`` (a ``GTPConfig`` field) or ``@model.key=v``.
+Modes (dense part DP in all of them but ``*_gtp2_egtp2``, so only the experts differ; 4096
+tokens per GPU): ``seq_*``: megatron ``SequentialMLP`` experts (local spec), ``grouped_*``:
+``TEGroupedMLP`` (TE spec, ``moe_grouped_gemm``, TransformerEngine's ``GroupedLinear``). On 2
+ranks: ``*_dp2``: experts whole on both (EP1, expert DP2), ``*_ep2``: 4 of the 8 experts per
+rank (EP2), ``*_egtp2``: half of every expert's rows per rank (EP1 · EGTP2). On 4 ranks:
+``*_ep2_dp2`` (EP2, expert DP2), ``*_ep2_egtp2`` (EP2 · EGTP2), ``*_ep4``. A mode's ranks are
+its own (``--devices`` defaults to them; one launch runs modes of one size); the global batch is
+micro-batch x ranks. The loss of an ``egtp2`` mode is compared with its ``dp2`` twin of the same
+EP (the same initial weights: EP changes megatron's expert init seeds, and expert linears built
+as EGTP shards start from the unsharded build's rows, design §3.1 "Exact expert init"), its step
+time and memory with the twin that shards the experts by EP instead (the issue's baseline). A
+mode takes modifiers as in ``bench_nemo.py``: ``seq_egtp2@prefetch_depth=2`` (a ``GTPConfig``
+field) or ``@model.key=v``. ``cpu_*`` (``configs/moe_tiny_cpu.yaml``, fp32, ``SequentialMLP``,
+allgather dispatcher) run the same launch on CPU.
+
+One GPU (numerics only): ``--shared-device`` runs the ranks all on ``cuda:0`` (each the local
+rank 0 of its own Lightning "node"), their CUDA collectives staged through host memory over gloo
+(``nemo_gtp.testing.staged_gloo``), as ``bench_nemo.py --shared-device`` does (its helpers), on a
+cut of the recipe (:data:`SHARED_DEVICE_SHAPE`: 2 layers, hidden 512, 4 experts top-2,
+sequence 512, vocabulary 1024, so the host-staged collectives stay small; ``--full-size``
+keeps the recipe's shape). Step times, tokens/s, exposed communication and memory of such a run
+mean nothing; losses, grad norms and the collective counts do:
+
+    python bench/bench_moe.py --shared-device --modes grouped_dp2,grouped_egtp2 \\
+        --timeout 165 --out DIR                        # EGTP2 vs EP1 · DP2, 2 ranks
+    python bench/bench_moe.py --shared-device --modes grouped_ep2_dp2,grouped_ep2_egtp2 \\
+        --timeout 165 --out DIR                        # EP2 · EGTP2 vs EP2 · DP2, 4 ranks
+    python bench/bench_moe.py --shared-device --modes cpu_ep2_dp2,cpu_ep2_egtp2 --out DIR  # CPU
 
 The whole run is bounded by ``--timeout`` (default 175 s): ranks still running then are killed
 and the fits that finished are reported (rank 0 rewrites ``records.json`` after every fit).
@@ -26,6 +47,7 @@ and the fits that finished are reported (rank 0 rewrites ``records.json`` after 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -37,58 +59,160 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(ROOT) not in sys.path:  # nemo_gtp for the recipe checks without PYTHONPATH
+    sys.path.insert(1, str(ROOT))
+
+from bench_nemo import (  # noqa: E402 (after the path)
+    SHARED_DEVICE_NOTE,
+    _free_port,
+    parity_section,
+    rank_environment,
+    world_overrides,
+)
+
 CONFIG = "configs/moe_1b.yaml"
-_SEQ = ["model.layer_spec=local", "model.moe_grouped_gemm=false"]
-_GROUPED = ["model.layer_spec=te", "model.moe_grouped_gemm=true"]
-_DENSE_DP2 = ["strategy.num_weight_shards=1"]
-_DP2 = ["strategy.expert_model_parallel_size=1", "strategy.expert_num_weight_shards=1"]
-_EP2 = ["strategy.expert_model_parallel_size=2", "strategy.expert_num_weight_shards=1"]
-_EGTP2 = ["strategy.expert_model_parallel_size=1", "strategy.expert_num_weight_shards=2"]
-MODES = {
-    "seq_dp2": [*_SEQ, *_DENSE_DP2, *_DP2],
-    "seq_ep2": [*_SEQ, *_DENSE_DP2, *_EP2],
-    "seq_egtp2": [*_SEQ, *_DENSE_DP2, *_EGTP2],
-    "grouped_dp2": [*_GROUPED, *_DENSE_DP2, *_DP2],
-    "grouped_ep2": [*_GROUPED, *_DENSE_DP2, *_EP2],
-    "grouped_egtp2": [*_GROUPED, *_DENSE_DP2, *_EGTP2],
+CPU_CONFIG = "configs/moe_tiny_cpu.yaml"
+SHARED_DEVICE_SHAPE = (  # --shared-device: every collective is a host copy, keep them small
+    "model.num_layers=2",
+    "model.hidden_size=512",
+    "model.ffn_hidden_size=2048",
+    "model.num_attention_heads=8",
+    "model.num_moe_experts=4",  # EP2: 2 local experts, EP4: 1 (a group of one GEMM)
+    "model.moe_ffn_hidden_size=1024",
+    "data.seq_length=512",  # 1024 tokens per rank: small all-to-alls
+    "data.vocab_size=1024",  # embedding + output layer: 1 M parameters, not 98 M
+)
+_SEQ = ("model.layer_spec=local", "model.moe_grouped_gemm=false")
+_GROUPED = ("model.layer_spec=te", "model.moe_grouped_gemm=true")
+_DENSE_DP = ("strategy.num_weight_shards=1",)
+_DP = ("strategy.expert_model_parallel_size=1", "strategy.expert_num_weight_shards=1")
+_EP2 = ("strategy.expert_model_parallel_size=2", "strategy.expert_num_weight_shards=1")
+_EGTP2 = ("strategy.expert_model_parallel_size=1", "strategy.expert_num_weight_shards=2")
+_EP2_EGTP2 = ("strategy.expert_model_parallel_size=2", "strategy.expert_num_weight_shards=2")
+_EP4 = ("strategy.expert_model_parallel_size=4", "strategy.expert_num_weight_shards=1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One mode: recipe overrides on ``config``, its ranks, and the modes it is judged against:
+    ``loss_baseline`` (the same initial weights and global batch: parity) and
+    ``speed_baseline`` (the same expert bytes per rank by EP instead: step time, memory)."""
+
+    overrides: tuple[str, ...]
+    world: int = 2
+    loss_baseline: str | None = None
+    speed_baseline: str | None = None
+    config: str = CONFIG
+
+
+def _family(name: str, spec: tuple[str, ...], config: str = CONFIG) -> dict[str, Mode]:
+    """The modes of one expert implementation (``spec``): 2 and 4 ranks, dense part DP."""
+    dense = (*spec, *_DENSE_DP)
+    return {
+        f"{name}_dp2": Mode((*dense, *_DP), config=config),
+        f"{name}_ep2": Mode((*dense, *_EP2), config=config),
+        f"{name}_egtp2": Mode((*dense, *_EGTP2), 2, f"{name}_dp2", f"{name}_ep2", config=config),
+        f"{name}_ep2_dp2": Mode((*dense, *_EP2), 4, config=config),
+        f"{name}_ep4": Mode((*dense, *_EP4), 4, config=config),
+        f"{name}_ep2_egtp2": Mode(
+            (*dense, *_EP2_EGTP2), 4, f"{name}_ep2_dp2", f"{name}_ep4", config=config
+        ),
+    }
+
+
+MODES: dict[str, Mode] = {
+    **_family("seq", _SEQ),
+    **_family("grouped", _GROUPED),
     # the recipe as shipped: dense GTP2 as well
-    "seq_gtp2_egtp2": [*_SEQ, *_EGTP2],
-    "grouped_gtp2_egtp2": [*_GROUPED, *_EGTP2],
+    "seq_gtp2_egtp2": Mode((*_SEQ, *_EGTP2), 2, "seq_dp2", "seq_ep2"),
+    "grouped_gtp2_egtp2": Mode((*_GROUPED, *_EGTP2), 2, "grouped_dp2", "grouped_ep2"),
+    # tiny fp32 MoE on CPU (gloo; staged_gloo under --shared-device): the launch, end to end
+    **_family("cpu", (), CPU_CONFIG),
 }
 DEFAULT_MODES = "seq_dp2,seq_ep2,seq_egtp2,grouped_dp2,grouped_ep2,grouped_egtp2"
 
 
 def baselines(mode: str) -> tuple[str | None, str | None]:
-    """(loss baseline, speed baseline) of ``mode``: its ``dp2`` and ``ep2`` twins, modifiers
-    dropped; None for a mode that is a baseline itself."""
-    base = mode.split("@")[0]
-    if not base.endswith("egtp2"):
-        return None, None
-    family = base.split("_")[0]
-    return f"{family}_dp2", f"{family}_ep2"
+    """(loss baseline, speed baseline) of ``mode`` (modifiers dropped); None for a mode that
+    is a baseline itself."""
+    entry = MODES.get(mode.split("@")[0])
+    return (entry.loss_baseline, entry.speed_baseline) if entry else (None, None)
 
 
-def resolve_mode(mode: str) -> list[str]:
-    """The recipe overrides of ``mode`` (``base[@knob=value...]``, see the module docstring)."""
+def resolve_mode(mode: str) -> tuple[Mode, list[str]]:
+    """``base[@knob=value...]`` → (the base mode, the modifiers' recipe overrides: a
+    ``GTPConfig`` field, or with a dot any recipe key). Unknown base: ``ValueError``."""
     base, *knobs = mode.split("@")
     if base not in MODES:
-        raise SystemExit(f"unknown mode {base!r}: known are {', '.join(MODES)}")
-    extra = [f"+{knob}" if "." in knob else f"+gtp.{knob}" for knob in knobs]
-    return [*MODES[base], *extra]
+        raise ValueError(f"unknown mode {base!r}: known are {', '.join(MODES)}")
+    return MODES[base], [f"+{knob}" if "." in knob else f"+gtp.{knob}" for knob in knobs]
+
+
+def plan_run(mode: str, world: int, shared_device: bool, full_size: bool) -> dict:
+    """One fit of ``mode`` on ``world`` ranks, its recipe through the CLI's checks: config,
+    overrides (the cut shape first, so a mode's ``@model.key=v`` wins; global batch = micro x
+    ranks; the world, one-rank "nodes" under ``shared_device``), tokens per rank, precision.
+    Raises ``RecipeError`` / ``ValueError`` (one line naming the setting)."""
+    from nemo_gtp.recipes.config import load_recipe
+    from nemo_gtp.recipes.validate import validate_recipe
+
+    entry, knobs = resolve_mode(mode)
+    if entry.world != world:
+        raise ValueError(
+            f"runs on {entry.world} ranks, the launch has {world}: give --devices {entry.world} "
+            "or launch it separately"
+        )
+    shape = []
+    if shared_device and not full_size and entry.config != CPU_CONFIG:
+        shape = list(SHARED_DEVICE_SHAPE)
+    path = str(ROOT / entry.config)
+    cfg = load_recipe(path, [*shape, *entry.overrides, *knobs])
+    micro, seq = int(cfg.data.micro_batch_size), int(cfg.data.seq_length)
+    overrides = [
+        *shape,
+        *entry.overrides,
+        f"data.global_batch_size={micro * world}",  # one microbatch per rank and step
+        *knobs,
+        *world_overrides(world, shared_device),
+    ]
+    cfg = load_recipe(path, overrides)
+    validate_recipe(cfg)
+    return {
+        "mode": mode,
+        "config": entry.config,
+        "overrides": overrides,
+        "tokens_per_gpu": micro * seq,
+        "precision": str(cfg.get("precision", "bf16-mixed")),
+    }
+
+
+def launch_plan(
+    modes: list[str], devices: int | None, shared_device: bool = False, full_size: bool = False
+) -> tuple[list[dict], int, list[str]]:
+    """(the runs in order, the launch's ranks: ``devices`` or the first known mode's, the
+    errors: one line per mode that is unknown, of another size, or fails the recipe checks)."""
+    from nemo_gtp.recipes.config import RecipeError
+
+    known = [MODES[m.split("@")[0]] for m in modes if m.split("@")[0] in MODES]
+    world = devices or (known[0].world if known else 2)
+    runs, errors = [], []
+    for mode in modes:
+        try:
+            runs.append(plan_run(mode, world, shared_device, full_size))
+        except (RecipeError, ValueError) as err:
+            errors.append(f"{mode}: {err}")
+    return runs, world, errors
 
 
 def check_modes(modes: list[str]) -> list[str]:
-    """Every mode's recipe through the CLI's checks (no torch); the errors, one line each."""
-    sys.path.insert(0, str(ROOT))
-    from nemo_gtp.recipes.config import RecipeError, load_recipe
-    from nemo_gtp.recipes.validate import validate_recipe
-
+    """Every mode's recipe through the CLI's checks on its own ranks, plain and under
+    ``--shared-device`` (no torch); the errors, one line each."""
     errors = []
     for mode in modes:
-        try:
-            validate_recipe(load_recipe(str(ROOT / CONFIG), resolve_mode(mode)))
-        except (RecipeError, ValueError) as err:
-            errors.append(f"{mode}: {err}")
+        base = MODES.get(mode.split("@")[0])
+        world = base.world if base else 2
+        for shared in (False, True):
+            errors += [e for e in launch_plan([mode], world, shared)[2] if e not in errors]
     return errors
 
 
@@ -140,8 +264,6 @@ def _expert_probe(reset_at: int):  # noqa: ANN202
 
 
 def _rank_main(spec_path: str) -> None:
-
-    sys.path.insert(0, str(HERE))
     from bench_nemo import _steps_callback, timed_fit
 
     from nemo_gtp.recipes.launch import teardown_fit
@@ -149,18 +271,23 @@ def _rank_main(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    shared = spec.get("shared_device", False)
+    if shared:  # registers "staged_gloo", the recipes' process-group backend
+        import nemo_gtp.testing.staged_gloo  # noqa: F401
     out = []
     for i, run in enumerate(spec["runs"]):
-        record: dict = {"mode": run["mode"]}
+        record: dict = {"mode": run["mode"], "tokens_per_gpu": run["tokens_per_gpu"]}
         started = time.perf_counter()
         try:
-            steps = _steps_callback(spec["warmup"], spec["timed"], False)
+            # shared: no exposed-communication or host/GPU split steps (they would mean nothing)
+            steps = _steps_callback(spec["warmup"], spec["timed"], False, timing=not shared)
             probe = _expert_probe(reset_at=spec["warmup"])
             cfg = load_recipe(
-                str(ROOT / CONFIG), [*run["overrides"], f"trainer.max_steps={steps.total_steps}"]
+                str(ROOT / run["config"]),
+                [*run["overrides"], f"trainer.max_steps={steps.total_steps}"],
             )
             store = str(Path(spec["dir"], f"store{i}"))
-            fitted = timed_fit(cfg, [steps, probe], steps, store, world, spec["tokens_per_gpu"])
+            fitted = timed_fit(cfg, [steps, probe], steps, store, world, run["tokens_per_gpu"])
             record.update(fitted, **probe.numbers)
         except Exception as err:  # record and go on: one broken mode must not hide the rest
             record["error"] = f"{type(err).__name__}: {err}"[:2000]
@@ -181,13 +308,46 @@ def _max_rel_diff(a: list, b: list) -> float | None:
     return max(abs(x - y) / abs(y) for x, y in pairs) if pairs else None
 
 
+def _parity(records: list[dict]) -> str:
+    """Each mode against its loss baseline in this launch: ``bench_nemo.py``'s parity table and
+    ``PARITY ...`` verdict lines, with a note on which start from the same weights."""
+    by = {r["mode"]: r for r in records if "error" not in r}
+    pairs, own_init = [], []
+    for mode, r in by.items():
+        loss_base = baselines(mode)[0]
+        if loss_base in by:
+            tokens = r.get("tokens_per_gpu", 4096)  # older records: the recipe's 4096
+            pairs.append((mode, loss_base, tokens, r, by[loss_base]))
+            entry = MODES[mode.split("@")[0]]
+            dense_gtp = not set(_DENSE_DP) <= set(entry.overrides)
+            if (
+                dense_gtp
+                and "model.layer_spec=te" in entry.overrides
+                and ("@preshard_linears=none" not in mode)
+            ):
+                own_init.append(mode)
+    notes = [
+        "Expert linears built as their EGTP shards start from the unsharded build's rows "
+        '(design §3.1 "Exact expert init"): an EGTP mode starts from its baseline\'s weights '
+        "(step-0 loss identical) and tracks it within the precision's tolerance."
+    ]
+    if own_init:
+        notes.append(
+            f"{', '.join(own_init)}: its dense TE linears (dense GTP2) draw their own initial "
+            'weights (design §3.1 "Per-GTP-rank init"), so the curves agree statistically, not '
+            "step for step; `@preshard_linears=none` builds them full and slices."
+        )
+    return parity_section(pairs, notes)
+
+
 def report(records: list[dict], out: Path) -> str:
-    """The markdown table (also written to ``out/bench_moe.md``)."""
+    """The markdown table, the parity table and verdicts (also written to
+    ``out/bench_moe.md``)."""
     by = {r["mode"]: r for r in records}
     lines = [
-        "| mode | step ms | vs EP2 | tokens/s/GPU | peak GiB | expert params/GPU (M) | "
-        "expert weights per gather / per reduce-scatter | exposed gather / RS ms | "
-        "max loss rel diff vs DP2 | loss first → last |",
+        "| mode | step ms | vs speed baseline | tokens/s/GPU | peak GiB | "
+        "expert params/GPU (M) | expert weights per gather / per reduce-scatter | "
+        "exposed gather / RS ms | max loss rel diff vs loss baseline | loss first → last |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
@@ -214,24 +374,31 @@ def report(records: list[dict], out: Path) -> str:
             f"{exposed.get('gather', 0):.2f} / {exposed.get('reduce_scatter', 0):.2f} | {diff} | "
             f"{curve} |"
         )
-    table = "\n".join(lines)
+    shared = next((r["shared_device"] for r in records if r.get("shared_device")), 0)
+    table = (
+        (SHARED_DEVICE_NOTE.format(n=shared) + "\n\n" if shared else "")
+        + "\n".join(lines)
+        + _parity(records)
+    )
+    tokens = sorted({r["tokens_per_gpu"] for r in records if "tokens_per_gpu" in r})
+    where = f"{shared} ranks on one GPU" if shared else "one GPU per rank"
     (out / "bench_moe.md").write_text(
-        "# bench_moe.py: MoE recipe (configs/moe_1b.yaml), 2 GPUs, 4096 tokens per GPU\n\n"
+        f"# bench_moe.py: MoE recipe, {where}, {'/'.join(map(str, tokens))} tokens per GPU\n\n"
         + table
-        + "\n\nvs EP2: step time over the same family's `ep2` mode; loss diff: over its `dp2` "
-        "mode (same initial weights). Expert weights per gather: weights one expert-runtime "
-        "all-gather / reduce-scatter carries, over the steps after warmup (8 = one collective "
-        "per group of 8 local experts at EP1).\n"
+        + "\n\nvs speed baseline: step time over the mode that shards the experts by EP "
+        "instead (`egtp2` over `ep2`, `ep2_egtp2` over `ep4`); loss diff: over its `dp2` twin "
+        "of the same EP (same initial weights). Expert weights per gather: weights one "
+        "expert-runtime all-gather / reduce-scatter carries, over the steps after warmup (8 = "
+        "one collective per group of 8 local experts at EP1).\n"
     )
     return table
 
 
-def _launch(spec: Path, out: Path, devices: int, timeout: float) -> int:
-    from nemo_gtp.recipes.launch import rank_env
-
+def _launch(spec: Path, out: Path, world: int, shared: bool, timeout: float) -> int:
+    port = _free_port()
     procs = []
-    for rank in range(devices):
-        env = rank_env(rank, devices, nccl=True)
+    for rank in range(world):
+        env = rank_environment(rank, world, shared, port)
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
         proc = subprocess.Popen(
             [sys.executable, __file__, "--rank-main", str(spec)],
@@ -243,40 +410,97 @@ def _launch(spec: Path, out: Path, devices: int, timeout: float) -> int:
         procs.append((proc, log))
     deadline = time.monotonic() + timeout
     codes = []
-    for proc, log in procs:
+    for rank, (proc, log) in enumerate(procs):
         try:
             codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             codes.append(124)
-            print(f"rank {procs.index((proc, log))}: killed after the {timeout:.0f} s timeout")
+            print(f"rank {rank}: killed after the {timeout:.0f} s timeout")
         log.close()
     return max(codes)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``--help`` lists it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default=DEFAULT_MODES)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--timed", type=int, default=20, help="timed steps (6 more follow)")
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=175.0, help="seconds for all fits")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--warmup", type=int, default=None, help="default 4 (2 shared)")
     parser.add_argument(
-        "--dry-run", action="store_true", help="check every mode's recipe, launch nothing"
+        "--timed",
+        type=int,
+        default=None,
+        help="timed steps: default 20 (6 more follow), 13 under --shared-device (none follow)",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--devices", type=int, default=None, help="ranks (default: the modes' own, 2 or 4)"
+    )
+    parser.add_argument("--timeout", type=float, default=175.0, help="seconds for all fits")
+    parser.add_argument(
+        "--shared-device",
+        action="store_true",
+        help="all ranks on one GPU (cuda:0), collectives staged through host memory over gloo "
+        "(backend staged_gloo), the model cut down: numerics only, step times mean nothing",
+    )
+    parser.add_argument(
+        "--full-size",
+        action="store_true",
+        help="with --shared-device: keep the recipe's model shape (default: "
+        + ", ".join(s.split(".", 1)[1] for s in SHARED_DEVICE_SHAPE)
+        + ")",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every mode's recipe and print the launch plan (runs, per-rank "
+        "environment); launch nothing",
+    )
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if args.full_size and not args.shared_device:
+        parser.error("--full-size only applies with --shared-device")
+    if args.devices is not None and args.devices < 1:
+        parser.error(f"--devices must be >= 1, got {args.devices}")
+    if args.warmup is None:
+        args.warmup = 2 if args.shared_device else 4
+    if args.timed is None:
+        args.timed = 13 if args.shared_device else 20
+    return args
+
+
+PLAN_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",")
-    errors = check_modes(modes)
-    for error in errors:
-        print(f"error: {error}")
+    runs, world, errors = launch_plan(modes, args.devices, args.shared_device, args.full_size)
     if args.dry_run or errors:
-        print(f"{len(modes) - len(errors)} of {len(modes)} modes pass the recipe checks")
+        plan = {
+            "shared_device": args.shared_device,
+            "world": world,
+            "runs": runs,
+            "ranks": [
+                {k: rank_environment(r, world, args.shared_device, 0)[k] for k in PLAN_ENV}
+                for r in range(world)
+            ],
+            "errors": errors,
+        }
+        print(json.dumps(plan, indent=1))
+        for error in errors:
+            print(f"error: {error}", file=sys.stderr)
+        print(f"{len(runs)} of {len(modes)} modes pass the recipe checks", file=sys.stderr)
         return 1 if errors else 0
-    runs = [{"mode": mode, "overrides": resolve_mode(mode)} for mode in modes]
+    out.mkdir(parents=True, exist_ok=True)
+    if args.shared_device:
+        device = "the CPU" if all(r["config"] == CPU_CONFIG for r in runs) else "cuda:0"
+        print(
+            f"--shared-device: {world} ranks on {device}, collectives staged through the host "
+            "(staged_gloo): numerics only, step times mean nothing",
+            flush=True,
+        )
     work = out / "work"
     work.mkdir(exist_ok=True)
     for stale in work.iterdir():
@@ -289,13 +513,17 @@ def main() -> int:
                 "dir": str(work.resolve()),
                 "warmup": args.warmup,
                 "timed": args.timed,
-                "tokens_per_gpu": 4096,  # configs/moe_1b.yaml: sequence 2048 x micro-batch 2
+                "shared_device": args.shared_device,
             }
         )
     )
-    code = _launch(spec, out, args.devices, args.timeout)
+    code = _launch(spec, out, world, args.shared_device, args.timeout)
     path = work / "records.json"
     records = json.loads(path.read_text()) if path.exists() else []
+    precision = {run["mode"]: run["precision"] for run in runs}
+    for record in records:
+        record["precision"] = precision.get(record["mode"])
+        record["shared_device"] = world if args.shared_device else 0  # ranks on one GPU
     (out / "bench_moe.json").write_text(json.dumps(records, indent=1))
     print(report(records, out))
     done = [r for r in records if "error" not in r]

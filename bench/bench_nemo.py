@@ -717,10 +717,9 @@ def parity(record: dict, base: dict) -> dict:
 
 
 def _parity_summary(records: list[dict]) -> str:
-    """Each mode against its baseline in this launch (same size): the loss curves and grad norms
-    (:func:`parity`), one row per pair, then one line per pair (the run's verdicts)."""
+    """Each mode against its baseline in this launch (same size): :func:`parity_section`."""
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
-    rows, verdicts, own_init = [], [], []
+    pairs, own_init = [], []
     for (mode, tokens), r in by.items():
         config, overrides, base_mode = resolve_mode(mode)
         base = by.get((base_mode or "", tokens))
@@ -732,6 +731,30 @@ def _parity_summary(records: list[dict]) -> str:
             and "+gtp.preshard_linears=none" not in overrides
         ):
             own_init.append(mode)
+        pairs.append((mode, base_mode, tokens, r, base))
+    notes = []
+    if own_init:
+        notes = [
+            f"{', '.join(sorted(set(own_init)))}: TE linears built as their GTP shards draw "
+            'their own initial weights (design §3.1 "Per-GTP-rank init"), so the curves agree '
+            "statistically, not step for step; `@preshard_linears=none` builds them full and "
+            "slices (the baseline's weights: step-0 loss identical)."
+        ]
+    return parity_section(pairs, notes)
+
+
+def parity_section(pairs: list[tuple[str, str, int, dict, dict]], notes: list[str]) -> str:
+    """The parity table of ``(mode, baseline mode, tokens per GPU, record, baseline record)``
+    pairs, one row each (:func:`parity`: loss curves and grad norms), the ``notes`` below it,
+    then one ``PARITY ... match / DIFFERS`` line per pair (the run's verdicts); empty when no
+    pair has a common step. ``bench_moe.py`` renders its pairs with it too.
+
+    Example::
+
+        parity_section([("gtp2_te", "dp2_te", 2048, gtp_record, dp_record)], [])
+    """
+    rows, verdicts = [], []
+    for mode, base_mode, tokens, r, base in pairs:
         p = parity(r, base)
         if not p["steps"]:
             continue
@@ -761,16 +784,7 @@ def _parity_summary(records: list[dict]) -> str:
         "max abs loss diff | max rel loss diff | max rel grad-norm diff | tolerance | verdict |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    notes = []
-    if own_init:
-        notes = [
-            "",
-            f"{', '.join(sorted(set(own_init)))}: TE linears built as their GTP shards draw "
-            'their own initial weights (design §3.1 "Per-GTP-rank init"), so the curves agree '
-            "statistically, not step for step; `@preshard_linears=none` builds them full and "
-            "slices (the baseline's weights: step-0 loss identical).",
-        ]
-    return "\n".join([*head, *rows, *notes, "", *verdicts])
+    return "\n".join([*head, *rows, *(["", *notes] if notes else []), "", *verdicts])
 
 
 def _thread_summary(records: list[dict]) -> str:
