@@ -22,7 +22,7 @@ ONE_GPU=${ONE_GPU:-0}
 SHARED=""; [ "$ONE_GPU" = 1 ] && SHARED="--shared-device"
 want() {
   [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]] || return 1
-  if [ "$ONE_GPU" = 1 ] && [[ " grouped fp8 fp8param host " != *" $1 "* ]]; then
+  if [ "$ONE_GPU" = 1 ] && [[ " grouped fp8 fp8param host moe " != *" $1 "* ]]; then
     echo "$1 skipped: ONE_GPU=1 (needs 2 GPUs)"; return 1
   fi
 }
@@ -84,4 +84,16 @@ if want host; then
     --modes dp2_te,gtp2_te,dp2_te@layergraph,gtp2_te@layergraph --tokens 2048 --profile 0 \
     --steps 15 --out "$OUT/host" | grep "^|"
   pack host
+fi
+# 8. MoE on real TE (TEGroupedMLP, top-2): EP2·EGTP2 vs EP2·DP2 (4 ranks) and EGTP2 vs DP2 (2).
+#    One GPU: both pairs as ranks sharing cuda:0, a cut of the recipe, numerics only; on 2 GPUs
+#    the 2-rank pair at full size (step time, memory).
+if want moe; then
+  if [ "$ONE_GPU" = 1 ]; then
+    timeout 170 python3 bench/bench_moe.py --shared-device \
+      --modes grouped_ep2_dp2,grouped_ep2_egtp2 --timeout 165 --out "$OUT/moe/ep2" | tail -6
+  fi
+  timeout 170 python3 bench/bench_moe.py $SHARED --modes grouped_dp2,grouped_egtp2 \
+    --timeout 165 --out "$OUT/moe/egtp2" | tail -6
+  pack moe
 fi
