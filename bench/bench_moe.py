@@ -65,6 +65,8 @@ if str(ROOT) not in sys.path:  # nemo_gtp for the recipe checks without PYTHONPA
 from bench_nemo import (  # noqa: E402 (after the path)
     SHARED_DEVICE_NOTE,
     _free_port,
+    add_launch_arguments,
+    check_launch_arguments,
     parity_section,
     rank_environment,
     world_overrides,
@@ -437,31 +439,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--devices", type=int, default=None, help="ranks (default: the modes' own, 2 or 4)"
     )
     parser.add_argument("--timeout", type=float, default=175.0, help="seconds for all fits")
-    parser.add_argument(
-        "--shared-device",
-        action="store_true",
-        help="all ranks on one GPU (cuda:0), collectives staged through host memory over gloo "
-        "(backend staged_gloo), the model cut down: numerics only, step times mean nothing",
-    )
-    parser.add_argument(
-        "--full-size",
-        action="store_true",
-        help="with --shared-device: keep the recipe's model shape (default: "
-        + ", ".join(s.split(".", 1)[1] for s in SHARED_DEVICE_SHAPE)
-        + ")",
-    )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="check every mode's recipe and print the launch plan (runs, per-rank "
-        "environment); launch nothing",
-    )
-    parser.add_argument("--out", required=True)
+    add_launch_arguments(parser, SHARED_DEVICE_SHAPE)
     args = parser.parse_args(argv)
-    if args.full_size and not args.shared_device:
-        parser.error("--full-size only applies with --shared-device")
-    if args.devices is not None and args.devices < 1:
-        parser.error(f"--devices must be >= 1, got {args.devices}")
+    check_launch_arguments(parser, args)
     if args.warmup is None:
         args.warmup = 2 if args.shared_device else 4
     if args.timed is None:

@@ -959,17 +959,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds per fit (build, steps, teardown); past it each rank writes every "
         "thread's stack to its log and exits (finding a hang)",
     )
+    add_launch_arguments(parser, SHARED_DEVICE_SHAPE)
+    args = parser.parse_args(argv)
+    check_launch_arguments(parser, args)
+    return args
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser, cut: tuple[str, ...]) -> None:
+    """``--shared-device``, ``--full-size`` (``cut``: the recipe overrides it skips),
+    ``--dry-run`` and ``--out``, as this script and ``bench_moe.py`` take them."""
     parser.add_argument(
         "--shared-device",
         action="store_true",
-        help="all --devices ranks on one GPU (cuda:0), collectives staged through host memory "
-        "over gloo (backend staged_gloo): numerics only, step times mean nothing",
+        help="all ranks on one GPU (cuda:0), collectives staged through host memory over gloo "
+        "(backend staged_gloo), the model cut down: numerics only, step times mean nothing",
     )
     parser.add_argument(
         "--full-size",
         action="store_true",
-        help="with --shared-device: keep the recipe's model shape (default: 4 layers, hidden "
-        "1024, ffn 4096, 8 heads)",
+        help="with --shared-device: keep the recipe's model shape (default: "
+        + ", ".join(override.split(".", 1)[1] for override in cut)
+        + ")",
     )
     parser.add_argument(
         "--dry-run",
@@ -978,12 +988,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "launch nothing",
     )
     parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+
+
+def check_launch_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What :func:`add_launch_arguments` and ``--devices`` (None: the modes' own) cannot take."""
     if args.full_size and not args.shared_device:
         parser.error("--full-size only applies with --shared-device")
-    if args.devices < 1:
+    if args.devices is not None and args.devices < 1:
         parser.error(f"--devices must be >= 1, got {args.devices}")
-    return args
 
 
 PLAN_ENV = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
