@@ -65,6 +65,7 @@ if str(ROOT) not in sys.path:  # nemo_gtp for the recipe checks without PYTHONPA
 from bench_nemo import (  # noqa: E402 (after the path)
     SHARED_DEVICE_NOTE,
     _free_port,
+    _max_rel,
     add_launch_arguments,
     check_launch_arguments,
     parity_section,
@@ -305,11 +306,6 @@ def _rank_main(spec_path: str) -> None:
 
 
 # ----------------------------------------------------------------------------- parent
-def _max_rel_diff(a: list, b: list) -> float | None:
-    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None and y != 0]
-    return max(abs(x - y) / abs(y) for x, y in pairs) if pairs else None
-
-
 def _parity(records: list[dict]) -> str:
     """Each mode against its loss baseline in this launch: ``bench_nemo.py``'s parity table and
     ``PARITY ...`` verdict lines, with a note on which start from the same weights."""
@@ -361,7 +357,7 @@ def report(records: list[dict], out: Path) -> str:
         if speed_base and "error" not in speed_base:
             ratio = f"{r['step_ms'] / speed_base['step_ms']:.3f}×"
         if loss_base and "error" not in loss_base:
-            worst = _max_rel_diff(r["losses"], loss_base["losses"])
+            worst = _max_rel(r["losses"], loss_base["losses"])
             diff = "" if worst is None else f"{worst:.1e}"
         per = ""
         if r.get("expert_gather_collectives"):

@@ -637,12 +637,8 @@ def _report(records: list[dict], out: Path) -> str:
         ratio, diff = "", ""
         if base and "error" not in base:
             ratio = f"{r['step_ms'] / base['step_ms']:.3f}× {base_mode}"
-            pairs = [
-                (a, b)
-                for a, b in zip(r["losses"], base["losses"])
-                if a is not None and b is not None
-            ]
-            diff = f"{max(abs(a - b) / abs(b) for a, b in pairs):.1e}" if pairs else ""
+            worst = _max_rel(r["losses"], base["losses"])
+            diff = "" if worst is None else f"{worst:.1e}"
         exposed = r.get("exposed_ms", {})
         idle = r.get("torch_profile", {}).get("gpu_idle_fraction")
         split = r.get("split_ms", {})
@@ -698,19 +694,14 @@ def parity(record: dict, base: dict) -> dict:
     pairs = [
         (a, b) for a, b in zip(record["losses"], base["losses"]) if a is not None and b is not None
     ]
-    norms = [
-        (a, b)
-        for a, b in zip(record.get("grad_norms") or [], base.get("grad_norms") or [])
-        if a is not None and b
-    ]
     tolerance = TOLERANCE.get(record.get("precision") or "", TOLERANCE["bf16-mixed"])
-    rel = max((abs(a - b) / abs(b) for a, b in pairs), default=None)
+    rel = _max_rel(record["losses"], base["losses"])
     return {
         "steps": len(pairs),
         "first_loss": (pairs[0] if pairs else None),
         "max_abs_loss_diff": max((abs(a - b) for a, b in pairs), default=None),
         "max_rel_loss_diff": rel,
-        "max_rel_grad_norm_diff": max((abs(a - b) / abs(b) for a, b in norms), default=None),
+        "max_rel_grad_norm_diff": _max_rel(record.get("grad_norms"), base.get("grad_norms")),
         "tolerance": tolerance,
         "match": rel is not None and rel <= tolerance,
     }
@@ -816,7 +807,9 @@ def _eager_twin(mode: str) -> str | None:
     return "@".join([base, *(k for k in knobs if k not in GRAPH_KINDS)])
 
 
-def _max_rel(a: list, b: list) -> float | None:
+def _max_rel(a: list | None, b: list | None) -> float | None:
+    """The largest relative difference of curve ``a`` from curve ``b`` over their common steps
+    (steps either misses, or where ``b`` is 0, left out); None without one."""
     pairs = [(x, y) for x, y in zip(a or [], b or []) if x is not None and y]
     return max(abs(x - y) / abs(y) for x, y in pairs) if pairs else None
 
