@@ -888,11 +888,9 @@ def world_plan(shared_device: bool, local_rank: int, cuda: bool = CUDA) -> tuple
 
         world_plan(True, 1, cuda=True)  # ("cpu:gloo,cuda:staged_gloo", 0)
     """
-    if shared_device:
-        from nemo_gtp.testing.staged_gloo import BACKEND  # importing registers the backend
+    from nemo_gtp.testing.staged_gloo import rank_backend  # importing registers the backend
 
-        return BACKEND, 0 if cuda else None
-    return ("nccl", local_rank) if cuda else ("gloo", None)
+    return rank_backend(shared_device, cuda, local_rank)
 
 
 def main() -> None:

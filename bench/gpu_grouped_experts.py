@@ -397,11 +397,10 @@ def world_plan(rank: int, args: argparse.Namespace) -> tuple[str, str]:
         world_plan(1, parse_args(["--out", "o", "--shared-device"]))
         # ("cpu:gloo,cuda:staged_gloo", "cuda:0")
     """
-    if args.shared_device:
-        from nemo_gtp.testing.staged_gloo import BACKEND  # importing registers the backend
+    from nemo_gtp.testing.staged_gloo import rank_backend  # importing registers the backend
 
-        return BACKEND, "cpu" if args.cpu_smoke else "cuda:0"
-    return ("gloo", "cpu") if args.cpu_smoke else ("nccl", f"cuda:{rank}")
+    backend, index = rank_backend(args.shared_device, not args.cpu_smoke, rank)
+    return backend, "cpu" if index is None else f"cuda:{index}"
 
 
 def init_world(rank: int, world: int, args: argparse.Namespace, store_path: str) -> str:

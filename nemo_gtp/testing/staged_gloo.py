@@ -540,6 +540,22 @@ def register() -> str:
     return BACKEND
 
 
+def rank_backend(shared_device: bool, on_gpu: bool, local_rank: int) -> tuple[str, int | None]:
+    """``(process-group backend, CUDA device index or None for the CPU)`` of a launch's local
+    rank: NCCL on ``cuda:<local_rank>``, gloo on the CPU, or with ``shared_device`` this
+    backend with every rank on ``cuda:0`` (on the CPU without a GPU: the one-GPU launches' CPU
+    dry runs).
+
+    Example::
+
+        rank_backend(True, True, 1)    # ("cpu:gloo,cuda:staged_gloo", 0)
+        rank_backend(False, True, 1)   # ("nccl", 1)
+    """
+    if shared_device:
+        return BACKEND, 0 if on_gpu else None
+    return ("nccl", local_rank) if on_gpu else ("gloo", None)
+
+
 def world_on_gpu(backend: str | None = None) -> bool:
     """Whether a world on ``backend`` (default: the default group's) computes on CUDA: NCCL, or
     this backend where CUDA is present (ranks sharing a GPU). Plain gloo, and this backend on a
