@@ -731,8 +731,11 @@ class GTPRuntime(GraphSegments):
         A follower of such a group is never a leader: TE calls the protocol on ``weights[0]``
         only (``grad_buffer()`` excepted, which every member answers for itself).
         """
-        group = self.group_of(param)
-        if group is None or not group.together:
+        index = param.gtp_state.group
+        if index < 0:  # every dense TE linear: no weight group (the protocol's hot path)
+            return (param,)
+        group = self.weight_groups[index]
+        if not group.together:
             return (param,)
         if group.params[0] is not param:
             raise GTPStateError(
@@ -759,24 +762,17 @@ class GTPRuntime(GraphSegments):
         consumer's quantization of the buffer (design §1.3 "Consumer-quantized backward").
         """
         state = param.gtp_state
-        # every dense TE linear is in no weight group: skip the group lookups (hot path)
-        members = (param,) if state.group < 0 else self.protocol_members(param)
+        members = self.protocol_members(param)
         chain = state.chain
         last = chain.protocol_last
         which = 0 if direction is _FWD else 1
         previous = last[which]
         if previous is not None and previous is not param:
-            if previous.gtp_state.group < 0:
-                self.release(previous, direction)
-            else:
-                for member in self.protocol_members(previous):
-                    self.release(member, direction)
+            for member in self.protocol_members(previous):
+                self.release(member, direction)
         if direction is _BWD and last[0] is not None:
-            if last[0].gtp_state.group < 0:
-                self.release(last[0], _FWD)
-            else:
-                for member in self.protocol_members(last[0]):
-                    self.release(member, _FWD)
+            for member in self.protocol_members(last[0]):
+                self.release(member, _FWD)
             last[0] = None
         will_backward = torch.is_grad_enabled() or state.forward_grad_enabled
         last[which] = param
@@ -868,9 +864,6 @@ class GTPRuntime(GraphSegments):
     ) -> int:
         """TE's ``finalize_group_grads`` on ``param``: reduce-scatter one full wgrad per member
         of its group (:meth:`protocol_members`, same order); returns the group's size."""
-        if param.gtp_state.group < 0 and len(wgrads) == 1:  # a dense TE linear (hot path)
-            self.reduce_scatter_foreign_wgrad(param, wgrads[0])
-            return 1
         members = self.protocol_members(param)
         if len(wgrads) != len(members):
             plural = "s" if len(members) > 1 else ""
