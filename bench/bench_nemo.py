@@ -320,6 +320,11 @@ def _thread_cpu_per_step(before: dict, after: dict, steps: int, top: int = 8) ->
     return {k: round(v, 1) for k, v in busiest if v > 0}
 
 
+# --host-timer: this rank process's gtp_host_timer.GTPHostTimer (module-level: NeMo deep-copies
+# callbacks, and the timer's thread-local depth cannot be copied)
+_HOST_TIMER = None
+
+
 def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True):  # noqa: ANN202
     """The rank's Lightning callback (Lightning imported here: the parent process stays light).
     ``timing=False`` (``--shared-device``): no exposed-communication or host/GPU split steps,
@@ -347,6 +352,9 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
             self._threads: dict[str, float] = {}
             self._timed_wall = 0.0
             self.thread_cpu_ms_per_step: dict[str, float] = {}
+            self._timer_start: dict = {}
+            self.host_inside: dict = {}  # ms per timed step inside GTP / DDP / optimizer entries
+            self.phase: list[dict[str, float]] = []  # timed steps: fwd+bwd issue, the rest
 
         @property
         def windows(self) -> dict[str, range]:
@@ -369,6 +377,8 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
             """Host-bound or GPU-bound? In the split window (the GPU idle at the batch start):
             the host's time to issue forward + backward, then how long the GPU still needs."""
 
+            if trainer.global_step in self.windows["timed"]:  # no sync: the step's own pace
+                self.phase.append({"fwd_bwd_ms": 1000 * (time.perf_counter() - self._start)})
             if trainer.global_step not in self.windows["split"]:
                 return
             issued = time.perf_counter()
@@ -389,6 +399,12 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
             step, w = trainer.global_step, self.windows
             if step == w["timed"].start:  # which threads burn CPU during the timed steps
                 self._threads, self._timed_wall = thread_cpu_seconds(), time.perf_counter()
+                if _HOST_TIMER is not None:
+                    self._timer_start = _HOST_TIMER.snapshot()
+            if step == w["timed"].stop and _HOST_TIMER is not None and self._timer_start:
+                self.host_inside = _HOST_TIMER.per_step(
+                    self._timer_start, _HOST_TIMER.snapshot(), len(w["timed"])
+                )
             if step == w["timed"].stop and self._threads:
                 self.thread_cpu_ms_per_step = _thread_cpu_per_step(
                     self._threads, thread_cpu_seconds(), len(w["timed"])
@@ -427,6 +443,8 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
             _sync()
             step, w = trainer.global_step - 1, self.windows
             ms = 1000 * (time.perf_counter() - self._start)
+            if step in w["timed"] and self.phase and "rest_ms" not in self.phase[-1]:
+                self.phase[-1]["rest_ms"] = ms - self.phase[-1]["fwd_bwd_ms"]
             loss = trainer.callback_metrics.get("reduced_train_loss")
             norm = trainer.callback_metrics.get("grad_norm")  # NeMo logs it at every step
             self.records.append(
@@ -558,6 +576,12 @@ def _rank_main(spec_path: str) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if spec.get("shared_device"):  # registers "staged_gloo", the recipes' process-group backend
         import nemo_gtp.testing.staged_gloo  # noqa: F401
+    global _HOST_TIMER
+    if spec.get("host_timer") and _HOST_TIMER is None:  # before any model is built (TE's
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # pre-hooks bind at build)
+        from gtp_host_timer import GTPHostTimer
+
+        _HOST_TIMER = GTPHostTimer.install()
     out = []
     for i, run in enumerate(spec["runs"]):
         record = {k: run[k] for k in ("mode", "tokens_per_gpu")}
@@ -590,6 +614,15 @@ def _rank_main(spec_path: str) -> None:
                 gtp_stats_per_step=steps.gtp_stats,
                 thread_cpu_ms_per_step=steps.thread_cpu_ms_per_step,
                 cpu_budget=cpu_budget(),
+                # timed steps, medians: the host's pace through forward + backward (no sync)
+                # and the rest of the step (optimizer, drains, the GPU's catch-up)
+                phase_ms={
+                    key: round(statistics.median(p[key] for p in steps.phase), 2)
+                    for key in ("fwd_bwd_ms", "rest_ms")
+                }
+                if steps.phase and all("rest_ms" in p for p in steps.phase)
+                else {},
+                host_inside=steps.host_inside,
             )
             if rank == 0 and run["profile"]:
                 Path(spec["out"], f"host_profile_{name}.txt").write_text(steps.host_profile)
@@ -939,6 +972,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --profile-tokens: also write rank 0's timeline of the profiled steps "
         "(trace_<mode>_<tokens>.json.gz, chrome://tracing or Perfetto)",
     )
+    parser.add_argument(
+        "--host-timer",
+        action="store_true",
+        help="record per rank the host ms per timed step inside GTP's entry points, megatron's "
+        "DDP bucket calls and optimizer step (gtp_host_timer.py; ~1 us per wrapped call)",
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timed", type=int, default=20)
     parser.add_argument("--devices", type=int, default=2, help="ranks (one per GPU unless shared)")
@@ -1033,6 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
                     "out": str(out.resolve()),
                     "warmup": args.warmup,
                     "chrome_trace": args.chrome_trace,
+                    "host_timer": args.host_timer,
                     "timed": args.timed,
                     "fit_timeout": args.fit_timeout,
                     "shared_device": args.shared_device,

@@ -48,6 +48,38 @@ GTP_ENTRIES = (
     ("nemo_gtp.integrations.megatron.layer_graphs", "GTPCudaGraphManager", "__call__", "layers"),
     ("nemo_gtp.integrations.te_grad_mode", None, "_record", "gtp"),
     ("nemo_gtp.integrations.megatron.sharding.te", None, "_record", "gtp"),  # before it moved
+    # megatron's DDP bucket calls (grad-ready registration, grad / param sync issue and wait):
+    # every mode makes them, a GTP2 rank over a data group of one
+    (
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBucketGroup",
+        "register_grad_ready",
+        "ddp",
+    ),
+    (
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBucketGroup",
+        "start_grad_sync",
+        "ddp",
+    ),
+    (
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBucketGroup",
+        "finish_grad_sync",
+        "ddp",
+    ),
+    (
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBucketGroup",
+        "start_param_sync",
+        "ddp",
+    ),
+    (
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBucketGroup",
+        "finish_param_sync",
+        "ddp",
+    ),
     ("megatron.core.optimizer.optimizer", "MegatronOptimizer", "step", "optimizer"),
     ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer", "step", "optimizer"),
     ("megatron.core.optimizer.optimizer", "ChainedOptimizer", "step", "optimizer"),
