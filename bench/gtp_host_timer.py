@@ -48,6 +48,30 @@ GTP_ENTRIES = (
     ("nemo_gtp.integrations.megatron.layer_graphs", "GTPCudaGraphManager", "__call__", "layers"),
     ("nemo_gtp.integrations.te_grad_mode", None, "_record", "gtp"),
     ("nemo_gtp.integrations.megatron.sharding.te", None, "_record", "gtp"),  # before it moved
+    # inside GTP's entry points, each its own category (inclusive time of every call, nested
+    # or not): which part of a consume / finalize costs what (--host-timer's finer split)
+    *(
+        ("nemo_gtp.engine.runtime", "GTPRuntime", name, f"in.{name}")
+        for name in (
+            "_issue_unit",
+            "_issue",
+            "_finalize_all",
+            "_protocol_alias",
+            "_reduce_scatter_staged",
+            "_prefetch_all",
+        )
+    ),
+    ("nemo_gtp.engine.param", "GatherSlot", "complete", "in.gather_complete"),
+    ("nemo_gtp.engine.param", "ReduceScatterSlot", "complete", "in.rs_complete"),
+    *(
+        ("nemo_gtp.engine.collectives", "GroupCollectives", name, f"in.{name}")
+        for name in (
+            "all_gather",
+            "all_gather_coalesced",
+            "reduce_scatter",
+            "reduce_scatter_coalesced",
+        )
+    ),
     # megatron's DDP bucket calls (grad-ready registration, grad / param sync issue and wait):
     # every mode makes them, a GTP2 rank over a data group of one
     (
