@@ -59,6 +59,9 @@ GTP_ENTRIES = (
             "_protocol_alias",
             "_reduce_scatter_staged",
             "_prefetch_all",
+            "materialize",
+            "materialize_group_for_protocol",
+            "release",
         )
     ),
     ("nemo_gtp.engine.param", "GatherSlot", "complete", "in.gather_complete"),
@@ -115,6 +118,8 @@ class GTPHostTimer:
 
     def __init__(self) -> None:
         self.ns: dict[str, int] = {}
+        self.cpu_ns: dict[str, int] = {}  # the calling thread's CPU time inside (wall - CPU:
+        # blocked: the GIL, a CUDA call waiting for the device)
         self.calls: dict[str, int] = {}
         self.category: dict[str, str] = {}
         self._depth = threading.local()
@@ -132,14 +137,16 @@ class GTPHostTimer:
             if owner is None or attr not in vars(owner):
                 continue  # only what the class itself defines (no double wraps via bases)
             name = f"{class_name}.{attr}" if class_name else attr
+            if name in timer.ns:  # wrapped again in a category of its own: its inclusive time
+                name = f"{name} ({category})"
             timer.category[name] = category
             setattr(owner, attr, timer._wrap(name, category, vars(owner)[attr]))
         return timer
 
     def _wrap(self, name: str, category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        self.ns[name], self.calls[name] = 0, 0
+        self.ns[name], self.cpu_ns[name], self.calls[name] = 0, 0, 0
         depth = self._depth
-        clock = time.perf_counter_ns
+        clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -147,29 +154,35 @@ class GTPHostTimer:
             if level:
                 return fn(*args, **kwargs)
             setattr(depth, category, 1)
-            start = clock()
+            start, cpu_start = clock(), cpu_clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.ns[name] += clock() - start
+                self.cpu_ns[name] += cpu_clock() - cpu_start
                 self.calls[name] += 1
                 setattr(depth, category, 0)
 
         return timed
 
-    def snapshot(self) -> dict[str, tuple[int, int]]:
-        """(ns, calls) per entry so far."""
-        return {name: (self.ns[name], self.calls[name]) for name in self.ns}
+    def snapshot(self) -> dict[str, tuple[int, int, int]]:
+        """(wall ns, calls, thread CPU ns) per entry so far."""
+        return {name: (self.ns[name], self.calls[name], self.cpu_ns[name]) for name in self.ns}
 
     def per_step(self, before: dict, after: dict, steps: int) -> dict[str, Any]:
         """Milliseconds and calls per step between two snapshots, by entry and category."""
         entries, totals = {}, {}
-        for name, (ns, calls) in after.items():
+        for name, (ns, calls, cpu_ns) in after.items():
             d_ns, d_calls = ns - before[name][0], calls - before[name][1]
             if not d_calls:
                 continue
             ms = d_ns / 1e6 / steps
-            entries[name] = {"ms": round(ms, 3), "calls": round(d_calls / steps, 1)}
+            cpu_ms = (cpu_ns - before[name][2]) / 1e6 / steps
+            entries[name] = {
+                "ms": round(ms, 3),
+                "cpu_ms": round(cpu_ms, 3),
+                "calls": round(d_calls / steps, 1),
+            }
             category = self.category[name]
             totals[category] = totals.get(category, 0.0) + ms
         return {
