@@ -100,6 +100,10 @@ MODES = {
             "strategy.num_weight_shards=1",
             "+strategy.fsdp=megatron",
             "ddp.use_distributed_optimizer=true",
+            # NeMo's strategy asserts megatron's DDP config asks for FSDP too (2xH200 run of
+            # 2026-12-01: "MCore FSDP is not enabled in ddp_config" without it)
+            "+ddp.use_megatron_fsdp=true",
+            "+ddp.data_parallel_sharding_strategy=optim_grads_params",
         ],
     ),
 }
