@@ -127,7 +127,6 @@ BAD_FP8_OVERRIDES = [
         ["fp8.param_gather=true", "ddp.grad_reduce_in_fp32=false"],
         "needs ddp.grad_reduce_in_fp32=true",
     ),
-    (["fp8.param_gather=true", "+resume=/tmp"], "resume with fp8.param_gather=true"),
     (["precision=32"], "fp8 needs precision: bf16-mixed"),
     (["model.layer_spec=local"], "set model.layer_spec=te"),
     (["cpu_compat=true"], "set cpu_compat=false"),
@@ -145,6 +144,13 @@ def test_bad_fp8_recipe_override(overrides: list[str], message: str) -> None:
     # without GTP (the baseline of --compare-baseline)
     validate_recipe(load_recipe(FP8_1B, ["fp8.param_gather=true"]))
     validate_recipe(load_recipe(FP8_1B, ["fp8.param_gather=true", "strategy.num_weight_shards=1"]))
+
+
+def test_fp8_primary_resume_passes_the_checks(tmp_path: Path) -> None:
+    """FP8 primary GTP shards resume through NeMo (design §3.3 "FP8 primary weights"): a
+    recipe with ``fp8.param_gather=true`` and ``resume`` is accepted (it used to be refused)."""
+    (tmp_path / "weights").mkdir()
+    validate_recipe(load_recipe(FP8_1B, ["fp8.param_gather=true", f"+resume={tmp_path}"]))
 
 
 @pytest.mark.parametrize("overrides, message", BAD_MOE_OVERRIDES, ids=lambda x: str(x))

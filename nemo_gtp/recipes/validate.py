@@ -405,7 +405,8 @@ def _check_fp8(raw: dict[str, Any], dims: Any) -> None:
 def _check_fp8_primary(raw: dict[str, Any], dims: Any, section: dict[str, Any]) -> None:
     """``fp8.param_gather=true`` under GTP: FP8 primary GTP shards (design §1.3 "FP8 primary
     weights"): per-tensor current scaling, megatron's distributed optimizer with fp32 gradient
-    reduction, no routed experts over expert GTP, no NeMo checkpoint load yet."""
+    reduction, no routed experts over expert GTP. ``resume`` is fine: the strategy re-quantizes
+    the shards from the loaded weights and fp32 mains (design §3.3 "FP8 primary weights")."""
     off = "or fp8.param_gather=false (the shards then stay bf16)"
     recipe = section.get("recipe") or "delayed"
     if recipe != "tensorwise":
@@ -429,11 +430,6 @@ def _check_fp8_primary(raw: dict[str, Any], dims: Any, section: dict[str, Any]) 
         raise RecipeError(
             "fp8.param_gather=true is not supported for routed experts sharded over expert GTP: "
             f"drop strategy.expert_num_weight_shards (experts whole), {off}"
-        )
-    if raw.get("resume") is not None:
-        raise RecipeError(
-            "resume with fp8.param_gather=true under GTP is not supported yet (NeMo's load "
-            f"cannot re-quantize FP8 primary GTP shards): drop resume, {off}"
         )
 
 

@@ -15,6 +15,11 @@ param-to-key map) and hands it to ``MegatronCheckpointIO``. Under GTP three piec
 3. The distributed optimizer defaults to the layout-independent ``fully_sharded_model_space``
    format (NeMo's default ``dp_reshardable`` only survives DP changes); optimizer state is
    built and loaded with the torch-Adam fixes of :mod:`nemo_gtp.checkpoint.optimizer`.
+4. FP8 primary GTP shards (design §3.3 "FP8 primary weights") are loaded as
+   ``load_gtp_checkpoint`` loads them: :func:`fp8_primary_model_load` keeps their loaded
+   (dequantized) weights out of NeMo's copy into the params and quantizes them with the
+   GTP-agreed scale; :func:`gtp_load_optimizer_states` then re-quantizes them from the loaded
+   fp32 main params (bytes and scales as saved).
 
 [Note: what a NeMo checkpoint directory holds]
 ``<name>/weights/`` is megatron's distributed checkpoint (committed atomically here: written
@@ -27,10 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from nemo.lightning import _strategy_lib
 from nemo.lightning.io.pl import MegatronCheckpointIO, ckpt_to_weights_subdir
 from nemo.lightning.megatron_parallel import getattr_proxy
 from torch.distributed.checkpoint.api import CheckpointException
@@ -48,11 +54,14 @@ from nemo_gtp.checkpoint.optimizer import (
     load_optimizer_state,
     optimizer_sharded_state_dict,
 )
+from nemo_gtp.engine.fp8_primary import quantize_loaded_fp8_primary
 from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.integrations.megatron.checkpoint import (
     checkpoint_layout,
     make_gtp_sharded_state_dict,
+    set_aside_fp8_primary_values,
 )
+from nemo_gtp.integrations.megatron.fp8_primary import quantize_fp8_primary_from_main_params
 
 
 def install_gtp_sharded_state_dict(megatron_parallel: Any, groups: GTPGroups) -> None:
@@ -133,9 +142,82 @@ def gtp_optimizer_sharded_state_dict(
 
 
 def gtp_load_optimizer_states(optimizers: list[Any], states: list[dict]) -> None:
-    """Load each optimizer's loaded sharded state (NeMo's ``checkpoint["optimizer"]`` list)."""
+    """Load each optimizer's loaded sharded state (NeMo's ``checkpoint["optimizer"]`` list).
+
+    FP8 primary shards are then re-quantized from the loaded fp32 main params and all-gathered,
+    as after an optimizer step (``quantize_fp8_primary_from_main_params``, design §3.3 "FP8
+    primary weights"): their bytes and scales equal the saving run's. Collective over the
+    optimizers' groups when there are any (a no-op otherwise).
+    """
     for optimizer, state in zip(optimizers, states, strict=True):
-        load_optimizer_state(getattr(optimizer, "mcore_optimizer", optimizer), state)
+        mcore = getattr(optimizer, "mcore_optimizer", optimizer)
+        load_optimizer_state(mcore, state)
+        quantize_fp8_primary_from_main_params(mcore)
+
+
+def _without_module_prefix(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+@contextlib.contextmanager
+def fp8_primary_model_load() -> Iterator[None]:
+    """Inside the block, NeMo's model load quantizes loaded weights into FP8 primary shards.
+
+    NeMo's ``MegatronStrategy.load_model_state_dict`` copies the loaded weights into the
+    params with torch's ``load_state_dict`` (``_strategy_lib.load_model_state_dict``, looked up
+    at call time), for an FP8 primary shard a cast into its float8 storage without a scale.
+    The block replaces that function: FP8 primary shards' loaded (dequantized) weights are set
+    aside (``set_aside_fp8_primary_values``), the rest is NeMo's load, then the shards are
+    quantized with the full weight's scale (``quantize_loaded_fp8_primary``: amax agreed over
+    the GTP group, collective). megatron's ``reload_model_params``, which follows a load without
+    optimizer state (NeMo's, or the strategy's), then seeds the fp32 mains from the shards'
+    dequantized values (megatron's ``dequantize_fp8_tensor``, routed to them by
+    ``install_fp8_primary_hooks``), as megatron does for TE's FP8 params. Design §3.3 "FP8
+    primary weights".
+
+    Example::
+
+        with fp8_primary_model_load():
+            MegatronStrategy.load_model_state_dict(strategy, checkpoint)
+    """
+    original = _strategy_lib.load_model_state_dict
+
+    @functools.wraps(original)
+    def load_model_state_dict(
+        megatron_parallel: Any, checkpoint: Mapping[str, Any], strict: bool = True
+    ) -> None:
+        checkpoint = dict(checkpoint)
+        key = "state_dict" if "state_dict" in checkpoint else None
+        state = dict(checkpoint[key]) if key else checkpoint
+        params, values = [], []
+        for index, chunk in enumerate(megatron_parallel):
+            # NeMo's per-chunk state dict: its own entry under virtual pipeline parallelism
+            sub = f"model_{index}"
+            loaded = state[sub] if isinstance(state.get(sub), Mapping) else state
+            kept, fp8, loaded_values = set_aside_fp8_primary_values(
+                chunk.named_parameters(), loaded, _without_module_prefix
+            )
+            if loaded is state:
+                state = kept
+            else:
+                state[sub] = kept
+            params += fp8
+            values += loaded_values
+        if key:
+            checkpoint[key] = state
+        else:
+            checkpoint = state
+        original(megatron_parallel, checkpoint, strict=strict)
+        if params:
+            quantize_loaded_fp8_primary(params, values)
+
+    _strategy_lib.load_model_state_dict = load_model_state_dict
+    try:
+        yield
+    finally:
+        _strategy_lib.load_model_state_dict = original
 
 
 class GTPCheckpointIO(MegatronCheckpointIO):

@@ -26,7 +26,9 @@ Hooks, in the order NeMo / Lightning run them:
 ``on_train_start``           GTP-aware ``finalize_model_grads``; the one-line config log (§2.3)
 ``on_validation_end`` etc.   drain: no GTP communication of an evaluation loop outlives it
 ``save_checkpoint`` / load   GTP-aware sharded state dict, atomic ``torch_dist`` commit, layout-
-                             independent optimizer format (:mod:`nemo_gtp.strategy.checkpoint_io`)
+                             independent optimizer format (:mod:`nemo_gtp.strategy.checkpoint_io`);
+                             FP8 primary shards re-quantized from the loaded weights, then from
+                             the loaded fp32 mains (design §3.3 "FP8 primary weights")
 ===========================  =====================================================================
 
 Batch arithmetic (design §3.1): every GTP peer eats its own microbatch, so
@@ -53,6 +55,7 @@ from nemo.utils import AppState
 from nemo.utils import logging as nemo_logging
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
+from nemo_gtp.checkpoint.optimizer import DEFAULT_SHARDING_TYPE
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, GTPRuntime, runtimes_of
 from nemo_gtp.engine.collectives import quiet_flight_recorder
 from nemo_gtp.integrations.megatron import (
@@ -65,6 +68,7 @@ from nemo_gtp.integrations.megatron import (
 from nemo_gtp.strategy.callbacks import GTPDrainCallback
 from nemo_gtp.strategy.checkpoint_io import (
     GTPCheckpointIO,
+    fp8_primary_model_load,
     gtp_load_optimizer_states,
     gtp_optimizer_sharded_state_dict,
     gtp_sharded_state_dict_metadata,
@@ -483,28 +487,66 @@ class GTPMegatronStrategy(MegatronStrategy):
     def optimizer_sharded_state_dict(
         self, is_loading: bool = False, metadata: dict | None = None
     ) -> dict[str, Any]:
-        """The optimizer state keyed like the GTP-aware model state (design §3.3)."""
+        """The optimizer state keyed like the GTP-aware model state (design §3.3).
+
+        With FP8 primary GTP shards only the distributed optimizer's default
+        ``fully_sharded_model_space`` format is supported (design §3.3 "FP8 primary weights");
+        any other is refused, naming the setting, before any collective.
+        """
         if not self.gtp_enabled:
             return super().optimizer_sharded_state_dict(is_loading=is_loading, metadata=metadata)
+        metadata = self.sharded_state_dict_metadata if metadata is None else metadata
+        self._check_fp8_primary_format(metadata, is_loading)
         return gtp_optimizer_sharded_state_dict(
             self.megatron_parallel,
             self.lightning_module.optimizers(use_pl_optimizer=False),
             is_loading=is_loading,
-            metadata=self.sharded_state_dict_metadata if metadata is None else metadata,
+            metadata=metadata,
         )
 
-    def load_checkpoint(self, checkpoint_path: Any, selective_restore: bool = False) -> Any:
-        """NeMo's load; refused with FP8 primary GTP shards (before any collective): NeMo's
-        load copies the saved training-dtype weights into the params, which for an FP8 shard
-        would be a cast without its scale (design §1.3 "FP8 primary weights"; the megatron-level
-        ``load_gtp_checkpoint`` re-quantizes them)."""
-        if any(r.fp8_primary is not None for r in self.gtp_runtimes):
-            raise NotImplementedError(
-                "loading a checkpoint into FP8 primary GTP shards (fp8_param_gather=True) through "
-                "GTPMegatronStrategy is not supported yet: resume with fp8_param_gather=False, "
-                "or load with nemo_gtp.integrations.megatron.load_gtp_checkpoint"
+    @property
+    def _fp8_primary(self) -> bool:
+        return any(r.fp8_primary is not None for r in self.gtp_runtimes)
+
+    def _check_fp8_primary_format(self, metadata: dict[str, Any], loading: bool) -> None:
+        """The optimizer-state format FP8 primary shards' checkpoints need (raised on every rank
+        alike: the format comes from the strategy's settings, or from the checkpoint loaded)."""
+        sharding = metadata.get("distrib_optim_sharding_type", DEFAULT_SHARDING_TYPE)
+        if sharding == DEFAULT_SHARDING_TYPE or not self._fp8_primary:
+            return
+        if loading:
+            fix = (
+                "the checkpoint's optimizer state was saved in that format: load its weights "
+                "only (ckpt_load_optimizer=False)"
             )
-        return super().load_checkpoint(checkpoint_path, selective_restore=selective_restore)
+        else:
+            fix = "set ckpt_optim_fully_reshardable=False"
+        raise NotImplementedError(
+            f"checkpoints of FP8 primary GTP shards (fp8_param_gather=True) support the "
+            f"distributed optimizer's {DEFAULT_SHARDING_TYPE!r} format only, got "
+            f"distrib_optim_sharding_type={sharding!r}: {fix} (megatron's dp_reshardable and "
+            f"fully_reshardable formats split FP8 param buffers their own way)"
+        )
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """NeMo's; FP8 primary GTP shards take the loaded weights quantized with the full
+        weight's scale, agreed over GTP (``fp8_primary_model_load``; design §3.3 "FP8 primary
+        weights"), not NeMo's plain copy, a cast into FP8 without a scale. The fp32 mains are
+        then seeded from the shards' dequantized values, as megatron does for TE's FP8 params;
+        a load of the optimizer state that follows replaces them (and re-quantizes the shards
+        from the loaded mains)."""
+        if not self._fp8_primary:
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        with fp8_primary_model_load():
+            super().load_model_state_dict(checkpoint, strict=strict)
+        if "optimizer" in checkpoint:
+            # NeMo seeds the mains only from a checkpoint without an "optimizer" entry, but a
+            # checkpoint that holds optimizer state has one (its common part) also when
+            # ckpt_load_optimizer=False: the mains kept their initial values, and the first
+            # step's write-back would quantize from those instead of the loaded weights.
+            for optimizer in self.optimizers:
+                optimizer.reload_model_params()
 
     @property
     def lightning_restore_optimizer(self) -> bool:
@@ -518,7 +560,9 @@ class GTPMegatronStrategy(MegatronStrategy):
         return bool(self.ckpt_load_optimizer) and super().lightning_restore_optimizer
 
     def load_optimizer_state_dict(self, checkpoint: Any, selective_restore: bool = False) -> None:
-        """Load ``checkpoint["optimizer"]`` into every optimizer (megatron formats, torch Adam)."""
+        """Load ``checkpoint["optimizer"]`` into every optimizer (megatron formats, torch Adam);
+        FP8 primary GTP shards are then re-quantized from the loaded fp32 mains: bytes and
+        scales as the saving run's (``gtp_load_optimizer_states``, design §3.3)."""
         if not self.gtp_enabled:
             super().load_optimizer_state_dict(checkpoint, selective_restore=selective_restore)
             return

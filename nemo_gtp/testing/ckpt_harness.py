@@ -27,6 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 
 from nemo_gtp.engine import GTPConfig, GTPGroups, is_gtp_param
+from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
     gtp_process_groups,
@@ -209,26 +210,19 @@ def _local_states(built: Built, param: torch.nn.Parameter) -> tuple[int, int, di
 
 
 def _optimizer_states(
-    optimizer: object, param: torch.nn.Parameter
+    optimizer: object, param: torch.nn.Parameter, kinds: tuple[str, ...] = STATE_KINDS
 ) -> tuple[int, int, dict, object] | None:
     """This rank's (start, end, {kind: flat tensor}, group the state is sharded over) of
-    ``param``'s optimizer state, if any (group ``None``: a whole copy per rank)."""
+    ``param``'s optimizer state, if any (group ``None``: a whole copy per rank). ``kinds``
+    other than :data:`STATE_KINDS` (the fp32 main alone) only for the distributed optimizer."""
     for opt in _inner_optimizers(optimizer):
         if hasattr(opt, "model_param_group_index_map"):  # DistributedOptimizer
             if param not in opt.model_param_group_index_map:
                 continue
             rng = opt._get_model_param_range_map(param)["param"]
             tensors = opt._get_main_param_and_optimizer_states(param)
-            return (
-                rng.start,
-                rng.end,
-                {
-                    "fp32_param": tensors["param"],
-                    "exp_avg": tensors["exp_avg"],
-                    "exp_avg_sq": tensors["exp_avg_sq"],
-                },
-                opt.data_parallel_group,
-            )
+            tensors["fp32_param"] = tensors.pop("param")
+            return (rng.start, rng.end, {k: tensors[k] for k in kinds}, opt.data_parallel_group)
         state = opt.optimizer.state.get(param)
         if state is not None:
             return (
@@ -253,7 +247,10 @@ def _assemble_replicate(built: Built, param: torch.nn.Parameter) -> dict[str, to
 
 
 def _assemble(
-    local: tuple[int, int, dict] | None, param: torch.nn.Parameter, group: object
+    local: tuple[int, int, dict] | None,
+    param: torch.nn.Parameter,
+    group: object,
+    kinds: tuple[str, ...] = STATE_KINDS,
 ) -> dict[str, torch.Tensor]:
     """``local`` states of ``param`` joined over ``group`` into shard-shaped tensors."""
     payload = (  # on the host: objects travel pickled (NCCL too)
@@ -264,7 +261,7 @@ def _assemble(
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, payload, group=group)
     out = {}
-    for kind in STATE_KINDS:
+    for kind in kinds:
         flat = torch.full((param.numel(),), float("nan"), dtype=torch.float32)
         covered = torch.zeros(param.numel(), dtype=torch.bool)
         for part in parts:
@@ -340,11 +337,17 @@ def _buffer_group(ddp: object, param: torch.nn.Parameter) -> object:
     raise KeyError(f"no DDP buffer holds a param of shape {tuple(param.shape)}")
 
 
-def moe_full_state(ddp: object, optimizer: object | None = None) -> dict[str, torch.Tensor]:
-    """Every weight (and, given the ``optimizer``, every optimizer state) of a MoE model as full
-    logical tensors, keyed ``"<kind>/<name>"`` with routed experts under their global index
-    (:func:`expert_key`), merged over every rank (replicas must agree bit for bit): two layouts,
-    expert kinds (``SequentialMLP`` / ``TEGroupedMLP``), EP or EGTP sizes compare directly.
+def moe_full_state(
+    ddp: object, optimizer: object | None = None, *, moments: bool = True
+) -> dict[str, torch.Tensor]:
+    """Every weight (and, given the ``optimizer``, every optimizer state; ``moments=False``:
+    the fp32 mains alone, e.g. after a weights-only load, before Adam has moments) of a MoE
+    model as full logical tensors, keyed ``"<kind>/<name>"`` with routed experts under their
+    global index (:func:`expert_key`), merged over every rank (replicas must agree bit for
+    bit): two layouts, expert kinds (``SequentialMLP`` / ``TEGroupedMLP``), EP or EGTP sizes
+    compare directly. An FP8 primary shard (design §1.3) gives its dequantized weight as
+    ``weight/``, its FP8 bytes as ``fp8/``, its ``scale`` and ``scale_inv`` as ``fp8_scale/``
+    and ``fp8_scale_inv/``.
 
     Shards gather over their own runtime's group (GTP or expert GTP); optimizer states over the
     group their optimizer shards them over (dense or expert data parallel). TP must be 1.
@@ -362,12 +365,21 @@ def moe_full_state(ddp: object, optimizer: object | None = None) -> dict[str, to
     for name, param in model.named_parameters():
         key = expert_key(name, first)
         group = param.runtime.group if is_gtp_param(param) else None
-        local[f"weight/{key}"] = gather_logical(name, param, param.data, group).cpu()
+        if is_fp8_primary(param):
+            fp8 = param.gtp_state.fp8
+            weight = dequantize_fp8_primary(param)
+            local[f"fp8/{key}"] = gather_logical(name, param, param.view(torch.uint8), group).cpu()
+            local[f"fp8_scale/{key}"] = fp8.scale.detach().clone().cpu()
+            local[f"fp8_scale_inv/{key}"] = fp8.scale_inv.detach().clone().cpu()
+        else:
+            weight = param.data
+        local[f"weight/{key}"] = gather_logical(name, param, weight, group).cpu()
         if optimizer is None:
             continue
-        found = _optimizer_states(optimizer, param)
+        kinds = STATE_KINDS if moments else STATE_KINDS[:1]
+        found = _optimizer_states(optimizer, param, kinds)
         if distributed:  # ranges of it on other ranks of its DDP buffer's group, maybe not here
-            states = _assemble(found and found[:3], param, _buffer_group(ddp, param))
+            states = _assemble(found and found[:3], param, _buffer_group(ddp, param), kinds)
         else:
             states = {kind: t.detach().clone().view(param.shape) for kind, t in found[2].items()}
         for kind, tensor in states.items():

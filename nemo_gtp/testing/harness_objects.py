@@ -186,7 +186,8 @@ class StopAfter(pl.Callback):
 
 
 class StateDump(pl.Callback):
-    """Rank 0 saves the model's full state, weights and (``optimizer``) optimizer state
+    """Rank 0 saves the model's full state, weights and optimizer state (``optimizer=False``:
+    the fp32 mains alone, as after a weights-only load)
     (:func:`nemo_gtp.testing.ckpt_harness.moe_full_state`: layout and expert-kind independent
     keys), to ``path`` once the global step is ``step``: at the train start (a fit resumed at that
     step: the state right after the checkpoint load) or after that training step. Every rank
@@ -204,8 +205,10 @@ class StateDump(pl.Callback):
         if self.done or trainer.global_step != self.step:
             return
         strategy = trainer.strategy
-        optimizer = strategy.optimizers[0].mcore_optimizer if self.optimizer else None
-        state = moe_full_state(strategy.megatron_parallel[0].module, optimizer)
+        optimizer = strategy.optimizers[0].mcore_optimizer
+        state = moe_full_state(
+            strategy.megatron_parallel[0].module, optimizer, moments=self.optimizer
+        )
         if dist.get_rank() == 0:
             torch.save(state, self.path)
         self.done = True

@@ -67,7 +67,8 @@ class Fit:
     weights_to: str | None = None
     save_to: str | None = None
     expect_error: bool = False
-    # full state (weights, + optimizer unless ckpt_load_optimizer=False; every rank's gathered)
+    # full state (weights, + optimizer; its fp32 mains alone with ckpt_load_optimizer=False;
+    # every rank's gathered)
     # to ``state_to`` at global step ``state_at``: right after the load for a fit resumed at that
     # step (harness_objects.StateDump)
     state_at: int | None = None
@@ -339,15 +340,15 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     callbacks = [recorder, evals] + ([metrics_cb] if metrics_cb else [])
     if fit.stop_after:
         callbacks.append(_stopper(fit.stop_after))
-    if fit.emulate_fp8_params:
-        from nemo_gtp.testing.harness_objects import EmulatedFP8Params
-
-        callbacks.append(EmulatedFP8Params())
-    if fit.state_to:
+    if fit.state_to:  # before the FP8 emulation: its train start re-quantizes the weights
         from nemo_gtp.testing.harness_objects import StateDump
 
         loads_optimizer = fit.strategy_kwargs.get("ckpt_load_optimizer", True)
         callbacks.append(StateDump(fit.state_at, fit.state_to, optimizer=loads_optimizer))
+    if fit.emulate_fp8_params:
+        from nemo_gtp.testing.harness_objects import EmulatedFP8Params
+
+        callbacks.append(EmulatedFP8Params())
     if fit.checkpoint_every:
         from nemo_gtp.recipes.loader import model_checkpoint
 

@@ -31,6 +31,7 @@ optimizer state is in the same layout-independent format as in GTP runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -346,6 +347,42 @@ def checkpoint_layout(sharded_state_dict: dict, groups: GTPGroups | None) -> Che
     )
 
 
+def set_aside_fp8_primary_values(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]],
+    loaded: Mapping[str, Any],
+    normalize: Callable[[str], str] = lambda name: name,
+) -> tuple[dict[str, Any], list[torch.nn.Parameter], list[torch.Tensor | None]]:
+    """Keep an FP8 primary shard's loaded value out of torch's ``load_state_dict`` (design §3.3
+    "FP8 primary weights").
+
+    torch's load copies a loaded value into the param, for an FP8 primary shard a cast into its
+    float8 storage without a scale. Returns a copy of ``loaded`` whose entries for FP8 primary
+    shards are the shards' own bytes (so that copy changes nothing), the FP8 primary params of
+    ``named_params`` in their order, and the loaded value of each (``None`` where ``loaded``
+    has none): what :func:`~nemo_gtp.engine.fp8_primary.quantize_loaded_fp8_primary` takes
+    after the load. ``normalize`` maps both the param names and the keys of ``loaded`` to one
+    form (NeMo's loaded keys and its model chunks' names differ in their ``module.`` prefixes).
+    ``loaded`` itself is left as it is.
+
+    Example::
+
+        loaded, fp8, values = set_aside_fp8_primary_values(model.named_parameters(), loaded)
+        model.load_state_dict(loaded)
+        quantize_loaded_fp8_primary(fp8, values)
+    """
+    fp8 = {normalize(name): p for name, p in named_params if is_fp8_primary(p)}
+    if not fp8:
+        return dict(loaded), [], []
+    kept, values = {}, {}
+    for key, value in loaded.items():
+        param = fp8.get(normalize(key))
+        if param is not None:
+            values[normalize(key)] = value
+            value = param.detach()
+        kept[key] = value
+    return kept, list(fp8.values()), [values.get(name) for name in fp8]
+
+
 def load_model_state(model: torch.nn.Module, loaded: dict, *, strict: bool = True) -> Any:
     """Copy a loaded model state dict (the result of loading a GTP-aware one) into ``model``.
 
@@ -356,20 +393,10 @@ def load_model_state(model: torch.nn.Module, loaded: dict, *, strict: bool = Tru
     TransformerEngine re-quantizes an FP8 param it copies a loaded value into); collective over
     each GTP group then. Returns ``load_state_dict``'s missing/unexpected keys.
     """
-    named = dict(model.named_parameters())
-    fp8 = {name: p for name, p in named.items() if is_fp8_primary(p)}
-    values = {}
-    if fp8:
-        loaded = dict(loaded)
-        for name, param in fp8.items():
-            if name in loaded:
-                # torch's load would cast the values into the FP8 storage without a scale: the
-                # param keeps its bytes here and is quantized below.
-                values[name] = loaded[name]
-                loaded[name] = param.detach()
+    loaded, fp8, values = set_aside_fp8_primary_values(model.named_parameters(), loaded)
     result = model.load_state_dict(loaded, strict=strict)
     if fp8:
-        quantize_loaded_fp8_primary(list(fp8.values()), [values.get(name) for name in fp8])
+        quantize_loaded_fp8_primary(fp8, values)
     with torch.no_grad():
         for param in model.parameters():
             if is_gtp_param(param) and not is_fp8_primary(param):

@@ -1,7 +1,7 @@
 """FP8 primary GTP shards under megatron DDP and the distributed optimizer (design §1.3
 "FP8 primary weights", "The megatron hook").
 
-megatron-core 0.15 supports FP8 params (``fp8_param_gather``) through three functions of
+megatron-core 0.15 supports FP8 params (``fp8_param_gather``) through four functions of
 ``megatron.core.fp8_utils`` that its DDP, param buffer and distributed optimizer import by name:
 
 - ``is_float8tensor(param)``: DDP gives the param a ``uint8`` param buffer, the optimizer seeds
@@ -9,13 +9,18 @@ megatron-core 0.15 supports FP8 params (``fp8_param_gather``) through three func
   the main param into the model param after the step;
 - ``modify_underlying_storage(param, uint8_view)``: DDP re-points the param at its buffer slice;
 - ``quantize_param_shard(params, mains, offsets, data_parallel_group)``: the optimizer casts its
-  fp32 main slices into the FP8 params (then DDP all-gathers the buffer's bytes).
+  fp32 main slices into the FP8 params (then DDP all-gathers the buffer's bytes);
+- ``dequantize_fp8_tensor(param)``: the optimizer re-seeds its fp32 main params from the FP8
+  params' values (``reload_model_params``: NeMo's load of a checkpoint's weights without its
+  optimizer state).
 
 :func:`install_fp8_primary_hooks` wraps those names in those three modules: a GTP FP8 primary
 shard (``engine/fp8_primary.py``) answers ``is_float8tensor`` with True, its storage moves as
-bytes, and its write-back is :func:`~nemo_gtp.engine.fp8_primary.write_back_fp8_primary` with
-the amax agreed over the data-parallel (replicate) group and the runtime's GTP group. Every
-other tensor goes to megatron's own function. The wrappers are installed once per process and
+bytes, its write-back is :func:`~nemo_gtp.engine.fp8_primary.write_back_fp8_primary` with the
+amax agreed over the data-parallel (replicate) group and the runtime's GTP group, and its value
+is :func:`~nemo_gtp.engine.fp8_primary.dequantize_fp8_primary` (megatron's own function would
+hand the shard to TE's ``dequantize``, which a plain float8 tensor does not scale). Every other
+tensor goes to megatron's own function. The wrappers are installed once per process and
 delegate everything that is not a GTP shard, so they are inert for a model without FP8 primary
 shards.
 """
@@ -28,7 +33,11 @@ from typing import Any
 
 import torch
 
-from nemo_gtp.engine.fp8_primary import is_fp8_primary, write_back_fp8_primary
+from nemo_gtp.engine.fp8_primary import (
+    dequantize_fp8_primary,
+    is_fp8_primary,
+    write_back_fp8_primary,
+)
 
 _MODULES = (
     "megatron.core.distributed.distributed_data_parallel",
@@ -120,10 +129,23 @@ def _quantize_param_shard(original: Callable[..., None]) -> Callable[..., None]:
     return quantize_param_shard
 
 
+def _dequantize_fp8_tensor(
+    original: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def dequantize_fp8_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        if is_fp8_primary(tensor):
+            return dequantize_fp8_primary(tensor)
+        return original(tensor)
+
+    setattr(dequantize_fp8_tensor, _MARK, original)
+    return dequantize_fp8_tensor
+
+
 _WRAPPERS = {
     "is_float8tensor": _is_float8tensor,
     "modify_underlying_storage": _modify_underlying_storage,
     "quantize_param_shard": _quantize_param_shard,
+    "dequantize_fp8_tensor": _dequantize_fp8_tensor,
 }
 
 
