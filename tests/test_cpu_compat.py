@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nemo_gtp.testing import cpu_compat
 from nemo_gtp.testing.cpu_compat import (
@@ -26,6 +25,7 @@ from nemo_gtp.testing.cpu_compat import (
 from nemo_gtp.testing.cpu_compat import (
     cpu_compat as cpu_compat_ctx,
 )
+from nemo_gtp.testing.spawn import start_ranks
 
 VOCAB = 128
 SEQ = 16
@@ -392,7 +392,7 @@ def train_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[di
     """Per layout ("tp1" = TP1xDP2, "tp2" = TP2xDP1), the results of both ranks."""
     world_size = 2
     out_dir = tmp_path_factory.mktemp("train")
-    mp.spawn(_train_worker, args=(world_size, _free_port(), str(out_dir)), nprocs=world_size)
+    start_ranks(_train_worker, (world_size, _free_port(), str(out_dir)), world_size, join=True)
     per_rank = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
     return {key: [r[key] for r in per_rank] for key in per_rank[0]}
 

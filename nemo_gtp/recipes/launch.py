@@ -74,6 +74,27 @@ def rank_env(
     return env
 
 
+def freeze_imports() -> None:
+    """Keep what the imports made out of the garbage collector's scans (``gc.freeze``).
+
+    Call once per process after NeMo is imported and before the first fit. NeMo, megatron,
+    transformers and their kin leave millions of objects that live as long as the process:
+    every full collection walks them all (about 2 s per ``gc.collect()`` on a 2-core machine,
+    twice per :func:`teardown_fit`, and in Python's own collections during training). Frozen,
+    they are never scanned; what fits create is collected as before.
+
+    Example::
+
+        freeze_imports()
+        for fit in fits: ...; teardown_fit()
+    """
+    import gc
+
+    import nemo.collections.llm  # noqa: F401  (what every fit imports anyway)
+
+    gc.freeze()
+
+
 def teardown_fit() -> None:
     """Reset what one ``trainer.fit`` leaves in process-global state before the next one.
 
@@ -209,6 +230,7 @@ def _rank_main(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     world = int(os.environ["WORLD_SIZE"])
+    freeze_imports()
     for i, args in enumerate(spec["runs"].values()):
         cfg = load_recipe(spec["config"], args)
         loss_log = LossLog(str(Path(spec["dir"], f"{i}.jsonl")))

@@ -48,7 +48,7 @@ def run_recipes(recipes: list[str], store_dir: str = "", cpu_compat: bool = Fals
     import torch.distributed as dist
     from nemo_run.core.serialization.zlib_json import ZlibJSONSerializer
 
-    from nemo_gtp.recipes.launch import teardown_fit
+    from nemo_gtp.recipes.launch import freeze_imports, teardown_fit
     from nemo_gtp.recipes.quiet import quiet_known_warnings
 
     quiet_known_warnings()
@@ -62,6 +62,7 @@ def run_recipes(recipes: list[str], store_dir: str = "", cpu_compat: bool = Fals
         torch.set_num_threads(1)
         enable_cpu_compat(nemo=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    freeze_imports()
     for index, text in enumerate(recipes):
         task = fdl.build(ZlibJSONSerializer().deserialize(text))
         if index > 0:

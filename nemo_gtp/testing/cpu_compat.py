@@ -68,6 +68,10 @@ rejected                    LanguageModule.setup_embeddings_and_output_layer (PP
 moe_router_gemm             megatron/core/transformer/moe/moe_utils.py:
                             RouterGatingLinearFunction (``te_general_gemm`` unbound without
                             TE: ``NameError``) -> the name bound to ``None`` (torch.mm path)
+gloo_shared_device          torch/distributed/distributed_c10d.py:
+                            _new_process_group_helper (a TCP device and its polling
+                            thread per gloo group) -> one device per process
+                            (``nemo_gtp.testing.gloo_device``; time, not results)
 nemo_random_seed (NeMo)     nemo/lightning/megatron_init.py:_set_random_seed (skips the
                             tracker without GPUs) -> also seeds the CPU tracker
 nemo_strategy_logging       nemo/lightning/pytorch/strategies/megatron_strategy.py:
@@ -560,6 +564,18 @@ def _patch_cuda_stream_shims(patcher: _Patcher) -> None:
     patcher.set(torch.cuda, "current_stream", _host_current_stream)
     patcher.set(torch.cuda, "default_stream", _host_current_stream)
     patcher.set(torch.cuda, "synchronize", _host_synchronize)
+
+
+@_register("torch/distributed/distributed_c10d.py:_new_process_group_helper (gloo devices)")
+def _patch_gloo_shared_device(patcher: _Patcher) -> None:
+    """Every gloo group made while enabled shares the process's one TCP device
+    (:class:`~nemo_gtp.testing.gloo_device.SharedDeviceGloo`): megatron's dozens of groups per
+    layout otherwise keep a polling thread each, which ate half of a 2-core machine's CPU."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from nemo_gtp.testing.gloo_device import SharedDeviceGloo
+
+    patcher.set(c10d, "ProcessGroupGloo", SharedDeviceGloo)
 
 
 @_register(

@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
-from nemo_gtp.testing.spawn import COLLECTIVE_TIMEOUT_S
+from nemo_gtp.testing.spawn import COLLECTIVE_TIMEOUT_S, start_ranks
 
 VOCAB, SEQ, MBS, GBS, STEPS = 128, 16, 2, 8, 10
 VAL_BATCHES = 2  # validation / test steps per evaluation (each a global batch of GBS samples)
@@ -541,7 +540,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
 def run_fits(fits: list[Fit], world: int, out_dir: str | Path) -> list[list[dict[str, Any]]]:
     """Run ``fits`` in order on ``world`` spawned ranks; returns ``results[rank][fit_index]``."""
     try:
-        mp.spawn(_worker, args=(world, fits, str(out_dir)), nprocs=world, join=True)
+        start_ranks(_worker, (world, fits, str(out_dir)), world, join=True)
     except Exception as err:  # the first rank to die is often a victim: show every rank's error
         reports = "\n".join(
             f"--- rank {r}: {Path(out_dir, f'error{r}.txt').read_text()[-3000:]}"

@@ -27,12 +27,13 @@ def main(out_dir: str) -> None:
     """Train, checkpoint, resume (see the module docstring); rank 0 writes ``result.json``."""
     import torch
 
-    from nemo_gtp.recipes.launch import teardown_fit
+    from nemo_gtp.recipes.launch import freeze_imports, teardown_fit
     from nemo_gtp.testing.cpu_compat import enable_cpu_compat
     from nemo_gtp.testing.strategy_harness import Fit, _fit
 
     torch.set_num_threads(1)
     enable_cpu_compat()
+    freeze_imports()
     world, out = int(os.environ["WORLD_SIZE"]), Path(out_dir)
     first = Fit("first", gtp=2, steps=4, checkpoint_every=2, checkpoint_dir=str(out / "ckpts"))
     results = [_fit(first, world, None)]
