@@ -55,6 +55,7 @@ from nemo_gtp.engine.param import (
     Direction,
     GatherSlot,
     GatherState,
+    GTPParamState,
     GTPShardedParam,
     GTPStateError,
     ReduceScatterState,
@@ -70,6 +71,7 @@ _FWD, _BWD = Direction.FWD, Direction.BWD
 _backward_task_id = torch._C._current_graph_task_id
 _NONE, _ASYNC, _READY = GatherState.NONE, GatherState.ASYNC_WAIT, GatherState.DATA_READY
 _RS_NONE, _RS_STAGED = ReduceScatterState.NONE, ReduceScatterState.STAGED
+_LINKED = ChainPhase.LINKED
 
 
 def _forward_targets(slot: GatherSlot, will_backward: bool) -> tuple[GatherSlot, ...]:
@@ -762,6 +764,10 @@ class GTPRuntime(GraphSegments):
         consumer's quantization of the buffer (design §1.3 "Consumer-quantized backward").
         """
         state = param.gtp_state
+        if state.group < 0 and state.chain.phase is _LINKED:
+            dense = self._dense_consume(param, state, direction)
+            if dense is not None:
+                return dense
         members = self.protocol_members(param)
         chain = state.chain
         last = chain.protocol_last
@@ -823,6 +829,75 @@ class GTPRuntime(GraphSegments):
                 ]
         return [self._protocol_alias(m, direction, fulls[id(m)]) for m in members]
 
+    def _dense_consume(
+        self, param: GTPShardedParam, state: GTPParamState, direction: Direction
+    ) -> list[torch.Tensor] | None:
+        """The protocol consume of a dense TE linear in the steady state, in one frame.
+
+        The case of nearly every consume of a training step: the training dtype (no FP8
+        gather, FP8 primary shards or consumer quantization), a linked chain, no recompute
+        forward, no graph carry, no tracing or wait timing. Does what
+        :meth:`materialize_group_for_protocol` and :meth:`materialize` do then (the same
+        releases, issues, waits, prefetches and alias, in the same order) without the calls
+        and branches of the cases that cannot apply; returns None, having changed nothing,
+        for any other case (design §3.1 "Host cost per weight").
+        """
+        if (
+            self.fp8_primary is not None
+            or self.quantized_gather is not None
+            or self.consumer_quantize is not None
+            or self.trace is not None
+            or self.wait_timer.enabled
+        ):
+            return None
+        last = state.chain.protocol_last
+        if direction is _FWD:
+            if _backward_task_id() != -1:  # an activation-recompute forward: its own chain
+                return None
+            slot, which = state.fwd, 0
+        else:
+            first = last[0]
+            if self._carry or (first is not None and first.gtp_state.group >= 0):
+                return None
+            slot, which = state.bwd, 1
+        previous = last[which]
+        if slot.fmt is not None or (previous is not None and previous.gtp_state.group >= 0):
+            return None
+        # -- from here on the general path's steps, in its order
+        if previous is not None and previous is not param:
+            self.release(previous, direction)
+        if which:
+            first = last[0]
+            if first is not None:
+                self.release(first, _FWD)
+                last[0] = None
+        last[which] = param
+        self._fmt = None
+        if slot.state is _NONE:
+            if len(slot.unit) == 1:
+                self._issue(param, slot, async_op=False)
+            else:  # e.g. the chain head: the rest of its unit, at once
+                self._issue_unit(slot.unit[slot.unit_pos :], sync_slot=slot)
+        if slot.state is _ASYNC:
+            slot.complete()
+        if self._prefetch_enabled:
+            targets = slot.ahead
+            if not targets and not which:  # the forward tail hands over to the backward
+                if torch.is_grad_enabled() or state.forward_grad_enabled:
+                    targets = slot.handover
+            if targets:
+                self._prefetch_all(targets)
+        full = slot.full
+        cached = slot.alias
+        if (
+            cached is not None
+            and cached[0] is full
+            and full is slot.cache_full
+            and cached[1].requires_grad == param.requires_grad
+        ):
+            return [cached[1]]
+        return [self._protocol_alias(param, direction, full)]
+
     @staticmethod
     def _note_forward(requant: ConsumerQuantize, members: tuple[GTPShardedParam, ...]) -> None:
         """Keep on each member the consumer's note of this forward for its backward consume
@@ -864,6 +939,9 @@ class GTPRuntime(GraphSegments):
     ) -> int:
         """TE's ``finalize_group_grads`` on ``param``: reduce-scatter one full wgrad per member
         of its group (:meth:`protocol_members`, same order); returns the group's size."""
+        if param.gtp_state.group < 0 and len(wgrads) == 1:  # every dense TE linear
+            self.reduce_scatter_foreign_wgrad(param, wgrads[0])
+            return 1
         members = self.protocol_members(param)
         if len(wgrads) != len(members):
             plural = "s" if len(members) > 1 else ""
