@@ -8,6 +8,8 @@ through megatron's ``TEGroupedMLP`` in ``tests/test_moe.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,15 +24,19 @@ from nemo_gtp.testing.te_grouped import (
 )
 
 
-def _chain_steady_state(groups: object, rank: int, world: int) -> None:
+def _chain_steady_state(groups: object, rank: int, world: int, *, general: bool) -> list:
     """A TE model's protocol call order with coalescing units: after the first (observing)
     step, every gather is prefetched into its own ticket — no skipped prefetch, no fallback
     buffer, no weight gathered twice — although a protocol weight holds its buffer until the
-    next consume (across the chain's commit too), and the wgrads still reduce exactly."""
+    next consume (across the chain's commit too), and the wgrads still reduce exactly.
+
+    ``general``: a trace on, which keeps every consume off the dense one-frame path
+    (``GTPRuntime._dense_consume``); both must give the same trace of collectives."""
     shapes = [(48, 16), (16, 16), (64, 16), (16, 64)]  # qkv, proj, fc1, fc2 of one layer
     layer_bytes = sum(o * i * 4 for o, i in shapes)
     config = GTPConfig(coalesce_mb=2 * layer_bytes / 2**20, pad_for_alignment=8)  # 2 layers
     runtime = GTPRuntime(groups, config)
+    counts = []
     weights, modules = [], []
     for layer in range(3):
         for j, (out_f, in_f) in enumerate(shapes):
@@ -43,8 +49,13 @@ def _chain_steady_state(groups: object, rank: int, world: int) -> None:
             modules.append(module)
     n = len(weights)
     x = torch.zeros(2, 16)
+    trace = runtime.enable_trace() if general else None
+    general_calls = []  # consumes that took the general path (through materialize)
+    materialize = runtime.materialize
+    runtime.materialize = lambda *a, **k: general_calls.append(a[0]) or materialize(*a, **k)
     for step in range(3):
         runtime.stats.reset()
+        general_calls.clear()
         for module in modules:
             module(x)
         # Once linked, each grad-mode hook went at its module's next call, but the forward
@@ -61,10 +72,15 @@ def _chain_steady_state(groups: object, rank: int, world: int) -> None:
         if step:
             assert (stats.prefetch_skipped, stats.fallback_allocations) == (0, 0), (step, stats)
             assert stats.prefetches == 2 * n - 1, (step, stats)  # all but the chain head
+        if step:  # linked: every consume in one frame, unless kept off it
+            assert len(general_calls) == (2 * n if general else 0), (step, len(general_calls))
+        counts.append(dataclasses.astuple(stats))
     mean = sum(range(1, world + 1)) / world
     for weight in weights:
         assert torch.equal(weight.main_grad, torch.full_like(weight, 3 * mean))
     assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
+    assert trace is None or len(trace) > 0
+    return counts
 
 
 class _TEStandIn(torch.nn.Linear):
@@ -226,7 +242,9 @@ def _worker(rank: int, world: int) -> None:
     assert len(fired) == 2  # DDP's grad-ready hook fires once per finalize, after the add
     assert runtime.live_buffers[weight.gtp_state.chain_id] == 0
 
-    _chain_steady_state(groups, rank, world)
+    # the dense one-frame consume does exactly what the general path does
+    fast = _chain_steady_state(groups, rank, world, general=False)
+    assert fast == _chain_steady_state(groups, rank, world, general=True)
     _fp8_backward_of_training_dtype_gathers(groups, rank)
 
     with pytest.raises(ValueError, match=r"wgrad shape \(8, 16\) != logical weight shape"):

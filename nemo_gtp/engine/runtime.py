@@ -835,8 +835,9 @@ class GTPRuntime(GraphSegments):
         """The protocol consume of a dense TE linear in the steady state, in one frame.
 
         The case of nearly every consume of a training step: the training dtype (no FP8
-        gather, FP8 primary shards or consumer quantization), a linked chain, no recompute
-        forward, no graph carry, no tracing or wait timing. Does what
+        gather or FP8 primary shards; a ``consumer_quantize`` is noted on every forward as in
+        the general path, and a backward whose forward it quantized takes the general path), a
+        linked chain, no recompute forward, no graph carry, no tracing or wait timing. Does what
         :meth:`materialize_group_for_protocol` and :meth:`materialize` do then (the same
         releases, issues, waits, prefetches and alias, in the same order) without the calls
         and branches of the cases that cannot apply; returns None, having changed nothing,
@@ -845,7 +846,6 @@ class GTPRuntime(GraphSegments):
         if (
             self.fp8_primary is not None
             or self.quantized_gather is not None
-            or self.consumer_quantize is not None
             or self.trace is not None
             or self.wait_timer.enabled
         ):
@@ -857,7 +857,11 @@ class GTPRuntime(GraphSegments):
             slot, which = state.fwd, 0
         else:
             first = last[0]
-            if self._carry or (first is not None and first.gtp_state.group >= 0):
+            if (
+                self._carry
+                or state.quantize_note is not None  # the consumer quantizes this backward
+                or (first is not None and first.gtp_state.group >= 0)
+            ):
                 return None
             slot, which = state.bwd, 1
         previous = last[which]
@@ -887,6 +891,8 @@ class GTPRuntime(GraphSegments):
                     targets = slot.handover
             if targets:
                 self._prefetch_all(targets)
+        if not which and self.consumer_quantize is not None:
+            self._note_forward(self.consumer_quantize, (param,))
         full = slot.full
         cached = slot.alias
         if (
