@@ -478,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    # TF32 off in cuBLAS itself: TE's fp32 GEMMs ignore torch's allow_tf32 flags. With TF32 the
+    # GPT parity read 9.9e-5 / 4.2e-5 (2xH200) against fp32's 1e-5; without it 3.1e-7 / 3.5e-7
+    # (1xH200, --shared-device): the gap was TF32 rounding, not GTP.
+    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
     from nemo_gtp.testing.spawn import spawn_bounded  # after ROOT went first on sys.path
 
     work = tempfile.mkdtemp(prefix="gpu_grouped_experts_")

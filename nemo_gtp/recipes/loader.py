@@ -404,7 +404,7 @@ class ProgressLog(pl.Callback):
         if exposed is None and gtp_runtimes(trainer):  # a GTPMetricsCallback times every step
             for callback in trainer.callbacks:
                 if isinstance(callback, GTPMetricsCallback) and callback.last_metrics:
-                    exposed = callback.last_metrics["gtp/exposed_comm_s"]
+                    exposed = callback.last_metrics.get("gtp/exposed_comm_s")
         loss = trainer.callback_metrics.get("reduced_train_loss")
         loss_text = f"{float(loss):.5f}" if loss is not None else "n/a"
         line = (

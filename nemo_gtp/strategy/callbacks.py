@@ -120,14 +120,23 @@ class GTPMetricsCallback(pl.Callback):
         self.last_metrics: dict[str, float] = {}
         self._footprint: MemoryFootprint | None = None
         self._step_start = 0.0
+        self._timed: list = []  # the runtimes whose waits this step times
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        # Waits are timed (two CUDA events each, ~3 per weight) only on the steps Lightning
+        # writes to its loggers (trainer.log_every_n_steps): the other steps' values would be
+        # dropped, and untimed steps take the runtime's one-frame consume (design §3.1 "Host
+        # cost per weight").
+        logs = getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True)
+        self._timed = []
         for runtime in gtp_runtimes(trainer):
             runtime.stats.reset()
-            runtime.wait_timer.enable()
-            runtime.wait_timer.collect()  # drop what accumulated outside this step
+            if logs and not runtime.wait_timer.enabled:
+                runtime.wait_timer.enable()
+                runtime.wait_timer.collect()  # drop what accumulated outside this step
+                self._timed.append(runtime)
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(
@@ -159,15 +168,18 @@ class GTPMetricsCallback(pl.Callback):
         ):
             metrics[f"gtp/{name}"] = float(sum(getattr(r.stats, name) for r in runtimes))
         exposed: dict[str, float] = {}
-        for runtime in runtimes:
+        for runtime in self._timed:
             for kind, seconds in runtime.wait_timer.collect().items():
                 exposed[kind] = exposed.get(kind, 0.0) + seconds
+            runtime.wait_timer.enable(False)
         step_s = metrics["train/step_s"] = self._step_seconds()
-        metrics["gtp/exposed_gather_s"] = exposed.get("gather", 0.0)
-        metrics["gtp/exposed_reduce_scatter_s"] = exposed.get("reduce_scatter", 0.0)
-        metrics["gtp/exposed_comm_s"] = sum(exposed.values())
         metrics["gtp/step_s"] = step_s
-        metrics["gtp/exposed_comm_fraction"] = min(1.0, metrics["gtp/exposed_comm_s"] / step_s)
+        if self._timed:  # a step Lightning logs: its exposed communication
+            metrics["gtp/exposed_gather_s"] = exposed.get("gather", 0.0)
+            metrics["gtp/exposed_reduce_scatter_s"] = exposed.get("reduce_scatter", 0.0)
+            metrics["gtp/exposed_comm_s"] = sum(exposed.values())
+            metrics["gtp/exposed_comm_fraction"] = min(1.0, metrics["gtp/exposed_comm_s"] / step_s)
+        self._timed = []
         metrics.update(footprint.as_metrics())
         self._log(pl_module, metrics)
 
