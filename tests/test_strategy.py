@@ -39,6 +39,7 @@ FP8_PARAM_FIT = dict(  # NeMo's precision plugin puts fp8_recipe into the Optimi
 TWO_RANK_FITS = [
     Fit("base_tp1_dp2"),
     Fit("tp1_gtp2", gtp=2, metrics=True),
+    Fit("tp1_gtp2_log3", gtp=2, metrics=True, log_every=3),
     Fit("gtp_off", gtp_strategy=True),
     Fit("base_bf16", steps=4, bf16=True),
     Fit("tp1_gtp2_bf16", gtp=2, steps=4, bf16=True),
@@ -356,6 +357,20 @@ def test_metrics_callback(two_ranks: dict) -> None:
         # through Lightning's logging: every step, at the steps NeMo's loss is logged at
         assert rank["logged_metric_steps"] == rank["logged_loss_steps"]
         assert len(rank["logged_metric_steps"]) == STEPS
+
+
+def test_metrics_measure_only_the_logged_steps(two_ranks: dict) -> None:
+    # log_every_n_steps=3 over 10 steps: Lightning logs steps 3, 6, 9; only their waits are
+    # timed (untimed steps keep the runtime's one-frame path), and their values are complete
+    every, every3 = two_ranks["tp1_gtp2"], two_ranks["tp1_gtp2_log3"]
+    for rank, rank3 in zip(every, every3, strict=True):
+        assert rank3["logged_metric_steps"] == rank3["logged_loss_steps"]
+        assert len(rank3["logged_metric_steps"]) == STEPS // 3
+        assert rank["timed_waits"] % STEPS == 0  # the same waits every step
+        assert rank3["timed_waits"] == rank["timed_waits"] // STEPS * (STEPS // 3)
+        assert rank3["metrics"]["gtp/exposed_gather_s"] > 0.0
+        assert rank3["metrics"]["gtp/gathers"] == rank["metrics"]["gtp/gathers"]
+        assert rank3["losses"] == rank["losses"]
 
 
 # ------------------------------------------------------------------------------ in process

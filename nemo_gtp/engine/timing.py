@@ -31,6 +31,8 @@ class ExposedWaitTimer:
     def __init__(self) -> None:
         self.enabled = False
         self.per_weight = False
+        self.timed = 0
+        """Waits timed since construction (each costs two CUDA events on GPU)."""
         self._host: dict[str, float] = {}
         self._pending: list[tuple[str, str | None, torch.cuda.Event, torch.cuda.Event]] = []
         self._per_weight: dict[tuple[str, str], float] = {}
@@ -55,6 +57,7 @@ class ExposedWaitTimer:
             wait()
             return
         weight = weight if self.per_weight else None
+        self.timed += 1
         if device.type == "cuda":
             start, end = self._event(), self._event()
             start.record()

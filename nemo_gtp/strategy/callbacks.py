@@ -95,8 +95,14 @@ class GTPDrainCallback(pl.Callback):
             _log.warning("GTP drain after %r failed: %r", exception, err)
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class GTPMetricsCallback(pl.Callback):
-    """Log GTP communication and memory to the trainer's loggers every training step.
+    """Log GTP communication and memory to the trainer's loggers at every training step that
+    Lightning logs (each ``trainer.log_every_n_steps``; the other steps are not measured).
 
     Every run, GTP or not (the baseline a GTP run is compared with logs them too):
     ``train/step_s`` (wall time of the step), ``train/model_state_gib`` (weights + gradient
@@ -121,22 +127,25 @@ class GTPMetricsCallback(pl.Callback):
         self._footprint: MemoryFootprint | None = None
         self._step_start = 0.0
         self._timed: list = []  # the runtimes whose waits this step times
+        self._logs = False  # whether Lightning writes this step to its loggers
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        # Waits are timed (two CUDA events each, ~3 per weight) only on the steps Lightning
-        # writes to its loggers (trainer.log_every_n_steps): the other steps' values would be
-        # dropped, and untimed steps take the runtime's one-frame consume (design §3.1 "Host
-        # cost per weight").
+        # Only the steps Lightning writes to its loggers (trainer.log_every_n_steps) are
+        # measured: the other steps' values would be dropped. Their waits are not timed (two
+        # CUDA events each, ~3 per weight; untimed steps take the runtime's one-frame consume,
+        # design §3.1 "Host cost per weight") and the host is not synchronized with the GPU.
         logs = getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True)
-        self._timed = []
+        self._logs, self._timed = logs, []
         for runtime in gtp_runtimes(trainer):
             runtime.stats.reset()
             if logs and not runtime.wait_timer.enabled:
                 runtime.wait_timer.enable()
                 runtime.wait_timer.collect()  # drop what accumulated outside this step
                 self._timed.append(runtime)
+        if logs:
+            _synchronize()  # the step's time is its own, not the previous step's GPU tail
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(
@@ -147,6 +156,8 @@ class GTPMetricsCallback(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        if not self._logs:
+            return
         runtimes = gtp_runtimes(trainer)
         if self._footprint is None:  # after the first optimizer step: optimizer state exists
             self._footprint = memory_footprint(trainer.strategy.model, trainer.strategy.optimizers)
@@ -185,8 +196,7 @@ class GTPMetricsCallback(pl.Callback):
 
     def _step_seconds(self) -> float:
         # The step's GPU work included, the same way with and without GTP.
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        _synchronize()
         return time.perf_counter() - self._step_start
 
     def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float]) -> None:

@@ -50,6 +50,7 @@ class Fit:
     gtp_strategy: bool = False  # GTPMegatronStrategy even at gtp=1 (else plain MegatronStrategy)
     steps: int = STEPS
     metrics: bool = False
+    log_every: int = 1  # the trainer's log_every_n_steps
     bf16: bool = False  # NeMo's MegatronMixedPrecision("bf16-mixed") plugin
     distopt: bool = True  # False: NeMo's default ddp="megatron" and the non-distributed Adam
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -375,7 +376,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         val_check_interval=fit.val_every or None,
         num_sanity_val_steps=fit.sanity_val_steps,
         use_distributed_sampler=False,
-        log_every_n_steps=1,
+        log_every_n_steps=fit.log_every,
         plugins=[nl.MegatronMixedPrecision(precision="bf16-mixed")] if fit.bf16 else None,
     )
     catcher = _LineCatcher()
@@ -422,6 +423,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
             for m in strategy.megatron_parallel[0].modules()
         ),
         "fallback_allocations": sum(r.stats.fallback_allocations for r in runtimes),
+        "timed_waits": sum(r.wait_timer.timed for r in runtimes),
         "shard_dtypes": sorted({str(p.dtype) for r in runtimes for p in r.params}),
         "metrics": metrics_cb.last_metrics if metrics_cb else {},
         "logged_metric_steps": [s for s, m in memory_logger.records if "gtp/gather_bytes" in m],
