@@ -893,16 +893,7 @@ class GTPRuntime(GraphSegments):
                 self._prefetch_all(targets)
         if not which and self.consumer_quantize is not None:
             self._note_forward(self.consumer_quantize, (param,))
-        full = slot.full
-        cached = slot.alias
-        if (
-            cached is not None
-            and cached[0] is full
-            and full is slot.cache_full
-            and cached[1].requires_grad == param.requires_grad
-        ):
-            return [cached[1]]
-        return [self._protocol_alias(param, direction, full)]
+        return [self._protocol_alias(param, direction, slot.full)]
 
     @staticmethod
     def _note_forward(requant: ConsumerQuantize, members: tuple[GTPShardedParam, ...]) -> None:
