@@ -118,9 +118,9 @@ def build_fit(
         **strategy_kwargs(cfg, model_cfg),
     )
     trainer_kwargs = _plain(cfg.trainer)
-    callbacks = [GTPDrainCallback(), *(callbacks or [])]
-    if log_dir is not None:
-        callbacks.append(GTPMetricsCallback())
+    # the metrics first: a progress line of the same step reads them (ProgressLog)
+    metrics = [GTPMetricsCallback()] if log_dir is not None else []
+    callbacks = [GTPDrainCallback(), *metrics, *(callbacks or [])]
     if cfg.get("checkpoint"):
         callbacks.append(_model_checkpoint(_plain(cfg.checkpoint)))
         trainer_kwargs["enable_checkpointing"] = True
@@ -375,7 +375,11 @@ class ProgressLog(pl.Callback):
         return step % self.every == 0 or step == trainer.max_steps
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        from nemo_gtp.strategy.callbacks import GTPMetricsCallback, gtp_runtimes
+        from nemo_gtp.strategy.callbacks import (
+            GTPMetricsCallback,
+            gtp_runtimes,
+            start_wait_timing,
+        )
 
         self._timed = []
         if trainer.global_rank == 0:
@@ -383,27 +387,27 @@ class ProgressLog(pl.Callback):
         if trainer.global_rank != 0 or not self._prints(trainer, trainer.global_step + 1):
             return
         if not any(isinstance(c, GTPMetricsCallback) for c in trainer.callbacks):
-            self._timed = [r for r in gtp_runtimes(trainer) if not r.wait_timer.enabled]
-            for runtime in self._timed:
-                runtime.wait_timer.enable()
-                runtime.wait_timer.collect()  # drop what accumulated outside this step
+            self._timed = start_wait_timing(gtp_runtimes(trainer))
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        from nemo_gtp.strategy.callbacks import GTPMetricsCallback, gtp_runtimes
+        from nemo_gtp.strategy.callbacks import (
+            GTPMetricsCallback,
+            gtp_runtimes,
+            stop_wait_timing,
+        )
 
         step = trainer.global_step
         if trainer.global_rank != 0 or not self._prints(trainer, step):
             return
         exposed = None
         if self._timed:
-            exposed = sum(sum(r.wait_timer.collect().values()) for r in self._timed)
-            for runtime in self._timed:
-                runtime.wait_timer.enable(False)
+            exposed = sum(stop_wait_timing(self._timed).values())
         seconds = time.perf_counter() - self._start  # after collect(): CUDA work is done
-        if exposed is None and gtp_runtimes(trainer):  # a GTPMetricsCallback times every step
+        # else a GTPMetricsCallback timed this step, if Lightning logged it (it runs first)
+        if exposed is None and gtp_runtimes(trainer):
             for callback in trainer.callbacks:
-                if isinstance(callback, GTPMetricsCallback) and callback.last_metrics:
+                if isinstance(callback, GTPMetricsCallback) and callback.last_step == step:
                     exposed = callback.last_metrics.get("gtp/exposed_comm_s")
         loss = trainer.callback_metrics.get("reduced_train_loss")
         loss_text = f"{float(loss):.5f}" if loss is not None else "n/a"

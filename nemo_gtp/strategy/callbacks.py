@@ -34,6 +34,33 @@ def gtp_runtimes(trainer: pl.Trainer) -> list[GTPRuntime]:
     return runtimes_of(model) if model is not None else []
 
 
+def start_wait_timing(runtimes: list[GTPRuntime]) -> list[GTPRuntime]:
+    """Time the waits of ``runtimes`` from now on; returns those this call switched on (a timer
+    someone else enabled is theirs to collect). Pair with :func:`stop_wait_timing`.
+
+    Example::
+
+        timed = start_wait_timing(gtp_runtimes(trainer))   # at a step's start
+        exposed = stop_wait_timing(timed)                   # at its end: {"gather": s, ...}
+    """
+    timed = [runtime for runtime in runtimes if not runtime.wait_timer.enabled]
+    for runtime in timed:
+        runtime.wait_timer.enable()
+        runtime.wait_timer.collect()  # drop what accumulated outside this step
+    return timed
+
+
+def stop_wait_timing(timed: list[GTPRuntime]) -> dict[str, float]:
+    """Seconds of exposed wait per kind since :func:`start_wait_timing`, summed over ``timed``
+    (synchronizes their CUDA events); their timers are switched off again."""
+    exposed: dict[str, float] = {}
+    for runtime in timed:
+        for kind, seconds in runtime.wait_timer.collect().items():
+            exposed[kind] = exposed.get(kind, 0.0) + seconds
+        runtime.wait_timer.enable(False)
+    return exposed
+
+
 def process_memory_metrics() -> dict[str, float]:
     """This process's memory now, in GiB: ``train/memory_allocated_gib`` and
     ``train/peak_memory_gib`` (CUDA caching allocator: allocated now, and the peak since the last
@@ -124,6 +151,8 @@ class GTPMetricsCallback(pl.Callback):
 
     def __init__(self) -> None:
         self.last_metrics: dict[str, float] = {}
+        self.last_step = -1
+        """``trainer.global_step`` after the step :attr:`last_metrics` measured."""
         self._footprint: MemoryFootprint | None = None
         self._step_start = 0.0
         self._timed: list = []  # the runtimes whose waits this step times
@@ -137,13 +166,10 @@ class GTPMetricsCallback(pl.Callback):
         # CUDA events each, ~3 per weight; untimed steps take the runtime's one-frame consume,
         # design §3.1 "Host cost per weight") and the host is not synchronized with the GPU.
         logs = getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True)
-        self._logs, self._timed = logs, []
-        for runtime in gtp_runtimes(trainer):
+        runtimes = gtp_runtimes(trainer)
+        for runtime in runtimes:
             runtime.stats.reset()
-            if logs and not runtime.wait_timer.enabled:
-                runtime.wait_timer.enable()
-                runtime.wait_timer.collect()  # drop what accumulated outside this step
-                self._timed.append(runtime)
+        self._logs, self._timed = logs, start_wait_timing(runtimes) if logs else []
         if logs:
             _synchronize()  # the step's time is its own, not the previous step's GPU tail
         self._step_start = time.perf_counter()
@@ -178,11 +204,7 @@ class GTPMetricsCallback(pl.Callback):
             "fp8_gathers",
         ):
             metrics[f"gtp/{name}"] = float(sum(getattr(r.stats, name) for r in runtimes))
-        exposed: dict[str, float] = {}
-        for runtime in self._timed:
-            for kind, seconds in runtime.wait_timer.collect().items():
-                exposed[kind] = exposed.get(kind, 0.0) + seconds
-            runtime.wait_timer.enable(False)
+        exposed = stop_wait_timing(self._timed)
         step_s = metrics["train/step_s"] = self._step_seconds()
         metrics["gtp/step_s"] = step_s
         if self._timed:  # a step Lightning logs: its exposed communication
@@ -192,6 +214,7 @@ class GTPMetricsCallback(pl.Callback):
             metrics["gtp/exposed_comm_fraction"] = min(1.0, metrics["gtp/exposed_comm_s"] / step_s)
         self._timed = []
         metrics.update(footprint.as_metrics())
+        self.last_step = trainer.global_step
         self._log(pl_module, metrics)
 
     def _step_seconds(self) -> float:
