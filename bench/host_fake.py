@@ -15,6 +15,10 @@ tensor), and without NCCL's AVG GTP's MEAN is a 1/GTP pre-scale (one ``mul_`` pe
 
     python bench/host_fake.py --modes dp2_te,gtp2_te --tokens 2048 --repeat 3 --out results/hf
     python bench/host_fake.py --modes dp2_cpu,gtp2_cpu --out /tmp/host_fake   # CPU, tiny GPT
+    python bench/host_fake.py --modes dp2_te,gtp2_te,gtp2_te%general%flatten --repeat 3 ...
+
+A mode's ``%name`` suffixes (:data:`PATCHES`) restore an earlier host path in its process, so
+old and new code run interleaved in one launch.
 
 Per mode (one process each): median step wall time and median host time to issue forward +
 backward (batch start → before the optimizer step, no device sync), over ``--steps`` steps after
@@ -58,8 +62,52 @@ CPU_SHAPE = [
 ]
 
 
+def _patch_general_consume() -> None:
+    """``%general``: every TE protocol consume on the general path (the one-frame dense consume
+    of design §3.1 "Host cost per weight" off), to measure what it saves in one launch."""
+    from nemo_gtp.engine.runtime import GTPRuntime
+
+    GTPRuntime._dense_consume = lambda self, param, state, direction: None
+
+
+def _patch_flatten_allreduce() -> None:
+    """``%flatten``: the replicated params' GTP all-reduce as it was before 2026-12-02 (flatten,
+    all-reduce, unflatten, one copy back per param) instead of in place and coalesced."""
+    import torch
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from nemo_gtp.integrations.megatron import finalize
+
+    def flatten_allreduce(model_chunks, group, *, per_token, experts=False, params=None):  # noqa: ANN001, ANN202
+        size = dist.get_world_size(group)
+        if size == 1:
+            return
+        if params is None:
+            params = finalize.replicated_params(model_chunks, experts=experts)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in params:
+            grad = getattr(param, "main_grad", None)
+            if grad is not None:
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+        for grads in by_dtype.values():
+            flat = _flatten_dense_tensors(grads)
+            if not per_token:
+                flat.mul_(1.0 / size)
+            dist.all_reduce(flat, group=group)
+            for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(reduced)
+
+    finalize.allreduce_replicated_grads = flatten_allreduce
+
+
+PATCHES = {"general": _patch_general_consume, "flatten": _patch_flatten_allreduce}
+"""Mode suffixes ``%name`` (e.g. ``gtp2_te%general%flatten``): an earlier host path restored in
+that mode's process, so old and new run interleaved in one launch (same machine, same hour)."""
+
+
 def _resolve(mode: str, tokens: int) -> tuple[str, list[str]]:
-    mode = mode.split("#")[0]  # repeat k of a mode (--repeat)
+    mode = mode.split("#")[0].split("%")[0]  # repeat k of a mode (--repeat), host-path patches
     if mode.split("@")[0] in CPU_MODES:
         config, overrides = CPU_MODES[mode.split("@")[0]]
         extra = [f"+gtp.{k}" for k in mode.split("@")[1:]]
@@ -151,6 +199,8 @@ def _rank_main(spec: dict) -> dict:
             if trainer.global_step == warmup + steps + profiled:
                 prof.disable()
 
+    for patch in spec["mode"].split("#")[0].split("%")[1:]:
+        PATCHES[patch]()
     config, overrides = _resolve(spec["mode"], spec["tokens"])
     cfg = load_recipe(
         str(ROOT / config),
@@ -257,7 +307,10 @@ def main() -> int:
 
 def _baseline(mode: str) -> str | None:
     """``gtp2_te@layergraph#1`` -> ``dp2_te@layergraph#1``: the same mode without GTP."""
-    return "dp2" + mode[len("gtp2") :] if mode.startswith("gtp2") else None
+    name, _, repeat = mode.partition("#")
+    name = name.split("%")[0]  # a patched mode's twin is the DP2 mode of the same repeat
+    twin = "dp2" + name[len("gtp2") :] if name.startswith("gtp2") else None
+    return f"{twin}#{repeat}" if twin and repeat else twin
 
 
 def _table(records: list[dict]) -> str:

@@ -2,10 +2,11 @@
 
 A tiny ``llm.LlamaModel`` (Llama 3 shape: GQA with 2 query groups, SwiGLU, untied output layer)
 trains 4 steps at TP1·GTP2 on 2 CPU/gloo ranks and NeMo's ``ModelCheckpoint`` saves it with its
-``context/``; then NeMo's registered exporter (``HFLlamaExporter``) converts the checkpoint in a
-fresh process (a plain, non-GTP single-rank load). Every exported tensor must equal the trained
-full weights (``nemo_gtp.full_state_dict``), un-fused here independently of the exporter: q/k/v
-out of megatron's per-query-group interleaved ``linear_qkv``, gate/up out of ``linear_fc1``.
+``context/``; then NeMo's registered exporter (``HFLlamaExporter``) converts the checkpoint in
+a process of its own (a plain, non-GTP single-rank load). Every exported tensor must equal the
+trained full weights (``nemo_gtp.full_state_dict``), un-fused here independently of the
+exporter: q/k/v out of megatron's per-query-group interleaved ``linear_qkv``, gate/up out of
+``linear_fc1``.
 Exact: the model trains and exports in fp32.
 
 On CPU the model uses megatron's local layer spec (no Transformer Engine) under
@@ -15,17 +16,15 @@ Transformer Engine spec does, the names NeMo's exporter maps from.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from nemo_gtp.testing.spawn import start_ranks
 from nemo_gtp.testing.strategy_harness import Fit, shared_launch
 
-ROOT = Path(__file__).resolve().parents[1]
 HEADS, GROUPS, HIDDEN, LAYERS = 4, 2, 64, 2
 FIT = Fit(
     "llama_gtp2_export",
@@ -39,13 +38,16 @@ FIT = Fit(
 )
 shared_launch(2).add([FIT])
 
-EXPORT = """
-import sys
-from nemo_gtp.testing.cpu_compat import enable_cpu_compat
-enable_cpu_compat()
-from nemo.collections import llm
-llm.export_ckpt(path=sys.argv[1], target="hf", output_path=sys.argv[2])
-"""
+
+def _export(rank: int, checkpoint: str, out: str) -> None:
+    """NeMo's exporter in a process of its own (forked from the preloaded fork server: no GTP
+    state, no process group of the fit), as a user's ``llm.export_ckpt`` would run."""
+    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    from nemo.collections import llm
+
+    llm.export_ckpt(path=checkpoint, target="hf", output_path=out)
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +59,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert len(saved) == 1, saved
     assert (saved[0] / "context").is_dir()
     out = root / "llama_hf"
-    subprocess.run(
-        [sys.executable, "-c", EXPORT, str(saved[0]), str(out)],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    start_ranks(_export, (str(saved[0]), str(out)), 1, join=True)
     from safetensors.torch import load_file
 
     return {

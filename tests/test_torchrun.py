@@ -1,6 +1,7 @@
 """The README's NeMo pattern under torchrun (an external launcher sets ``RANK`` before NeMo is
 imported, which turns NeMo's telemetry on for rank 0): train with a ``ModelCheckpoint``, then
-resume from it (``nemo_gtp.testing.torchrun_fit``, 4 CPU/gloo ranks)."""
+resume from it (``nemo_gtp.testing.torchrun_fit``, 2 CPU/gloo ranks: TP1·GTP2; the DP layouts
+of checkpoints and resumes are ``test_strategy_checkpoint``'s)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _free_port() -> int:
 def test_model_checkpoint_and_resume_under_torchrun(tmp_path: Path) -> None:
     command = [
         *(sys.executable, "-m", "torch.distributed.run"),
-        *("--nproc-per-node", "4", "--master-port", str(_free_port())),
+        *("--nproc-per-node", "2", "--master-port", str(_free_port())),
         *("-m", "nemo_gtp.testing.torchrun_fit", str(tmp_path)),
     ]
     try:

@@ -5,9 +5,12 @@ baseline share one launch: the parent starts one process per rank (``RANK``/``LO
 ``WORLD_SIZE`` in the environment, which Lightning's ``LightningEnvironment`` takes as an
 external launch: :func:`rank_env`, which the bench scripts' launches use too), and each rank
 runs the fits in order, tearing down megatron/NeMo process-global state between them
-(:func:`teardown_fit`). The rendezvous of each fit goes through its own
-``FileStore`` (handed to the strategy's ``store``, which NeMo passes to
-``init_process_group``), so no TCP port has to be picked in advance.
+(:func:`teardown_fit`). A CPU recipe's ranks are forked from one process that imported NeMo
+once (:mod:`nemo_gtp.recipes.rank_preload`; four ranks importing it side by side cost ~25 s of
+CPU each, which two cores pay twice over); a GPU recipe's ranks are fresh interpreters (an
+import that touched CUDA would poison a fork, and a GPU node has a core per rank). The
+rendezvous of each fit goes through its own ``FileStore`` (handed to the strategy's ``store``,
+which NeMo passes to ``init_process_group``), so no TCP port has to be picked in advance.
 
 Example::
 
@@ -19,11 +22,12 @@ Example::
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 # NVLink SHARP (NVLS) and symmetric-memory multicast stay off on the GPU machines the benches
@@ -183,34 +187,76 @@ def launch_fits(
             f"runs sharing one launch need the same trainer.devices x num_nodes, got {worlds}"
         )
     world = next(iter(worlds.values()))
+    fork = _is_cpu_recipe(config, next(iter(runs.values())))
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
         dirs = [(log_dirs or {}).get(name) for name in runs]
         spec.write_text(json.dumps({"config": config, "runs": runs, "dir": tmp, "logs": dirs}))
-        procs = []
-        for rank in range(world):
-            env = rank_env(rank, world)
-            err = open(Path(tmp, f"stderr{rank}.txt"), "w")  # noqa: SIM115 (closed below)
-            procs.append(
-                (
-                    subprocess.Popen(
-                        [sys.executable, "-m", "nemo_gtp.recipes.launch", str(spec)],
-                        env=env,
-                        stdout=subprocess.DEVNULL,
-                        stderr=err,
-                    ),
-                    err,
-                )
-            )
-        codes = []
-        for proc, err in procs:
-            codes.append(proc.wait())
-            err.close()
+        start = _fork_rank if fork else _exec_rank
+        ranks = [start(str(spec), rank_env(r, world), str(Path(tmp, f"stderr{r}.txt"))) for r in
+                 range(world)]  # fmt: skip
+        codes = [wait() for wait in ranks]
         if any(codes):
             rank = next(r for r, c in enumerate(codes) if c)
             tail = Path(tmp, f"stderr{rank}.txt").read_text()[-stderr_tail:]
             raise RuntimeError(f"rank {rank} exited with {codes[rank]}:\n{tail}")
         return {name: _read_log(Path(tmp, f"{i}.jsonl")) for i, name in enumerate(runs)}
+
+
+def _is_cpu_recipe(config: str, overrides: list[str]) -> bool:
+    from nemo_gtp.recipes.config import load_recipe
+
+    cfg = load_recipe(config, overrides)
+    return bool(cfg.get("cpu_compat", False)) or cfg.trainer.get("accelerator") == "cpu"
+
+
+def _exec_rank(spec: str, env: dict[str, str], stderr_path: str) -> Callable[[], int]:
+    """One rank as a fresh interpreter; returns its wait (the exit status)."""
+    with open(stderr_path, "w") as err:  # the child holds its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nemo_gtp.recipes.launch", spec],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    return proc.wait
+
+
+def _fork_rank(spec: str, env: dict[str, str], stderr_path: str) -> Callable[[], int]:
+    """One rank forked from the preloaded fork server (CPU recipes); returns its wait."""
+    fork = multiprocessing.get_context("forkserver")
+    # Takes effect when this process's fork server starts (its first fork); a server already
+    # running (a test session's) keeps its own preload, which imports NeMo as well.
+    fork.set_forkserver_preload(["nemo_gtp.recipes.rank_preload"])
+    proc = fork.Process(target=_forked_rank_main, args=(spec, env, os.getcwd(), stderr_path))
+    proc.start()
+
+    def wait() -> int:
+        proc.join()
+        return int(proc.exitcode or 0)
+
+    return wait
+
+
+def _forked_rank_main(spec: str, env: dict[str, str], cwd: str, stderr_path: str) -> None:
+    # As a fresh interpreter would start: the launch's environment and directory (the fork
+    # server has the parent's of its start), stdout discarded, stderr into the rank's file.
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    with open(os.devnull, "w") as null, open(stderr_path, "w") as err:
+        os.dup2(null.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+    try:
+        _rank_main(spec)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # what a fresh interpreter prints before exiting with 1
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def _read_log(path: Path) -> list[dict]:
