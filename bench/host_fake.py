@@ -101,7 +101,63 @@ def _patch_flatten_allreduce() -> None:
     finalize.allreduce_replicated_grads = flatten_allreduce
 
 
-PATCHES = {"general": _patch_general_consume, "flatten": _patch_flatten_allreduce}
+def _patch_count_bails() -> None:
+    """``%why``: count, per reason, the TE protocol consumes the one-frame dense consume hands
+    to the general path (printed as ``DENSE_BAILS {...}`` at exit)."""
+    import atexit
+    import collections
+    import json as _json
+
+    from nemo_gtp.engine import runtime as rt
+
+    reasons: collections.Counter = collections.Counter()
+    dense = rt.GTPRuntime._dense_consume
+
+    def why(self, param, state, direction) -> str:  # noqa: ANN001
+        if self.fp8_primary is not None:
+            return "fp8_primary"
+        if self.quantized_gather is not None:
+            return "quantized_gather"
+        if self.trace is not None:
+            return "trace"
+        if self.wait_timer.enabled:
+            return "wait_timer"
+        if direction is rt._FWD:
+            if rt._backward_task_id() != -1:
+                return "recompute"
+            slot = state.fwd
+        else:
+            if self._carry:
+                return "carry"
+            if state.quantize_note is not None:
+                return "quantize_note"
+            slot = state.bwd
+        if slot.fmt is not None:
+            return "slot.fmt"
+        return "other"
+
+    def counted(self, param, state, direction):  # noqa: ANN001, ANN202
+        out = dense(self, param, state, direction)
+        reasons["taken" if out is not None else why(self, param, state, direction)] += 1
+        return out
+
+    def not_linked(self, param, direction):  # noqa: ANN001, ANN202
+        state = param.gtp_state
+        if not (state.group < 0 and state.chain.phase is rt._LINKED):
+            reasons[f"not linked / grouped ({state.chain.phase.name})"] += 1
+        return general(self, param, direction)
+
+    general = rt.GTPRuntime.materialize_group_for_protocol
+    rt.GTPRuntime._dense_consume = counted
+    rt.GTPRuntime.materialize_group_for_protocol = not_linked
+    atexit.register(lambda: print("DENSE_BAILS " + _json.dumps(dict(reasons)), flush=True))
+
+
+PATCHES = {
+    "general": _patch_general_consume,
+    "flatten": _patch_flatten_allreduce,
+    "why": _patch_count_bails,
+}
 """Mode suffixes ``%name`` (e.g. ``gtp2_te%general%flatten``): an earlier host path restored in
 that mode's process, so old and new run interleaved in one launch (same machine, same hour)."""
 

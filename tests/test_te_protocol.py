@@ -36,6 +36,7 @@ def _chain_steady_state(groups: object, rank: int, world: int, *, general: bool)
     layer_bytes = sum(o * i * 4 for o, i in shapes)
     config = GTPConfig(coalesce_mb=2 * layer_bytes / 2**20, pad_for_alignment=8)  # 2 layers
     runtime = GTPRuntime(groups, config)
+    runtime.quantized_gather = _InertFP8Gather()  # every TE runtime has one (te_fp8)
     counts = []
     weights, modules = [], []
     for layer in range(3):
@@ -81,6 +82,19 @@ def _chain_steady_state(groups: object, rank: int, world: int, *, general: bool)
     assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
     assert trace is None or len(trace) > 0
     return counts
+
+
+class _InertFP8Gather:
+    """TE's FP8 gather consumer outside FP8 autocast: asked at every forward consume, it
+    answers None (gather the training dtype); installed on every runtime of TE linears."""
+
+    transpose_for_backward = False
+
+    def forward_scaling(self, param: object) -> None:
+        return None
+
+    def wrap(self, param: object, direction: object, gathered: object) -> None:
+        raise AssertionError("no FP8 gather outside FP8 autocast")
 
 
 class _TEStandIn(torch.nn.Linear):

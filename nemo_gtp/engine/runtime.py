@@ -835,31 +835,32 @@ class GTPRuntime(GraphSegments):
         """The protocol consume of a dense TE linear in the steady state, in one frame.
 
         The case of nearly every consume of a training step: the training dtype (no FP8
-        gather or FP8 primary shards; a ``consumer_quantize`` is noted on every forward as in
-        the general path, and a backward whose forward it quantized takes the general path), a
-        linked chain, no recompute forward, no graph carry, no tracing or wait timing. Does what
+        primary shards, no FP8 gather in this consume: a ``quantized_gather`` that answers
+        None is asked as in the general path, the one every TE model carries outside FP8
+        autocast; a ``consumer_quantize`` is noted on every forward as in the general path, and
+        a backward whose forward it quantized takes the general path), a linked chain, no
+        recompute forward, no graph carry, no tracing or wait timing. Does what
         :meth:`materialize_group_for_protocol` and :meth:`materialize` do then (the same
         releases, issues, waits, prefetches and alias, in the same order) without the calls
         and branches of the cases that cannot apply; returns None, having changed nothing,
         for any other case (design §3.1 "Host cost per weight").
         """
-        if (
-            self.fp8_primary is not None
-            or self.quantized_gather is not None
-            or self.trace is not None
-            or self.wait_timer.enabled
-        ):
+        if self.fp8_primary is not None or self.trace is not None or self.wait_timer.enabled:
             return None
         last = state.chain.protocol_last
+        policy = self.quantized_gather
         if direction is _FWD:
             if _backward_task_id() != -1:  # an activation-recompute forward: its own chain
                 return None
+            if policy is not None and policy.forward_scaling(param) is not None:
+                return None  # an FP8 gather (the general path asks again: same answer)
             slot, which = state.fwd, 0
         else:
             first = last[0]
             if (
                 self._carry
                 or state.quantize_note is not None  # the consumer quantizes this backward
+                or (policy is not None and state.fp8_forward is not None)  # gathered in FP8
                 or (first is not None and first.gtp_state.group >= 0)
             ):
                 return None
@@ -876,6 +877,8 @@ class GTPRuntime(GraphSegments):
                 self.release(first, _FWD)
                 last[0] = None
         last[which] = param
+        if policy is not None and not which:
+            state.fp8_forward = None  # this forward gathers the training dtype
         self._fmt = None
         if slot.state is _NONE:
             if len(slot.unit) == 1:
