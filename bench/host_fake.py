@@ -73,7 +73,6 @@ def _patch_general_consume() -> None:
 def _patch_flatten_allreduce() -> None:
     """``%flatten``: the replicated params' GTP all-reduce as it was before 2026-12-02 (flatten,
     all-reduce, unflatten, one copy back per param) instead of in place and coalesced."""
-    import torch
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -85,12 +84,7 @@ def _patch_flatten_allreduce() -> None:
             return
         if params is None:
             params = finalize.replicated_params(model_chunks, experts=experts)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for param in params:
-            grad = getattr(param, "main_grad", None)
-            if grad is not None:
-                by_dtype.setdefault(grad.dtype, []).append(grad)
-        for grads in by_dtype.values():
+        for grads in finalize.main_grads_by_dtype(params).values():
             flat = _flatten_dense_tensors(grads)
             if not per_token:
                 flat.mul_(1.0 / size)

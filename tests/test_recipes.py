@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -191,37 +193,28 @@ def test_pipeline_dtype_reaches_the_strategy() -> None:
         validate_recipe(bad)
 
 
-def test_pipeline_parallel_recipe_runs_with_gtp(tmp_path: Path) -> None:
+def test_pipeline_parallel_recipe_runs_with_gtp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A recipe with pipeline parallelism (PP2 x GTP2 on 4 CPU ranks, untied embeddings: tied
     ones are refused on CPU) trains through the CLI and matches its PP2 baseline; the recipe's
     model.pipeline_dtype reaches megatron (it used to fail with "pipeline_dtype must be
-    specified")."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    specified"). The CLI's ``main`` runs in this process (the main job above is the
+    subprocess launch): its CPU ranks fork from the session's preloaded fork server."""
+    from nemo_gtp.run import main
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")  # what main sets for CPU runs, undone after
     args = [
         "+strategy.pipeline_model_parallel_size=2",
         "+model.pipeline_dtype=float32",
         "+model.share_embeddings_and_output_weights=false",
         "trainer.max_steps=3",
     ]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nemo_gtp.run",
-            TINY,
-            *args,
-            "--compare-baseline",
-            "--plot",
-            str(tmp_path / "pp.png"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert result.stdout.strip().splitlines()[-1].startswith("VERDICT: GTP matches the baseline")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main([TINY, *args, "--compare-baseline", "--plot", str(tmp_path / "pp.png")])
+    assert status == 0, out.getvalue()[-4000:]
+    assert out.getvalue().strip().splitlines()[-1].startswith("VERDICT: GTP matches the baseline")
 
 
 def test_teardown_fit_lets_the_next_fit_choose_its_rng_tracker() -> None:

@@ -87,18 +87,31 @@ def allreduce_replicated_grads(
         return
     if params is None:
         params = replicated_params(model_chunks, experts=experts)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in params:
-        grad = getattr(param, "main_grad", None)
-        if grad is not None:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    for grads in by_dtype.values():
+    for grads in main_grads_by_dtype(params).values():
         if not per_token:
             torch._foreach_mul_(grads, 1.0 / size)
         group.allreduce_coalesced(grads, _SUM_COALESCED).wait()
 
 
 _SUM_COALESCED = c10d.AllreduceCoalescedOptions()  # SUM: the default reduce op
+
+
+def main_grads_by_dtype(
+    params: Sequence[torch.nn.Parameter],
+) -> dict[torch.dtype, list[torch.Tensor]]:
+    """The ``main_grad`` of each of ``params`` that has one, per dtype, in order (one
+    collective per dtype reduces them).
+
+    Example::
+
+        main_grads_by_dtype(replicated_params([ddp_model]))   # {torch.float32: [...]}
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in params:
+        grad = getattr(param, "main_grad", None)
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    return by_dtype
 
 
 def make_finalize_model_grads(

@@ -1,8 +1,3 @@
-# sourced by every command of this round (1xH200, 2026-12-02): the environment, the wheels, TE built earlier
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0
-if [ -d .whl ] && [ ! -d /tmp/site/nemo ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl .whl/*.tar.gz .whl/*.zip
-fi
-export PYTHONPATH=/tmp/te:/tmp/site:$PWD
+# sourced by every command of this round (1xH200, 2026-12-02): the previous round's environment
+# (the NCCL / flight-recorder settings, the wheels from .whl, TE built by r1_build.sh in /tmp/te)
+source bench/results/2026-12-01_night_1xH200/commands/env.sh
