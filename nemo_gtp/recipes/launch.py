@@ -29,6 +29,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 # NVLink SHARP (NVLS) and symmetric-memory multicast stay off on the GPU machines the benches
 # run on; defaults only: a value already in the environment wins.
@@ -160,11 +161,13 @@ def teardown_fit() -> None:
         torch.cuda.empty_cache()
 
 
-def _world_size(config: str, overrides: list[str]) -> int:
-    from nemo_gtp.recipes.config import load_recipe
-
-    trainer = load_recipe(config, overrides).trainer
+def _world_size(cfg: Any) -> int:
+    trainer = cfg.trainer
     return int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
+
+
+def _is_cpu_recipe(cfg: Any) -> bool:
+    return bool(cfg.get("cpu_compat", False)) or cfg.trainer.get("accelerator") == "cpu"
 
 
 def launch_fits(
@@ -181,33 +184,30 @@ def launch_fits(
     each run logs there as ``build_fit(..., log_dir=...)`` does (TensorBoard). Raises
     ``RuntimeError`` with the failing rank's stderr tail when a rank exits non-zero.
     """
-    worlds = {name: _world_size(config, args) for name, args in runs.items()}
+    from nemo_gtp.recipes.config import load_recipe
+
+    cfgs = {name: load_recipe(config, args) for name, args in runs.items()}
+    worlds = {name: _world_size(cfg) for name, cfg in cfgs.items()}
     if len(set(worlds.values())) != 1:
         raise ValueError(
             f"runs sharing one launch need the same trainer.devices x num_nodes, got {worlds}"
         )
     world = next(iter(worlds.values()))
-    fork = _is_cpu_recipe(config, next(iter(runs.values())))
+    start = _fork_rank if _is_cpu_recipe(next(iter(cfgs.values()))) else _exec_rank
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
         dirs = [(log_dirs or {}).get(name) for name in runs]
         spec.write_text(json.dumps({"config": config, "runs": runs, "dir": tmp, "logs": dirs}))
-        start = _fork_rank if fork else _exec_rank
-        ranks = [start(str(spec), rank_env(r, world), str(Path(tmp, f"stderr{r}.txt"))) for r in
-                 range(world)]  # fmt: skip
+        ranks = [
+            start(str(spec), rank_env(r, world), str(Path(tmp, f"stderr{r}.txt")))
+            for r in range(world)
+        ]
         codes = [wait() for wait in ranks]
         if any(codes):
             rank = next(r for r, c in enumerate(codes) if c)
             tail = Path(tmp, f"stderr{rank}.txt").read_text()[-stderr_tail:]
             raise RuntimeError(f"rank {rank} exited with {codes[rank]}:\n{tail}")
         return {name: _read_log(Path(tmp, f"{i}.jsonl")) for i, name in enumerate(runs)}
-
-
-def _is_cpu_recipe(config: str, overrides: list[str]) -> bool:
-    from nemo_gtp.recipes.config import load_recipe
-
-    cfg = load_recipe(config, overrides)
-    return bool(cfg.get("cpu_compat", False)) or cfg.trainer.get("accelerator") == "cpu"
 
 
 def _exec_rank(spec: str, env: dict[str, str], stderr_path: str) -> Callable[[], int]:
