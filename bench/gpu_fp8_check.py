@@ -24,7 +24,10 @@ under TE's FP8 autocast (megatron ``fp8="hybrid"``), in these modes:
   ``fp8_param`` (FP8 primary weights; megatron builds the layers inside TE's FP8 param init):
   DP2 on TE's own ``Float8Tensor`` params (their kept init values pointed at the loaded
   weights), GTP2 with the TE linears built plain as shards and made GTP's FP8 primary shards by
-  ``shard_model`` (design §1.3 "FP8 primary weights").
+  ``shard_model`` (design §1.3 "FP8 primary weights");
+- ``fp8_dp2_rebucket`` / ``fp8block_dp2_rebucket``: the DP2 twin again with megatron's grads in
+  1M-element buckets: every rank's grad shard, so the grad norm's partial sums, round
+  differently (GTP2's shards do the same): the noise floor printed beside the judged pair.
 
 Checks (``checks`` in the JSON): after ``fp8_gtp2`` trained, every GTP weight's gathered
 ``Float8Tensor`` (forward) and its column-wise copy (backward) against TE's own
@@ -103,8 +106,9 @@ import torch.distributed as dist
 
 CUDA = torch.cuda.is_available() and "--cpu-smoke" not in sys.argv
 DEVICE = "cuda" if CUDA else "cpu"
+NOISE_BUCKET = 1_000_000
 MODES = {  # mode -> (gtp, megatron fp8_recipe or None: bf16 compute, GTPConfig.fp8_gather
-    #          [, megatron fp8_param: FP8 primary weights])
+    #          [, megatron fp8_param: FP8 primary weights[, DDP bucket size]])
     "fp8_dp2": (1, "tensorwise", True),
     "fp8_gtp2": (2, "tensorwise", True),
     "fp8_gtp2_bf16_gather": (2, "tensorwise", False),
@@ -115,6 +119,11 @@ MODES = {  # mode -> (gtp, megatron fp8_recipe or None: bf16 compute, GTPConfig.
     "bf16_gtp2": (2, None, True),
     "fp8param_dp2": (1, "tensorwise", True, True),
     "fp8param_gtp2": (2, "tensorwise", True, True),
+    # the noise floor of a loss comparison: DP2 again with megatron's grads in 1M-element
+    # buckets (each rank's grad shard, so the grad norm's partial sums, differ: the same
+    # last-bit difference a GTP2 rank's shards make), same weights, batches and recipe
+    "fp8_dp2_rebucket": (1, "tensorwise", True, False, NOISE_BUCKET),
+    "fp8block_dp2_rebucket": (1, "blockwise", True, False, NOISE_BUCKET),
 }
 SMOKE_MODES = {
     "bf16_dp2": (1, None, True),
@@ -131,6 +140,11 @@ PAIRS = [  # (GTP mode, its twin); loss pairs judged at <= LOSS_TOLERANCE
     ("bf16_gtp2", "bf16_dp2"),
 ]
 JUDGED_PAIRS = PAIRS[:5]
+NOISE_PAIRS = {  # a judged pair -> the twin run again differently rounded (reported beside it)
+    ("fp8_gtp2", "fp8_dp2"): ("fp8_dp2_rebucket", "fp8_dp2"),
+    ("fp8block_gtp2", "fp8block_dp2"): ("fp8block_dp2_rebucket", "fp8block_dp2"),
+}
+PAIRS += list(NOISE_PAIRS.values())
 LOSS_TOLERANCE = 0.02
 BWD_QUANTIZED_MODES = ("fp8_gtp2_bf16_gather", "fp8delayed_gtp2")
 RESULT: dict = {}
@@ -194,6 +208,7 @@ def run_mode(
     fp8: str | None,
     fp8_gather: bool,
     fp8_param: bool = False,
+    bucket_size: int | None = None,
 ) -> dict:
     from bench_gpt import model_config
     from megatron.core import parallel_state
@@ -233,7 +248,7 @@ def run_mode(
     for module in model.modules():  # TE's fused wgrad accumulation (megatron's fusion)
         if kind == "te" and hasattr(module, "fuse_wgrad_accumulation"):
             module.fuse_wgrad_accumulation = True
-    ddp, optimizer = wrap_for_training(config, model, groups, args.lr)
+    ddp, optimizer = wrap_for_training(config, model, groups, args.lr, bucket_size)
     data_rank = parallel_state.get_data_parallel_rank()
     forward_backward = get_forward_backward_func()
     record: dict = dict(mode=mode, gtp=gtp, fp8=fp8, fp8_gather=fp8_gather, losses=[], norms=[])
@@ -722,6 +737,9 @@ def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
             detail = f"{a} failed"
         if c is None and records.get(b, {}).get("error"):
             detail = f"{b} failed"
+        noise = comparisons.get(" vs ".join(NOISE_PAIRS.get((a, b), ())))
+        if c is not None and noise is not None:
+            detail += f" (noise floor, {b} re-bucketed: {noise['max_abs_loss_diff']:.3g})"
         passed = None if c is None else c["max_abs_loss_diff"] <= LOSS_TOLERANCE
         if c is None and detail:  # a mode of the pair ran and failed
             passed = False

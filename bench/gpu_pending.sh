@@ -49,7 +49,8 @@ fi
 if want fp8; then
   STEPS=50; [ "$ONE_GPU" = 1 ] && STEPS=12
   timeout 145 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py $SHARED --deadline 135 \
-    --modes fp8_dp2,fp8_gtp2,fp8block_dp2,fp8block_gtp2 --lr 1e-4 --steps $STEPS \
+    --modes fp8_dp2,fp8_gtp2,fp8block_dp2,fp8block_gtp2,fp8block_dp2_rebucket --lr 1e-4 \
+    --steps $STEPS \
     --out "$OUT/fp8" 2>&1 | grep -v Warn | tail -8
   pack fp8
 fi

@@ -147,10 +147,109 @@ def _patch_count_bails() -> None:
     atexit.register(lambda: print("DENSE_BAILS " + _json.dumps(dict(reasons)), flush=True))
 
 
+TE_ENTRIES = (
+    # TE's Python around its GEMMs, per module kind and direction (inclusive, each its own
+    # category), and megatron's TE wrappers: where a TE linear's host time goes in either mode
+    *(
+        ("transformer_engine.pytorch.module.linear", None, name, f"te.{name}")
+        for name in ("_linear_forward_impl", "_linear_setup_ctx", "_linear_backward_impl")
+    ),
+    ("transformer_engine.pytorch.module.linear", "Linear", "forward", "te.Linear.forward"),
+    *(
+        (
+            "transformer_engine.pytorch.module.layernorm_linear",
+            "_LayerNormLinear",
+            name,
+            f"te.LNL.{name}",
+        )
+        for name in ("forward", "backward")
+    ),
+    (
+        "transformer_engine.pytorch.module.layernorm_linear",
+        "LayerNormLinear",
+        "forward",
+        "te.LayerNormLinear.forward",
+    ),
+    *(
+        (
+            "transformer_engine.pytorch.attention.dot_product_attention.backends",
+            "FusedAttnFunc",
+            name,
+            f"te.attn.{name}",
+        )
+        for name in ("forward", "backward")
+    ),
+    *(
+        ("megatron.core.extensions.transformer_engine", cls, "forward", f"mcore.{cls}")
+        for cls in ("TELayerNormColumnParallelLinear", "TERowParallelLinear")
+    ),
+)
+"""``%te``: TE's own entry points timed in-process beside GTP's (every mode pays the same ~1 µs
+per wrapped call), so the same TE call's host µs compare across DP2 and GTP2 fits."""
+
+
+def te_entries() -> tuple:
+    """:data:`TE_ENTRIES` and every C++ function of ``transformer_engine_torch`` (each its own
+    category ``tex.<name>``); empty without TE."""
+    try:
+        import transformer_engine_torch as tex
+    except ImportError:
+        return ()
+    builtins = sorted(
+        name
+        for name, fn in vars(tex).items()
+        if type(fn).__name__ == "builtin_function_or_method" and not name.startswith("_")
+    )
+    return (*TE_ENTRIES, *(("transformer_engine_torch", None, n, f"tex.{n}") for n in builtins))
+
+
+GEMM_VARIANTS: dict | None = None
+"""``%te``: host ns and calls per TE GEMM variant (layouts, output, accumulate, operand kinds and
+alignment), over the timed window; None when not measured."""
+
+
+def _patch_gemm_variants() -> None:
+    """``%te``: count TE's ``generic_gemm`` calls per variant into :data:`GEMM_VARIANTS`."""
+    global GEMM_VARIANTS
+    try:
+        import transformer_engine_torch as tex
+    except ImportError:  # no TE (CPU): nothing to count
+        return
+    GEMM_VARIANTS = {}
+    gemm, clock, variants = tex.generic_gemm, time.perf_counter_ns, GEMM_VARIANTS
+
+    def operand(t) -> str:  # noqa: ANN001
+        if not hasattr(t, "data_ptr"):
+            return type(t).__name__
+        return (
+            f"{type(t).__name__}:{str(t.dtype)[6:]}:{tuple(t.shape)}:"
+            f"{'c' if t.is_contiguous() else 'nc'}:a{t.data_ptr() % 256}"
+        )
+
+    def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        start = clock()
+        try:
+            return gemm(*args, **kwargs)
+        finally:
+            spent = clock() - start
+            a, transa, b, transb, out = args[:5]
+            key = (
+                f"{'T' if transa else 'N'}{'T' if transb else 'N'} A={operand(a)} "
+                f"B={operand(b)} out={operand(out) if out is not None else None} "
+                f"out_dtype={args[6]} grad={args[11]} acc={args[14]}"
+            )
+            entry = variants.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += spent
+
+    tex.generic_gemm = timed
+
+
 PATCHES = {
     "general": _patch_general_consume,
     "flatten": _patch_flatten_allreduce,
     "why": _patch_count_bails,
+    "te": _patch_gemm_variants,
 }
 """Mode suffixes ``%name`` (e.g. ``gtp2_te%general%flatten``): an earlier host path restored in
 that mode's process, so old and new run interleaved in one launch (same machine, same hour)."""
@@ -215,7 +314,11 @@ def _rank_main(spec: dict) -> dict:
             gc_time["runs"][info["generation"]] += 1
 
     gc.callbacks.append(on_gc)
-    timer = GTPHostTimer.install()  # before the model is built: TE's pre-hooks bind then
+    from gtp_host_timer import GTP_ENTRIES
+
+    patches = spec["mode"].split("#")[0].split("%")[1:]
+    entries = GTP_ENTRIES + (te_entries() if "te" in patches else ())
+    timer = GTPHostTimer.install(entries)  # before the model is built: TE's pre-hooks bind then
 
     class _Times(pl.Callback):
         def __init__(self) -> None:
@@ -229,6 +332,8 @@ def _rank_main(spec: dict) -> dict:
                 self.threads = thread_cpu_seconds()
                 gc_time.update(s=0.0, runs=[0, 0, 0])
                 self.timer_start = timer.snapshot()
+                if GEMM_VARIANTS is not None:
+                    GEMM_VARIANTS.clear()
             if trainer.global_step == warmup + steps:
                 self.threads = _thread_cpu_per_step(self.threads, thread_cpu_seconds(), steps)
                 self.gc = {
@@ -236,6 +341,10 @@ def _rank_main(spec: dict) -> dict:
                     "collections_per_generation": list(gc_time["runs"]),
                 }
                 self.inside = timer.per_step(self.timer_start, timer.snapshot(), steps)
+                self.gemms = {  # per step: calls, µs per call
+                    key: [round(n / steps, 1), round(ns / n / 1e3, 2)]
+                    for key, (n, ns) in sorted((GEMM_VARIANTS or {}).items())
+                }
                 if profiled:
                     prof.enable()
             self._start = time.perf_counter()
@@ -249,7 +358,7 @@ def _rank_main(spec: dict) -> dict:
             if trainer.global_step == warmup + steps + profiled:
                 prof.disable()
 
-    for patch in spec["mode"].split("#")[0].split("%")[1:]:
+    for patch in patches:
         PATCHES[patch]()
     config, overrides = _resolve(spec["mode"], spec["tokens"])
     cfg = load_recipe(
@@ -283,6 +392,7 @@ def _rank_main(spec: dict) -> dict:
         "thread_cpu_ms_per_step": times.threads,
         "python_gc": times.gc,
         "host_inside": times.inside,
+        **({"gemm_variants": times.gemms} if GEMM_VARIANTS is not None else {}),
     }
 
 
@@ -358,7 +468,10 @@ def main() -> int:
 def _baseline(mode: str) -> str | None:
     """``gtp2_te@layergraph#1`` -> ``dp2_te@layergraph#1``: the same mode without GTP."""
     name, _, repeat = mode.partition("#")
-    name = name.split("%")[0]  # a patched mode's twin is the DP2 mode of the same repeat
+    if "%te" not in name:  # a patched mode's twin is the DP2 mode of the same repeat, and
+        name = name.split("%")[0]  # under %te (timed TE entries) the DP2 mode timed alike
+    else:
+        name = name.split("%")[0] + "%te"
     twin = "dp2" + name[len("gtp2") :] if name.startswith("gtp2") else None
     return f"{twin}#{repeat}" if twin and repeat else twin
 

@@ -166,16 +166,23 @@ def batch(args: argparse.Namespace, step: int, microbatch: int, data_rank: int) 
 
 
 def wrap_for_training(
-    config: object, model: torch.nn.Module, groups: object, lr: float
+    config: object,
+    model: torch.nn.Module,
+    groups: object,
+    lr: float,
+    bucket_size: int | None = None,
 ) -> tuple[object, object]:
-    """GTP-aware megatron DDP (distributed optimizer, overlapped fp32 grad reduce) and the
-    benchmarks' distributed Adam around ``model``, with the GTP finalize installed on
-    ``config``: ``(ddp, optimizer)``."""
+    """GTP-aware megatron DDP (distributed optimizer, overlapped fp32 grad reduce; megatron's
+    bucket size unless ``bucket_size``) and the benchmarks' distributed Adam around ``model``,
+    with the GTP finalize installed on ``config``: ``(ddp, optimizer)``."""
     pgs = gtp_process_groups(groups)
     ddp = GTPDistributedDataParallel(
         config,
         DistributedDataParallelConfig(
-            use_distributed_optimizer=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            grad_reduce_in_fp32=True,
+            bucket_size=bucket_size,
         ),
         model,
         pg_collection=pgs,
