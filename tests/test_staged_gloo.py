@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -192,12 +193,15 @@ def _coalesced(rank: int, world: int) -> bool:
 def _movement(rank: int, world: int) -> bool:
     """all-to-all, broadcast, gather / scatter, object collectives, point-to-point, barrier."""
     staged, gloo = _groups()
-    for splits in (None, [[1, 3], [2, 2]]):
+    # megatron's MoE dispatcher hands numpy arrays of split sizes on GPUs
+    for splits, as_array in ((None, False), ([[1, 3], [2, 2]], False), ([[1, 3], [2, 2]], True)):
         ins = [_data(rank, (4, 2)), _data(rank, (4, 2))]
         out_splits = [s[rank] for s in splits] if splits else None
         rows = sum(out_splits) if splits else 4
         outs = [torch.empty(rows, 2), torch.empty(rows, 2)]
         in_splits = splits[rank] if splits else None
+        if as_array:
+            out_splits, in_splits = np.array(out_splits), np.array(in_splits)
         for out, inp, group in zip(outs, ins, (staged, gloo)):
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
         assert torch.equal(outs[0], outs[1]), splits

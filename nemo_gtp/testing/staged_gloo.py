@@ -509,9 +509,10 @@ class StagedGlooGroup(dist.ProcessGroup):
 
 
 def _split_bytes(tensor: torch.Tensor, splits: Sequence[int], size: int) -> list[int]:
-    """Byte counts per peer of ``tensor`` cut along dim 0 at ``splits`` (even when empty)."""
+    """Byte counts per peer of ``tensor`` cut along dim 0 at ``splits`` (even when empty; a
+    list, or the numpy array megatron's MoE dispatcher passes on GPUs)."""
     row = _bytes_of(tensor) // tensor.shape[0] if tensor.dim() and tensor.shape[0] else 0
-    if not splits:
+    if splits is None or len(splits) == 0:
         if tensor.dim() == 0 or tensor.shape[0] % size:
             raise ValueError(
                 f"{BACKEND_NAME} all-to-all: dim 0 ({tuple(tensor.shape)}) must split evenly "
