@@ -192,6 +192,7 @@ def te_entries() -> tuple:
     """:data:`TE_ENTRIES` and every C++ function of ``transformer_engine_torch`` (each its own
     category ``tex.<name>``); empty without TE."""
     try:
+        import transformer_engine.pytorch  # noqa: F401 - loads TE's core library first
         import transformer_engine_torch as tex
     except ImportError:
         return ()
@@ -212,6 +213,7 @@ def _patch_gemm_variants() -> None:
     """``%te``: count TE's ``generic_gemm`` calls per variant into :data:`GEMM_VARIANTS`."""
     global GEMM_VARIANTS
     try:
+        import transformer_engine.pytorch  # noqa: F401 - loads TE's core library first
         import transformer_engine_torch as tex
     except ImportError:  # no TE (CPU): nothing to count
         return
@@ -319,6 +321,9 @@ def _rank_main(spec: dict) -> dict:
     patches = spec["mode"].split("#")[0].split("%")[1:]
     entries = GTP_ENTRIES + (te_entries() if "te" in patches else ())
     timer = GTPHostTimer.install(entries)  # before the model is built: TE's pre-hooks bind then
+    if "te" in patches:
+        wrapped = sum(c.startswith(("te.", "tex.")) for c in timer.category.values())
+        print(f"TE_ENTRIES wrapped {wrapped}", flush=True)
 
     class _Times(pl.Callback):
         def __init__(self) -> None:

@@ -202,17 +202,30 @@ def forward_backward_step(
     data_rank: int,
 ) -> list:
     """Zero the grads and run one step's micro-batches of this data rank forward and backward
-    (megatron's schedule); the reduced losses. The caller runs ``optimizer.step()``."""
+    (megatron's schedule); the reduced losses. The caller runs ``optimizer.step()``.
+
+    ``args.microbatch_split`` (default 1): run each micro-batch as that many equal parts, the
+    same samples and the same loss in a different summation order (a noise-floor twin)."""
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    data = iter([batch(args, step, m, data_rank) for m in range(args.microbatches)])
+    split = getattr(args, "microbatch_split", 1)
+    data = [batch(args, step, m, data_rank) for m in range(args.microbatches)]
+    if split > 1:
+        data = [
+            {
+                k: v if v is None or v.shape[0] != args.mbs else v.chunk(split)[i]
+                for k, v in b.items()
+            }
+            for b in data
+            for i in range(split)
+        ]
     return forward_backward(
         forward_step_func=forward_step,
-        data_iterator=data,
+        data_iterator=iter(data),
         model=[ddp],
-        num_microbatches=args.microbatches,
+        num_microbatches=args.microbatches * split,
         seq_length=args.seq,
-        micro_batch_size=args.mbs,
+        micro_batch_size=args.mbs // split,
         forward_only=False,
     )
 
