@@ -762,6 +762,9 @@ def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
         if c is None and detail:  # a mode of the pair ran and failed
             passed = False
         out.append((f"loss: {a} vs {b}, max abs diff <= {LOSS_TOLERANCE}", passed, detail))
+        if c is not None and noise is not None:  # reported beside the fixed bound, not for it
+            within = c["max_abs_loss_diff"] <= noise["max_abs_loss_diff"]
+            out.append((f"loss: {a} vs {b} within {b}'s own noise floor", within, detail))
     ratio = result.get("gather_bytes_ratio")
     out.append(
         (
