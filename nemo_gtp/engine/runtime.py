@@ -627,12 +627,15 @@ class GTPRuntime(GraphSegments):
                         self._prefetch(slot)
             return
         members, buffers, shards = [], [], []
+        params, stats = self.params, self.stats
         for slot in unit:
             if slot.state is not _NONE:
                 continue
-            param = self.params[slot.index]
+            param = params[slot.index]
             source = param.detach() if fmt is None else self._fp8_source(param, fmt)
-            cache = self._cache_of(param, slot)
+            cache = slot.cache  # bound once (_cache_of), looked up again only when stale
+            if cache is None or cache.buffer is None or slot.rebind or slot.bound_fmt is not fmt:
+                cache = self._cache_of(param, slot)
             if cache.try_acquire(slot):
                 members.append(slot)
                 buffers.append(cache.buffer if fmt is None else slot.wire)
@@ -640,24 +643,40 @@ class GTPRuntime(GraphSegments):
             elif slot is sync_slot:  # only when the observed order mispredicts
                 self._issue(param, slot, async_op=False)
             else:
-                self.stats.prefetch_skipped += 1
+                stats.prefetch_skipped += 1
         if not members:
             return
         if len(members) == 1:
             work = self._ops.all_gather(buffers[0], shards[0])
         else:
             work = self._ops.all_gather_coalesced(buffers, shards)
-        self.stats.gather_collectives += 1
+        stats.gather_collectives += 1
         shared = members[0].unit_work
         if shared.work is not None:  # an earlier gather of this unit is still unwaited
             shared = SharedWork()
         shared.work = work
+        nbytes = 0
         for slot in members:
             slot.issued(shared, slot.cache.buffer, slot.cache_full)
             slot.fmt = fmt
-            self._note_issued(self.params[slot.index], slot, slot is not sync_slot)
-            if slot is not sync_slot:
-                self.stats.prefetches += 1
+            nbytes += slot.nbytes
+        # _note_issued for the whole unit at once (one chain: a unit never crosses chains)
+        chain = params[members[0].index].gtp_state.chain
+        chain.live += len(members)
+        if chain.live > chain.max_live:
+            chain.max_live = chain.live
+        stats.gathers += len(members)
+        stats.gather_bytes += nbytes
+        if fmt is not None:
+            stats.fp8_gathers += len(members)
+        stats.prefetches += len(members) - (sync_slot in members)
+        if self.trace is not None:
+            for slot in members:
+                self.record(
+                    "ag_issue_async" if slot is not sync_slot else "ag_issue_sync",
+                    params[slot.index],
+                    self._label or slot.direction,
+                )
 
     def _resolve_gather_backend(self, device: torch.device) -> None:
         """``GTPConfig.gather_backend`` made concrete, once, at the first gather.
@@ -868,13 +887,17 @@ class GTPRuntime(GraphSegments):
         previous = last[which]
         if slot.fmt is not None or (previous is not None and previous.gtp_state.group >= 0):
             return None
-        # -- from here on the general path's steps, in its order
+        # -- from here on the general path's steps, in its order (a release of a slot holding
+        # nothing is a no-op: skipped here without the call)
         if previous is not None and previous is not param:
-            self.release(previous, direction)
+            held = previous.gtp_state.bwd if which else previous.gtp_state.fwd
+            if held.state is not _NONE:
+                self.release(previous, direction)
         if which:
             first = last[0]
             if first is not None:
-                self.release(first, _FWD)
+                if first.gtp_state.fwd.state is not _NONE:
+                    self.release(first, _FWD)
                 last[0] = None
         last[which] = param
         if policy is not None and not which:
@@ -896,7 +919,15 @@ class GTPRuntime(GraphSegments):
                 self._prefetch_all(targets)
         if not which and self.consumer_quantize is not None:
             self._note_forward(self.consumer_quantize, (param,))
-        return [self._protocol_alias(param, direction, slot.full)]
+        cached, full = slot.alias, slot.full  # _protocol_alias's steady state, inline
+        if (
+            cached is not None
+            and cached[0] is full
+            and full is slot.cache_full
+            and cached[1].requires_grad == param.requires_grad
+        ):
+            return [cached[1]]
+        return [self._protocol_alias(param, direction, full)]
 
     @staticmethod
     def _note_forward(requant: ConsumerQuantize, members: tuple[GTPShardedParam, ...]) -> None:
