@@ -345,7 +345,7 @@ LAYER_GRAPH_CASES_2 = [
     Run(gtp=2, graph_scope="full", steps=4),
     Run(gtp=2, graph_scope="attn", steps=4, coalesce_mb=1.0),  # one unit would span the layers
     Run(gtp=2, graph_scope="full", steps=4, graph_ring=2),  # layer 1's head reduced in layer 0
-    Run(gtp=2, graph_scope="full", steps=4, graph_ring=2, coalesce_mb=1.0),  # ... all of layer 1
+    Run(gtp=2, graph_scope="full", steps=4, graph_ring=2, coalesce_mb=1.0),  # units in layers
 ]
 
 
@@ -397,7 +397,8 @@ def _layer_graph_case(rank: int, world: int, case: Run) -> float:
         assert {id(p) for p in layer.parameters() if is_gtp_param(p)} == {id(p) for p in segment}
     assert all(p.gtp_state.chain_id is ChainId.GRAPHED for p in runtime.params)
     graphed = runtime.chains[ChainId.GRAPHED]
-    expected_units = [4, 4] if case.coalesce_mb else [1] * 8
+    # a captured layer's first and last weights are units alone (design §3.5 "Segment heads")
+    expected_units = [1, 2, 1] * 2 if case.coalesce_mb else [1] * 8
     assert [len(u) for u in graphed.units] == expected_units
     assert all(len({p.gtp_state.segment for p in u}) == 1 for u in graphed.units)
     for param in runtime.params:

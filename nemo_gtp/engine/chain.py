@@ -69,7 +69,10 @@ def coalescing_units(
     Greedy and order-preserving: a unit takes consecutive weights of one dtype and one CUDA-graph
     segment (design §3.5: a collective never spans two graphs) while their gathered (padded)
     bytes stay within ``unit_bytes``; a weight larger than that is a unit alone, so
-    ``unit_bytes=0`` gives one unit per weight. A weight of a :class:`WeightGroup`
+    ``unit_bytes=0`` gives one unit per weight. The first and the last weight of a captured
+    segment are units alone (design §3.5 "Segment heads": the graph gathers its forward and
+    backward head units and reduce-scatters its head unit synchronously, so each of those
+    exposes one weight's collective, not a layer's). A weight of a :class:`WeightGroup`
     (``groups[param.gtp_state.group]``: the runtime's ``weight_groups``) brings its whole group
     as one unit of its own, whatever its size, at the place of the first member observed
     (members never observed are left out).
@@ -77,12 +80,25 @@ def coalescing_units(
     Example::
 
         coalescing_units(chain.order, 64 * 2**20)   # [(qkv, proj), (fc1,), (fc2, qkv'), ...]
+        coalescing_units(captured_layer, 2**30)     # [(qkv,), (proj, fc1), (fc2,)]
     """
     units: list[tuple[GTPShardedParam, ...]] = []
     current: list[GTPShardedParam] = []
     observed = {id(param) for param in order}
     placed: set[int] = set()
     size = 0
+    segments = [param.gtp_state.segment for param in order]
+    alone = {  # a captured segment's first and last weights
+        id(param)
+        for i, param in enumerate(order)
+        if segments[i] >= 0
+        and (
+            i == 0
+            or segments[i - 1] != segments[i]
+            or i + 1 == len(order)
+            or segments[i + 1] != segments[i]
+        )
+    }
     for param in order:
         index = param.gtp_state.group
         if index >= 0:
@@ -98,6 +114,8 @@ def coalescing_units(
             size + nbytes > unit_bytes
             or param.dtype != current[0].dtype
             or param.gtp_state.segment != current[0].gtp_state.segment
+            or id(param) in alone
+            or id(current[0]) in alone
         ):
             units.append(tuple(current))
             current, size = [], 0
