@@ -345,7 +345,7 @@ LAYER_GRAPH_CASES_2 = [
     Run(gtp=2, graph_scope="full", steps=4),
     Run(gtp=2, graph_scope="attn", steps=4, coalesce_mb=1.0),  # one unit would span the layers
     Run(gtp=2, graph_scope="full", steps=4, graph_ring=2),  # layer 1's head reduced in layer 0
-    Run(gtp=2, graph_scope="full", steps=4, graph_ring=2, coalesce_mb=1.0),  # units in layers
+    Run(gtp=2, graph_scope="full", steps=4, graph_ring=2, coalesce_mb=1.0),  # proj + fc1 a unit
 ]
 
 
