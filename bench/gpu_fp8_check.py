@@ -308,6 +308,9 @@ def run_mode(
         _sync()
         start = time.perf_counter()
         reduced = forward_backward_step(run_args, ddp, optimizer, forward_backward, step, data_rank)
+        if args.lr_warmup:  # every mode the same schedule: lr * min(1, (step + 1) / warmup)
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr * min(1.0, (step + 1) / args.lr_warmup)
         _, grad_norm, _ = optimizer.step()
         _sync()
         times.append(time.perf_counter() - start)
@@ -941,6 +944,13 @@ def main() -> None:
     parser.add_argument("--modes", default=None, help="comma-separated; default: all")
     parser.add_argument("--deadline", type=float, default=110.0, help="seconds, then exit 3")
     parser.add_argument("--out", default="fp8_check_out")
+    parser.add_argument(
+        "--lr-warmup",
+        type=int,
+        default=0,
+        help="linear learning-rate warmup over this many steps, as NeMo's recipes have "
+        "(0: the constant --lr)",
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="gloo, local spec, no TE")
     parser.add_argument(
         "--shared-device",
