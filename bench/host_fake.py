@@ -18,7 +18,10 @@ tensor), and without NCCL's AVG GTP's MEAN is a 1/GTP pre-scale (one ``mul_`` pe
     python bench/host_fake.py --modes dp2_te,gtp2_te,gtp2_te%general%flatten --repeat 3 ...
 
 A mode's ``%name`` suffixes (:data:`PATCHES`) restore an earlier host path in its process, so
-old and new code run interleaved in one launch.
+old and new code run interleaved in one launch; ``%te`` instead times TE's own entry points
+and C++ functions beside GTP's, in a DP2 and a GTP2 mode alike
+(``--modes dp2_te%te,gtp2_te%te``: the same TE call's host µs in both fits, TE's GEMMs per
+variant in ``gemm_variants``).
 
 Per mode (one process each): median step wall time and median host time to issue forward +
 backward (batch start → before the optimizer step, no device sync), over ``--steps`` steps after
