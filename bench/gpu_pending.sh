@@ -2,11 +2,13 @@
 # The GPU checks written but not yet run on 2 GPUs, in priority order, each bounded and packed
 # into $OUT/<stage>.tgz as it finishes (so a cut call keeps the earlier stages). Run on the GPU
 # machine from the repository root after TE is built (bench/te_build.sh; see the device notes
-# for carrying .whl / .te0..5 / .te_ext), ~13 minutes in all:
+# for carrying .whl / .te0..5 / .te_ext), up to ~31 minutes in all (the stages' time limits;
+# more than one session's device time: the first five are the issues' 2-GPU targets, each call
+# ≤ 10 minutes, e.g. `nemo_threads layergraph`, then `moe fp8`, then `rows fp8param`):
 #   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 #   export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 PYTHONPATH=/tmp/te:/tmp/site:$PWD
 #   bash bench/gpu_pending.sh            # or: bash bench/gpu_pending.sh nemo_threads fp8
-# One GPU (ONE_GPU=1): the numerics stages (grouped, fp8, fp8param) with --shared-device, both ranks on
+# One GPU (ONE_GPU=1): the numerics stages (grouped, fp8, fp8param, moe) with --shared-device, both ranks on
 # cuda:0 through the staged backend (nemo_gtp.testing.staged_gloo; step times mean nothing);
 # the timing, graph and Megatron-FSDP stages need 2 GPUs and are skipped:
 #   ONE_GPU=1 bash bench/gpu_pending.sh   # ~4 minutes
@@ -35,15 +37,31 @@ if want nemo_threads; then
     --host-timer --warmup 5 --timed 19 --fit-timeout 80 --out "$OUT/nemo_threads" | tail -14
   pack nemo_threads
 fi
-# 2. Expert linears built as their EGTP shards on real TE: init, memory, parity, checkpoints.
-#    One GPU with TF32 off (2026-12-01 night): every check ok (parity 3.1e-7); with NCCL on two
-#    GPUs not yet re-run with TF32 off (the script now sets NVIDIA_TF32_OVERRIDE=0).
-if want grouped; then
-  timeout 145 python3 bench/gpu_grouped_experts.py $SHARED --timeout 140 --out "$OUT/grouped" \
-    2>&1 | grep -v Warn | tail -6
-  pack grouped
+# 2. Per-layer graphs through NeMo (target <= 1.03x graphed DP2; 1.044x on 2026-12-01 with one
+#    coalescing unit per layer): since 2026-12-02 a captured layer's first and last weights are
+#    units alone (design §3.5 "Segment heads"), never measured; the ring variant beside it.
+if want layergraph; then
+  timeout 170 python3 bench/bench_nemo.py --modes \
+    dp2_te@layergraph,gtp2_te@layergraph,gtp2_te@layergraph@graph_wgrad_ring_size=2 \
+    --tokens 2048 --warmup 5 --timed 19 --fit-timeout 60 --out "$OUT/layergraph" | tail -8
+  pack layergraph
 fi
-# 3. FP8: primary GTP shards vs TE's quantizer (bits), blockwise modes, and the loss check at
+# 3. MoE on real TE (TEGroupedMLP, top-2): EP2·EGTP2 vs EP2·DP2 (4 ranks) and EGTP2 vs DP2 (2).
+#    One GPU: both pairs as ranks sharing cuda:0, a cut of the recipe, numerics only (both
+#    matched, 2026-12-02); on 2 GPUs the issue's rows at full size: EGTP2 vs EP2 step time (<=
+#    1.05x at 4k) and peak memory, EGTP2 vs DP2 loss.
+if want moe; then
+  if [ "$ONE_GPU" = 1 ]; then
+    timeout 170 python3 bench/bench_moe.py --shared-device \
+      --modes grouped_ep2_dp2,grouped_ep2_egtp2 --timeout 165 --out "$OUT/moe/ep2" | tail -6
+  fi
+  MOE_MODES=grouped_dp2,grouped_egtp2  # one GPU: the parity pair; two: the speed baseline too
+  [ "$ONE_GPU" = 1 ] || MOE_MODES=grouped_ep2,grouped_egtp2,grouped_dp2
+  timeout 230 python3 bench/bench_moe.py $SHARED --modes $MOE_MODES \
+    --timeout 225 --out "$OUT/moe/egtp2" | tail -6
+  pack moe
+fi
+# 4. FP8: primary GTP shards vs TE's quantizer (bits), blockwise modes, and the loss check at
 #    lr 1e-4 with DP2's noise-floor twin (*_dp2_split: every micro-batch in two halves; one GPU,
 #    2026-12-02: blockwise GTP2 0.0545 vs the twin's 0.0876, per-tensor 0.0087 vs 0.0523). One
 #    GPU: 12 steps (the staged collectives are host copies).
@@ -60,15 +78,6 @@ if want fp8; then
     --lr 1e-4 --lr-warmup 10 --steps $STEPS \
     --out "$OUT/fp8/warmup" 2>&1 | grep -v Warn | tail -8
   pack fp8
-fi
-# 4. Per-layer graphs through NeMo (target <= 1.03x graphed DP2; 1.044x on 2026-12-01 with one
-#    coalescing unit per layer): since 2026-12-02 a captured layer's first and last weights are
-#    units alone (design §3.5 "Segment heads"), never measured; the ring variant beside it.
-if want layergraph; then
-  timeout 170 python3 bench/bench_nemo.py --modes \
-    dp2_te@layergraph,gtp2_te@layergraph,gtp2_te@layergraph@graph_wgrad_ring_size=2 \
-    --tokens 2048 --warmup 5 --timed 19 --fit-timeout 60 --out "$OUT/layergraph" | tail -8
-  pack layergraph
 fi
 # 5. The rows never run: eager 1k, and NeMo's Megatron-FSDP as the second baseline.
 if want rows; then
@@ -89,23 +98,19 @@ if want fp8param; then
     --tokens 2048 --warmup 5 --timed 10 --fit-timeout 120 --out "$OUT/fp8param/nemo" | tail -8
   pack fp8param
 fi
-# 7. Host time inside GTP's entry points and the optimizer, per step (gtp_host_timer), eager
+# 7. Expert linears built as their EGTP shards on real TE: init, memory, parity, checkpoints.
+#    One GPU with TF32 off (2026-12-01 night): every check ok (parity 3.1e-7); with NCCL on two
+#    GPUs not yet re-run with TF32 off (the script now sets NVIDIA_TF32_OVERRIDE=0).
+if want grouped; then
+  timeout 145 python3 bench/gpu_grouped_experts.py $SHARED --timeout 140 --out "$OUT/grouped" \
+    2>&1 | grep -v Warn | tail -6
+  pack grouped
+fi
+# 8. Host time inside GTP's entry points and the optimizer, per step (gtp_host_timer), eager
 #    and per-layer graphs, without communication (one device; the fake 2-rank world).
 if want host; then
   timeout 260 python3 bench/host_fake.py \
     --modes dp2_te,gtp2_te,dp2_te@layergraph,gtp2_te@layergraph --tokens 2048 --profile 0 \
     --steps 15 --out "$OUT/host" | grep "^|"
   pack host
-fi
-# 8. MoE on real TE (TEGroupedMLP, top-2): EP2·EGTP2 vs EP2·DP2 (4 ranks) and EGTP2 vs DP2 (2).
-#    One GPU: both pairs as ranks sharing cuda:0, a cut of the recipe, numerics only; on 2 GPUs
-#    the 2-rank pair at full size (step time, memory).
-if want moe; then
-  if [ "$ONE_GPU" = 1 ]; then
-    timeout 170 python3 bench/bench_moe.py --shared-device \
-      --modes grouped_ep2_dp2,grouped_ep2_egtp2 --timeout 165 --out "$OUT/moe/ep2" | tail -6
-  fi
-  timeout 170 python3 bench/bench_moe.py $SHARED --modes grouped_dp2,grouped_egtp2 \
-    --timeout 165 --out "$OUT/moe/egtp2" | tail -6
-  pack moe
 fi
