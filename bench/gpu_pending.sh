@@ -4,7 +4,7 @@
 # machine from the repository root after TE is built (bench/te_build.sh; see the device notes
 # for carrying .whl / .te0..5 / .te_ext), up to ~31 minutes in all (the stages' time limits;
 # more than one session's device time: the first five are the issues' 2-GPU targets, each call
-# ≤ 10 minutes, e.g. `nemo_threads layergraph`, then `moe fp8`, then `rows fp8param`):
+# ≤ 10 minutes, e.g. `nemo_threads layergraph`, then `moe rows`, then `fp8`, then `fp8param`):
 #   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 #   export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 PYTHONPATH=/tmp/te:/tmp/site:$PWD
 #   bash bench/gpu_pending.sh            # or: bash bench/gpu_pending.sh nemo_threads fp8
