@@ -477,3 +477,26 @@ def test_state_machines_refuse_transitions_from_the_wrong_state() -> None:
         rs.finished()
     with pytest.raises(GTPStateError, match="reduce-scatter waited in state"):
         rs.complete()
+
+
+def test_coalescing_units_segment_heads() -> None:
+    """A captured segment's first and last weights are units alone; the weights between, and
+    the eager chain, coalesce as the byte budget allows (design §3.5 "Segment heads")."""
+    from nemo_gtp.engine.chain import coalescing_units
+    from nemo_gtp.engine.param import GTPShardedParam, ShardSpec
+
+    def weight(segment: int) -> GTPShardedParam:
+        spec = ShardSpec.for_weight((8, 4), gtp_size=2, gtp_rank=0, pad_for_alignment=1)
+        param = GTPShardedParam(torch.zeros(spec.shard_shape), spec=spec)
+        param.gtp_state.segment = segment
+        return param
+
+    eager = [weight(-1) for _ in range(4)]
+    layers = [[weight(s) for _ in range(4)] for s in (0, 1)]
+    pair = [weight(2) for _ in range(2)]
+    units = coalescing_units(eager + layers[0] + layers[1] + pair + [weight(3)], 2**20)
+    sizes = [len(u) for u in units]
+    assert sizes == [4, 1, 2, 1, 1, 2, 1, 1, 1, 1], sizes
+    assert units[0] == tuple(eager)
+    assert units[1:4] == [(layers[0][0],), tuple(layers[0][1:3]), (layers[0][3],)]
+    assert coalescing_units(layers[0], 0) == [(p,) for p in layers[0]]  # no coalescing at all
