@@ -583,9 +583,10 @@ def _rank_main(spec_path: str) -> None:
     global _HOST_TIMER
     if spec.get("host_timer") and _HOST_TIMER is None:  # before any model is built (TE's
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # pre-hooks bind at build)
-        from gtp_host_timer import GTPHostTimer
+        from gtp_host_timer import GTP_ENTRIES, GTPHostTimer, te_entries
 
-        _HOST_TIMER = GTPHostTimer.install()
+        entries = GTP_ENTRIES + (te_entries() if spec.get("te_timer") else ())
+        _HOST_TIMER = GTPHostTimer.install(entries)
     out = []
     for i, run in enumerate(spec["runs"]):
         record = {k: run[k] for k in ("mode", "tokens_per_gpu")}
@@ -982,6 +983,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="record per rank the host ms per timed step inside GTP's entry points, megatron's "
         "DDP bucket calls and optimizer step (gtp_host_timer.py; ~1 us per wrapped call)",
     )
+    parser.add_argument(
+        "--te-timer",
+        action="store_true",
+        help="with --host-timer: TE's Python entry points and C++ functions timed too, each "
+        "its own entry (gtp_host_timer.te_entries): the same TE call's host µs in every mode",
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timed", type=int, default=20)
     parser.add_argument("--devices", type=int, default=2, help="ranks (one per GPU unless shared)")
@@ -1076,7 +1083,8 @@ def main(argv: list[str] | None = None) -> int:
                     "out": str(out.resolve()),
                     "warmup": args.warmup,
                     "chrome_trace": args.chrome_trace,
-                    "host_timer": args.host_timer,
+                    "host_timer": args.host_timer or args.te_timer,
+                    "te_timer": args.te_timer,
                     "timed": args.timed,
                     "fit_timeout": args.fit_timeout,
                     "shared_device": args.shared_device,

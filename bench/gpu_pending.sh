@@ -34,7 +34,8 @@ want() {
 #    they apply): the rows at 2k and 4k with the host timer, twice interleaved.
 if want nemo_threads; then
   timeout 230 python3 bench/bench_nemo.py --modes dp2_te,gtp2_te --tokens 2048,4096 --repeat 2 \
-    --host-timer --warmup 5 --timed 19 --fit-timeout 80 --out "$OUT/nemo_threads" | tail -14
+    --host-timer --te-timer --warmup 5 --timed 19 --fit-timeout 80 --out "$OUT/nemo_threads" \
+    | tail -14
   pack nemo_threads
 fi
 # 2. Per-layer graphs through NeMo (target <= 1.03x graphed DP2; 1.044x on 2026-12-01 with one

@@ -113,6 +113,64 @@ GTP_ENTRIES = (
 )
 
 
+TE_ENTRIES = (
+    # TE's Python around its GEMMs, per module kind and direction (inclusive, each its own
+    # category), and megatron's TE wrappers: where a TE linear's host time goes in either mode
+    *(
+        ("transformer_engine.pytorch.module.linear", None, name, f"te.{name}")
+        for name in ("_linear_forward_impl", "_linear_setup_ctx", "_linear_backward_impl")
+    ),
+    ("transformer_engine.pytorch.module.linear", "Linear", "forward", "te.Linear.forward"),
+    *(
+        (
+            "transformer_engine.pytorch.module.layernorm_linear",
+            "_LayerNormLinear",
+            name,
+            f"te.LNL.{name}",
+        )
+        for name in ("forward", "backward")
+    ),
+    (
+        "transformer_engine.pytorch.module.layernorm_linear",
+        "LayerNormLinear",
+        "forward",
+        "te.LayerNormLinear.forward",
+    ),
+    *(
+        (
+            "transformer_engine.pytorch.attention.dot_product_attention.backends",
+            "FusedAttnFunc",
+            name,
+            f"te.attn.{name}",
+        )
+        for name in ("forward", "backward")
+    ),
+    *(
+        ("megatron.core.extensions.transformer_engine", cls, "forward", f"mcore.{cls}")
+        for cls in ("TELayerNormColumnParallelLinear", "TERowParallelLinear")
+    ),
+)
+"""TE's own entry points, timed beside GTP's when asked (``host_fake.py``'s ``%te``,
+``bench_nemo.py --te-timer``; every mode pays the same ~1 µs per wrapped call), so the same TE
+call's host µs compare across DP2 and GTP2 fits."""
+
+
+def te_entries() -> tuple:
+    """:data:`TE_ENTRIES` and every C++ function of ``transformer_engine_torch`` (each its own
+    category ``tex.<name>``); empty without TE."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401 - loads TE's core library first
+        import transformer_engine_torch as tex
+    except ImportError:
+        return ()
+    builtins = sorted(
+        name
+        for name, fn in vars(tex).items()
+        if type(fn).__name__ == "builtin_function_or_method" and not name.startswith("_")
+    )
+    return (*TE_ENTRIES, *(("transformer_engine_torch", None, n, f"tex.{n}") for n in builtins))
+
+
 class GTPHostTimer:
     """Accumulated wall time of the outermost GTP (and optimizer) frames, per entry point."""
 

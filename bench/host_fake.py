@@ -150,63 +150,6 @@ def _patch_count_bails() -> None:
     atexit.register(lambda: print("DENSE_BAILS " + _json.dumps(dict(reasons)), flush=True))
 
 
-TE_ENTRIES = (
-    # TE's Python around its GEMMs, per module kind and direction (inclusive, each its own
-    # category), and megatron's TE wrappers: where a TE linear's host time goes in either mode
-    *(
-        ("transformer_engine.pytorch.module.linear", None, name, f"te.{name}")
-        for name in ("_linear_forward_impl", "_linear_setup_ctx", "_linear_backward_impl")
-    ),
-    ("transformer_engine.pytorch.module.linear", "Linear", "forward", "te.Linear.forward"),
-    *(
-        (
-            "transformer_engine.pytorch.module.layernorm_linear",
-            "_LayerNormLinear",
-            name,
-            f"te.LNL.{name}",
-        )
-        for name in ("forward", "backward")
-    ),
-    (
-        "transformer_engine.pytorch.module.layernorm_linear",
-        "LayerNormLinear",
-        "forward",
-        "te.LayerNormLinear.forward",
-    ),
-    *(
-        (
-            "transformer_engine.pytorch.attention.dot_product_attention.backends",
-            "FusedAttnFunc",
-            name,
-            f"te.attn.{name}",
-        )
-        for name in ("forward", "backward")
-    ),
-    *(
-        ("megatron.core.extensions.transformer_engine", cls, "forward", f"mcore.{cls}")
-        for cls in ("TELayerNormColumnParallelLinear", "TERowParallelLinear")
-    ),
-)
-"""``%te``: TE's own entry points timed in-process beside GTP's (every mode pays the same ~1 µs
-per wrapped call), so the same TE call's host µs compare across DP2 and GTP2 fits."""
-
-
-def te_entries() -> tuple:
-    """:data:`TE_ENTRIES` and every C++ function of ``transformer_engine_torch`` (each its own
-    category ``tex.<name>``); empty without TE."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401 - loads TE's core library first
-        import transformer_engine_torch as tex
-    except ImportError:
-        return ()
-    builtins = sorted(
-        name
-        for name, fn in vars(tex).items()
-        if type(fn).__name__ == "builtin_function_or_method" and not name.startswith("_")
-    )
-    return (*TE_ENTRIES, *(("transformer_engine_torch", None, n, f"tex.{n}") for n in builtins))
-
-
 GEMM_VARIANTS: dict | None = None
 """``%te``: host ns and calls per TE GEMM variant (layouts, output, accumulate, operand kinds and
 alignment), over the timed window; None when not measured."""
@@ -319,7 +262,7 @@ def _rank_main(spec: dict) -> dict:
             gc_time["runs"][info["generation"]] += 1
 
     gc.callbacks.append(on_gc)
-    from gtp_host_timer import GTP_ENTRIES
+    from gtp_host_timer import GTP_ENTRIES, te_entries
 
     patches = spec["mode"].split("#")[0].split("%")[1:]
     entries = GTP_ENTRIES + (te_entries() if "te" in patches else ())
