@@ -68,8 +68,8 @@ fi
 #    GPU: 12 steps (the staged collectives are host copies).
 if want fp8; then
   STEPS=50; [ "$ONE_GPU" = 1 ] && STEPS=12
-  timeout 185 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py $SHARED --deadline 175 \
-    --modes fp8_dp2,fp8_gtp2,fp8_dp2_split,fp8block_dp2,fp8block_gtp2,fp8block_dp2_split \
+  timeout 200 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py $SHARED --deadline 190 \
+    --modes fp8_dp2,fp8_gtp2,fp8_dp2_split,fp8block_dp2,fp8block_gtp2,fp8block_dp2_split,bf16_gtp2 \
     --lr 1e-4 --steps $STEPS \
     --out "$OUT/fp8" 2>&1 | grep -v Warn | tail -8
   # the same with a 10-step linear lr warmup, as NeMo's recipes train (every mode the same
