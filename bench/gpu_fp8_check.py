@@ -65,10 +65,13 @@ fp8_gtp2_bf16_gather vs fp8_dp2, fp8delayed_gtp2 vs fp8delayed_dp2, fp8block_gtp
 fp8block_dp2 and fp8param_gtp2 vs fp8param_dp2 <= 0.02 on every step, the fp8param_gtp2 line,
 gathered bytes fp8_gtp2 / bf16_gtp2 = 0.50 (+-3 %), bit-exact gathered weights and
 transposes, one FP8 refresh per step, no allocation after the second step, the bf16-gather
-FP8 modes' backward weights bit-exact and quantized at every backward consume. Step times
-are reported, not judged. ``--modes a,b`` runs a subset (a line whose modes did not run says
-"not measured"). Writes ``fp8_check.json`` and ``summary.md`` under ``--out`` (also on a
-failure or at the ``--deadline``: never hangs past it).
+FP8 modes' backward weights bit-exact and quantized at every backward consume. Beside the
+fixed loss bound of a pair whose noise-floor twin ran (``*_dp2_split``), a second line says
+whether the pair stays within its reference's own spread (reported next to the bound, which
+it does not replace). Step times are reported, not judged. ``--modes a,b`` runs a subset (a
+line whose modes did not run says "not measured"). Writes ``fp8_check.json`` and
+``summary.md`` under ``--out`` (also on a failure or at the ``--deadline``: never hangs past
+it).
 
 One GPU: ``--shared-device`` (same torchrun line, ``--nproc-per-node 2``) puts every local rank
 on ``cuda:0`` and the process group on ``nemo_gtp.testing.staged_gloo`` (collectives staged
