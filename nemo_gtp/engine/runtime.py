@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -587,25 +588,31 @@ class GTPRuntime(GraphSegments):
         slot.issued(work, buffer, full)
         slot.fmt = fmt
         self.stats.gather_collectives += 1
-        self._note_issued(param, slot, async_op)
+        self._note_issued((slot,), None if async_op else slot)
         return True
 
-    def _note_issued(self, param: GTPShardedParam, slot: GatherSlot, async_op: bool) -> None:
-        chain = param.gtp_state.chain
-        chain.live += 1
+    def _note_issued(self, slots: Sequence[GatherSlot], sync_slot: GatherSlot | None) -> None:
+        """Count the gathers just issued for ``slots`` (one weight, or a unit's members: one
+        chain) into their chain's live buffers and the stats, once for them all; trace each
+        (``sync_slot``: the one a GEMM waits for, the others are prefetches)."""
+        params = self.params
+        chain = params[slots[0].index].gtp_state.chain
+        chain.live += len(slots)
         if chain.live > chain.max_live:
             chain.max_live = chain.live
         stats = self.stats
-        stats.gathers += 1
-        stats.gather_bytes += slot.nbytes
-        if slot.fmt is not None:
-            stats.fp8_gathers += 1
+        stats.gathers += len(slots)
+        for slot in slots:
+            stats.gather_bytes += slot.nbytes
+        if slots[0].fmt is not None:  # one format per collective
+            stats.fp8_gathers += len(slots)
         if self.trace is not None:
-            self.record(
-                "ag_issue_async" if async_op else "ag_issue_sync",
-                param,
-                self._label or slot.direction,
-            )
+            for slot in slots:
+                self.record(
+                    "ag_issue_async" if slot is not sync_slot else "ag_issue_sync",
+                    params[slot.index],
+                    self._label or slot.direction,
+                )
 
     def _issue_unit(
         self, unit: tuple[GatherSlot, ...], sync_slot: GatherSlot | None = None
@@ -633,9 +640,7 @@ class GTPRuntime(GraphSegments):
                 continue
             param = params[slot.index]
             source = param.detach() if fmt is None else self._fp8_source(param, fmt)
-            cache = slot.cache  # bound once (_cache_of), looked up again only when stale
-            if cache is None or cache.buffer is None or slot.rebind or slot.bound_fmt is not fmt:
-                cache = self._cache_of(param, slot)
+            cache = self._cache_of(param, slot)
             if cache.try_acquire(slot):
                 members.append(slot)
                 buffers.append(cache.buffer if fmt is None else slot.wire)
@@ -655,28 +660,11 @@ class GTPRuntime(GraphSegments):
         if shared.work is not None:  # an earlier gather of this unit is still unwaited
             shared = SharedWork()
         shared.work = work
-        nbytes = 0
         for slot in members:
             slot.issued(shared, slot.cache.buffer, slot.cache_full)
             slot.fmt = fmt
-            nbytes += slot.nbytes
-        # _note_issued for the whole unit at once (one chain: a unit never crosses chains)
-        chain = params[members[0].index].gtp_state.chain
-        chain.live += len(members)
-        if chain.live > chain.max_live:
-            chain.max_live = chain.live
-        stats.gathers += len(members)
-        stats.gather_bytes += nbytes
-        if fmt is not None:
-            stats.fp8_gathers += len(members)
+        self._note_issued(members, sync_slot)  # one chain: a unit never crosses chains
         stats.prefetches += len(members) - (sync_slot in members)
-        if self.trace is not None:
-            for slot in members:
-                self.record(
-                    "ag_issue_async" if slot is not sync_slot else "ag_issue_sync",
-                    params[slot.index],
-                    self._label or slot.direction,
-                )
 
     def _resolve_gather_backend(self, device: torch.device) -> None:
         """``GTPConfig.gather_backend`` made concrete, once, at the first gather.
@@ -887,17 +875,13 @@ class GTPRuntime(GraphSegments):
         previous = last[which]
         if slot.fmt is not None or (previous is not None and previous.gtp_state.group >= 0):
             return None
-        # -- from here on the general path's steps, in its order (a release of a slot holding
-        # nothing is a no-op: skipped here without the call)
+        # -- from here on the general path's steps, in its order
         if previous is not None and previous is not param:
-            held = previous.gtp_state.bwd if which else previous.gtp_state.fwd
-            if held.state is not _NONE:
-                self.release(previous, direction)
+            self.release(previous, direction)
         if which:
             first = last[0]
             if first is not None:
-                if first.gtp_state.fwd.state is not _NONE:
-                    self.release(first, _FWD)
+                self.release(first, _FWD)
                 last[0] = None
         last[which] = param
         if policy is not None and not which:
@@ -919,15 +903,7 @@ class GTPRuntime(GraphSegments):
                 self._prefetch_all(targets)
         if not which and self.consumer_quantize is not None:
             self._note_forward(self.consumer_quantize, (param,))
-        cached, full = slot.alias, slot.full  # _protocol_alias's steady state, inline
-        if (
-            cached is not None
-            and cached[0] is full
-            and full is slot.cache_full
-            and cached[1].requires_grad == param.requires_grad
-        ):
-            return [cached[1]]
-        return [self._protocol_alias(param, direction, full)]
+        return [self._protocol_alias(param, direction, slot.full)]
 
     @staticmethod
     def _note_forward(requant: ConsumerQuantize, members: tuple[GTPShardedParam, ...]) -> None:
