@@ -155,13 +155,22 @@ TE_ENTRIES = (
 call's host µs compare across DP2 and GTP2 fits."""
 
 
+def te_extension() -> Any:
+    """TE's C++ module ``transformer_engine_torch``, imported after TE's core library (imported
+    first it fails); None without TE."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401 - loads TE's core library first
+        import transformer_engine_torch
+    except ImportError:
+        return None
+    return transformer_engine_torch
+
+
 def te_entries() -> tuple:
     """:data:`TE_ENTRIES` and every C++ function of ``transformer_engine_torch`` (each its own
     category ``tex.<name>``); empty without TE."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401 - loads TE's core library first
-        import transformer_engine_torch as tex
-    except ImportError:
+    tex = te_extension()
+    if tex is None:
         return ()
     builtins = sorted(
         name

@@ -111,10 +111,10 @@ def _patch_count_bails() -> None:
     dense = rt.GTPRuntime._dense_consume
 
     def why(self, param, state, direction) -> str:  # noqa: ANN001
+        # GTPRuntime._dense_consume's conditions, in its order, each named
+        policy = self.quantized_gather
         if self.fp8_primary is not None:
             return "fp8_primary"
-        if self.quantized_gather is not None:
-            return "quantized_gather"
         if self.trace is not None:
             return "trace"
         if self.wait_timer.enabled:
@@ -122,12 +122,16 @@ def _patch_count_bails() -> None:
         if direction is rt._FWD:
             if rt._backward_task_id() != -1:
                 return "recompute"
+            if policy is not None and policy.forward_scaling(param) is not None:
+                return "fp8 gather"
             slot = state.fwd
         else:
             if self._carry:
                 return "carry"
             if state.quantize_note is not None:
                 return "quantize_note"
+            if policy is not None and state.fp8_forward is not None:
+                return "fp8 gather"
             slot = state.bwd
         if slot.fmt is not None:
             return "slot.fmt"
@@ -158,10 +162,10 @@ alignment), over the timed window; None when not measured."""
 def _patch_gemm_variants() -> None:
     """``%te``: count TE's ``generic_gemm`` calls per variant into :data:`GEMM_VARIANTS`."""
     global GEMM_VARIANTS
-    try:
-        import transformer_engine.pytorch  # noqa: F401 - loads TE's core library first
-        import transformer_engine_torch as tex
-    except ImportError:  # no TE (CPU): nothing to count
+    from gtp_host_timer import te_extension
+
+    tex = te_extension()
+    if tex is None:  # no TE (CPU): nothing to count
         return
     GEMM_VARIANTS = {}
     gemm, clock, variants = tex.generic_gemm, time.perf_counter_ns, GEMM_VARIANTS
@@ -200,7 +204,12 @@ PATCHES = {
     "te": _patch_gemm_variants,
 }
 """Mode suffixes ``%name`` (e.g. ``gtp2_te%general%flatten``): an earlier host path restored in
-that mode's process, so old and new run interleaved in one launch (same machine, same hour)."""
+that mode's process, so old and new run interleaved in one launch (same machine, same hour), or
+something counted (``%why``) or timed (``%te``) without changing the path."""
+
+TIMED_ALIKE = {"te"}
+"""Suffixes a GTP mode's DP2 twin carries too (:func:`_baseline`): what they time is compared
+call by call across the pair; every other suffix is GTP2's own."""
 
 
 def _resolve(mode: str, tokens: int) -> tuple[str, list[str]]:
@@ -419,10 +428,8 @@ def main() -> int:
 def _baseline(mode: str) -> str | None:
     """``gtp2_te@layergraph#1`` -> ``dp2_te@layergraph#1``: the same mode without GTP."""
     name, _, repeat = mode.partition("#")
-    if "%te" not in name:  # a patched mode's twin is the DP2 mode of the same repeat, and
-        name = name.split("%")[0]  # under %te (timed TE entries) the DP2 mode timed alike
-    else:
-        name = name.split("%")[0] + "%te"
+    base, *patches = name.split("%")  # the DP2 mode of the same repeat, timed alike
+    name = "".join([base, *(f"%{p}" for p in patches if p in TIMED_ALIKE)])
     twin = "dp2" + name[len("gtp2") :] if name.startswith("gtp2") else None
     return f"{twin}#{repeat}" if twin and repeat else twin
 
