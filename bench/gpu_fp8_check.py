@@ -761,7 +761,8 @@ def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
             detail = f"{a} failed"
         if c is None and records.get(b, {}).get("error"):
             detail = f"{b} failed"
-        noise = comparisons.get(" vs ".join(NOISE_PAIRS.get((a, b), ())))
+        twin = NOISE_PAIRS.get((a, b))
+        noise = comparisons.get(f"{twin[0]} vs {twin[1]}") if twin else None
         if c is not None and noise is not None:
             detail += f" (noise floor, {b} in half micro-batches: {noise['max_abs_loss_diff']:.3g})"
         passed = None if c is None else c["max_abs_loss_diff"] <= LOSS_TOLERANCE
