@@ -111,7 +111,8 @@ def _patch_count_bails() -> None:
     dense = rt.GTPRuntime._dense_consume
 
     def why(self, param, state, direction) -> str:  # noqa: ANN001
-        # GTPRuntime._dense_consume's conditions, in its order, each named
+        # GTPRuntime._dense_consume's conditions, in its order, each named (kept in step with it
+        # by hand: a diagnostic adds no branch to the hot path)
         policy = self.quantized_gather
         if self.fp8_primary is not None:
             return "fp8_primary"
