@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--unit", type=int, default=8, help="weights per coalescing unit")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sort", default="tottime", help="cProfile sort key of --profile")
+    parser.add_argument("--top", type=int, default=22, help="rows --profile prints")
     args = parser.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -85,7 +87,7 @@ def main() -> None:
         for _ in range(10):
             step()
         profile.disable()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(22)
+        pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
 
 
 if __name__ == "__main__":

@@ -554,7 +554,25 @@ def _primary_training_worker(rank: int, world: int, gtp: int) -> dict:
         assert torch.equal(param.gtp_state.fp8.scale_inv, want.scale_inv), "scale differs"
         differ = (got.float() != want.data.float()).sum().item()
         steps.append(differ)
-    return {"losses": losses, "ref_losses": ref_losses, "differing": steps}
+    # full_state_dict: the dequantized full weights, as the model without GTP holds them
+    from nemo_gtp import full_state_dict
+
+    holder = torch.nn.Module()
+    for i, param in enumerate(params):
+        setattr(holder, f"l{i}", torch.nn.Module())
+        getattr(holder, f"l{i}").weight = param
+    exported = full_state_dict(holder)
+    dequantized = []
+    for i, ref in enumerate(ref_masters):
+        want = quantize_shard(ref, scaling).dequantize(params[i].gtp_state.fp8_primary_dtype)
+        got = exported[f"l{i}.weight"]
+        dequantized.append(got.dtype == want.dtype and torch.equal(got, want))
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "differing": steps,
+        "exported_dequantized": dequantized,
+    }
 
 
 def _real(param) -> int:
@@ -646,11 +664,14 @@ def test_fp8_primary_gather_and_write_back(four_ranks: dict, gtp: int) -> None:
 @pytest.mark.parametrize("gtp", [2, 4])
 def test_fp8_primary_training_matches_full_weight(four_ranks: dict, gtp: int) -> None:
     """Optimizer steps with FP8 primary GTP shards (GTP x DP = 4) reproduce the run without
-    GTP whose weights are its full masters quantized on one rank."""
+    GTP whose weights are its full masters quantized on one rank; ``full_state_dict`` exports
+    them as those quantized masters' values."""
     for value in case_values(four_ranks[f"primary training {gtp}"]):
         for got, want in zip(value["losses"], value["ref_losses"]):
             assert abs(got - want) <= 1e-5 * abs(want), (value["losses"], value["ref_losses"])
         assert value["differing"] == [0, 0], value["differing"]
+        # nemo_gtp.full_state_dict returns them dequantized (not raw FP8 codes), bit for bit
+        assert value["exported_dequantized"] == [True, True]
 
 
 def test_fp8_primary_unsupported_recipe_named() -> None:

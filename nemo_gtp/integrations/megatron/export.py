@@ -18,6 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import unwrap_model
 
 from nemo_gtp.engine import is_gtp_param
+from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary
 
 
 def unwrapped_module(model: Any) -> torch.nn.Module:
@@ -62,7 +63,11 @@ def full_state_dict(model: Any) -> dict[str, Any]:
     (``ShardSpec.gathered_shape`` / ``ShardSpec.unpad``); every other entry is the tensor
     ``state_dict()`` returns. TP shards stay per TP rank, like megatron's ``state_dict``; keys
     carry no DDP / ``Float16Module`` / Lightning-module prefixes. The gathered tensors are new
-    (on the weights' device, in their dtype); the others share storage with the model.
+    (on the weights' device, in their dtype); the others share storage with the model. An FP8
+    primary GTP shard (design §1.3 "FP8 primary weights") comes back dequantized, in its
+    training dtype: the values a TE ``Float8Tensor`` param of the model without GTP stands for
+    (its FP8 bytes times the one per-tensor ``scale_inv`` every GTP peer shares), not raw FP8
+    codes.
 
     Collective: every rank of each GTP group must call it (one all-gather per GTP weight, in
     parameter order); with GTP off it communicates nothing. ``model``: anything
@@ -81,10 +86,11 @@ def full_state_dict(model: Any) -> dict[str, Any]:
     for key, value in module.state_dict(keep_vars=True).items():
         if is_gtp_param(value):
             spec = value.gtp_spec
-            gathered = torch.empty(spec.gathered_shape, dtype=value.dtype, device=value.device)
-            dist.all_gather_into_tensor(
-                gathered, value.detach().contiguous(), group=value.runtime.group
-            )
+            # one scale per weight on every GTP peer: the gathered dequantized shards are the
+            # dequantized full weight
+            shard = dequantize_fp8_primary(value) if is_fp8_primary(value) else value.detach()
+            gathered = torch.empty(spec.gathered_shape, dtype=shard.dtype, device=value.device)
+            dist.all_gather_into_tensor(gathered, shard.contiguous(), group=value.runtime.group)
             out[key] = spec.unpad(gathered).clone()  # clone: no hidden pad rows behind it
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach()  # as state_dict() without keep_vars
