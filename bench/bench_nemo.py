@@ -54,6 +54,7 @@ import io
 import json
 import os
 import pstats
+import re
 import shutil
 import statistics
 import subprocess
@@ -131,10 +132,14 @@ SHARED_DEVICE_SHAPE = (  # --shared-device: numerics need no 1B model, the stage
 )
 
 
+TOP_LEVEL_KEYS = ("resume",)  # recipe keys a mode modifier may set without a dot
+
+
 def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
     """``base[@key=value...]`` → (config, overrides, baseline mode); each ``@key=value`` is a
     ``GTPConfig`` field (``gtp2_local@coalesce_mb=64@prefetch_depth=2``), or, with a dot, any
-    recipe key (``@model.cuda_graph_scope=full_iteration``). A modified mode's baseline is its
+    recipe key (``@model.cuda_graph_scope=full_iteration``, ``@resume=<dir>/step=N``). A
+    modified mode's baseline is its
     base mode's baseline, or ``base@graph`` when the modifiers include ``@graph`` (below).
     ``mode#k`` is repeat k of ``mode`` (``--repeat``); its baseline is the baseline's repeat k."""
     base, *knobs = mode.split("#")[0].split("@")
@@ -143,8 +148,9 @@ def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
     for knob in knobs:
         if knob in GRAPH_KINDS:  # megatron's CUDA graphs (local implementation, TE's RNG)
             extra += [f"+{k}" for k in GRAPH_KINDS[knob]]
-        else:
-            extra.append(f"+{knob}" if "." in knob else f"+gtp.{knob}")
+        else:  # a recipe key (dotted, or a top-level one: resume=<dir>/step=N), else GTPConfig's
+            top = knob.split("=", 1)[0] in TOP_LEVEL_KEYS
+            extra.append(f"+{knob}" if "." in knob or top else f"+gtp.{knob}")
     baseline = BASELINE.get(base)
     for kind in GRAPH_KINDS:
         if baseline and kind in knobs:
@@ -324,6 +330,27 @@ def _thread_cpu_per_step(before: dict, after: dict, steps: int, top: int = 8) ->
     return {k: round(v, 1) for k, v in busiest if v > 0}
 
 
+def dump_weights(strategy: object, path: str) -> None:
+    """Rank 0 saves the model's full weights as the model without GTP holds them, each
+    dequantized into a plain tensor (``nemo_gtp.full_state_dict``: GTP shards gathered, FP8
+    primary shards dequantized; TE's FP8 params, ``Float8Tensor``, dequantized here), on the
+    CPU. Collective (every rank calls it); TE's ``_extra_state`` entries are left out."""
+    import torch
+    import torch.distributed as dist
+
+    from nemo_gtp import full_state_dict
+
+    weights = {}
+    for key, value in full_state_dict(strategy).items():
+        if key.endswith("_extra_state") or not isinstance(value, torch.Tensor):
+            continue
+        if type(value) is not torch.Tensor:  # a TE quantized tensor (megatron's FP8 params)
+            value = value.dequantize()
+        weights[key] = value.detach().cpu().clone()
+    if dist.get_rank() == 0:
+        torch.save(weights, path)
+
+
 # --host-timer: this rank process's gtp_host_timer.GTPHostTimer (module-level: NeMo deep-copies
 # callbacks, and the timer's thread-local depth cannot be copied)
 _HOST_TIMER = None
@@ -346,8 +373,10 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
             self.exposed: dict[str, float] = {}
             self.trace_path: str | None = None  # --chrome-trace: where rank 0 writes it
             self.pstats_path: str | None = None  # rank 0: the host profile, every function
+            self.dump_prefix: str | None = None  # --dump-weights: <out>/weights_<mode>_<tokens>
             self.split: list[dict[str, float]] = []
             self.gtp_stats: dict[str, int] = {}  # CommStats of the last split-window step
+            # (of the last timed step without those windows)
             self.torch_profile: dict = {}
             self.host_profile = ""
             self._start = 0.0
@@ -374,8 +403,22 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
             }
 
         @property
+        def stats_step(self) -> int:
+            """The step whose GTP ``CommStats`` are recorded without split-window steps
+            (``timing=False``): the last timed one (counts and bytes mean something there too)."""
+            return -1 if self.extra else self.warmup + self.timed - 1
+
+        @property
         def total_steps(self) -> int:
             return self.warmup + self.timed + 2 * self.extra + (6 if self.profile else 0)
+
+        def on_train_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            if self.dump_prefix:  # after a checkpoint load: what was loaded
+                dump_weights(trainer.strategy, f"{self.dump_prefix}_start.pt")
+
+        def on_train_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            if self.dump_prefix:
+                dump_weights(trainer.strategy, f"{self.dump_prefix}_end.pt")
 
         def on_before_optimizer_step(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
             """Host-bound or GPU-bound? In the split window (the GPU idle at the batch start):
@@ -434,7 +477,7 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
             if w["host"] and step == w["host"].start:
                 self._prof = cProfile.Profile()
                 self._prof.enable()
-            if step in w["split"]:
+            if step in w["split"] or step == self.stats_step:
                 for runtime in gtp_runtimes(trainer):
                     runtime.stats.reset()
             _sync()
@@ -459,7 +502,7 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
                     "grad_norm": float(norm) if norm is not None else None,
                 }
             )
-            if step in w["split"]:  # gathers, prefetches, skipped prefetches, fallbacks
+            if step in w["split"] or step == self.stats_step:  # gathers, bytes, prefetches, ...
                 self.gtp_stats = {}
                 for runtime in gtp_runtimes(trainer):
                     for key, value in dataclasses.asdict(runtime.stats).items():
@@ -597,6 +640,9 @@ def _rank_main(spec_path: str) -> None:
                 spec["warmup"], spec["timed"], run["profile"], timing=not spec.get("shared_device")
             )
             name = f"{run['mode']}_{run['tokens_per_gpu']}"
+            if spec.get("dump_weights"):  # a plain file name: modifiers may hold paths
+                safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+                steps.dump_prefix = str(Path(spec["out"], f"weights_{safe}"))
             if rank == 0 and run["profile"]:
                 steps.pstats_path = str(Path(spec["out"], f"host_profile_{name}.pstats"))
                 if spec.get("chrome_trace"):
@@ -659,15 +705,15 @@ def _report(records: list[dict], out: Path) -> str:
     lines = [
         "| mode | tokens/GPU | step ms | vs baseline | tokens/s/GPU | peak GiB | "
         "exposed gather / RS ms | host issue / GPU tail ms | GPU idle | "
-        "compute / NCCL kernel ms | skipped prefetch / fallback | "
+        "compute / NCCL kernel ms | skipped prefetch / fallback | gathered MiB/step | "
         "max loss rel diff vs baseline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         if "error" in r:
             lines.append(
                 f"| {r['mode']} | {r['tokens_per_gpu']} | failed: {r['error'][:160]} "
-                "| | | | | | | | | |"
+                "| | | | | | | | | | |"
             )
             continue
         base_mode = resolve_mode(r["mode"])[2] or ""
@@ -689,12 +735,13 @@ def _report(records: list[dict], out: Path) -> str:
         )
         stats = r.get("gtp_stats_per_step") or {}
         misses = f"{stats['prefetch_skipped']} / {stats['fallback_allocations']}" if stats else ""
+        gathered = f"{stats['gather_bytes'] / 2**20:.1f}" if stats else ""
         lines.append(
             f"| {r['mode']} | {r['tokens_per_gpu']} | {r['step_ms']:.1f} | {ratio} | "
             f"{r['tokens_per_s_per_gpu']} | {r['peak_gib']} | "
             f"{exposed.get('gather', 0):.2f} / {exposed.get('reduce_scatter', 0):.2f} | "
             f"{split_text} | {'' if idle is None else f'{idle:.0%}'} | {kernels} | {misses} | "
-            f"{diff} |"
+            f"{gathered} | {diff} |"
         )
     shared = next((r["shared_device"] for r in records if r.get("shared_device")), 0)
     table = (
@@ -704,6 +751,7 @@ def _report(records: list[dict], out: Path) -> str:
         + _repeat_summary(records)
         + _graph_vs_eager(records)
         + _thread_summary(records)
+        + _bytes_summary(records)
     )
     (out / "bench_nemo.md").write_text(table + "\n")
     if shared:  # a step-time ratio plot of a shared GPU would only mislead
@@ -713,6 +761,32 @@ def _report(records: list[dict], out: Path) -> str:
     except Exception as err:  # noqa: BLE001 (matplotlib missing: the table is the result)
         print(f"plot skipped: {err}")
     return table
+
+
+BYTES_TWINS = {  # an FP8-gathering mode -> the bf16 GTP mode of the same model (design §1.3)
+    "gtp2_fp8": "gtp2_te",
+    "gtp2_fp8param": "gtp2_te",
+}
+
+
+def _bytes_summary(records: list[dict]) -> str:
+    """One ``GATHER BYTES`` line per FP8 mode whose bf16 twin (:data:`BYTES_TWINS`) ran at the
+    same tokens: gathered bytes per step, FP8 / bf16 (the FP8 gather's target is 0.50 ± 3 %;
+    counted from the runtimes' ``CommStats``, so it holds under ``--shared-device`` too)."""
+    by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
+    lines = []
+    for (mode, tokens), r in by.items():
+        twin = by.get((BYTES_TWINS.get(mode.split("#")[0]) or "", tokens))
+        ours = (r.get("gtp_stats_per_step") or {}).get("gather_bytes")
+        theirs = ((twin or {}).get("gtp_stats_per_step") or {}).get("gather_bytes")
+        if ours and theirs:
+            ratio = ours / theirs
+            verdict = "within" if abs(ratio - 0.5) <= 0.015 else "OUTSIDE"
+            lines.append(
+                f"GATHER BYTES {mode} / {twin['mode']} at {tokens}: {ours} / {theirs} = "
+                f"{ratio:.4f} per step ({verdict} 0.50 +- 3 %)"
+            )
+    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 SHARED_DEVICE_NOTE = (
@@ -1002,6 +1076,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds per fit (build, steps, teardown); past it each rank writes every "
         "thread's stack to its log and exits (finding a hang)",
     )
+    parser.add_argument(
+        "--dump-weights",
+        action="store_true",
+        help="rank 0 writes every fit's full weights, dequantized, at its train start (after a "
+        "checkpoint load) and end: weights_<mode>_<tokens>_{start,end}.pt, the mode's "
+        "characters outside [A-Za-z0-9._-] as _ (compare_weights.py)",
+    )
     add_launch_arguments(parser, SHARED_DEVICE_SHAPE)
     args = parser.parse_args(argv)
     check_launch_arguments(parser, args)
@@ -1085,6 +1166,7 @@ def main(argv: list[str] | None = None) -> int:
                     "chrome_trace": args.chrome_trace,
                     "host_timer": args.host_timer or args.te_timer,
                     "te_timer": args.te_timer,
+                    "dump_weights": args.dump_weights,
                     "timed": args.timed,
                     "fit_timeout": args.fit_timeout,
                     "shared_device": args.shared_device,

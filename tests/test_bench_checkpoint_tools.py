@@ -1,0 +1,63 @@
+"""The GPU checkpoint check's tools: ``bench/compare_weights.py`` (two weight dumps, key by key,
+bit for bit) and what ``bench/bench_nemo.py`` adds for it: ``@resume=`` as a mode modifier (a
+top-level recipe key), and the gathered-bytes ratio of an FP8 mode against its bf16 twin."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+from bench_nemo import _bytes_summary, resolve_mode  # noqa: E402
+from compare_weights import compare  # noqa: E402
+
+
+def test_compare_weights_bit_for_bit_and_differences() -> None:
+    a = {"w": torch.tensor([1.0, 2.0]), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    assert compare(a, {k: v.clone() for k, v in a.items()}, 0.0) == [
+        "WEIGHTS: equal (2 keys: 2 bit for bit)"
+    ]
+    nudged = {"w": torch.tensor([1.0, 2.0 + 2e-6]), "b": a["b"].clone()}
+    lines = compare(a, nudged, 0.0)
+    assert lines[-1] == "WEIGHTS: DIFFER (1 of 2 keys)" and lines[0].startswith("w: max |diff|")
+    assert (
+        compare(a, nudged, 1e-5)[-1]
+        == "WEIGHTS: equal (2 keys: 1 bit for bit, 1 within rtol 1e-05)"
+    )
+    other = {"w": a["w"].double(), "c": a["b"]}
+    assert compare(a, other, 1.0) == [
+        "b: only in the first",
+        "c: only in the second",
+        "w: (2,) torch.float32 vs (2,) torch.float64",
+        "WEIGHTS: DIFFER (3 of 3 keys)",
+    ]
+
+
+def test_resume_modifier_is_a_recipe_key() -> None:
+    _, overrides, baseline = resolve_mode(
+        "dp2_fp8param@resume=/ck/step=2@strategy.ckpt_load_optimizer=false@coalesce_mb=64"
+    )
+    assert overrides[-3:] == [
+        "+resume=/ck/step=2",
+        "+strategy.ckpt_load_optimizer=false",
+        "+gtp.coalesce_mb=64",
+    ]
+    assert baseline is None  # dp2_fp8param is a baseline itself
+
+
+def test_gather_bytes_line_against_the_bf16_twin() -> None:
+    def record(mode: str, gathered: int | None) -> dict:
+        stats = {} if gathered is None else {"gather_bytes": gathered}
+        return {"mode": mode, "tokens_per_gpu": 2048, "gtp_stats_per_step": stats}
+
+    text = _bytes_summary(
+        [record("gtp2_te", 1000), record("gtp2_fp8", 500), record("dp2_te", None)]
+    )
+    assert text.strip() == (
+        "GATHER BYTES gtp2_fp8 / gtp2_te at 2048: 500 / 1000 = 0.5000 per step (within 0.50 +- 3 %)"
+    )
+    assert "OUTSIDE" in _bytes_summary([record("gtp2_te", 1000), record("gtp2_fp8", 600)])
+    assert _bytes_summary([record("gtp2_fp8", 500)]) == ""  # no twin: no line
