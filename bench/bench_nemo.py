@@ -139,8 +139,8 @@ def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
     """``base[@key=value...]`` → (config, overrides, baseline mode); each ``@key=value`` is a
     ``GTPConfig`` field (``gtp2_local@coalesce_mb=64@prefetch_depth=2``), or, with a dot, any
     recipe key (``@model.cuda_graph_scope=full_iteration``, ``@resume=<dir>/step=N``). A
-    modified mode's baseline is its
-    base mode's baseline, or ``base@graph`` when the modifiers include ``@graph`` (below).
+    modified mode's baseline is its base mode's baseline, or ``base@graph`` when the modifiers
+    include ``@graph`` (below).
     ``mode#k`` is repeat k of ``mode`` (``--repeat``); its baseline is the baseline's repeat k."""
     base, *knobs = mode.split("#")[0].split("@")
     config, overrides = MODES[base]
@@ -776,7 +776,9 @@ def _bytes_summary(records: list[dict]) -> str:
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
     lines = []
     for (mode, tokens), r in by.items():
-        twin = by.get((BYTES_TWINS.get(mode.split("#")[0]) or "", tokens))
+        base, _, repeat = mode.partition("#")
+        twin_mode = BYTES_TWINS.get(base)
+        twin = by.get((f"{twin_mode}#{repeat}" if repeat else twin_mode or "", tokens))
         ours = (r.get("gtp_stats_per_step") or {}).get("gather_bytes")
         theirs = ((twin or {}).get("gtp_stats_per_step") or {}).get("gather_bytes")
         if ours and theirs:
