@@ -229,11 +229,21 @@ class _Consumer:
 
     @property
     def scaling_args(self) -> dict:
-        return {"fp8_dtype": self.scaling.fp8_dtype, "power_2_scales": self.scaling.power_2_scales}
+        return {
+            "kind": self.scaling.kind,
+            "fp8_dtype": self.scaling.fp8_dtype,
+            "power_2_scales": self.scaling.power_2_scales,
+            "block": self.scaling.block,
+        }
 
     def wrap(self, param: GTPShardedParam, direction: Direction, gathered: FP8Gathered):
         if gathered.transpose is not None:
             gathered.transpose.copy_(gathered.data.t())
+        if gathered.columnwise_scale_inv is not None:  # blockwise: the transposed scale grid
+            h, w = gathered.scale_inv.shape[1], gathered.scale_inv.shape[0]
+            target = gathered.columnwise_scale_inv
+            h, w = min(h, target.shape[0]), min(w, target.shape[1])
+            target[:h, :w].copy_(gathered.scale_inv.t()[:h, :w])
         self.seen[(param.gtp_state.name, direction.value)] = gathered
         return gathered.dequantize(param.dtype)
 
@@ -241,10 +251,21 @@ class _Consumer:
 RUNTIME_SHAPES = [(72, 64), (40, 48), (20, 64), (72, 64)]  # GTP 4: (20, 64) is one rank's rows
 
 
-def _runtime_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict:
+def _blockwise_reference(full: torch.Tensor, spec, scaling: FP8Scaling) -> FP8Shard:
+    """The full weight quantized blockwise on one rank, its rows padded as the shards are."""
+    padded = torch.zeros(spec.gathered_shape, dtype=torch.float32)
+    padded[: full.shape[0]] = full.float()
+    return quantize_shard(padded, scaling)
+
+
+def _runtime_worker(
+    rank: int, world: int, gtp: int, coalesce_mb: float, kind: str = "tensorwise"
+) -> dict:
     """The runtime's FP8 gather through the protocol: bytes on the wire, bit-exact gathered
-    weights and transposes, one amax all-reduce per step, stable buffers, format edges."""
+    weights, scales and transposes, one refresh per step (one amax all-reduce per tensor;
+    blockwise: none, the block scales travel with the rows), stable buffers, format edges."""
     from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
+    from nemo_gtp.engine.fp8_gather import padded_scale_shape
 
     groups = GTPParallelDims(world_size=world, num_weight_shards=gtp).build()
     runtime = GTPRuntime(groups, GTPConfig(pad_for_alignment=8, coalesce_mb=coalesce_mb))
@@ -257,7 +278,8 @@ def _runtime_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
         modules.append(module)
         fulls.append(full)
     params = [m.weight for m in modules]
-    scaling = FP8Scaling("tensorwise")
+    blockwise = kind == "blockwise"
+    scaling = FP8Scaling(kind, block=(8, 16)) if blockwise else FP8Scaling(kind)
     consumer = _Consumer(scaling)
 
     def check(i: int, direction: str, out: torch.Tensor) -> None:
@@ -266,16 +288,27 @@ def _runtime_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
         if name in consumer.dense or runtime.quantized_gather is None:
             assert torch.equal(out, fulls[i]), f"{name} {direction}: dense gather"
             return
-        ref = quantize_shard(fulls[i].float(), scaling)
         got = consumer.seen[(name, direction)]
         # cuBLAS refuses FP8 GEMMs whose scale pointer is not 16-byte aligned
         assert got.scale_inv.data_ptr() % 16 == 0, f"{name}: scale_inv not 16-byte aligned"
-        _assert_same(FP8Shard(got.data, got.scale_inv, None, None, scaling), ref, name)
-        assert torch.equal(out, ref.dequantize(torch.bfloat16))
-        if direction == "bwd":
-            assert torch.equal(_bits(got.transpose), _bits(ref.data.t())), name
+        rows, cols = fulls[i].shape
+        if blockwise:  # rows and block scales vs the padded full weight quantized on one rank
+            ref = _blockwise_reference(fulls[i], params[i].gtp_spec, scaling)
+            assert torch.equal(_bits(got.data), _bits(ref.data[:rows])), f"{name}: FP8 rows"
+            want = torch.zeros(padded_scale_shape(rows, cols, scaling))
+            want[:, : ref.scale_inv.shape[1]] = ref.scale_inv[: want.shape[0]]
+            assert torch.equal(got.scale_inv, want), f"{name}: block scales (padded layout)"
+            assert torch.equal(out, ref.dequantize(torch.bfloat16)[:rows])
         else:
-            assert got.transpose is None
+            ref = quantize_shard(fulls[i].float(), scaling)
+            _assert_same(FP8Shard(got.data, got.scale_inv, None, None, scaling), ref, name)
+            assert torch.equal(out, ref.dequantize(torch.bfloat16))
+        if direction == "bwd":
+            assert torch.equal(_bits(got.transpose), _bits(ref.data[:rows].t())), name
+            if blockwise:
+                assert got.columnwise_scale_inv.shape == padded_scale_shape(cols, rows, scaling)
+        else:
+            assert got.transpose is None and got.columnwise_scale_inv is None
 
     def step(drain: bool = True) -> dict:
         runtime.stats.reset()
@@ -307,7 +340,12 @@ def _runtime_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
     first = step()
     n = len(params)
     assert first["gathers"] == bf16["gathers"] == 2 * n and first["fp8_gathers"] == 2 * n
-    assert 2 * first["gather_bytes"] == bf16["gather_bytes"], (first, bf16)
+    scale_bytes = 0  # blockwise: the padded block scales travel too (4 bytes each)
+    if blockwise:
+        for p in params:
+            shape = padded_scale_shape(*p.gtp_spec.gathered_shape, scaling)
+            scale_bytes += 2 * (shape[0] * shape[1] * 4 * (gtp - 1) // gtp)
+    assert 2 * (first["gather_bytes"] - scale_bytes) == bf16["gather_bytes"], (first, bf16)
     assert first["fp8_quantizes"] == 1 and first["fallback_allocations"] == 0
     # 3) steady state: weights change between steps, nothing is allocated, addresses stay
     allocations = runtime.weight_cache.allocations
@@ -341,10 +379,14 @@ def _runtime_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
     consumer.dense = set()
     step()
     # 6) a recipe the runtime does not gather: refused before any collective
-    with pytest.raises(NotImplementedError, match="tensorwise"):
-        runtime.materialize(params[0], Direction.FWD, fp8=FP8Scaling("blockwise"))
+    with pytest.raises(NotImplementedError, match="delayed"):
+        runtime.materialize(params[0], Direction.FWD, fp8=FP8Scaling("delayed"))
     assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
-    return {"bytes": first["gather_bytes"], "bf16_bytes": bf16["gather_bytes"]}
+    return {
+        "bytes": first["gather_bytes"] - scale_bytes,
+        "bf16_bytes": bf16["gather_bytes"],
+        "scale_bytes": scale_bytes,
+    }
 
 
 PRIMARY_SHAPES = [(72, 64), (40, 48), (20, 64)]  # GTP 4: (20, 64) is one rank's rows
@@ -607,6 +649,13 @@ def _cases() -> list:
     for gtp in (2, 4):  # last: a failure here stops no other case
         for coalesce_mb in RUNTIME_COALESCE:
             cases.append((f"runtime {gtp} {coalesce_mb}", _runtime_worker, (gtp, coalesce_mb)))
+            cases.append(
+                (
+                    f"runtime blockwise {gtp} {coalesce_mb}",
+                    _runtime_worker,
+                    (gtp, coalesce_mb, "blockwise"),
+                )
+            )
         cases.append((f"primary {gtp}", _primary_worker, (gtp, 1.0 if gtp == 2 else 0.0)))
         cases.append((f"primary training {gtp}", _primary_training_worker, (gtp,)))
     return cases
@@ -651,6 +700,16 @@ def test_runtime_fp8_gather(four_ranks: dict, gtp: int, coalesce_mb: float) -> N
     """GTPRuntime gathers FP8 bytes for a quantized consumer (design §1.3 "FP8 gather")."""
     values = case_values(four_ranks[f"runtime {gtp} {coalesce_mb}"])
     assert all(2 * v["bytes"] == v["bf16_bytes"] for v in values)
+
+
+@pytest.mark.parametrize("gtp", [2, 4])
+@pytest.mark.parametrize("coalesce_mb", RUNTIME_COALESCE)
+def test_runtime_blockwise_fp8_gather(four_ranks: dict, gtp: int, coalesce_mb: float) -> None:
+    """Blockwise FP8 gathers (design §1.3 "FP8 gather"): each rank quantizes its own blocks,
+    rows and padded block scales gathered in one collective, bit for bit the full weight's
+    blockwise quantization; the rows' bytes are half of bf16's, the scales come on top."""
+    values = case_values(four_ranks[f"runtime blockwise {gtp} {coalesce_mb}"])
+    assert all(2 * v["bytes"] == v["bf16_bytes"] and v["scale_bytes"] > 0 for v in values)
 
 
 @pytest.mark.parametrize("gtp", [2, 4])

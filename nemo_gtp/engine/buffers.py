@@ -44,16 +44,19 @@ class CacheSlot:
     """One gathered-weight buffer and the gather slot currently holding it (None: free).
 
     ``companion``: an optional second flat buffer of the same size and dtype, held with the
-    buffer (an FP8 gathered weight's column-wise copy, design §1.3 "FP8 gather").
+    buffer (an FP8 gathered weight's column-wise copy, design §1.3 "FP8 gather"); ``scales``:
+    fp32 buffers by shape held with it too (a blockwise FP8 weight's gathered and column-wise
+    ``scale_inv``).
     """
 
-    __slots__ = ("key", "buffer", "owner", "companion")
+    __slots__ = ("key", "buffer", "owner", "companion", "scales")
 
     def __init__(self, key: BufferKey) -> None:
         self.key = key
         self.buffer: torch.Tensor | None = None
         self.owner: object | None = None
         self.companion: torch.Tensor | None = None
+        self.scales: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     def try_acquire(self, owner: object) -> bool:
         """Hold the buffer for ``owner``; False if another owner holds it (never overwritten)."""
@@ -115,6 +118,20 @@ class GTPWeightCache:
             self.allocations += 1
         return slot.companion
 
+    def scales(self, slot: CacheSlot, role: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """``slot``'s fp32 scale buffer for ``role`` and ``shape`` (zeros), allocated on first
+        use: a blockwise FP8 weight's gathered (``"rowwise"``) or column-wise scales."""
+        key = (role, tuple(shape))
+        found = slot.scales.get(key)
+        if found is None:
+            refuse_allocation_in_capture(slot.key.device, "FP8 scale buffer")
+            with torch.inference_mode(False):
+                found = slot.scales[key] = torch.zeros(
+                    shape, dtype=torch.float32, device=slot.key.device
+                )
+            self.allocations += 1
+        return found
+
     def held(self) -> int:
         """Number of buffers currently held."""
         return sum(slot.owner is not None for slot in self._slots.values())
@@ -124,7 +141,7 @@ class GTPWeightCache:
         return sum(
             t.numel() * t.element_size()
             for s in self._slots.values()
-            for t in (s.buffer, s.companion)
+            for t in (s.buffer, s.companion, *s.scales.values())
             if t is not None
         )
 
@@ -134,6 +151,7 @@ class GTPWeightCache:
             if slot.owner is not None:
                 raise RuntimeError("GTPWeightCache.clear() while a buffer is held; drain first")
             slot.buffer = slot.companion = None
+            slot.scales = {}
 
 
 class FreeList:

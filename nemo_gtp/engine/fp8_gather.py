@@ -20,6 +20,13 @@ step with a scale agreed over the GTP group, and gathers those bytes:
   GEMMs (Hopper) also gets a stable, contiguous buffer for the column-wise (transposed) copy,
   which the consumer fills once per gathered weight (:attr:`FP8Gathered.transpose`).
 
+Blockwise scaling (one scale per block, e.g. TE's 128x128 weight tiles) needs no collective for
+its scales: a block never spans two shards (the shards' rows are whole blocks), so each rank
+quantizes its own blocks and the per-block ``scale_inv`` travel with the data, in the same
+coalesced collective, into a stable scale buffer per gather slot. Each shard's scale rows are
+padded to a multiple of :data:`SCALE_COLUMN_ALIGN` columns, so the gathered scales are already
+in the layout a blockwise FP8 GEMM reads (TE's ``Float8BlockQuantizer.get_scale_shape``).
+
 The consumer is abstract here (:class:`QuantizedGather`); the TransformerEngine one lives in
 ``nemo_gtp.integrations`` and wraps :class:`FP8Gathered` in TE's ``Float8Tensor``. Pure torch.
 """
@@ -38,6 +45,7 @@ from nemo_gtp.engine.fp8 import (
     ScalingKind,
     _cast,
     _real_rows,
+    quantize_into,
     scale_from_amax,
 )
 
@@ -49,6 +57,27 @@ _INF = float("inf")
 # functionality is not supported"): each weight's scale / scale_inv / amax sits at a multiple of
 # 4 fp32 elements of its runtime-wide vector (the pad elements stay 0 and are never read).
 _SCALAR_STRIDE = 4
+SCALE_COLUMN_ALIGN = 4
+"""Blockwise ``scale_inv`` rows are padded to a multiple of this many columns (zeros): the layout
+cuBLAS's blockwise FP8 GEMM reads (TE pads its scales the same way), kept from the shard through
+the gather, so no copy is needed before the GEMM."""
+
+
+def padded_scale_shape(rows: int, cols: int, scaling: FP8Scaling) -> tuple[int, int]:
+    """Shape of the gather-ready ``scale_inv`` of a ``rows x cols`` blockwise weight: one row per
+    row block, one column per column block, padded to :data:`SCALE_COLUMN_ALIGN`.
+
+    Example::
+
+        padded_scale_shape(256, 2048, FP8Scaling("blockwise"))   # (2, 16)
+        padded_scale_shape(256, 300, FP8Scaling("blockwise"))    # (2, 4): 3 blocks + 1 pad
+    """
+    block_rows, block_cols = scaling.block
+    return (math.ceil(rows / block_rows), _aligned_columns(math.ceil(cols / block_cols)))
+
+
+def _aligned_columns(columns: int) -> int:
+    return -(-columns // SCALE_COLUMN_ALIGN) * SCALE_COLUMN_ALIGN
 
 
 class FP8Gathered:
@@ -63,13 +92,18 @@ class FP8Gathered:
     - ``scaling``: the recipe; ``consumer``: free for the consumer to cache its wrapper object
       (a TE ``Float8Tensor``) across steps.
 
+    Blockwise: ``scale_inv`` is the gathered per-block ``scale_inv`` (:func:`padded_scale_shape`
+    of ``data``), and a backward view with ``transpose`` also has ``columnwise_scale_inv``, a
+    stable fp32 buffer of :func:`padded_scale_shape` of the transposed weight, which the consumer
+    fills with the transpose's scales (for square blocks, the transposed scale grid).
+
     Example::
 
         view = runtime.fp8_gathered(param, Direction.FWD)   # after materialize(..., fp8=...)
         weight = view.data.float() * view.scale_inv          # the dequantized weight
     """
 
-    __slots__ = ("data", "scale_inv", "transpose", "scaling", "consumer")
+    __slots__ = ("data", "scale_inv", "transpose", "scaling", "consumer", "columnwise_scale_inv")
 
     def __init__(
         self,
@@ -77,16 +111,26 @@ class FP8Gathered:
         scale_inv: torch.Tensor,
         transpose: torch.Tensor | None,
         scaling: FP8Scaling,
+        columnwise_scale_inv: torch.Tensor | None = None,
     ) -> None:
         self.data = data
         self.scale_inv = scale_inv
         self.transpose = transpose
         self.scaling = scaling
+        self.columnwise_scale_inv = columnwise_scale_inv
         self.consumer: Any = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``data * scale_inv`` in ``dtype``, a new tensor (tests, debugging)."""
-        return (self.data.float() * self.scale_inv).to(dtype)
+        """``data * scale_inv`` (per block for blockwise) in ``dtype``, a new tensor (tests,
+        debugging)."""
+        values = self.data.float()
+        if self.scaling.kind is not ScalingKind.BLOCKWISE:
+            return (values * self.scale_inv).to(dtype)
+        rows, cols = values.shape
+        block_rows, block_cols = self.scaling.block
+        scales = self.scale_inv[:, : math.ceil(cols / block_cols)]
+        scales = scales.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
+        return (values * scales[:rows, :cols]).to(dtype)
 
 
 class QuantizedGather(Protocol):
@@ -121,22 +165,23 @@ class QuantizedGather(Protocol):
 
 
 def check_gather_scaling(scaling: FP8Scaling) -> None:
-    """The runtime gathers per-tensor current scaling only (design §1.3 "FP8 gather").
+    """The runtime gathers per-tensor current scaling and blockwise scaling (design §1.3 "FP8
+    gather").
 
-    Delayed scaling needs the consumer's own scale (its amax history) at each quantize, and
-    blockwise scales would travel with the data; both are consumed from the training-dtype
-    gather (the consumer quantizes) until they are wired in.
+    Delayed scaling needs the consumer's own scale (its amax history) at each quantize: it is
+    consumed from the training-dtype gather (the consumer quantizes).
 
     Example::
 
         check_gather_scaling(FP8Scaling("tensorwise"))   # ok
-        check_gather_scaling(FP8Scaling("blockwise"))    # NotImplementedError
+        check_gather_scaling(FP8Scaling("delayed"))      # NotImplementedError
     """
-    if scaling.kind is not ScalingKind.TENSORWISE:
+    if scaling.kind is ScalingKind.DELAYED:
         raise NotImplementedError(
-            f"the GTP runtime gathers FP8 with per-tensor current scaling only "
-            f"(fp8_recipe='tensorwise'), got {scaling.kind.value!r}: a QuantizedGather must "
-            f"return None for it (the training dtype is gathered and the consumer quantizes)"
+            "the GTP runtime gathers FP8 with per-tensor current scaling (fp8_recipe="
+            "'tensorwise') or blockwise scaling (fp8_recipe='blockwise'), got 'delayed': a "
+            "QuantizedGather must return None for it (the training dtype is gathered and the "
+            "consumer quantizes)"
         )
 
 
@@ -182,6 +227,9 @@ class FP8ShardCache:
         cast; the pad rows of the FP8 shard are zero from its allocation on.
         """
         check_gather_scaling(scaling)
+        if scaling.kind is ScalingKind.BLOCKWISE:
+            self._refresh_blocks(params, scaling)
+            return
         n = len(params)
         device = params[0].device
         if (
@@ -189,7 +237,9 @@ class FP8ShardCache:
             or self._amax.numel() != n * _SCALAR_STRIDE
             or self._amax.device != device
             or any(
-                p.gtp_state.fp8 is None or p.gtp_state.fp8.data.dtype != scaling.fp8_dtype
+                p.gtp_state.fp8 is None
+                or p.gtp_state.fp8.data.dtype != scaling.fp8_dtype
+                or p.gtp_state.fp8.scaling.kind is not scaling.kind  # blockwise before
                 for p in params
             )
         ):
@@ -212,6 +262,26 @@ class FP8ShardCache:
                 shard.data[:rows].copy_(_cast(masters[i][:rows].float(), shard.scale, scaling))
         for param in params:
             param.gtp_state.fp8_version = param._version
+        self.scaling = scaling
+        self.refreshes += 1
+
+    def _refresh_blocks(self, params: list[GTPShardedParam], scaling: FP8Scaling) -> None:
+        """Blockwise: every rank quantizes its own blocks (no collective), then copies the
+        per-block ``scale_inv`` into the shard's gather-ready scale rows."""
+        for param in params:
+            state = param.gtp_state
+            shard = state.fp8
+            if shard is None or shard.scaling != scaling or shard.data.shape != param.shape:
+                with torch.inference_mode(False):  # outlives an evaluation that made it
+                    shard = state.fp8 = FP8Shard.empty(tuple(param.shape), scaling, param.device)
+                    rows, cols = shard.scale_inv.shape
+                    state.fp8_scale_wire = torch.zeros(
+                        (rows, _aligned_columns(cols)), dtype=torch.float32, device=param.device
+                    )
+                state.fp8_wire = shard.data.view(torch.uint8)
+            quantize_into(param.detach(), shard, spec=param.gtp_spec)
+            state.fp8_scale_wire[:, : shard.scale_inv.shape[1]].copy_(shard.scale_inv)
+            state.fp8_version = param._version
         self.scaling = scaling
         self.refreshes += 1
 

@@ -215,6 +215,8 @@ class GatherSlot:
         "bound_fmt",
         "wire",
         "fp8_view",
+        "scale_wire",
+        "scales",
     )
 
     def __init__(self, direction: Direction, index: int = -1) -> None:
@@ -244,6 +246,10 @@ class GatherSlot:
         self.bound_fmt: Any = None
         self.wire: torch.Tensor | None = None
         self.fp8_view: Any = None
+        # blockwise FP8 gathers: the cache slot's gathered scale buffer, and the one the gather
+        # in flight or held writes (that buffer, or a fallback's)
+        self.scale_wire: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
 
     def issued(self, work: Any, buffer: torch.Tensor, full: torch.Tensor) -> None:
         """NONE → ASYNC_WAIT: a gather into ``buffer`` was issued; ``work.wait()`` completes it."""
@@ -356,6 +362,7 @@ class GTPParamState:
         "rs_unit",
         "fp8",
         "fp8_wire",
+        "fp8_scale_wire",
         "fp8_version",
         "fp8_forward",
         "fp8_primary_dtype",
@@ -395,6 +402,8 @@ class GTPParamState:
         """The FP8 copy of the shard the runtime gathers from (an ``FP8Shard``; design §1.3
         "FP8 gather"), its byte view and the param version it was quantized at."""
         self.fp8_wire: torch.Tensor | None = None
+        # blockwise FP8 gathers: the shard's per-block scale_inv, gather-ready (fp8_gather)
+        self.fp8_scale_wire: torch.Tensor | None = None
         self.fp8_version = -1
         self.fp8_primary_dtype: torch.dtype | None = None
         """For an FP8 primary shard (``make_fp8_primary``, design §1.3 "FP8 primary weights"):

@@ -42,12 +42,13 @@ from nemo_gtp.engine.copy_engine import (
     agree_on_copy_engine,
     copy_engine_available,
 )
-from nemo_gtp.engine.fp8 import FP8Scaling
+from nemo_gtp.engine.fp8 import FP8Scaling, ScalingKind
 from nemo_gtp.engine.fp8_gather import (
     FP8Gathered,
     FP8ShardCache,
     QuantizedGather,
     check_gather_scaling,
+    padded_scale_shape,
     transposed_view,
 )
 from nemo_gtp.engine.graph_segments import GraphSegments
@@ -73,6 +74,13 @@ _backward_task_id = torch._C._current_graph_task_id
 _NONE, _ASYNC, _READY = GatherState.NONE, GatherState.ASYNC_WAIT, GatherState.DATA_READY
 _RS_NONE, _RS_STAGED = ReduceScatterState.NONE, ReduceScatterState.STAGED
 _LINKED = ChainPhase.LINKED
+_BLOCKWISE = ScalingKind.BLOCKWISE
+
+
+def _bytes(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 block scales as the bytes a coalesced gather moves beside the FP8 rows (one dtype
+    per collective: gloo's coalesced all-gather mixes none)."""
+    return scales.view(torch.uint8)
 
 
 def _forward_targets(slot: GatherSlot, will_backward: bool) -> tuple[GatherSlot, ...]:
@@ -434,22 +442,41 @@ class GTPRuntime(GraphSegments):
             )
         full = slot.full
         view = slot.fp8_view
+        blockwise = slot.fmt.kind is _BLOCKWISE
         if view is None or view.data is not full:
-            transpose = None
+            transpose = columnwise_scales = None
             policy = self.quantized_gather
+            cache = slot.cache
+            own = cache is not None and slot.buffer is cache.buffer  # else a fallback buffer
+            rows, cols = full.shape
             # Outside inference mode: the consumer writes the column-wise view later, in training.
             with torch.inference_mode(False):
                 if direction is _BWD and policy is not None and policy.transpose_for_backward:
-                    cache = slot.cache
-                    if cache is not None and slot.buffer is cache.buffer:
+                    if own:
                         flat = self.weight_cache.companion(cache)
                     else:  # a fallback buffer (misprediction): its own column-wise buffer
                         flat = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
                     transpose = transposed_view(flat, tuple(full.shape))
-            view = FP8Gathered(full, state.fp8.scale_inv, transpose, slot.fmt)
-            if slot.cache is not None and slot.buffer is slot.cache.buffer:
+                    if blockwise:
+                        shape = padded_scale_shape(cols, rows, slot.fmt)
+                        columnwise_scales = (
+                            self.weight_cache.scales(cache, "columnwise", shape)
+                            if own
+                            else torch.zeros(shape, dtype=torch.float32, device=full.device)
+                        )
+            # blockwise: the gathered block scales of the unpadded rows (a row prefix)
+            scale_inv = slot.scales[: -(-rows // slot.fmt.block[0])] if blockwise else None
+            view = FP8Gathered(
+                full,
+                state.fp8.scale_inv if scale_inv is None else scale_inv,
+                transpose,
+                slot.fmt,
+                columnwise_scales,
+            )
+            if own:
                 slot.fp8_view = view
-        view.scale_inv = state.fp8.scale_inv
+        if not blockwise:  # per tensor: the agreed scale, the same tensor on every GTP peer
+            view.scale_inv = state.fp8.scale_inv
         return view
 
     def gemm_weight(
@@ -520,6 +547,12 @@ class GTPRuntime(GraphSegments):
         slot.bound_fmt = fmt
         slot.fp8_view = None
         slot.wire = None if fmt is None else buffer.view(torch.uint8)  # what the wire moves
+        slot.scale_wire = None
+        if fmt is not None and fmt.kind is _BLOCKWISE:  # the block scales travel with the rows
+            shape = padded_scale_shape(*param.gtp_spec.gathered_shape, fmt)
+            slot.scale_wire = self.weight_cache.scales(slot.cache, "rowwise", shape)
+            scale_bytes = slot.scale_wire.numel() * slot.scale_wire.element_size()
+            slot.nbytes += scale_bytes * (self.size - 1) // self.size
         if self._use_mirror and fmt is None:
             slot.pull_plan = self._mirror.pull_plan(buffer, param)
             slot.pull_work = slot.pull_work or EventWork(self._mirror.ops)
@@ -560,10 +593,16 @@ class GTPRuntime(GraphSegments):
         source = param.detach() if fmt is None else self._fp8_source(param, fmt)
         mirror = self._use_mirror and fmt is None
         cache = self._cache_of(param, slot)
+        scales = None
         if cache.try_acquire(slot):
             buffer, full = cache.buffer, slot.cache_full
             if mirror:
                 work = self._mirror.pull(slot.pull_plan, param, slot.pull_work)
+            elif slot.scale_wire is not None:  # blockwise: rows and block scales, one collective
+                scales = slot.scale_wire
+                work = self._ops.all_gather_coalesced(
+                    [slot.wire, _bytes(scales)], [source, _bytes(param.gtp_state.fp8_scale_wire)]
+                )
             else:
                 work = self._ops.all_gather(buffer if fmt is None else slot.wire, source)
         else:
@@ -581,11 +620,19 @@ class GTPRuntime(GraphSegments):
                 work = self._mirror.pull(
                     self._mirror.pull_plan(buffer, param), param, EventWork(self._mirror.ops)
                 )
+            elif fmt is not None and fmt.kind is _BLOCKWISE:
+                shape = padded_scale_shape(*param.gtp_spec.gathered_shape, fmt)
+                scales = torch.zeros(shape, dtype=torch.float32, device=param.device)
+                work = self._ops.all_gather_coalesced(
+                    [buffer.view(torch.uint8), _bytes(scales)],
+                    [source, _bytes(param.gtp_state.fp8_scale_wire)],
+                )
             else:
                 work = self._ops.all_gather(
                     buffer if fmt is None else buffer.view(torch.uint8), source
                 )
         slot.issued(work, buffer, full)
+        slot.scales = scales
         slot.fmt = fmt
         self.stats.gather_collectives += 1
         self._note_issued((slot,), None if async_op else slot)
@@ -645,13 +692,16 @@ class GTPRuntime(GraphSegments):
                 members.append(slot)
                 buffers.append(cache.buffer if fmt is None else slot.wire)
                 shards.append(source)
+                if slot.scale_wire is not None:  # blockwise: the block scales beside the rows
+                    buffers.append(_bytes(slot.scale_wire))
+                    shards.append(_bytes(param.gtp_state.fp8_scale_wire))
             elif slot is sync_slot:  # only when the observed order mispredicts
                 self._issue(param, slot, async_op=False)
             else:
                 stats.prefetch_skipped += 1
         if not members:
             return
-        if len(members) == 1:
+        if len(buffers) == 1:
             work = self._ops.all_gather(buffers[0], shards[0])
         else:
             work = self._ops.all_gather_coalesced(buffers, shards)
@@ -663,6 +713,7 @@ class GTPRuntime(GraphSegments):
         for slot in members:
             slot.issued(shared, slot.cache.buffer, slot.cache_full)
             slot.fmt = fmt
+            slot.scales = slot.scale_wire
         self._note_issued(members, sync_slot)  # one chain: a unit never crosses chains
         stats.prefetches += len(members) - (sync_slot in members)
 
