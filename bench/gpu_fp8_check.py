@@ -18,7 +18,9 @@ under TE's FP8 autocast (megatron ``fp8="hybrid"``), in these modes:
   (TE's ``DelayedScaling``), DP2 and GTP2 (bf16 gathers, the backward quantized with the
   forward's scale);
 - ``fp8block_dp2`` / ``fp8block_gtp2``: ``fp8_recipe="blockwise"`` (TE's Float8BlockScaling,
-  Hopper): bf16 gathers, TE quantizes the gathered weight, the backward as above;
+  Hopper; 128x128 weight tiles): GTP2 gathers FP8 rows and tile scales (each rank quantizes
+  its own tiles) and TE gets a ``Float8BlockwiseQTensor``; ``fp8block_gtp2_bf16_gather``:
+  bf16 gathers, TE quantizes the gathered weight, the backward as above;
 - ``bf16_gtp2``: TP1·GTP2 without FP8 (the bf16 gather's bytes per step);
 - ``fp8param_dp2`` / ``fp8param_gtp2``: per-tensor current scaling with megatron's
   ``fp8_param`` (FP8 primary weights; megatron builds the layers inside TE's FP8 param init):
@@ -35,9 +37,13 @@ Checks (``checks`` in the JSON): after ``fp8_gtp2`` trained, every GTP weight's 
 ``Float8Tensor`` (forward) and its column-wise copy (backward) against TE's own
 ``Float8CurrentScalingQuantizer`` applied to the full weight, bit for bit; the gathered buffers'
 addresses and the weight cache's allocation count over the steady-state steps; FP8 shard
-refreshes (amax all-reduces) and FP8 gathers per step.
+refreshes (amax all-reduces) and FP8 gathers per step. After ``fp8block_gtp2``: every GTP
+weight's gathered ``Float8BlockwiseQTensor`` (row-wise data and tile scales forward, column-wise
+data and scales backward) against TE's ``Float8BlockQuantizer`` on the full weight, bit for bit,
+and every gather FP8.
 
-For the bf16-gather FP8 modes (``fp8_gtp2_bf16_gather``, ``fp8delayed_gtp2``), after
+For the bf16-gather FP8 modes (``fp8_gtp2_bf16_gather``, ``fp8delayed_gtp2``,
+``fp8block_gtp2_bf16_gather``), after
 training: every GTP weight's backward materialization under the module's last FP8 state
 against TE's own quantizer (the module's weight quantizer, with the noted forward scale under
 delayed scaling) applied row- and column-wise to the full weight, as TE does for a weight of
@@ -122,6 +128,7 @@ MODES = {  # mode -> (gtp, megatron fp8_recipe or None: bf16 compute, GTPConfig.
     "fp8delayed_gtp2": (2, "delayed", True),
     "fp8block_dp2": (1, "blockwise", True),
     "fp8block_gtp2": (2, "blockwise", True),
+    "fp8block_gtp2_bf16_gather": (2, "blockwise", False),
     "bf16_gtp2": (2, None, True),
     "fp8param_dp2": (1, "tensorwise", True, True),
     "fp8param_gtp2": (2, "tensorwise", True, True),
@@ -152,6 +159,7 @@ PAIRS = [  # (GTP mode, its twin); loss pairs judged at <= LOSS_TOLERANCE
     ("fp8param_gtp2", "fp8param_dp2"),
     ("fp8_gtp2", "fp8_gtp2_bf16_gather"),
     ("bf16_gtp2", "bf16_dp2"),
+    ("fp8block_gtp2_bf16_gather", "fp8block_dp2"),
 ]
 JUDGED_PAIRS = PAIRS[:5]
 NOISE_PAIRS = {  # a judged pair -> the twin run again differently rounded (reported beside it)
@@ -165,7 +173,7 @@ PAIRS += [
     ("bf16_dp2_split", "bf16_dp2"),
 ]
 LOSS_TOLERANCE = 0.02
-BWD_QUANTIZED_MODES = ("fp8_gtp2_bf16_gather", "fp8delayed_gtp2")
+BWD_QUANTIZED_MODES = ("fp8_gtp2_bf16_gather", "fp8delayed_gtp2", "fp8block_gtp2_bf16_gather")
 RESULT: dict = {}
 
 
@@ -348,6 +356,11 @@ def run_mode(
             record["bit_checks"] = te_bit_checks(model, runtime, args)
         except Exception:  # noqa: BLE001 - record, go on
             record["bit_checks"] = {"error": traceback.format_exc()}
+    if mode == "fp8block_gtp2" and CUDA:
+        try:
+            record["block_bit_checks"] = te_block_bit_checks(runtime)
+        except Exception:  # noqa: BLE001 - record, go on
+            record["block_bit_checks"] = {"error": traceback.format_exc()}
     if mode in BWD_QUANTIZED_MODES and CUDA:
         try:
             record["backward_bit_checks"] = te_backward_bit_checks(runtime)
@@ -422,6 +435,58 @@ def te_bit_checks(model: torch.nn.Module, runtime: object, args: argparse.Namesp
         out["transpose_equal"] += ok_t
         if not (ok and ok_scale and ok_t):
             mismatched.append(name)
+    out["mismatched"] = mismatched[:10]
+    out["all_equal"] = not mismatched
+    return out
+
+
+def te_block_bit_checks(runtime: object) -> dict:
+    """Every GTP weight's gathered ``Float8BlockwiseQTensor`` (blockwise FP8 gather, design §1.3)
+    vs TE's ``Float8BlockQuantizer`` (128x128 tiles, row- and column-wise) on the full weight:
+    row-wise data and tile scales from the forward hand-out, column-wise data and scales from
+    the backward one, bit for bit (the scales' valid region: TE pads them to 4 columns)."""
+    import transformer_engine.pytorch as te
+    import transformer_engine_torch as tex
+    from transformer_engine.common.recipe import Float8BlockScaling
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    from nemo_gtp.engine.param import Direction
+
+    runtime.drain()
+    group, size = runtime.group, runtime.size
+    out = {"weights": 0, "rowwise_equal": 0, "columnwise_equal": 0, "fp8_handed": 0}
+    mismatched: list[str] = []
+    recipe = Float8BlockScaling()
+    for param in runtime.params:
+        shards = [torch.empty_like(param) for _ in range(size)]
+        dist.all_gather(shards, param.detach().contiguous(), group=group)
+        full = param.gtp_spec.unpad(torch.cat(shards))
+        quantizer = Float8BlockQuantizer(
+            tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=2
+        )
+        ref = quantizer(full)
+        rows, cols = full.shape
+        rb, cb = -(-rows // 128), -(-cols // 128)
+        with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            fwd = runtime.materialize_group_for_protocol(param, Direction.FWD)[0]
+            handed = type(fwd).__name__ == "Float8BlockwiseQTensor"
+            row = (fwd._rowwise_data.clone(), fwd._rowwise_scale_inv[:rb, :cb].clone())
+            bwd = runtime.materialize_group_for_protocol(param, Direction.BWD)[0]
+            bwd.update_usage(columnwise_usage=True)  # what TE's dgrad asks for
+            col = (bwd._columnwise_data.clone(), bwd._columnwise_scale_inv[:cb, :rb].clone())
+        runtime.drain()
+        out["weights"] += 1
+        out["fp8_handed"] += handed
+        ok_row = torch.equal(row[0], ref._rowwise_data) and torch.equal(
+            row[1].view(torch.int32), ref._rowwise_scale_inv[:rb, :cb].view(torch.int32)
+        )
+        ok_col = torch.equal(col[0], ref._columnwise_data) and torch.equal(
+            col[1].view(torch.int32), ref._columnwise_scale_inv[:cb, :rb].view(torch.int32)
+        )
+        out["rowwise_equal"] += ok_row
+        out["columnwise_equal"] += ok_col
+        if not (handed and ok_row and ok_col):
+            mismatched.append(param.gtp_state.name)
     out["mismatched"] = mismatched[:10]
     out["all_equal"] = not mismatched
     return out
@@ -865,6 +930,24 @@ def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
                 str(cpu)[-200:],
             )
         )
+    block = records.get("fp8block_gtp2", {})
+    bits = block.get("block_bit_checks")
+    out.append(
+        (
+            "fp8block_gtp2: gathered Float8BlockwiseQTensor rows, tile scales and column-wise "
+            "copy bit-exact vs TE's Float8BlockQuantizer on the full weight",
+            None if not bits else "error" not in bits and bits.get("all_equal"),
+            str(bits)[:200] if bits else "",
+        )
+    )
+    per = block.get("per_step", {})
+    out.append(
+        (
+            "fp8block_gtp2: every gather FP8 (blockwise FP8 gather)",
+            None if not per else per.get("fp8_gathers") == per.get("gathers") > 0,
+            f"{per.get('fp8_gathers')} of {per.get('gathers')} per step" if per else "",
+        )
+    )
     for mode in BWD_QUANTIZED_MODES:
         record = records.get(mode, {})
         bits = record.get("backward_bit_checks")

@@ -273,7 +273,8 @@ def test_protocol_dispatch_shapes_and_gradients() -> None:
 
 def test_te_recipes_the_runtime_gathers_in_fp8() -> None:
     """TE recipe -> the FP8Scaling of GTP's FP8 gather (TE's recipe API, duck-typed: no TE
-    here). Per-tensor current scaling only; its weights are E4M3 under E4M3 and HYBRID."""
+    here). Per-tensor current scaling, its weights E4M3 under E4M3 and HYBRID; blockwise with
+    2-D (128x128) weight tiles, the weight quantizer's power-of-two and epsilon settings."""
     from types import SimpleNamespace
 
     from nemo_gtp.engine.fp8 import FP8Scaling
@@ -290,8 +291,25 @@ def test_te_recipes_the_runtime_gathers_in_fp8() -> None:
     )
     e5m2 = fp8_scaling_of_recipe(recipe(True, "E5M2"))
     assert e5m2 is not None and e5m2.fp8_dtype == torch.float8_e5m2
-    assert fp8_scaling_of_recipe(recipe(False, "HYBRID")) is None  # delayed, blockwise, MX...
+    assert fp8_scaling_of_recipe(recipe(False, "HYBRID")) is None  # delayed, MXFP8, NVFP4
     assert fp8_scaling_of_recipe(object()) is None
+
+    def block(dim: int, **weight) -> SimpleNamespace:
+        return recipe(
+            False,
+            "E4M3",
+            float8_block_scaling=lambda: True,
+            w_block_scaling_dim=dim,
+            fp8_quant_fwd_weight=SimpleNamespace(**weight),
+        )
+
+    tiles = fp8_scaling_of_recipe(block(2, power_2_scale=True, amax_epsilon=0.0))
+    assert tiles == FP8Scaling("blockwise", block=(128, 128), power_2_scales=True)
+    fp32_scales = fp8_scaling_of_recipe(block(2, power_2_scale=False, amax_epsilon=1e-6))
+    assert fp32_scales == FP8Scaling(
+        "blockwise", block=(128, 128), power_2_scales=False, epsilon=1e-6
+    )
+    assert fp8_scaling_of_recipe(block(1, power_2_scale=True)) is None  # 1x128 weight blocks
 
 
 def test_model_config_low_precision_checked_for_gtp() -> None:

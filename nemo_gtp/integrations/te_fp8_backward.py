@@ -3,11 +3,12 @@
 
 Under FP8 autocast, a TE ``Linear`` / ``LayerNormLinear`` / ``GroupedLinear`` whose weight is a
 :class:`GTPShardedParam` gathered in the training dtype (every FP8 case but the FP8 gather:
-delayed scaling, megatron's default ``fp8_recipe``; blockwise, MXFP8; ``GTPConfig.fp8_gather``
-off) quantizes the gathered weight in its forward with the module's weight quantizer, but does
-not keep the result for a distributed weight, and its backward uses what
-``materialize_group_for_backward`` returns as is. ``LayerNormLinear`` and ``GroupedLinear`` then
-run the dgrad GEMM with a bf16 weight against an FP8 grad output, which cuBLAS refuses;
+delayed scaling, megatron's default ``fp8_recipe``; MXFP8; blockwise where a shard's rows are
+not whole 128-row tiles; ``GTPConfig.fp8_gather`` off) quantizes the gathered weight in its
+forward with the module's weight quantizer, but does not keep the result for a distributed
+weight, and its backward uses what ``materialize_group_for_backward`` returns as is.
+``LayerNormLinear`` and ``GroupedLinear`` then run the dgrad GEMM with a bf16 weight against an
+FP8 grad output, which cuBLAS refuses;
 ``Linear`` quantizes again with the module's quantizer, whose delayed-scaling scale TE has
 already updated at the autocast exit (no longer the forward's).
 

@@ -17,18 +17,30 @@ The ``Float8Tensor`` objects are made once per gather slot and buffer; their ``_
 ``_scale_inv`` and ``_transpose`` are views of the runtime's stable tensors, set again at each
 hand-out (TE's usage updates drop fields of the object), so a step allocates no device memory.
 
-Recipes other than per-tensor current scaling gather the training dtype (TE quantizes the
-gathered weight itself, as before): delayed scaling's scale comes from TE's amax history, and
-blockwise / MXFP8 / NVFP4 scales are not gathered yet.
+Blockwise scaling (``fp8_recipe="blockwise"``, TE's ``Float8BlockScaling`` with its default
+128x128 weight tiles) gathers FP8 too: every rank quantizes its own tiles once per step (no
+collective; the shards' rows are whole tiles), the tiles' ``scale_inv`` travel with the rows,
+and TE gets a ``Float8BlockwiseQTensor`` over the gathered rows and scales. Its backward needs
+the column-wise copy (the transpose and the transposed scale grid, the same tiles' values): TE's
+own ``_create_columnwise`` writes it into the runtime's stable buffers at each backward
+hand-out. A weight whose shard rows are not whole tiles (``GTPConfig.pad_for_alignment`` below
+128) is gathered in the training dtype and quantized by TE, as before.
+
+Other recipes gather the training dtype (TE quantizes the gathered weight itself): delayed
+scaling's scale comes from TE's amax history, 1x128 weight blocks and MXFP8 / NVFP4 scales are
+not gathered.
 """
 
 from __future__ import annotations
 
 import torch
 
-from nemo_gtp.engine.fp8 import FP8Scaling
+from nemo_gtp.engine.fp8 import FP8Scaling, ScalingKind
 from nemo_gtp.engine.fp8_gather import FP8Gathered
 from nemo_gtp.engine.param import Direction, GTPShardedParam
+
+TE_TILE = 128
+"""Rows and columns of TE's blockwise weight tiles (``Float8BlockQuantizer.block_len``)."""
 
 _FP8_DTYPES = {  # TE Format name -> the dtype of forward tensors (weights)
     "E4M3": torch.float8_e4m3fn,
@@ -40,9 +52,11 @@ _FP8_DTYPES = {  # TE Format name -> the dtype of forward tensors (weights)
 def fp8_scaling_of_recipe(recipe: object) -> FP8Scaling | None:
     """The :class:`FP8Scaling` the runtime gathers weights in under TE ``recipe``, or ``None``.
 
-    Per-tensor current scaling (``Float8CurrentScaling``) only: its weight quantizer is E4M3
-    under the ``E4M3`` and ``HYBRID`` formats, and uses power-of-two scales when the recipe
-    says so (``use_power_2_scales``). Duck-typed on TE's recipe API, so it runs without TE.
+    Per-tensor current scaling (``Float8CurrentScaling``): its weight quantizer is E4M3 under
+    the ``E4M3`` and ``HYBRID`` formats, and uses power-of-two scales when the recipe says so
+    (``use_power_2_scales``). Blockwise (``Float8BlockScaling`` with 2-D weight tiles,
+    ``w_block_scaling_dim=2``): 128x128 tiles, the weight quantizer's ``power_2_scale`` and
+    ``amax_epsilon``. Duck-typed on TE's recipe API, so it runs without TE.
 
     Example::
 
@@ -50,12 +64,24 @@ def fp8_scaling_of_recipe(recipe: object) -> FP8Scaling | None:
         # FP8Scaling(kind=TENSORWISE, fp8_dtype=torch.float8_e4m3fn, ...)
         fp8_scaling_of_recipe(DelayedScaling())   # None: TE quantizes the gathered weight
     """
-    current = getattr(recipe, "float8_current_scaling", None)
-    if current is None or not current():
-        return None
     fmt = getattr(getattr(recipe, "fp8_format", None), "name", None)
     dtype = _FP8_DTYPES.get(fmt)
     if dtype is None:
+        return None
+    block = getattr(recipe, "float8_block_scaling", None)
+    if block is not None and block():
+        if getattr(recipe, "w_block_scaling_dim", None) != 2:  # 1x128 weight blocks
+            return None
+        weight = getattr(recipe, "fp8_quant_fwd_weight", None)
+        return FP8Scaling(
+            "blockwise",
+            fp8_dtype=dtype,
+            block=(TE_TILE, TE_TILE),
+            power_2_scales=bool(getattr(weight, "power_2_scale", True)),
+            epsilon=float(getattr(weight, "amax_epsilon", 0.0)),
+        )
+    current = getattr(recipe, "float8_current_scaling", None)
+    if current is None or not current():
         return None
     return FP8Scaling(
         "tensorwise",
@@ -80,6 +106,10 @@ class TEFP8Gather:
     def __init__(self) -> None:
         import transformer_engine_torch as tex
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+        from transformer_engine.pytorch.tensor.float8_blockwise_tensor import (
+            Float8BlockQuantizer,
+            Float8BlockwiseQTensor,
+        )
         from transformer_engine.pytorch.tensor.float8_tensor import (
             Float8CurrentScalingQuantizer,
             Float8Tensor,
@@ -89,6 +119,8 @@ class TEFP8Gather:
         self._state = FP8GlobalStateManager
         self._tensor = Float8Tensor
         self._quantizer = Float8CurrentScalingQuantizer
+        self._block_tensor = Float8BlockwiseQTensor
+        self._block_quantizer = Float8BlockQuantizer
         self._te_dtypes = {
             torch.float8_e4m3fn: tex.DType.kFloat8E4M3,
             torch.float8_e5m2: tex.DType.kFloat8E5M2,
@@ -107,19 +139,30 @@ class TEFP8Gather:
             return None
         recipe = state.get_fp8_recipe()
         # megatron makes a new recipe object per layer: key the cache on what decides.
+        weight = getattr(recipe, "fp8_quant_fwd_weight", None)
         key = (
             type(recipe),
             getattr(recipe, "fp8_format", None),
             getattr(recipe, "use_power_2_scales", None),
+            getattr(recipe, "w_block_scaling_dim", None),
+            getattr(weight, "power_2_scale", None),
+            getattr(weight, "amax_epsilon", None),
         )
         if key not in self._scalings:
             self._scalings[key] = fp8_scaling_of_recipe(recipe)
-        return self._scalings[key]
+        scaling = self._scalings[key]
+        if scaling is not None and scaling.kind is ScalingKind.BLOCKWISE:
+            if param.gtp_spec.shard_dim0 % TE_TILE:  # a tile would span two shards
+                return None
+        return scaling
 
     def wrap(
         self, param: GTPShardedParam, direction: Direction, gathered: FP8Gathered
     ) -> torch.Tensor:
-        """A TE ``Float8Tensor`` over the gathered FP8 rows (made once per gathered buffer)."""
+        """A TE ``Float8Tensor`` (blockwise: ``Float8BlockwiseQTensor``) over the gathered FP8
+        rows (made once per gathered buffer)."""
+        if gathered.scaling.kind is ScalingKind.BLOCKWISE:
+            return self._wrap_blocks(param, direction, gathered)
         # Fresh byte views at every hand-out: TE may drop or clear the fields of the object it
         # was handed (update_usage, clear_tensor_data), never the runtime's buffers behind them.
         data = gathered.data.view(torch.uint8)
@@ -156,6 +199,50 @@ class TEFP8Gather:
         # Invalid until TE's backward asks for column-wise usage: its transpose kernel then
         # writes into this stable buffer (once per gathered weight).
         tensor._transpose_invalid = True
+        return tensor
+
+    def _wrap_blocks(
+        self, param: GTPShardedParam, direction: Direction, gathered: FP8Gathered
+    ) -> torch.Tensor:
+        """The blockwise ``Float8BlockwiseQTensor``: the gathered rows and tile scales; in a
+        backward hand-out also the column-wise copy, written by TE's ``_create_columnwise``
+        into the runtime's stable transpose and scale buffers (one transpose kernel and one
+        scale copy per gathered weight)."""
+        data = gathered.data.view(torch.uint8)
+        tensor = gathered.consumer
+        columnwise = direction is Direction.BWD and gathered.transpose is not None
+        if tensor is None:
+            scaling = gathered.scaling
+            te_dtype = self._te_dtypes[scaling.fp8_dtype]
+            quantizer = self._block_quantizer(
+                te_dtype,
+                rowwise=True,
+                columnwise=direction is Direction.BWD,
+                amax_epsilon=scaling.epsilon,
+                force_pow_2_scales=bool(scaling.power_2_scales),
+                block_scaling_dim=2,
+            )
+            tensor = gathered.consumer = self._block_tensor(
+                data.shape,
+                param.gtp_state.fp8_primary_dtype or param.dtype,
+                rowwise_data=data,
+                rowwise_scale_inv=gathered.scale_inv,
+                columnwise_data=None,
+                columnwise_scale_inv=None,
+                fp8_dtype=te_dtype,
+                quantizer=quantizer,
+                is_2D_scaled=True,
+                requires_grad=param.requires_grad,
+                device=data.device,
+            )
+        tensor._rowwise_data = data
+        tensor._rowwise_scale_inv = gathered.scale_inv
+        if columnwise:
+            tensor._columnwise_data = gathered.transpose.view(torch.uint8)
+            tensor._columnwise_scale_inv = gathered.columnwise_scale_inv
+            tensor._create_columnwise()  # TE's own: the same tiles' transpose, in place
+        else:
+            tensor._columnwise_data = tensor._columnwise_scale_inv = None
         return tensor
 
 
