@@ -16,7 +16,8 @@ Modes (1B recipe, 24 layers, hidden 2048): ``dp2_local`` / ``gtp2_local``
 (``configs/gpt_1b_te.yaml``, NeMo's default TransformerEngine spec), ``dp2_fp8`` /
 ``gtp2_fp8`` (``configs/gpt_1b_fp8.yaml``, TE's FP8 GEMMs, per-tensor current scaling),
 ``dp2_fp8param`` / ``gtp2_fp8param`` (the same with ``fp8.param_gather=true``: FP8 primary
-weights, GTP's own FP8 shards vs TE's FP8 params), ``mfsdp_te`` (plain
+weights, GTP's own FP8 shards vs TE's FP8 params), ``dp2_fp8block`` / ``gtp2_fp8block``
+(``fp8.recipe=blockwise``: GTP gathers FP8 rows and 128x128 tile scales), ``mfsdp_te`` (plain
 ``MegatronStrategy`` with Megatron-FSDP, when this stack runs it: its error is recorded
 otherwise). Tokens per GPU T: sequence 2048 (1024 for T=1024), micro-batch T / sequence,
 global batch = micro-batch x 2. A mode takes modifiers: ``gtp2_local@coalesce_mb=96`` (a
@@ -95,6 +96,13 @@ MODES = {
         ["strategy.num_weight_shards=1", "fp8.param_gather=true"],
     ),
     "gtp2_fp8param": ("configs/gpt_1b_fp8.yaml", ["fp8.param_gather=true"]),
+    # blockwise FP8 (TE's Float8BlockScaling, 128x128 weight tiles): GTP gathers FP8 rows and
+    # tile scales; DP2 quantizes its own weights
+    "dp2_fp8block": (
+        "configs/gpt_1b_fp8.yaml",
+        ["strategy.num_weight_shards=1", "fp8.recipe=blockwise"],
+    ),
+    "gtp2_fp8block": ("configs/gpt_1b_fp8.yaml", ["fp8.recipe=blockwise"]),
     "mfsdp_te": (
         "configs/gpt_1b_te.yaml",
         [
@@ -122,6 +130,7 @@ BASELINE = {
     "gtp2_cpu": "dp2_cpu",
     "gtp2_fp8": "dp2_fp8",
     "gtp2_fp8param": "dp2_fp8param",
+    "gtp2_fp8block": "dp2_fp8block",
 }
 CPU_CONFIGS = {"configs/tiny_cpu.yaml"}  # their own data shape: --tokens only labels the fit
 SHARED_DEVICE_SHAPE = (  # --shared-device: numerics need no 1B model, the staged copies are slow
@@ -766,6 +775,7 @@ def _report(records: list[dict], out: Path) -> str:
 BYTES_TWINS = {  # an FP8-gathering mode -> the bf16 GTP mode of the same model (design §1.3)
     "gtp2_fp8": "gtp2_te",
     "gtp2_fp8param": "gtp2_te",
+    "gtp2_fp8block": "gtp2_te",
 }
 
 
