@@ -748,6 +748,27 @@ def test_bad_gather_buffer(four_ranks: dict) -> None:
 
 
 # --------------------------------------------------------------------- single-process tests
+def test_blockwise_refresh_skips_shards_that_split_blocks() -> None:
+    """The blockwise FP8 refresh quantizes every shard of whole blocks (no collective) and
+    leaves a shard whose rows would split a block alone: its consumer gathers it in the
+    training dtype (TE's, for a shard that is not whole 128-row tiles)."""
+    from nemo_gtp.engine import GTPShardedParam, ShardSpec
+    from nemo_gtp.engine.fp8_gather import FP8ShardCache
+
+    params = []
+    for rows in (32, 24):  # 2 blocks of 16 rows; 1.5 blocks
+        spec = ShardSpec.for_weight((rows, 40), 1, 0, 1)
+        params.append(GTPShardedParam(_weight((rows, 40), seed=rows), False, spec=spec))
+    scaling = FP8Scaling("blockwise", block=(16, 16))
+    FP8ShardCache().refresh(params, scaling, None)
+    whole, split = params
+    ref = quantize_shard(whole.detach().float(), scaling)
+    assert torch.equal(_bits(whole.gtp_state.fp8.data), _bits(ref.data))
+    assert whole.gtp_state.fp8_scale_wire.shape == (2, 4)  # 3 column blocks, padded to 4
+    assert torch.equal(whole.gtp_state.fp8_scale_wire[:, :3], ref.scale_inv)
+    assert split.gtp_state.fp8 is None
+
+
 def test_block_alignment_check() -> None:
     """Which pad_for_alignment blockwise shards need, and the error naming it."""
     assert block_pad_for_alignment(128, 16) == 128

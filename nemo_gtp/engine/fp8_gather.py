@@ -267,8 +267,11 @@ class FP8ShardCache:
 
     def _refresh_blocks(self, params: list[GTPShardedParam], scaling: FP8Scaling) -> None:
         """Blockwise: every rank quantizes its own blocks (no collective), then copies the
-        per-block ``scale_inv`` into the shard's gather-ready scale rows."""
+        per-block ``scale_inv`` into the shard's gather-ready scale rows. A shard that is not
+        whole blocks (its consumer gathers it in the training dtype) is skipped."""
         for param in params:
+            if param.dim() != 2 or param.shape[0] % scaling.block[0]:
+                continue
             state = param.gtp_state
             shard = state.fp8
             if shard is None or shard.scaling != scaling or shard.data.shape != param.shape:
