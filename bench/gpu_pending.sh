@@ -74,13 +74,13 @@ if want fp8; then
     --out "$OUT/fp8" 2>&1 | grep -v Warn | tail -8
   # the same with a 10-step linear lr warmup, as NeMo's recipes train (every mode the same
   # schedule): does the reference stay inside the fixed 0.02 bound then? (One GPU, 50 steps,
-  # 2026-12-02 evening: blockwise GTP2 vs DP2 0.0058, the split twin 0.0058.)
+  # 2026-12-02, results/2026-12-02_graph_host_1xH200.md: blockwise GTP2 vs DP2 0.0058, the split twin 0.0058.)
   timeout 185 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py $SHARED --deadline 175 \
     --modes fp8_dp2,fp8_gtp2,fp8_dp2_split,fp8block_dp2,fp8block_gtp2,fp8block_dp2_split \
     --lr 1e-4 --lr-warmup 10 --steps $STEPS \
     --out "$OUT/fp8/warmup" 2>&1 | grep -v Warn | tail -8
   # the step-time target (GTP2-FP8 <= 1.05x DP2-FP8 at 4k) on the 1B recipe: per-tensor FP8
-  # gathers and blockwise FP8 gathers (new 2026-12-02 evening: bit-exact on one GPU), 2 GPUs
+  # gathers and blockwise FP8 gathers (new 2026-12-02: bit-exact on one GPU), 2 GPUs
   [ "$ONE_GPU" = 1 ] || timeout 200 python3 bench/bench_nemo.py \
     --modes dp2_fp8,gtp2_fp8,dp2_fp8block,gtp2_fp8block --tokens 4096 --warmup 5 --timed 19 \
     --fit-timeout 45 --out "$OUT/fp8/nemo" | tail -8
