@@ -74,7 +74,7 @@ if want fp8; then
     --out "$OUT/fp8" 2>&1 | grep -v Warn | tail -8
   # the same with a 10-step linear lr warmup, as NeMo's recipes train (every mode the same
   # schedule): does the reference stay inside the fixed 0.02 bound then? (One GPU, 50 steps,
-  # 2026-12-02, results/2026-12-02_graph_host_1xH200.md: blockwise GTP2 vs DP2 0.0058, the split twin 0.0058.)
+  # results/2026-12-02_graph_host_1xH200.md: blockwise GTP2 vs DP2 0.0058, split twin 0.0058.)
   timeout 185 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py $SHARED --deadline 175 \
     --modes fp8_dp2,fp8_gtp2,fp8_dp2_split,fp8block_dp2,fp8block_gtp2,fp8block_dp2_split \
     --lr 1e-4 --lr-warmup 10 --steps $STEPS \
