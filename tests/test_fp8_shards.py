@@ -364,6 +364,16 @@ def _runtime_worker(
         assert view is views[key], f"{key}: the gathered view was rebuilt"
         transpose = view.transpose is not None and view.transpose.data_ptr()
         assert (view.data.data_ptr(), transpose) == ptrs[key]
+    # 3b) a consume whose buffer another owner holds (a mispredicted order): gathered into a
+    #     fallback buffer (rows, and blockwise their own scale buffer), the same bits
+    held = params[0].gtp_state.fwd.cache
+    intruder = object()
+    assert held.try_acquire(intruder)
+    runtime.stats.reset()
+    check(0, "fwd", params[0].materialize_group_for_forward()[0])
+    assert runtime.stats.fallback_allocations == 1
+    held.release(intruder)
+    runtime.drain()
     # 4) without a drain the FP8 shards are reused; a weight changed in place (its version
     #    counter moved) is quantized again
     step(drain=False)

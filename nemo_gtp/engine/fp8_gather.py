@@ -73,11 +73,9 @@ def padded_scale_shape(rows: int, cols: int, scaling: FP8Scaling) -> tuple[int, 
         padded_scale_shape(256, 300, FP8Scaling("blockwise"))    # (2, 4): 3 blocks + 1 pad
     """
     block_rows, block_cols = scaling.block
-    return (math.ceil(rows / block_rows), _aligned_columns(math.ceil(cols / block_cols)))
-
-
-def _aligned_columns(columns: int) -> int:
-    return -(-columns // SCALE_COLUMN_ALIGN) * SCALE_COLUMN_ALIGN
+    column_blocks = math.ceil(cols / block_cols)
+    aligned = math.ceil(column_blocks / SCALE_COLUMN_ALIGN) * SCALE_COLUMN_ALIGN
+    return (math.ceil(rows / block_rows), aligned)
 
 
 class FP8Gathered:
@@ -277,9 +275,10 @@ class FP8ShardCache:
             if shard is None or shard.scaling != scaling or shard.data.shape != param.shape:
                 with torch.inference_mode(False):  # outlives an evaluation that made it
                     shard = state.fp8 = FP8Shard.empty(tuple(param.shape), scaling, param.device)
-                    rows, cols = shard.scale_inv.shape
                     state.fp8_scale_wire = torch.zeros(
-                        (rows, _aligned_columns(cols)), dtype=torch.float32, device=param.device
+                        padded_scale_shape(*param.shape, scaling),
+                        dtype=torch.float32,
+                        device=param.device,
                     )
                 state.fp8_wire = shard.data.view(torch.uint8)
             quantize_into(param.detach(), shard, spec=param.gtp_spec)

@@ -593,18 +593,10 @@ class GTPRuntime(GraphSegments):
         source = param.detach() if fmt is None else self._fp8_source(param, fmt)
         mirror = self._use_mirror and fmt is None
         cache = self._cache_of(param, slot)
-        scales = None
         if cache.try_acquire(slot):
-            buffer, full = cache.buffer, slot.cache_full
+            buffer, full, wire, scales = cache.buffer, slot.cache_full, slot.wire, slot.scale_wire
             if mirror:
-                work = self._mirror.pull(slot.pull_plan, param, slot.pull_work)
-            elif slot.scale_wire is not None:  # blockwise: rows and block scales, one collective
-                scales = slot.scale_wire
-                work = self._ops.all_gather_coalesced(
-                    [slot.wire, _bytes(scales)], [source, _bytes(param.gtp_state.fp8_scale_wire)]
-                )
-            else:
-                work = self._ops.all_gather(buffer if fmt is None else slot.wire, source)
+                pull_plan, pull_work = slot.pull_plan, slot.pull_work
         else:
             if async_op:
                 return False
@@ -615,22 +607,23 @@ class GTPRuntime(GraphSegments):
                 device=param.device,
             )
             full = param.gtp_spec.unpad(buffer)
+            wire = None if fmt is None else buffer.view(torch.uint8)
+            # blockwise: the block scales beside the rows, in their own fallback buffer too
+            scales = None if slot.scale_wire is None else torch.zeros_like(slot.scale_wire)
             self.stats.fallback_allocations += 1
             if mirror:
-                work = self._mirror.pull(
-                    self._mirror.pull_plan(buffer, param), param, EventWork(self._mirror.ops)
+                pull_plan, pull_work = (
+                    self._mirror.pull_plan(buffer, param),
+                    EventWork(self._mirror.ops),
                 )
-            elif fmt is not None and fmt.kind is _BLOCKWISE:
-                shape = padded_scale_shape(*param.gtp_spec.gathered_shape, fmt)
-                scales = torch.zeros(shape, dtype=torch.float32, device=param.device)
-                work = self._ops.all_gather_coalesced(
-                    [buffer.view(torch.uint8), _bytes(scales)],
-                    [source, _bytes(param.gtp_state.fp8_scale_wire)],
-                )
-            else:
-                work = self._ops.all_gather(
-                    buffer if fmt is None else buffer.view(torch.uint8), source
-                )
+        if mirror:
+            work = self._mirror.pull(pull_plan, param, pull_work)
+        elif scales is not None:  # blockwise: rows and block scales, one collective
+            work = self._ops.all_gather_coalesced(
+                [wire, _bytes(scales)], [source, _bytes(param.gtp_state.fp8_scale_wire)]
+            )
+        else:
+            work = self._ops.all_gather(buffer if fmt is None else wire, source)
         slot.issued(work, buffer, full)
         slot.scales = scales
         slot.fmt = fmt
