@@ -240,10 +240,9 @@ class _Consumer:
         if gathered.transpose is not None:
             gathered.transpose.copy_(gathered.data.t())
         if gathered.columnwise_scale_inv is not None:  # blockwise: the transposed scale grid
-            h, w = gathered.scale_inv.shape[1], gathered.scale_inv.shape[0]
-            target = gathered.columnwise_scale_inv
-            h, w = min(h, target.shape[0]), min(w, target.shape[1])
-            target[:h, :w].copy_(gathered.scale_inv.t()[:h, :w])
+            grid, target = gathered.scale_inv.t(), gathered.columnwise_scale_inv
+            h, w = min(grid.shape[0], target.shape[0]), min(grid.shape[1], target.shape[1])
+            target[:h, :w].copy_(grid[:h, :w])
         self.seen[(param.gtp_state.name, direction.value)] = gathered
         return gathered.dequantize(param.dtype)
 
