@@ -395,6 +395,14 @@ def fp8_primary_state(runtime: object, ddp: object, optimizer: object) -> dict:
     }
 
 
+def full_weight(param: torch.Tensor, runtime: object) -> torch.Tensor:
+    """``param``'s full (unpadded) weight, its GTP shards gathered over the runtime's group
+    (collective): what the bit checks quantize with TE's own quantizer."""
+    shards = [torch.empty_like(param) for _ in range(runtime.size)]
+    dist.all_gather(shards, param.detach().contiguous(), group=runtime.group)
+    return param.gtp_spec.unpad(torch.cat(shards)).contiguous()
+
+
 def te_bit_checks(model: torch.nn.Module, runtime: object, args: argparse.Namespace) -> dict:
     """Every GTP weight's gathered Float8Tensor vs TE's quantizer on the full weight (bits)."""
     import transformer_engine.pytorch as te
@@ -405,14 +413,11 @@ def te_bit_checks(model: torch.nn.Module, runtime: object, args: argparse.Namesp
     from nemo_gtp.engine.param import Direction
 
     runtime.drain()
-    group, size = runtime.group, runtime.size
     out = {"weights": 0, "data_equal": 0, "scale_inv_equal": 0, "transpose_equal": 0}
     mismatched: list[str] = []
     recipe = Float8CurrentScaling(fp8_format=Format.HYBRID)
     for param in runtime.params:
-        shards = [torch.empty_like(param) for _ in range(size)]
-        dist.all_gather(shards, param.detach().contiguous(), group=group)
-        full = param.gtp_spec.unpad(torch.cat(shards))
+        full = full_weight(param, runtime)
         quantizer = Float8CurrentScalingQuantizer(
             tex.DType.kFloat8E4M3, full.device, rowwise=True, columnwise=True
         )
@@ -453,14 +458,11 @@ def te_block_bit_checks(runtime: object) -> dict:
     from nemo_gtp.engine.param import Direction
 
     runtime.drain()
-    group, size = runtime.group, runtime.size
     out = {"weights": 0, "rowwise_equal": 0, "columnwise_equal": 0, "fp8_handed": 0}
     mismatched: list[str] = []
     recipe = Float8BlockScaling()
     for param in runtime.params:
-        shards = [torch.empty_like(param) for _ in range(size)]
-        dist.all_gather(shards, param.detach().contiguous(), group=group)
-        full = param.gtp_spec.unpad(torch.cat(shards))
+        full = full_weight(param, runtime)
         quantizer = Float8BlockQuantizer(
             tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=2
         )
@@ -506,7 +508,6 @@ def te_backward_bit_checks(runtime: object, delayed_quantizer: type | None = Non
 
         delayed_quantizer = Float8Quantizer
     runtime.drain()
-    group, size = runtime.group, runtime.size
     out = {"weights": 0, "noted": 0, "columnwise_equal": 0, "scale_inv_equal": 0, "rowwise": 0}
     mismatched: list[str] = []
     for param in runtime.params:
@@ -514,9 +515,7 @@ def te_backward_bit_checks(runtime: object, delayed_quantizer: type | None = Non
         if param.gtp_state.consumer is None:  # not a TE linear (megatron's output layer)
             continue
         out["weights"] += 1
-        shards = [torch.empty_like(param) for _ in range(size)]
-        dist.all_gather(shards, param.detach().contiguous(), group=group)
-        full = param.gtp_spec.unpad(torch.cat(shards)).contiguous()
+        full = full_weight(param, runtime)
         param.gtp_state.forward_grad_enabled = True  # a training forward: the note is taken
         with torch.no_grad():
             runtime.materialize_group_for_protocol(param, Direction.FWD)
