@@ -4,8 +4,8 @@ Compares two ``torch.save``d dicts of full weights (``bench_nemo.py --dump-weigh
 GTP shards gathered, FP8 weights dequantized), e.g. what a GTP2 run saved in its checkpoint
 against what a DP2 run loaded from it (design §3.3: a checkpoint reshards to any layout):
 
-    python bench/compare_weights.py out/weights_gtp2_fp8param_2048_end.pt \\
-        out2/weights_dp2_fp8param@resume=...@strategy.ckpt_load_optimizer=false_2048_start.pt
+    python bench/compare_weights.py save/weights_gtp2_fp8param_checkpoint.dir_..._2048_end.pt \\
+        load/weights_dp2_fp8param_resume_..._strategy.ckpt_load_optimizer_false_2048_start.pt
 
 Prints one line per key that differs (max |diff|, max relative diff), then ``WEIGHTS: equal``
 (every key in both, same shape and dtype, bit for bit) or ``WEIGHTS: DIFFER (...)``; exit
