@@ -553,8 +553,9 @@ def check_fp8_training_for_gtp(
     ``fp4``, ``fp4_recipe`` to the caller's names of those settings, so the error names the
     key the user writes (e.g. ``fp8.recipe`` in a recipe YAML). Returns ``None`` when neither
     is on, :data:`GATHER_FP8` when the runtime will gather FP8 bytes (per-tensor current
-    scaling, ``fp8_recipe="tensorwise"``), :data:`GATHER_TRAINING_DTYPE` for the recipes whose
-    gathered weight TE quantizes itself (``"delayed"``, ``"blockwise"``; MXFP8 / NVFP4 on
+    scaling, ``fp8_recipe="tensorwise"``; ``"blockwise"``, for every weight whose shards are
+    whole 128-row tiles, the others in the training dtype), :data:`GATHER_TRAINING_DTYPE` for
+    the recipes whose gathered weight TE quantizes itself (``"delayed"``; MXFP8 / NVFP4 on
     Blackwell), :data:`FP8_PRIMARY` for FP8 primary weights (``fp8_param`` with
     ``fp8_recipe="tensorwise"``: the shards themselves are FP8, design §1.3 "FP8 primary
     weights"). Raises ``ValueError`` for FP8 primary weights under any other recipe (delayed,
@@ -618,4 +619,4 @@ def check_fp8_training_for_gtp(
         )
     if fp8_param:
         return FP8_PRIMARY
-    return GATHER_FP8 if fp8_recipe == "tensorwise" else GATHER_TRAINING_DTYPE
+    return GATHER_FP8 if fp8_recipe in ("tensorwise", "blockwise") else GATHER_TRAINING_DTYPE
