@@ -1,16 +1,16 @@
 """The consumer's own quantization of a training-dtype protocol gather, redone for its backward
 (design §1.3 "Consumer-quantized backward").
 
-A consumer that quantizes the full weight it is handed in its forward (TransformerEngine under
-FP8 autocast, whenever the runtime gathers the training dtype: delayed scaling, blockwise,
-``GTPConfig.fp8_gather=False``, ...) keeps that quantized weight for its backward GEMMs when
-the weight is its own. A GTP weight is gathered again for the backward instead, and the
+A consumer that quantizes the full weight it is handed in its forward (TransformerEngine under FP8
+autocast, whenever the runtime gathers the training dtype: delayed scaling, blockwise shards that
+split a tile, ``GTPConfig.fp8_gather=False``, ...) keeps that quantized weight for its backward
+GEMMs when the weight is its own. A GTP weight is gathered again for the backward instead, and the
 consumer's backward may then need the same quantized form, which it does not make itself (TE
-multiplies a training-dtype weight with an FP8 gradient in its dgrad GEMM and fails). The
-runtime therefore asks the consumer, at each forward protocol consume in the training dtype,
-for a *note* per weight (how its forward quantizes, e.g. its quantizer and that forward's
-scale), keeps it on the param, and at the backward consume hands the re-gathered weight and
-its note back to the consumer, whose result is what the backward GEMMs receive.
+multiplies a training-dtype weight with an FP8 gradient in its dgrad GEMM and fails). The runtime
+therefore asks the consumer, at each forward protocol consume in the training dtype, for a *note*
+per weight (how its forward quantizes, e.g. its quantizer and that forward's scale), keeps it on the
+param, and at the backward consume hands the re-gathered weight and its note back to the consumer,
+whose result is what the backward GEMMs receive.
 
 The consumer is abstract here (pure torch); TE's lives in ``nemo_gtp.integrations``.
 """
