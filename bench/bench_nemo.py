@@ -17,7 +17,9 @@ Modes (1B recipe, 24 layers, hidden 2048): ``dp2_local`` / ``gtp2_local``
 ``gtp2_fp8`` (``configs/gpt_1b_fp8.yaml``, TE's FP8 GEMMs, per-tensor current scaling),
 ``dp2_fp8param`` / ``gtp2_fp8param`` (the same with ``fp8.param_gather=true``: FP8 primary
 weights, GTP's own FP8 shards vs TE's FP8 params), ``dp2_fp8block`` / ``gtp2_fp8block``
-(``fp8.recipe=blockwise``: GTP gathers FP8 rows and 128x128 tile scales), ``mfsdp_te`` (plain
+(``fp8.recipe=blockwise``: GTP gathers FP8 rows and 128x128 tile scales),
+``dp2_fp8blockparam`` / ``gtp2_fp8blockparam`` (blockwise with ``fp8.param_gather=true``: GTP's
+FP8 primary shards own their tiles), ``mfsdp_te`` (plain
 ``MegatronStrategy`` with Megatron-FSDP, when this stack runs it: its error is recorded
 otherwise). Tokens per GPU T: sequence 2048 (1024 for T=1024), micro-batch T / sequence,
 global batch = micro-batch x 2. A mode takes modifiers: ``gtp2_local@coalesce_mb=96`` (a
@@ -103,6 +105,16 @@ MODES = {
         ["strategy.num_weight_shards=1", "fp8.recipe=blockwise"],
     ),
     "gtp2_fp8block": ("configs/gpt_1b_fp8.yaml", ["fp8.recipe=blockwise"]),
+    # blockwise FP8 primary weights (fp8.param_gather=true): GTP's shards are FP8 with their own
+    # tile scales; DP2 keeps TE's Float8BlockwiseQTensor params
+    "dp2_fp8blockparam": (
+        "configs/gpt_1b_fp8.yaml",
+        ["strategy.num_weight_shards=1", "fp8.recipe=blockwise", "fp8.param_gather=true"],
+    ),
+    "gtp2_fp8blockparam": (
+        "configs/gpt_1b_fp8.yaml",
+        ["fp8.recipe=blockwise", "fp8.param_gather=true"],
+    ),
     "mfsdp_te": (
         "configs/gpt_1b_te.yaml",
         [
@@ -131,6 +143,7 @@ BASELINE = {
     "gtp2_fp8": "dp2_fp8",
     "gtp2_fp8param": "dp2_fp8param",
     "gtp2_fp8block": "dp2_fp8block",
+    "gtp2_fp8blockparam": "dp2_fp8blockparam",
 }
 CPU_CONFIGS = {"configs/tiny_cpu.yaml"}  # their own data shape: --tokens only labels the fit
 SHARED_DEVICE_SHAPE = (  # --shared-device: numerics need no 1B model, the staged copies are slow
@@ -776,6 +789,7 @@ BYTES_TWINS = {  # an FP8-gathering mode -> the bf16 GTP mode of the same model 
     "gtp2_fp8": "gtp2_te",
     "gtp2_fp8param": "gtp2_te",
     "gtp2_fp8block": "gtp2_te",
+    "gtp2_fp8blockparam": "gtp2_te",
 }
 
 

@@ -27,6 +27,10 @@ under TE's FP8 autocast (megatron ``fp8="hybrid"``), in these modes:
   DP2 on TE's own ``Float8Tensor`` params (their kept init values pointed at the loaded
   weights), GTP2 with the TE linears built plain as shards and made GTP's FP8 primary shards by
   ``shard_model`` (design §1.3 "FP8 primary weights");
+- ``fp8blockparam_dp2`` / ``fp8blockparam_gtp2``: the same with ``fp8_recipe="blockwise"``:
+  DP2 on TE's own ``Float8BlockwiseQTensor`` params, GTP2 on FP8 primary shards that own their
+  128x128 tiles (after training, ``block_primary_checks``: what GTP hands TE vs TE's
+  ``Float8BlockQuantizer`` on the full fp32 masters, bit for bit);
 - ``fp8_dp2_split`` / ``fp8block_dp2_split`` / ``bf16_dp2_split``: the DP2 twin again with
   every micro-batch run as two halves (same samples, loss and weights; every wgrad sums in
   another order, as GTP2's per-micro-batch reduce-scatters do): the noise floor printed beside
@@ -132,6 +136,8 @@ MODES = {  # mode -> (gtp, megatron fp8_recipe or None: bf16 compute, GTPConfig.
     "bf16_gtp2": (2, None, True),
     "fp8param_dp2": (1, "tensorwise", True, True),
     "fp8param_gtp2": (2, "tensorwise", True, True),
+    "fp8blockparam_dp2": (1, "blockwise", True, True),
+    "fp8blockparam_gtp2": (2, "blockwise", True, True),
     "bf16_dp2": (1, None, True),
     # DP2 again with megatron's grads in 1M-element buckets: each rank's grad shard, so the
     # grad norm's partial sums, round differently (a uniform scale of every grad, which Adam
@@ -157,11 +163,12 @@ PAIRS = [  # (GTP mode, its twin); loss pairs judged at <= LOSS_TOLERANCE
     ("fp8delayed_gtp2", "fp8delayed_dp2"),
     ("fp8block_gtp2", "fp8block_dp2"),
     ("fp8param_gtp2", "fp8param_dp2"),
+    ("fp8blockparam_gtp2", "fp8blockparam_dp2"),
     ("fp8_gtp2", "fp8_gtp2_bf16_gather"),
     ("bf16_gtp2", "bf16_dp2"),
     ("fp8block_gtp2_bf16_gather", "fp8block_dp2"),
 ]
-JUDGED_PAIRS = PAIRS[:5]
+JUDGED_PAIRS = PAIRS[:6]
 NOISE_PAIRS = {  # a judged pair -> the twin run again differently rounded (reported beside it)
     ("fp8_gtp2", "fp8_dp2"): ("fp8_dp2_split", "fp8_dp2"),
     ("fp8block_gtp2", "fp8block_dp2"): ("fp8block_dp2_split", "fp8block_dp2"),
@@ -356,6 +363,11 @@ def run_mode(
             record["bit_checks"] = te_bit_checks(model, runtime, args)
         except Exception:  # noqa: BLE001 - record, go on
             record["bit_checks"] = {"error": traceback.format_exc()}
+    if mode == "fp8blockparam_gtp2" and CUDA:
+        try:
+            record["block_primary_checks"] = te_block_primary_checks(runtime)
+        except Exception:  # noqa: BLE001 - record, go on
+            record["block_primary_checks"] = {"error": traceback.format_exc()}
     if mode == "fp8block_gtp2" and CUDA:
         try:
             record["block_bit_checks"] = te_block_bit_checks(runtime)
@@ -445,11 +457,13 @@ def te_bit_checks(model: torch.nn.Module, runtime: object, args: argparse.Namesp
     return out
 
 
-def te_block_bit_checks(runtime: object) -> dict:
+def te_block_bit_checks(runtime: object, full_of=None) -> dict:  # noqa: ANN001
     """Every GTP weight's gathered ``Float8BlockwiseQTensor`` (blockwise FP8 gather, design §1.3)
     vs TE's ``Float8BlockQuantizer`` (128x128 tiles, row- and column-wise) on the full weight:
     row-wise data and tile scales from the forward hand-out, column-wise data and scales from
-    the backward one, bit for bit (the scales' valid region: TE pads them to 4 columns)."""
+    the backward one, bit for bit (the scales' valid region: TE pads them to 4 columns).
+    ``full_of(param, runtime)``: the full weight TE quantizes (default :func:`full_weight`;
+    FP8 primary shards: :func:`full_master`, their fp32 masters rounded to bf16)."""
     import transformer_engine.pytorch as te
     import transformer_engine_torch as tex
     from transformer_engine.common.recipe import Float8BlockScaling
@@ -457,12 +471,13 @@ def te_block_bit_checks(runtime: object) -> dict:
 
     from nemo_gtp.engine.param import Direction
 
+    full_of = full_of or full_weight
     runtime.drain()
     out = {"weights": 0, "rowwise_equal": 0, "columnwise_equal": 0, "fp8_handed": 0}
     mismatched: list[str] = []
     recipe = Float8BlockScaling()
     for param in runtime.params:
-        full = full_weight(param, runtime)
+        full = full_of(param, runtime)
         quantizer = Float8BlockQuantizer(
             tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=2
         )
@@ -492,6 +507,24 @@ def te_block_bit_checks(runtime: object) -> dict:
     out["mismatched"] = mismatched[:10]
     out["all_equal"] = not mismatched
     return out
+
+
+def full_master(param: torch.Tensor, runtime: object) -> torch.Tensor:
+    """An FP8 primary shard's full (unpadded) weight as its write-back saw it: the fp32 main
+    params gathered over GTP (DP 1: each rank's main is its whole shard), rounded to bf16 as TE
+    and the write-back round them (collective)."""
+    main = param.main_param.detach().view(param.shape).to(param.gtp_state.fp8_primary_dtype)
+    shards = [torch.empty_like(main) for _ in range(runtime.size)]
+    dist.all_gather(shards, main.contiguous(), group=runtime.group)
+    return param.gtp_spec.unpad(torch.cat(shards)).contiguous()
+
+
+def te_block_primary_checks(runtime: object) -> dict:
+    """Blockwise FP8 primary shards (design §1.3 "FP8 primary weights") after training: what
+    GTP's write-back made of the fp32 masters, gathered and handed to TE, vs TE's
+    ``Float8BlockQuantizer`` on the full masters (rounded to bf16), bit for bit, rows and tile
+    scales forward, the column-wise copy backward."""
+    return te_block_bit_checks(runtime, full_of=full_master)
 
 
 def te_backward_bit_checks(runtime: object, delayed_quantizer: type | None = None) -> dict:
@@ -707,7 +740,7 @@ def fp8_primary_check() -> dict:
     check([f.float() for f in fulls], "init")
     masters_full = [f.float() * 1.5 + 0.01 for f in fulls]  # the optimizer's new fp32 masters
     shard_masters = [p.gtp_spec.shard(m).reshape(-1) for p, m in zip(params, masters_full)]
-    write_back_fp8_primary(params, shard_masters, [0] * len(params), [runtime.group])
+    write_back_fp8_primary(params, shard_masters, [0] * len(params))  # every rank its whole shard
     check(masters_full, "after_write_back")
     # fwd + bwd gathers; a bf16 gather receives (GTP-1)/GTP of the padded weight: one shard
     bf16 = sum(p.numel() for p in params) * 2 * 2
@@ -894,16 +927,19 @@ def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
                 str(hook)[-300:],
             )
         )
-    param = records.get("fp8param_gtp2")
-    if param is not None:
+    for name in ("fp8param_gtp2", "fp8blockparam_gtp2"):
+        param = records.get(name)
+        if param is None:
+            continue
         state, per = param.get("fp8_primary") or {}, param.get("per_step", {})
         gathers_fp8 = bool(per) and per.get("fp8_gathers") == per.get("gathers") > 0
         te_ok = not CUDA or param.get("wrapped_gathers") == 2 * param.get("te_weights", -1)
+        tensor = "Float8BlockwiseQTensor" if "block" in name else "Float8Tensor"
         out.append(
             (
-                "fp8param_gtp2 (megatron fp8_param, TE linears): every GTP shard an FP8 primary "
+                f"{name} (megatron fp8_param, TE linears): every GTP shard an FP8 primary "
                 "weight (float8, fp32 masters), written back exactly; every gather FP8 with no "
-                "refresh cast; TE handed a Float8Tensor for every weight and direction",
+                f"refresh cast; TE handed a {tensor} for every weight and direction",
                 None
                 if not state and not param.get("error")
                 else "error" not in state
@@ -929,6 +965,16 @@ def verdicts(result: dict) -> list[tuple[str, bool | None, str]]:
                 str(cpu)[-200:],
             )
         )
+    primary = records.get("fp8blockparam_gtp2", {}).get("block_primary_checks")
+    out.append(
+        (
+            "fp8blockparam_gtp2: FP8 primary shards' gathered Float8BlockwiseQTensor rows, tile "
+            "scales and column-wise copy bit-exact vs TE's Float8BlockQuantizer on the full "
+            "fp32 masters (rounded to bf16)",
+            None if not primary else "error" not in primary and primary.get("all_equal"),
+            str(primary)[:200] if primary else "",
+        )
+    )
     block = records.get("fp8block_gtp2", {})
     bits = block.get("block_bit_checks")
     out.append(

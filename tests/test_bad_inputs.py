@@ -127,6 +127,12 @@ BAD_FP8_OVERRIDES = [
         ["fp8.param_gather=true", "ddp.grad_reduce_in_fp32=false"],
         "needs ddp.grad_reduce_in_fp32=true",
     ),
+    (
+        ["fp8.param_gather=true", "fp8.recipe=blockwise", "model.ffn_hidden_size=8320"],
+        "linear_fc1 (8320 rows per tensor-parallel rank) gives GTP shards of 4160 rows at GTP 2 "
+        "(gtp.pad_for_alignment=16), which split TE's 128x128 tiles: set "
+        "gtp.pad_for_alignment=128",
+    ),
     (["precision=32"], "fp8 needs precision: bf16-mixed"),
     (["model.layer_spec=local"], "set model.layer_spec=te"),
     (["cpu_compat=true"], "set cpu_compat=false"),
@@ -144,6 +150,11 @@ def test_bad_fp8_recipe_override(overrides: list[str], message: str) -> None:
     # without GTP (the baseline of --compare-baseline)
     validate_recipe(load_recipe(FP8_1B, ["fp8.param_gather=true"]))
     validate_recipe(load_recipe(FP8_1B, ["fp8.param_gather=true", "strategy.num_weight_shards=1"]))
+    # blockwise FP8 primary shards (whole 128-row tiles): this model's, or with the pad named
+    blockwise = ["fp8.param_gather=true", "fp8.recipe=blockwise"]
+    validate_recipe(load_recipe(FP8_1B, blockwise))
+    wider = ["model.ffn_hidden_size=8320", "gtp.pad_for_alignment=128"]
+    validate_recipe(load_recipe(FP8_1B, blockwise + wider))
 
 
 def test_fp8_primary_resume_passes_the_checks(tmp_path: Path) -> None:

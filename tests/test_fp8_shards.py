@@ -401,8 +401,42 @@ def _runtime_worker(
 PRIMARY_SHAPES = [(72, 64), (40, 48), (20, 64)]  # GTP 4: (20, 64) is one rank's rows
 
 
+def _primary_scaling(kind: str) -> FP8Scaling:
+    """The FP8 primary cases' recipe: blockwise with small tiles (the shards' rows whole tiles
+    at pad 8; 3 tile columns of a 48-wide weight exercise the padded scale layout)."""
+    return FP8Scaling(kind, block=(8, 16)) if kind == "blockwise" else FP8Scaling(kind)
+
+
+def _full_reference(full: torch.Tensor, spec, scaling: FP8Scaling) -> tuple[FP8Shard, int]:
+    """The full weight quantized on one rank (blockwise: its rows padded as the shards are, so
+    its tiles are the shards' tiles) and the number of real rows."""
+    if scaling.kind is ScalingKind.BLOCKWISE:
+        return _blockwise_reference(full, spec, scaling), full.shape[0]
+    return quantize_shard(full.float(), scaling), full.shape[0]
+
+
+def _check_gathered_view(got: FP8Gathered, ref: FP8Shard, rows: int, what: str) -> None:
+    """A gathered FP8 view vs the one-rank reference: rows, and the scales (blockwise: in the
+    padded, gather-ready layout)."""
+    from nemo_gtp.engine.fp8_gather import padded_scale_shape
+
+    if ref.scaling.kind is not ScalingKind.BLOCKWISE:
+        _assert_same(FP8Shard(got.data, got.scale_inv, None, None, ref.scaling), ref, what)
+        return
+    assert torch.equal(_bits(got.data), _bits(ref.data[:rows])), f"{what}: FP8 rows"
+    want = torch.zeros(padded_scale_shape(rows, got.data.shape[1], ref.scaling))
+    want[:, : ref.scale_inv.shape[1]] = ref.scale_inv[: want.shape[0]]
+    assert torch.equal(got.scale_inv, want), f"{what}: tile scales (padded layout)"
+
+
 def _primary_runtime(
-    world: int, gtp: int, dtype: torch.dtype, shapes, coalesce_mb: float = 0.0, factor: float = 1.0
+    world: int,
+    gtp: int,
+    dtype: torch.dtype,
+    shapes,
+    coalesce_mb: float = 0.0,
+    factor: float = 1.0,
+    kind: str = "tensorwise",
 ):
     """A runtime whose shards are FP8 primary weights (every rank builds the same fulls)."""
     from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
@@ -418,7 +452,7 @@ def _primary_runtime(
         runtime.shard_parameter(module, "weight", f"w{i}")
         params.append(module.weight)
         fulls.append(full)
-    make_fp8_primary(runtime, FP8Scaling("tensorwise"))
+    make_fp8_primary(runtime, _primary_scaling(kind))
     return groups, runtime, params, fulls
 
 
@@ -443,11 +477,15 @@ def _param_all_gather(param, groups, start: int, end: int) -> None:
     flat.copy_(torch.stack(pieces).sum(0, dtype=torch.uint8))  # disjoint slices: a sum is a cat
 
 
-def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict:
+def _primary_worker(
+    rank: int, world: int, gtp: int, coalesce_mb: float, kind: str = "tensorwise"
+) -> dict:
     """FP8 primary shards: the runtime gathers their own bytes (no refresh cast), bit-exact vs
     the full weight quantized on one rank; the write-back from DP-sliced masters (amax agreed
-    over replicate x GTP) gives the same bytes as quantizing the full master on one rank."""
+    over replicate x GTP; blockwise: a tile's over the replicate group) gives the same bytes as
+    quantizing the full master on one rank."""
     from nemo_gtp.engine import gtp_linear
+    from nemo_gtp.engine.fp8_gather import padded_scale_shape
     from nemo_gtp.engine.fp8_primary import (
         dequantize_fp8_primary,
         fp8_primary_init_value,
@@ -456,15 +494,27 @@ def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
     )
 
     groups, runtime, params, fulls = _primary_runtime(
-        world, gtp, torch.bfloat16, PRIMARY_SHAPES, coalesce_mb
+        world, gtp, torch.bfloat16, PRIMARY_SHAPES, coalesce_mb, kind=kind
     )
-    scaling = FP8Scaling("tensorwise")
+    scaling = _primary_scaling(kind)
+    blockwise = scaling.kind is ScalingKind.BLOCKWISE
     for param, full in zip(params, fulls):
+        spec = param.gtp_spec
         assert is_fp8_primary(param) and param.dtype == torch.float8_e4m3fn
-        assert torch.equal(fp8_primary_init_value(param), param.gtp_spec.shard(full))
-        ref = quantize_shard(full.float(), scaling)
-        assert torch.equal(param.gtp_state.fp8.scale_inv, ref.scale_inv), "scale not agreed"
-        want = param.gtp_spec.shard(ref.dequantize(torch.bfloat16))  # pad rows: zero
+        assert torch.equal(fp8_primary_init_value(param), spec.shard(full))
+        ref, rows = _full_reference(full, spec, scaling)
+        if blockwise:  # this shard's tiles, in the gather-ready layout
+            tiles = spec.shard_dim0 // scaling.block[0]
+            mine = ref.scale_inv[spec.gtp_rank * tiles : (spec.gtp_rank + 1) * tiles]
+            assert torch.equal(param.gtp_state.fp8.scale_inv, mine), "tile scales"
+            wire = param.gtp_state.fp8_scale_wire
+            assert wire.shape == padded_scale_shape(*param.shape, scaling)
+            assert not wire[:, mine.shape[1] :].any(), "pad columns"
+            start = spec.gtp_rank * spec.shard_dim0
+            want = ref.dequantize(torch.bfloat16)[start : start + spec.shard_dim0]
+        else:
+            assert torch.equal(param.gtp_state.fp8.scale_inv, ref.scale_inv), "scale not agreed"
+            want = spec.shard(ref.dequantize(torch.bfloat16))  # pad rows: zero
         assert torch.equal(dequantize_fp8_primary(param), want)
     consumer = _Consumer(scaling)
     runtime.quantized_gather = consumer
@@ -481,18 +531,23 @@ def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
 
     def check_gathered(masters_full: list[torch.Tensor]) -> None:
         for param, full in zip(params, masters_full):
-            ref = quantize_shard(full.to(torch.bfloat16).float(), scaling)
+            ref, rows = _full_reference(full.to(torch.bfloat16), param.gtp_spec, scaling)
             for direction in ("fwd", "bwd"):
                 got = consumer.seen[(param.gtp_state.name, direction)]
                 assert got.scale_inv.data_ptr() % 16 == 0
-                _assert_same(FP8Shard(got.data, got.scale_inv, None, None, scaling), ref, direction)
+                _check_gathered_view(got, ref, rows, f"{param.gtp_state.name} {direction}")
 
     for param in params:  # DDP's main_grad (training dtype)
         param.main_grad = torch.zeros(param.shape, dtype=torch.bfloat16)
     first = step()
     check_gathered(fulls)
     bf16_bytes = sum(dense_gather_nbytes(p.shape, torch.bfloat16, gtp) for p in params) * 2
-    assert 2 * first["gather_bytes"] == bf16_bytes, (first, bf16_bytes)
+    scale_bytes = 0  # blockwise: the padded tile scales travel beside the rows (4 bytes each)
+    if blockwise:
+        for p in params:
+            shape = padded_scale_shape(*p.gtp_spec.gathered_shape, scaling)
+            scale_bytes += 2 * (shape[0] * shape[1] * 4 * (gtp - 1) // gtp)
+    assert 2 * (first["gather_bytes"] - scale_bytes) == bf16_bytes, (first, bf16_bytes)
     assert first["fp8_quantizes"] == 0 and first["fp8_gathers"] == first["gathers"]
     allocations = runtime.weight_cache.allocations
     ptrs = {k: v.data.data_ptr() for k, v in consumer.seen.items()}
@@ -500,7 +555,8 @@ def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
     # GEMM gets the dequantized weight in the training dtype, and so does the backward
     dense = params[1]
     consumer.dense.add(dense.gtp_state.name)
-    want = quantize_shard(fulls[1].float(), scaling).dequantize(torch.bfloat16)
+    ref1, rows1 = _full_reference(fulls[1], dense.gtp_spec, scaling)
+    want = ref1.dequantize(torch.bfloat16)[:rows1]
     for got in (dense.materialize_group_for_forward(), dense.materialize_group_for_backward()):
         assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], want)
     dense.finalize_group_grads(torch.zeros(dense.gtp_spec.logical_shape, dtype=torch.bfloat16))
@@ -509,8 +565,7 @@ def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
     # the autograd path (megatron-local linears): the dequantized gathered weight
     x = torch.randn(3, fulls[1].shape[1], dtype=torch.bfloat16)
     y = gtp_linear(x, params[1])
-    ref1 = quantize_shard(fulls[1].float(), scaling).dequantize(torch.bfloat16)
-    assert torch.equal(y, x @ ref1.t())
+    assert torch.equal(y, x @ want.t())
     runtime.drain()
     # the optimizer write-back: fp32 masters sliced over the replicate group (one param held
     # whole by replicate rank 0, None elsewhere), amax over replicate then GTP
@@ -518,6 +573,9 @@ def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
         (f.float() * 1.7 + 0.01 * _weight(f.shape, seed=80 + i)) for i, f in enumerate(fulls)
     ]
     masters_full[0][3, 5] = 200.0  # the amax sits on one GTP rank's rows only
+    # blockwise at GTP 2: row 21 is in the tile of rows 16-23 that the two replicate ranks'
+    # slices split (at row 20): its amax must be agreed over the replicate group
+    masters_full[0][21, 2] = -150.0
     masters, offsets, ranges = [], [], []
     for i, (param, full) in enumerate(zip(params, masters_full)):
         shard = param.gtp_spec.shard(full).reshape(-1).clone()
@@ -526,7 +584,7 @@ def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
         masters.append(shard[start:end] if end > start else None)
         offsets.append(start if end > start else None)
         ranges.append((start, end))
-    write_back_fp8_primary(params, masters, offsets, [groups.replicate, groups.gtp])
+    write_back_fp8_primary(params, masters, offsets, groups.replicate)
     for param, (start, end) in zip(params, ranges):
         _param_all_gather(param, groups, start, end)
     step()
@@ -535,11 +593,13 @@ def _primary_worker(rank: int, world: int, gtp: int, coalesce_mb: float) -> dict
     assert {k: v.data.data_ptr() for k, v in consumer.seen.items()} == ptrs
     # bad input: named before any collective
     with pytest.raises(ValueError, match="outside the shard"):
-        write_back_fp8_primary(params[:1], [torch.zeros(5)], [params[0].numel()], [groups.gtp])
+        write_back_fp8_primary(params[:1], [torch.zeros(5)], [params[0].numel()])
+    if blockwise:
+        return {"scale": None}
     return {"scale": params[0].gtp_state.fp8.scale_inv.item()}
 
 
-def _primary_training_worker(rank: int, world: int, gtp: int) -> dict:
+def _primary_training_worker(rank: int, world: int, gtp: int, kind: str = "tensorwise") -> dict:
     """Three optimizer steps of a two-layer MLP whose weights are FP8 primary GTP shards
     (gtp_linear, fp32 masters sliced over the replicate group, SGD, write-back, param gather)
     against the same MLP without GTP on one rank: the weights it multiplies with are its fp32
@@ -548,8 +608,14 @@ def _primary_training_worker(rank: int, world: int, gtp: int) -> dict:
     from nemo_gtp.engine.fp8_primary import fp8_primary_init_value, write_back_fp8_primary
 
     shapes = [(48, 32), (20, 48)]
-    groups, runtime, params, fulls = _primary_runtime(world, gtp, torch.float32, shapes, factor=0.2)
-    scaling, lr, micro = FP8Scaling("tensorwise"), 0.05, 3
+    groups, runtime, params, fulls = _primary_runtime(
+        world, gtp, torch.float32, shapes, factor=0.2, kind=kind
+    )
+    scaling, lr, micro = _primary_scaling(kind), 0.05, 3
+
+    def quantized(master: torch.Tensor, param) -> tuple[FP8Shard, int]:
+        return _full_reference(master, param.gtp_spec, scaling)
+
     data = torch.randn(world, micro, 32, generator=torch.Generator().manual_seed(7))
     target = torch.randn(world, micro, 20, generator=torch.Generator().manual_seed(8))
     me = dist.get_rank(groups.data)
@@ -579,12 +645,15 @@ def _primary_training_worker(rank: int, world: int, gtp: int) -> dict:
                 groups.replicate
             )
         optimizer.step()
-        write_back_fp8_primary(params, list(masters), offsets, [groups.replicate, groups.gtp])
+        write_back_fp8_primary(params, list(masters), offsets, groups.replicate)
         for param, (start, end) in zip(params, ranges):
             _param_all_gather(param, groups, start, end)
             param.main_grad.zero_()
         # the reference: the full fp32 masters quantized on one rank, the whole global batch
-        weights = [quantize_shard(m, scaling).dequantize().requires_grad_() for m in ref_masters]
+        weights = []
+        for m, param in zip(ref_masters, params):
+            ref, rows = quantized(m, param)
+            weights.append(ref.dequantize()[:rows].requires_grad_())
         per_micro = [
             F.mse_loss(torch.relu(data[i] @ weights[0].t()) @ weights[1].t(), target[i])
             for i in range(world)
@@ -600,10 +669,16 @@ def _primary_training_worker(rank: int, world: int, gtp: int) -> dict:
         spec = param.gtp_spec
         shards = [torch.empty_like(param).view(torch.uint8) for _ in range(gtp)]
         dist.all_gather(shards, param.detach().view(torch.uint8), group=groups.gtp)
-        got = torch.cat(shards).view(param.dtype)[: spec.logical_shape[0]]
-        want = quantize_shard(ref, scaling)
-        assert torch.equal(param.gtp_state.fp8.scale_inv, want.scale_inv), "scale differs"
-        differ = (got.float() != want.data.float()).sum().item()
+        rows = spec.logical_shape[0]
+        got = torch.cat(shards).view(param.dtype)[:rows]
+        want, _ = quantized(ref, param)
+        if scaling.kind is ScalingKind.BLOCKWISE:
+            tiles = spec.shard_dim0 // scaling.block[0]
+            mine = want.scale_inv[spec.gtp_rank * tiles : (spec.gtp_rank + 1) * tiles]
+            assert torch.equal(param.gtp_state.fp8.scale_inv, mine), "tile scales differ"
+        else:
+            assert torch.equal(param.gtp_state.fp8.scale_inv, want.scale_inv), "scale differs"
+        differ = (got.float() != want.data[:rows].float()).sum().item()
         steps.append(differ)
     # full_state_dict: the dequantized full weights, as the model without GTP holds them
     from nemo_gtp import full_state_dict
@@ -615,7 +690,8 @@ def _primary_training_worker(rank: int, world: int, gtp: int) -> dict:
     exported = full_state_dict(holder)
     dequantized = []
     for i, ref in enumerate(ref_masters):
-        want = quantize_shard(ref, scaling).dequantize(params[i].gtp_state.fp8_primary_dtype)
+        full, rows = quantized(ref, params[i])
+        want = full.dequantize(params[i].gtp_state.fp8_primary_dtype)[:rows]
         got = exported[f"l{i}.weight"]
         dequantized.append(got.dtype == want.dtype and torch.equal(got, want))
     return {
@@ -665,8 +741,10 @@ def _cases() -> list:
                     (gtp, coalesce_mb, "blockwise"),
                 )
             )
-        cases.append((f"primary {gtp}", _primary_worker, (gtp, 1.0 if gtp == 2 else 0.0)))
-        cases.append((f"primary training {gtp}", _primary_training_worker, (gtp,)))
+        for kind in ("tensorwise", "blockwise"):
+            coalesce = 1.0 if gtp == 2 else 0.0
+            cases.append((f"primary {gtp} {kind}", _primary_worker, (gtp, coalesce, kind)))
+            cases.append((f"primary training {gtp} {kind}", _primary_training_worker, (gtp, kind)))
     return cases
 
 
@@ -722,19 +800,22 @@ def test_runtime_blockwise_fp8_gather(four_ranks: dict, gtp: int, coalesce_mb: f
 
 
 @pytest.mark.parametrize("gtp", [2, 4])
-def test_fp8_primary_gather_and_write_back(four_ranks: dict, gtp: int) -> None:
-    """FP8 primary shards (design §1.3 "FP8 primary weights"): gathered as they are, written
-    back from DP-sliced fp32 masters with one scale over replicate x GTP."""
-    scales = [v["scale"] for v in case_values(four_ranks[f"primary {gtp}"])]
+@pytest.mark.parametrize("kind", ["tensorwise", "blockwise"])
+def test_fp8_primary_gather_and_write_back(four_ranks: dict, gtp: int, kind: str) -> None:
+    """FP8 primary shards (design §1.3 "FP8 primary weights"): gathered as they are (blockwise:
+    with their tile scales), written back from DP-sliced fp32 masters with one scale over
+    replicate x GTP (blockwise: one per tile, over the replicate group)."""
+    scales = [v["scale"] for v in case_values(four_ranks[f"primary {gtp} {kind}"])]
     assert len(set(scales)) == 1
 
 
 @pytest.mark.parametrize("gtp", [2, 4])
-def test_fp8_primary_training_matches_full_weight(four_ranks: dict, gtp: int) -> None:
+@pytest.mark.parametrize("kind", ["tensorwise", "blockwise"])
+def test_fp8_primary_training_matches_full_weight(four_ranks: dict, gtp: int, kind: str) -> None:
     """Optimizer steps with FP8 primary GTP shards (GTP x DP = 4) reproduce the run without
     GTP whose weights are its full masters quantized on one rank; ``full_state_dict`` exports
     them as those quantized masters' values."""
-    for value in case_values(four_ranks[f"primary training {gtp}"]):
+    for value in case_values(four_ranks[f"primary training {gtp} {kind}"]):
         for got, want in zip(value["losses"], value["ref_losses"]):
             assert abs(got - want) <= 1e-5 * abs(want), (value["losses"], value["ref_losses"])
         assert value["differing"] == [0, 0], value["differing"]
@@ -743,13 +824,12 @@ def test_fp8_primary_training_matches_full_weight(four_ranks: dict, gtp: int) ->
 
 
 def test_fp8_primary_unsupported_recipe_named() -> None:
-    """Delayed and blockwise FP8 primary shards are refused naming fp8_recipe (before any
-    collective: no runtime needed)."""
+    """Delayed FP8 primary shards are refused naming fp8_recipe (before any collective: no
+    runtime needed)."""
     from nemo_gtp.engine.fp8_primary import make_fp8_primary
 
-    for kind in ("delayed", "blockwise"):
-        with pytest.raises(NotImplementedError, match=f"fp8_recipe='{kind}'"):
-            make_fp8_primary(None, FP8Scaling(kind))
+    with pytest.raises(NotImplementedError, match="fp8_recipe='delayed'"):
+        make_fp8_primary(None, FP8Scaling("delayed"))
 
 
 def test_bad_gather_buffer(four_ranks: dict) -> None:
@@ -884,11 +964,6 @@ def test_recipe_accepted() -> None:
         ({"fp8": None, "fp4": "e2m1"}, HOPPER, "fp4='e2m1'.*10.0"),
         ({"fp8": "e4m3", "fp8_param": True}, None, "fp8_param=True.*'delayed'.*tensorwise"),
         (
-            {"fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": True},
-            HOPPER,
-            "fp8_param=True.*'blockwise' is not supported with GTP",
-        ),
-        (
             {"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param": True},
             BLACKWELL,
             "fp8_param=True.*'mxfp8' is not supported with GTP",
@@ -926,13 +1001,14 @@ def test_fp8_training_gather_format() -> None:
         assert check_fp8_training_for_gtp(None, fp4="e2m1", capability=capability) == (
             GATHER_TRAINING_DTYPE
         )
-    # FP8 primary weights are a GTP question only when FP8 is on; per-tensor current scaling:
-    # the shards are FP8 (design §1.3 "FP8 primary weights")
+    # FP8 primary weights are a GTP question only when FP8 is on; per-tensor current scaling
+    # and blockwise: the shards are FP8 (design §1.3 "FP8 primary weights")
     assert check_fp8_training_for_gtp(None, fp8_param=True) is None
     for capability in (HOPPER, None):
-        assert check_fp8_training_for_gtp(
-            "hybrid", "tensorwise", fp8_param=True, capability=capability
-        ) == (FP8_PRIMARY)
+        for recipe in ("tensorwise", "blockwise"):
+            assert check_fp8_training_for_gtp(
+                "hybrid", recipe, fp8_param=True, capability=capability
+            ) == (FP8_PRIMARY)
 
 
 def test_fp8_primary_megatron_ddp_settings_named() -> None:

@@ -212,14 +212,30 @@ class FP8Shard:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data * scale_inv`` in ``dtype`` (per block for blockwise), a new tensor."""
-        values = self.data.float()
-        if self.scaling.kind is ScalingKind.BLOCKWISE:
-            rows, cols = values.shape
-            block_rows, block_cols = self.scaling.block
-            scales = self.scale_inv.repeat_interleave(block_rows, 0)
-            scales = scales.repeat_interleave(block_cols, 1)[:rows, :cols]
-            return (values * scales).to(dtype)
-        return (values * self.scale_inv).to(dtype)
+        return dequantize_fp8(self.data, self.scale_inv, self.scaling, dtype)
+
+
+def dequantize_fp8(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    scaling: FP8Scaling,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``data * scale_inv`` in ``dtype``, a new tensor: one ``scale_inv`` per tensor, or for
+    blockwise a grid of one per block (extra columns, e.g. the gather-ready padding, ignored).
+
+    Example::
+
+        dequantize_fp8(shard.data, shard.scale_inv, shard.scaling, torch.bfloat16)
+    """
+    values = data.float()
+    if scaling.kind is not ScalingKind.BLOCKWISE:
+        return (values * scale_inv).to(dtype)
+    rows, cols = values.shape
+    block_rows, block_cols = scaling.block
+    scales = scale_inv[: math.ceil(rows / block_rows), : math.ceil(cols / block_cols)]
+    scales = scales.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
+    return (values * scales[:rows, :cols]).to(dtype)
 
 
 def dense_gather_nbytes(shard_shape: tuple[int, ...], dtype: torch.dtype, gtp_size: int) -> int:
@@ -524,7 +540,10 @@ gathered weight itself (recipes the FP8 gather does not cover yet)."""
 FP8_PRIMARY = "fp8_primary"
 """:func:`check_fp8_training_for_gtp`: the shards are FP8 primary weights and every gather moves
 their own FP8 bytes (design §1.3 "FP8 primary weights"; ``fp8_param`` with per-tensor current
-scaling)."""
+scaling or blockwise scaling)."""
+FP8_PRIMARY_RECIPES = ("tensorwise", "blockwise")
+"""The ``fp8_recipe`` values FP8 primary GTP shards support (design §1.3 "FP8 primary
+weights"): one scale per weight agreed over replicate x GTP, or one per 128x128 tile."""
 
 _KEYS = {
     "fp8": "fp8",
@@ -557,9 +576,9 @@ def check_fp8_training_for_gtp(
     whole 128-row tiles, the others in the training dtype), :data:`GATHER_TRAINING_DTYPE` for
     the recipes whose gathered weight TE quantizes itself (``"delayed"``; MXFP8 / NVFP4 on
     Blackwell), :data:`FP8_PRIMARY` for FP8 primary weights (``fp8_param`` with
-    ``fp8_recipe="tensorwise"``: the shards themselves are FP8, design §1.3 "FP8 primary
-    weights"). Raises ``ValueError`` for FP8 primary weights under any other recipe (delayed,
-    blockwise, MXFP8) or with FP4, unknown names and recipes the hardware cannot run (MXFP8 /
+    ``fp8_recipe="tensorwise"`` or ``"blockwise"``: the shards themselves are FP8, design §1.3
+    "FP8 primary weights"). Raises ``ValueError`` for FP8 primary weights under any other
+    recipe (delayed, MXFP8) or with FP4, unknown names and recipes the hardware cannot run (MXFP8 /
     NVFP4 below compute capability 10.0, FP8 below 8.9, blockwise below 9.0).
 
     Example::
@@ -609,13 +628,13 @@ def check_fp8_training_for_gtp(
             f"{key['fp8_recipe']}='blockwise' needs compute capability >= 9.0 (Hopper); this is "
             f"{where}: set {key['fp8_recipe']}='tensorwise'"
         )
-    if fp8_param and fp8_recipe != "tensorwise":
+    if fp8_param and fp8_recipe not in FP8_PRIMARY_RECIPES:
         raise ValueError(
             f"{key['fp8_param']}=True (FP8 primary weights, megatron's fp8_param_gather) with "
             f'{key["fp8_recipe"]}={fp8_recipe!r} is not supported with GTP (design §1.3 "FP8 '
-            f"primary weights\": GTP's FP8 primary shards use per-tensor current scaling): set "
-            f"{key['fp8_recipe']}='tensorwise', or {key['fp8_param']}=False (the shards then "
-            f"stay in the training dtype)"
+            f"primary weights\": GTP's FP8 primary shards use per-tensor current scaling or "
+            f"128x128 blockwise scaling): set {key['fp8_recipe']}='tensorwise' or 'blockwise', "
+            f"or {key['fp8_param']}=False (the shards then stay in the training dtype)"
         )
     if fp8_param:
         return FP8_PRIMARY

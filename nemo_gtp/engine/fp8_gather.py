@@ -45,6 +45,7 @@ from nemo_gtp.engine.fp8 import (
     ScalingKind,
     _cast,
     _real_rows,
+    dequantize_fp8,
     quantize_into,
     scale_from_amax,
 )
@@ -121,14 +122,7 @@ class FP8Gathered:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data * scale_inv`` (per block for blockwise) in ``dtype``, a new tensor (tests,
         debugging)."""
-        values = self.data.float()
-        if self.scaling.kind is not ScalingKind.BLOCKWISE:
-            return (values * self.scale_inv).to(dtype)
-        rows, cols = values.shape
-        block_rows, block_cols = self.scaling.block
-        scales = self.scale_inv[:, : math.ceil(cols / block_cols)]
-        scales = scales.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
-        return (values * scales[:rows, :cols]).to(dtype)
+        return dequantize_fp8(self.data, self.scale_inv, self.scaling, dtype)
 
 
 class QuantizedGather(Protocol):

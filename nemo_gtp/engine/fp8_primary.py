@@ -26,17 +26,29 @@ holds one level down:
   param all-gather) each GTP peer's shard equals the rows of the full master quantized on one
   rank, bit for bit.
 
-Per-tensor current scaling only (megatron ``fp8_recipe="tensorwise"``); the master is rounded to
-the training dtype before the amax and the cast, as TE does (``quantize_master_weights``). Pure
-torch.
+Blockwise scaling (megatron ``fp8_recipe="blockwise"``, TE's ``Float8BlockScaling``: one scale
+per 128x128 tile) follows the same contract with one scale per tile instead of one per weight: a
+tile never spans two GTP shards (the shards' rows are whole tiles, checked by
+:func:`make_fp8_primary`), so the amax of a tile is agreed over the replicate group only (its
+pieces are the distributed optimizer's slices of one shard), never over GTP. Each shard keeps
+its tiles' ``scale_inv`` in the gather-ready layout of the FP8 gather (padded to whole
+``SCALE_COLUMN_ALIGN`` columns, ``gtp_state.fp8_scale_wire``): the runtime gathers the FP8 rows
+and those scales in one collective. Every rank computes every tile's scale from the agreed amax,
+so the scales never travel with megatron's param all-gather.
+
+The master is rounded to the training dtype before the amax and the cast, as TE does
+(``quantize_master_weights``) for either recipe. Pure torch.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from nemo_gtp.engine.fp8 import (
     FP8_DTYPES,
@@ -45,9 +57,12 @@ from nemo_gtp.engine.fp8 import (
     ScalingKind,
     _cast,
     _real_rows,
+    check_block_alignment,
+    dequantize_fp8,
     scale_from_amax,
 )
 from nemo_gtp.engine.fp8_gather import _SCALAR_STRIDE as _STRIDE  # cuBLAS-aligned scalars
+from nemo_gtp.engine.fp8_gather import padded_scale_shape
 from nemo_gtp.engine.param import GTPShardedParam
 
 
@@ -62,12 +77,24 @@ def is_fp8_primary(param: object) -> bool:
 
 
 def _check_scaling(scaling: FP8Scaling) -> None:
-    if scaling.kind is not ScalingKind.TENSORWISE:
+    if scaling.kind is ScalingKind.DELAYED:
         raise NotImplementedError(
-            f"FP8 primary GTP shards support fp8_recipe='tensorwise' (per-tensor current "
-            f"scaling) only, got fp8_recipe={scaling.kind.value!r}: set fp8_recipe='tensorwise', "
-            f"or fp8_param_gather=False (the shards then stay in the training dtype)"
+            "FP8 primary GTP shards support fp8_recipe='tensorwise' (per-tensor current "
+            "scaling) and 'blockwise' (128x128 tiles), got fp8_recipe='delayed': set "
+            "fp8_recipe='tensorwise' or 'blockwise', or fp8_param_gather=False (the shards then "
+            "stay in the training dtype)"
         )
+
+
+def _check_tiles(params: Sequence[GTPShardedParam], scaling: FP8Scaling, pad: int) -> None:
+    """Blockwise: every shard is a 2-D weight of whole tiles (a tile's scale is its owner's)."""
+    for param in params:
+        if param.dim() != 2:
+            raise ValueError(
+                f"{param.gtp_state.name}: blockwise FP8 primary weights must be 2-D, got shape "
+                f"{tuple(param.shape)}"
+            )
+        check_block_alignment(param.gtp_spec, scaling.block, pad)
 
 
 def _scalars(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,20 +133,37 @@ def make_fp8_primary(runtime: object, scaling: FP8Scaling) -> None:
             raise ValueError(f"{param!r} is already an FP8 primary weight")
         if not param.dtype.is_floating_point:
             raise ValueError(f"{param!r}: FP8 primary weights need a floating-point shard")
+    blockwise = scaling.kind is ScalingKind.BLOCKWISE
+    if blockwise:
+        _check_tiles(params, scaling, runtime.config.pad_for_alignment)
     device = params[0].device
     amax, scale, scale_inv = _scalars(len(params), device)  # runtime-wide, one slot per weight
     with torch.no_grad():
         for i, param in enumerate(params):
             state = param.gtp_state
-            view = slice(i * _STRIDE, i * _STRIDE + 1)
             state.fp8_init = param.detach().clone()
             state.fp8_primary_dtype = param.dtype
             data = torch.zeros(param.shape, dtype=scaling.fp8_dtype, device=device)
-            state.fp8 = FP8Shard(data, scale_inv[view], scale[view], amax[view], scaling)
+            if blockwise:  # per tile; scale_inv lives in the gather-ready (padded) layout
+                grid = scaling.scale_shape(tuple(param.shape))
+                wire = torch.zeros(
+                    padded_scale_shape(*param.shape, scaling), dtype=torch.float32, device=device
+                )
+                state.fp8_scale_wire = wire
+                state.fp8 = FP8Shard(
+                    data,
+                    wire[:, : grid[1]],
+                    torch.ones(grid, dtype=torch.float32, device=device),
+                    torch.zeros(grid, dtype=torch.float32, device=device),
+                    scaling,
+                )
+            else:
+                view = slice(i * _STRIDE, i * _STRIDE + 1)
+                state.fp8 = FP8Shard(data, scale_inv[view], scale[view], amax[view], scaling)
             param.data = data
     # The initial quantization is a write-back of the whole shard from its own values.
     masters = [p.gtp_state.fp8_init.reshape(-1) for p in params]
-    write_back_fp8_primary(params, masters, [0] * len(params), [runtime.group])
+    write_back_fp8_primary(params, masters, [0] * len(params))
     runtime.fp8_primary = scaling
 
 
@@ -140,38 +184,45 @@ def fp8_primary_init_value(param: GTPShardedParam) -> torch.Tensor:
 def dequantize_fp8_primary(
     param: GTPShardedParam, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """The FP8 shard times its ``scale_inv``, in ``dtype`` (default: the training dtype).
+    """The FP8 shard times its ``scale_inv`` (per tile for blockwise), in ``dtype`` (default:
+    the training dtype).
 
     Example::
 
         dequantize_fp8_primary(param).shape == param.shape
     """
     state = param.gtp_state
-    out = dtype or state.fp8_primary_dtype
-    return (param.detach().float() * state.fp8.scale_inv).to(out)
+    shard = state.fp8
+    return dequantize_fp8(
+        param.detach(), shard.scale_inv, shard.scaling, dtype or state.fp8_primary_dtype
+    )
 
 
 def write_back_fp8_primary(
     params: Sequence[GTPShardedParam],
     masters: Sequence[torch.Tensor | None],
     start_offsets: Sequence[int | None],
-    groups: Sequence[dist.ProcessGroup | None],
+    replicate_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Quantize each param's master slice into its FP8 shard with the full weight's scale.
+    """Quantize each param's master slice into its FP8 shard with the full weight's scales.
 
     ``masters[i]`` is the fp32 master of the flat elements ``[start_offsets[i], +numel)`` of
     ``params[i]``'s shard on this rank, or ``None`` when another replicate rank holds all of it
-    (megatron's ``quantize_param_shard`` convention). ``groups``: every group whose members hold
-    other pieces of the same TP-local weights (the distributed optimizer's replicate group and
-    the runtime's GTP group); the packed amax is all-reduced (MAX) over each in turn. Every rank
-    sets every param's scale and scale_inv (the replicas need them after the param all-gather);
-    only the slices with a master are cast, pad elements written as zeros. All checks run
-    before the first collective; every rank of the groups calls it with the same ``params``.
+    (megatron's ``quantize_param_shard`` convention). ``replicate_group``: the group whose
+    members hold the other slices of the same shards (the distributed optimizer's data-parallel
+    group), ``None`` when every rank holds its whole shard. Every param belongs to one runtime.
+
+    The amax of every scaling unit goes into one vector, all-reduced (MAX) once per group that
+    holds pieces of it: per tensor the replicate group, then the runtime's GTP group (together
+    every piece of the TP-local weight); blockwise the replicate group only (a tile lies within
+    one shard). Every rank then sets every param's scales (the replicas need them after the
+    param all-gather) and casts only its own slices, pad elements written as zeros. All checks
+    run before the first collective; every rank of the groups calls it with the same ``params``.
 
     Example::
 
         optimizer.step()     # fp32 masters updated
-        write_back_fp8_primary(params, masters, offsets, [replicate_group, runtime.group])
+        write_back_fp8_primary(params, masters, offsets, replicate_group)
         # then all-gather the FP8 bytes over the replicate group (megatron's param gather)
     """
     if not (len(params) == len(masters) == len(start_offsets)):
@@ -181,6 +232,8 @@ def write_back_fp8_primary(
     for param, master, start in zip(params, masters, start_offsets):
         if not is_fp8_primary(param):
             raise ValueError(f"{param!r} is not an FP8 primary weight (make_fp8_primary)")
+        if param.runtime is not params[0].runtime:
+            raise ValueError("write_back_fp8_primary: params of more than one runtime")
         if master is None:
             continue
         if start is None or start < 0 or start + master.numel() > param.numel():
@@ -188,44 +241,113 @@ def write_back_fp8_primary(
                 f"{param.gtp_state.name}: master slice [{start}, +{master.numel()}) outside the "
                 f"shard's {param.numel()} elements"
             )
-    device = params[0].device
-    amax, scale, scale_inv = _scalars(len(params), device)
-    k = _STRIDE
+    scaling = params[0].gtp_state.fp8.scaling
+    groups = [replicate_group]
+    if scaling.kind is not ScalingKind.BLOCKWISE:
+        groups.append(params[0].runtime.group)
     with torch.no_grad():
-        slices: list[tuple[int, torch.Tensor, int] | None] = []
-        for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
-            if master is None:
-                slices.append(None)
-                continue
-            state = param.gtp_state
-            # TE rounds the master to the model's dtype before quantizing (numerics of the
-            # training-dtype path kept): so does this.
-            values = master.detach().reshape(-1).to(state.fp8_primary_dtype).float()
-            cols = param.numel() // max(param.shape[0], 1)
-            real_end = _real_rows(param.gtp_spec, param.shape[0]) * cols
-            keep = max(0, min(values.numel(), real_end - start))
-            if keep < values.numel():
-                values = values.clone()
-                values[keep:] = 0
-            if keep:
-                amax[i * k] = values[:keep].abs().max()
-            slices.append((start, values, keep))
-        for group in groups:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        for i, param in enumerate(params):
-            state, shard = param.gtp_state, param.gtp_state.fp8
-            view = slice(i * k, i * k + 1)
-            scale[view] = scale_from_amax(amax[view], shard.scaling)
-            torch.reciprocal(scale[view], out=scale_inv[view])
-            shard.amax.copy_(amax[view])
-            shard.scale.copy_(scale[view])
-            shard.scale_inv.copy_(scale_inv[view])
-            if slices[i] is None:
-                continue
-            start, values, _ = slices[i]
-            flat = param.detach().view(-1)
-            flat[start : start + values.numel()].copy_(_cast(values, shard.scale, shard.scaling))
+        if scaling.kind is ScalingKind.BLOCKWISE:
+            _write_back_tiles(params, masters, start_offsets, groups, scaling)
+        else:
+            _write_back_tensors(params, masters, start_offsets, groups)
+
+
+def _rounded_slice(param: GTPShardedParam, master: torch.Tensor, start: int) -> torch.Tensor:
+    """The master slice in fp32 after TE's rounding to the training dtype, pad elements zero."""
+    values = master.detach().reshape(-1).to(param.gtp_state.fp8_primary_dtype).float()
+    cols = param.numel() // max(param.shape[0], 1)
+    keep = max(0, min(values.numel(), _real_rows(param.gtp_spec, param.shape[0]) * cols - start))
+    if keep < values.numel():
+        values = values.clone()
+        values[keep:] = 0
+    return values
+
+
+def _all_reduce_max(amax: torch.Tensor, groups: Sequence[dist.ProcessGroup | None]) -> None:
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+
+
+def _write_back_tensors(params, masters, start_offsets, groups) -> None:
+    """Per-tensor current scaling: one amax per weight, agreed over replicate x GTP."""
+    amax, scale, scale_inv = _scalars(len(params), params[0].device)
+    k = _STRIDE
+    slices: list[tuple[int, torch.Tensor] | None] = []
+    for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
+        if master is None or not master.numel():
+            slices.append(None)
+            continue
+        values = _rounded_slice(param, master, start)
+        amax[i * k] = values.abs().max()
+        slices.append((start, values))
+    _all_reduce_max(amax, groups)
+    for i, param in enumerate(params):
+        shard = param.gtp_state.fp8
+        view = slice(i * k, i * k + 1)
+        scale[view] = scale_from_amax(amax[view], shard.scaling)
+        torch.reciprocal(scale[view], out=scale_inv[view])
+        shard.amax.copy_(amax[view])
+        shard.scale.copy_(scale[view])
+        shard.scale_inv.copy_(scale_inv[view])
+        if slices[i] is None:
+            continue
+        start, values = slices[i]
+        flat = param.detach().view(-1)
+        flat[start : start + values.numel()].copy_(_cast(values, shard.scale, shard.scaling))
+
+
+def _tile_window(
+    values: torch.Tensor, start: int, shape: torch.Size, block: tuple[int, int]
+) -> tuple[int, int, torch.Tensor]:
+    """The tile rows a flat slice ``[start, +numel)`` of a ``shape`` weight touches: (first
+    tile row, the slice's offset in the window, the window as ``(tile rows, rows, tile
+    columns, columns)`` blocks, zero outside the slice)."""
+    cols = shape[1]
+    block_rows, block_cols = block
+    first = start // cols // block_rows
+    last = (start + values.numel() - 1) // cols // block_rows
+    window = torch.zeros((last - first + 1) * block_rows * cols, device=values.device)
+    offset = start - first * block_rows * cols
+    window[offset : offset + values.numel()] = values
+    col_tiles = math.ceil(cols / block_cols)
+    padded = F.pad(window.view(-1, cols), (0, col_tiles * block_cols - cols))
+    return first, offset, padded.view(last - first + 1, block_rows, col_tiles, block_cols)
+
+
+def _write_back_tiles(params, masters, start_offsets, groups, scaling: FP8Scaling) -> None:
+    """Blockwise: one amax per tile, agreed over the replicate group (TE's partial amax of each
+    rank's slice, then MAX); every tile's scale on every rank, each rank casts its slice."""
+    sizes = [param.gtp_state.fp8.amax.numel() for param in params]
+    bounds = [0, *itertools.accumulate(sizes)]
+    amax = torch.zeros(bounds[-1], dtype=torch.float32, device=params[0].device)
+    windows: list[tuple[int, int, int, torch.Tensor] | None] = []
+    for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
+        if master is None or not master.numel():
+            windows.append(None)
+            continue
+        values = _rounded_slice(param, master, start)
+        first, offset, tiles = _tile_window(values, start, param.shape, scaling.block)
+        grid = amax[bounds[i] : bounds[i + 1]].view(param.gtp_state.fp8.amax.shape)
+        grid[first : first + tiles.shape[0]] = tiles.abs().amax(dim=(1, 3))
+        windows.append((first, offset, values.numel(), tiles))
+    _all_reduce_max(amax, groups)
+    scale = scale_from_amax(amax, scaling)
+    scale_inv = torch.reciprocal(scale)
+    for i, param in enumerate(params):
+        shard = param.gtp_state.fp8
+        part = slice(bounds[i], bounds[i + 1])
+        shard.amax.copy_(amax[part].view(shard.amax.shape))
+        shard.scale.copy_(scale[part].view(shard.scale.shape))
+        shard.scale_inv.copy_(scale_inv[part].view(shard.scale.shape))  # the wire's columns
+        if windows[i] is None:
+            continue
+        first, offset, numel, tiles = windows[i]
+        tile_scale = shard.scale[first : first + tiles.shape[0], None, :, None]
+        cast = _cast(tiles, tile_scale, scaling).view(-1, tiles.shape[2] * tiles.shape[3])
+        flat = cast[:, : param.shape[1]].reshape(-1)[offset : offset + numel]
+        start = start_offsets[i]
+        param.detach().view(-1)[start : start + numel].copy_(flat)
 
 
 def quantize_loaded_fp8_primary(
@@ -235,12 +357,16 @@ def quantize_loaded_fp8_primary(
     "FP8 primary weights").
 
     ``values[i]`` is the loaded (dequantized, training-dtype or fp32) shard of ``params[i]``,
-    shaped like it, pad rows ignored; ``None`` keeps the param's own dequantized values. The
-    amax is agreed over each param's GTP group (one all-reduce per runtime, in the order the
-    runtimes first appear: every GTP peer passes the same params in the same order). Every
-    replicate rank holds the whole loaded shard, so no other group is involved. Values that
-    are themselves a dequantized FP8 weight come back as the same FP8 bytes (the round trip
-    through the training dtype moves a value far less than half an FP8 step).
+    shaped like it, pad rows ignored; ``None`` keeps the param's own dequantized values. A
+    per-tensor amax is agreed over each param's GTP group (one all-reduce per runtime, in the
+    order the runtimes first appear: every GTP peer passes the same params in the same order);
+    a tile's is its owner's. Every replicate rank holds the whole loaded shard, so no other
+    group is involved. Values that are themselves a dequantized FP8 weight come back as the
+    same values: per tensor as the same FP8 bytes (the round trip through the training dtype
+    moves a value far less than half an FP8 step); blockwise a tile whose largest code had
+    rounded down to half the FP8 maximum comes back with twice the codes and half the
+    power-of-two scale (the same values; :func:`write_back_fp8_primary` from the loaded fp32
+    masters restores the saving run's bytes).
 
     Example::
 
@@ -248,7 +374,7 @@ def quantize_loaded_fp8_primary(
     """
     if len(params) != len(values):
         raise ValueError("quantize_loaded_fp8_primary: params and values differ in length")
-    by_runtime: dict[int, tuple[object, list, list]] = {}
+    by_runtime: dict[int, tuple[list, list]] = {}
     for param, value in zip(params, values):
         if not is_fp8_primary(param):
             raise ValueError(f"{param!r} is not an FP8 primary weight (make_fp8_primary)")
@@ -257,10 +383,9 @@ def quantize_loaded_fp8_primary(
                 f"{param.gtp_state.name}: loaded value of shape {tuple(value.shape)} for a shard "
                 f"of shape {tuple(param.shape)}"
             )
-        runtime = param.runtime
-        entry = by_runtime.setdefault(id(runtime), (runtime, [], []))
-        entry[1].append(param)
+        entry = by_runtime.setdefault(id(param.runtime), ([], []))
+        entry[0].append(param)
         source = dequantize_fp8_primary(param, torch.float32) if value is None else value
-        entry[2].append(source.detach().reshape(-1))
-    for runtime, group_params, sources in by_runtime.values():
-        write_back_fp8_primary(group_params, sources, [0] * len(sources), [runtime.group])
+        entry[1].append(source.detach().reshape(-1))
+    for group_params, sources in by_runtime.values():
+        write_back_fp8_primary(group_params, sources, [0] * len(sources))

@@ -42,7 +42,7 @@ from nemo_gtp.engine.copy_engine import (
     agree_on_copy_engine,
     copy_engine_available,
 )
-from nemo_gtp.engine.fp8 import FP8Scaling, ScalingKind
+from nemo_gtp.engine.fp8 import FP8Scaling, ScalingKind, dequantize_fp8
 from nemo_gtp.engine.fp8_gather import (
     FP8Gathered,
     FP8ShardCache,
@@ -484,11 +484,14 @@ class GTPRuntime(GraphSegments):
     ) -> torch.Tensor:
         """What a GEMM that is not FP8-aware multiplies with: ``full`` (from :meth:`materialize`)
         as is, or for FP8 primary shards the gathered FP8 rows dequantized into the training
-        dtype (a new tensor per call: the CPU / local-linear path; TE consumes the FP8 rows)."""
+        dtype (a new tensor per call: the CPU / local-linear path; TE consumes the FP8 rows).
+        Blockwise: per tile, with the tile scales gathered beside the rows."""
         if self.fp8_primary is None:
             return full
         state = param.gtp_state
-        return (full.float() * state.fp8.scale_inv).to(state.fp8_primary_dtype)
+        fp8 = self.fp8_primary
+        scale_inv = state.slot(direction).scales if fp8.kind is _BLOCKWISE else state.fp8.scale_inv
+        return dequantize_fp8(full, scale_inv, fp8, state.fp8_primary_dtype)
 
     def prefetch_neighbour(
         self, param: GTPShardedParam, direction: Direction, *, will_backward: bool = False

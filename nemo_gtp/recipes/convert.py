@@ -433,14 +433,14 @@ def _check_low_precision_names(plugin: Any, where: str, fp8_param: str | None = 
 
 def _check_fp8_primary(recipe: Any, plugin: Any, key: str, egtp: int) -> None:
     """FP8 primary GTP shards (design §1.3 "FP8 primary weights"; the recipe already checked
-    for ``fp8_recipe="tensorwise"``): megatron's distributed optimizer, fp32 gradient
+    for ``fp8_recipe`` "tensorwise" or "blockwise"): megatron's distributed optimizer, fp32 gradient
     reduction, no routed experts over expert GTP."""
     off = f"or set {key}=False (the shards then stay in the training dtype)"
     where = key.rpartition(".")[0]
     if not _get(plugin, "fp8"):
         raise RecipeError(
             f"{key}=True (FP8 primary weights) needs FP8: set {where}.fp8='hybrid' (or 'e4m3') "
-            f"and {where}.fp8_recipe='tensorwise', {off}"
+            f"and {where}.fp8_recipe='tensorwise' (or 'blockwise'), {off}"
         )
     optim = _get(_get(recipe, "optim"), "config")
     if optim is not None and not _get(optim, "use_distributed_optimizer"):

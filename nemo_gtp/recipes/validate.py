@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -404,16 +405,17 @@ def _check_fp8(raw: dict[str, Any], dims: Any) -> None:
 
 def _check_fp8_primary(raw: dict[str, Any], dims: Any, section: dict[str, Any]) -> None:
     """``fp8.param_gather=true`` under GTP: FP8 primary GTP shards (design §1.3 "FP8 primary
-    weights"): per-tensor current scaling, megatron's distributed optimizer with fp32 gradient
-    reduction, no routed experts over expert GTP. ``resume`` is fine: the strategy re-quantizes
-    the shards from the loaded weights and fp32 mains (design §3.3 "FP8 primary weights")."""
+    weights"): per-tensor current scaling or blockwise scaling, megatron's distributed
+    optimizer with fp32 gradient reduction, no routed experts over expert GTP. ``resume`` is
+    fine: the strategy re-quantizes the shards from the loaded weights and fp32 mains (design
+    §3.3 "FP8 primary weights")."""
     off = "or fp8.param_gather=false (the shards then stay bf16)"
     recipe = section.get("recipe") or "delayed"
-    if recipe != "tensorwise":
+    if recipe not in ("tensorwise", "blockwise"):  # engine.fp8.FP8_PRIMARY_RECIPES (no torch here)
         raise RecipeError(
             f"fp8.param_gather=true (FP8 primary weights) with fp8.recipe={recipe} is not "
-            f"supported with GTP (its FP8 primary shards use per-tensor current scaling): set "
-            f"fp8.recipe=tensorwise, {off}"
+            f"supported with GTP (its FP8 primary shards use per-tensor current scaling or "
+            f"128x128 blockwise scaling): set fp8.recipe=tensorwise or blockwise, {off}"
         )
     if not (raw.get("optim") or {}).get("use_distributed_optimizer"):
         raise RecipeError(
@@ -431,6 +433,44 @@ def _check_fp8_primary(raw: dict[str, Any], dims: Any, section: dict[str, Any]) 
             "fp8.param_gather=true is not supported for routed experts sharded over expert GTP: "
             f"drop strategy.expert_num_weight_shards (experts whole), {off}"
         )
+    if recipe == "blockwise":
+        _check_primary_tiles(raw, dims)
+
+
+TE_TILE = 128  # rows of TE's Float8BlockScaling weight tiles
+
+
+def _check_primary_tiles(raw: dict[str, Any], dims: Any) -> None:
+    """Blockwise FP8 primary shards own their tiles (design §1.3 "FP8 primary weights"): every
+    transformer linear's GTP shard must be whole 128-row tiles, else the recipe names the
+    ``gtp.pad_for_alignment`` that makes it so (the shard rows are the TP-local rows padded to
+    ``pad_for_alignment x GTP``, design §1.3 "Padding")."""
+    model = raw.get("model") or {}
+    hidden, heads = model.get("hidden_size"), model.get("num_attention_heads")
+    if not hidden or not heads:
+        return
+    tp = dims.tensor_model_parallel_size
+    kv = model.get("kv_channels") or hidden // heads
+    groups = model.get("num_query_groups") or heads
+    fc1 = (model.get("ffn_hidden_size") or 4 * hidden) * (
+        2 if model.get("gated_linear_unit") else 1
+    )
+    rows = {
+        "linear_qkv": (heads + 2 * groups) * kv // tp,
+        "linear_fc1": fc1 // tp,
+        "linear_proj and linear_fc2": hidden,
+    }
+    pad = int((raw.get("gtp") or {}).get("pad_for_alignment", 16))
+    unit = pad * dims.gtp
+    for name, count in rows.items():
+        shard = -(-count // unit) * unit // dims.gtp
+        if shard % TE_TILE:
+            raise RecipeError(
+                f"fp8.recipe=blockwise with fp8.param_gather=true: {name} ({count} rows per "
+                f"tensor-parallel rank) gives GTP shards of {shard} rows at GTP {dims.gtp} "
+                f"(gtp.pad_for_alignment={pad}), which split TE's {TE_TILE}x{TE_TILE} tiles: "
+                f"set gtp.pad_for_alignment={math.lcm(TE_TILE, pad)}"
+            )
 
 
 def check_resume_path(path: Any) -> None:

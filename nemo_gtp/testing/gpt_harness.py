@@ -27,7 +27,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, is_gtp_param
-from nemo_gtp.engine.fp8 import FP8Scaling, _cast, quantize_shard, scale_from_amax
+from nemo_gtp.engine.fp8 import FP8Scaling, ScalingKind, _cast, quantize_shard, scale_from_amax
 from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary, make_fp8_primary
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
@@ -108,6 +108,16 @@ class Run:
     # emulates megatron's FP8 params on the same weights (fp32 masters kept beside the model,
     # the weights their quantize-dequantize after every step: quantize_full_weights).
     fp8_primary: bool = False
+    # FP8 primary weights with blockwise scaling of these tiles (rows, columns); None: per-tensor
+    # current scaling. The shards' rows must be whole tiles (GTPConfig.pad_for_alignment).
+    fp8_block: tuple[int, int] | None = None
+
+    @property
+    def fp8_scaling(self) -> FP8Scaling:
+        """The FP8 primary weights' recipe (``fp8_primary``, ``fp8_block``)."""
+        if self.fp8_block is None:
+            return FP8Scaling("tensorwise")
+        return FP8Scaling("blockwise", block=self.fp8_block)
 
     @property
     def gtp_on(self) -> bool:
@@ -392,7 +402,7 @@ def build(run: Run) -> dict:
     if run.gtp_on:
         shard_model(model, groups, gtp_config)
         if run.fp8_primary:
-            make_fp8_primary(model.gtp_runtime, FP8Scaling("tensorwise"))
+            make_fp8_primary(model.gtp_runtime, run.fp8_scaling)
     pgs = gtp_process_groups(groups, gtp_config)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=run.overlap_grad_reduce,
@@ -436,7 +446,7 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
     masters = {}
     if run.fp8_primary and not run.gtp_on:
         masters = {n: p for n, p in named if n.endswith(FP8_PRIMARY_WEIGHTS)}
-        masters = quantize_full_weights(masters)
+        masters = quantize_full_weights(masters, run.fp8_scaling)
     for step in range(first_step, first_step + run.steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -460,7 +470,9 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
                         param.copy_(masters[name])
         _, grad_norm, _ = optimizer.step()
         if masters:
-            masters = quantize_full_weights({n: p for n, p in named if n in masters})
+            masters = quantize_full_weights(
+                {n: p for n, p in named if n in masters}, run.fp8_scaling
+            )
         out["grad_norms"].append(float(grad_norm))
         out["builds"].append(runtime.builds if runtime is not None else 0)
     out["weights"] = {
@@ -488,16 +500,20 @@ FP8_PRIMARY_WEIGHTS = (
 )
 
 
-def _fp8_dequantized(values: torch.Tensor) -> torch.Tensor:
-    """``values`` quantized on one rank (per-tensor current scaling) and dequantized."""
-    quantized = quantize_shard(values.detach(), FP8Scaling("tensorwise"))
-    return (quantized.data.float() * quantized.scale_inv).to(values.dtype)
+_TENSORWISE = FP8Scaling("tensorwise")
 
 
-def quantize_full_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """megatron's FP8 params emulated on full weights (per-tensor current scaling, the
-    engine's formula and cast): returns each param's value as its fp32 master, and sets the
-    param to the master quantized on one rank and dequantized.
+def _fp8_dequantized(values: torch.Tensor, scaling: FP8Scaling = _TENSORWISE) -> torch.Tensor:
+    """``values`` quantized on one rank (default: per-tensor current scaling) and dequantized."""
+    return quantize_shard(values.detach(), scaling).dequantize(values.dtype)
+
+
+def quantize_full_weights(
+    params: dict[str, torch.Tensor], scaling: FP8Scaling = _TENSORWISE
+) -> dict[str, torch.Tensor]:
+    """megatron's FP8 params emulated on full weights (``scaling``: per-tensor current scaling
+    or blockwise, the engine's formula and cast): returns each param's value as its fp32
+    master, and sets the param to the master quantized on one rank and dequantized.
 
     Example::
 
@@ -507,7 +523,7 @@ def quantize_full_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Te
     with torch.no_grad():
         for name, param in params.items():
             masters[name] = param.detach().clone()
-            param.copy_(_fp8_dequantized(param))
+            param.copy_(_fp8_dequantized(param, scaling))
     return masters
 
 
@@ -529,11 +545,12 @@ def _own_fp8_weight_entries(model_sd: dict, module: torch.nn.Module, make: Calla
     assert replaced == len(weights), f"{replaced} of {len(weights)} FP8 weight entries found"
 
 
-def save_emulated_fp8_checkpoint(path: str, setup: dict) -> None:
+def save_emulated_fp8_checkpoint(path: str, setup: dict, scaling: FP8Scaling = _TENSORWISE) -> None:
     """Save a :func:`build` result of a run without GTP and ``Run.fp8_primary`` (at rest: its
     params hold the fp32 masters) as megatron saves FP8 params (design §3.3 "FP8 primary
-    weights"): each FP8 weight as its quantize-dequantize, the distributed optimizer's
-    ``fp32_param`` as the master. Collective.
+    weights"): each FP8 weight as its quantize-dequantize in ``scaling`` (the run's
+    ``Run.fp8_scaling``), the distributed optimizer's ``fp32_param`` as the master.
+    Collective.
 
     Example::
 
@@ -549,7 +566,7 @@ def save_emulated_fp8_checkpoint(path: str, setup: dict) -> None:
     module, groups = setup["ddp"].module, setup["groups"]
     model_sd = gtp_sharded_state_dict(module, groups)
     optim_sd = optimizer_sharded_state_dict(setup["optimizer"], model_sd)
-    _own_fp8_weight_entries(model_sd, module, _fp8_dequantized)
+    _own_fp8_weight_entries(model_sd, module, lambda t: _fp8_dequantized(t, scaling))
     state = {"model": model_sd, "optimizer": optim_sd}
     save_checkpoint(state, path, layout=checkpoint_layout(model_sd, groups))
 
@@ -591,22 +608,33 @@ def fp8_primary_write_back_errors(setup: dict) -> list[str]:
     """Which FP8 primary shards of a trained :func:`build` result are not, bit for bit, their
     fp32 main slices (megatron's distributed optimizer), rounded to the training dtype as the
     write-back does, quantized with the scale of the whole master (amax over every rank: all of
-    them hold pieces of the same weights; TP 1). Empty when all are. Collective over the world.
+    them hold pieces of the same weights; TP 1). Blockwise: each shard's tiles quantized on
+    their own (the main slice must be the whole shard: DP 1). Empty when all are. Collective
+    over the world.
 
     Example::
 
         assert not fp8_primary_write_back_errors(setup)
     """
-    scaling = FP8Scaling("tensorwise")
     optimizers = getattr(setup["optimizer"], "chained_optimizers", [setup["optimizer"]])
     wrong = []
     for name, param in setup["ddp"].module.named_parameters():
         if not is_fp8_primary(param):
             continue
+        scaling = param.gtp_state.fp8.scaling
         main = param.main_param  # this rank's fp32 slice of the shard, or None
-        amax = torch.zeros(1, device=param.device)
         if main is not None:
             main = main.detach().to(param.gtp_state.fp8_primary_dtype).float()
+        if scaling.kind is ScalingKind.BLOCKWISE:
+            assert main is not None and main.numel() == param.numel(), "blockwise check: DP 1"
+            want = quantize_shard(main.view(param.shape), scaling, spec=param.gtp_spec)
+            if not torch.equal(param.gtp_state.fp8.scale_inv, want.scale_inv):
+                wrong.append(f"{name} tile scales")
+            if not torch.equal(param.detach().view(torch.uint8), want.data.view(torch.uint8)):
+                wrong.append(f"{name} bytes")
+            continue
+        amax = torch.zeros(1, device=param.device)
+        if main is not None:
             amax = main.abs().max().reshape(1)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
         scale = scale_from_amax(amax, scaling)

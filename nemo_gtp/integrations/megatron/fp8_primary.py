@@ -17,7 +17,8 @@ megatron-core 0.15 supports FP8 params (``fp8_param_gather``) through four funct
 :func:`install_fp8_primary_hooks` wraps those names in those three modules: a GTP FP8 primary
 shard (``engine/fp8_primary.py``) answers ``is_float8tensor`` with True, its storage moves as
 bytes, its write-back is :func:`~nemo_gtp.engine.fp8_primary.write_back_fp8_primary` with the
-amax agreed over the data-parallel (replicate) group and the runtime's GTP group, and its value
+amax agreed over the data-parallel (replicate) group and, per tensor, the runtime's GTP group
+(a blockwise tile lies within one shard), and its value
 is :func:`~nemo_gtp.engine.fp8_primary.dequantize_fp8_primary` (megatron's own function would
 hand the shard to TE's ``dequantize``, which a plain float8 tensor does not scale). Every other
 tensor goes to megatron's own function. The wrappers are installed once per process and
@@ -98,6 +99,24 @@ def _modify_underlying_storage(original: Callable[..., None]) -> Callable[..., N
     return modify_underlying_storage
 
 
+def _by_runtime(
+    params: Sequence[torch.Tensor],
+    mains: Sequence[torch.Tensor | None],
+    starts: Sequence[int | None],
+) -> dict[int, tuple[list, list, list]]:
+    """The FP8 primary shards among ``params`` with their mains and offsets, per runtime (in
+    the order the runtimes first appear: the same on every rank, which holds the same params in
+    the same buffer order)."""
+    ours: dict[int, tuple[list, list, list]] = {}
+    for param, main, start in zip(params, mains, starts, strict=True):
+        if is_fp8_primary(param):
+            entry = ours.setdefault(id(param.runtime), ([], [], []))
+            entry[0].append(param)
+            entry[1].append(main)
+            entry[2].append(start)
+    return ours
+
+
 def _quantize_param_shard(original: Callable[..., None]) -> Callable[..., None]:
     def quantize_param_shard(
         model_params: Sequence[torch.Tensor],
@@ -107,22 +126,16 @@ def _quantize_param_shard(original: Callable[..., None]) -> Callable[..., None]:
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        ours: dict[int, tuple[Any, list, list, list]] = {}
+        ours = _by_runtime(model_params, main_params, start_offsets)
         rest: tuple[list, list, list] = ([], [], [])
         for param, main, start in zip(model_params, main_params, start_offsets, strict=True):
-            if is_fp8_primary(param):
-                runtime = param.runtime
-                entry = ours.setdefault(id(runtime), (runtime, [], [], []))
-                entry[1].append(param)
-                entry[2].append(main)
-                entry[3].append(start)
-            else:
+            if not is_fp8_primary(param):
                 for out, value in zip(rest, (param, main, start)):
                     out.append(value)
         # Every rank of the replicate and GTP groups holds the same params in the same buffer
         # order, so the runtimes come in the same order on every rank (one collective each).
-        for runtime, params, mains, starts in ours.values():
-            write_back_fp8_primary(params, mains, starts, [data_parallel_group, runtime.group])
+        for params, mains, starts in ours.values():
+            write_back_fp8_primary(params, mains, starts, data_parallel_group)
         original(*rest, data_parallel_group, *args, **kwargs)
 
     setattr(quantize_param_shard, _MARK, original)
@@ -155,7 +168,7 @@ def install_fp8_primary_hooks() -> None:
     Called by ``GTPDDPMixin`` when the module it wraps has FP8 primary shards, before megatron
     allocates its buffers. Example::
 
-        make_fp8_primary(model.gtp_runtime, FP8Scaling("tensorwise"))
+        make_fp8_primary(model.gtp_runtime, FP8Scaling("tensorwise"))   # or "blockwise"
         ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
     """
     for name in _MODULES:
@@ -193,18 +206,9 @@ def quantize_fp8_primary_from_main_params(optimizer: Any) -> bool:
         get = getattr(opt, "_get_fp8_params_and_shard_fp32_from_fp8", None)
         if get is None:
             continue
-        params, mains, starts = get()
-        ours: dict[int, tuple[Any, list, list, list]] = {}
-        for param, main, start in zip(params, mains, starts, strict=True):
-            if is_fp8_primary(param):
-                entry = ours.setdefault(id(param.runtime), (param.runtime, [], [], []))
-                entry[1].append(param)
-                entry[2].append(main)
-                entry[3].append(start)
-        for runtime, group_params, group_mains, group_starts in ours.values():
-            write_back_fp8_primary(
-                group_params, group_mains, group_starts, [opt.data_parallel_group, runtime.group]
-            )
+        ours = _by_runtime(*get())
+        for group_params, group_mains, group_starts in ours.values():
+            write_back_fp8_primary(group_params, group_mains, group_starts, opt.data_parallel_group)
         if ours:
             found = True
             for chunk in opt.model_chunks:

@@ -9,6 +9,7 @@ of refusing, so the user need not repeat the model's setting).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -130,9 +131,12 @@ def fp8_primary_scaling(config: object) -> FP8Scaling | None:
     """The :class:`FP8Scaling` of the FP8 primary shards a model config asks for, or ``None``.
 
     megatron's ``fp8_param`` (NeMo's ``fp8_param_gather``) with FP8 on: the weights are FP8
-    primary weights, per-tensor current scaling with TE's weight format (E4M3 under both
-    ``"e4m3"`` and ``"hybrid"``), design §1.3 "FP8 primary weights". The settings are checked
-    first (:func:`check_low_precision_for_gtp`: other recipes are refused, naming the setting).
+    primary weights in TE's weight format (E4M3 under both ``"e4m3"`` and ``"hybrid"``), design
+    §1.3 "FP8 primary weights": per-tensor current scaling (``fp8_recipe="tensorwise"``), or
+    TE's ``Float8BlockScaling`` weight tiles (``"blockwise"``: 128x128, power-of-two scales
+    unless TE's ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``, as the recipe megatron builds). The
+    settings are checked first (:func:`check_low_precision_for_gtp`: other recipes are
+    refused, naming the setting).
 
     Example::
 
@@ -141,4 +145,11 @@ def fp8_primary_scaling(config: object) -> FP8Scaling | None:
     """
     if check_low_precision_for_gtp(config) != FP8_PRIMARY:
         return None
+    if _value(getattr(config, "fp8_recipe", None)) == "blockwise":
+        return FP8Scaling(
+            "blockwise",
+            fp8_dtype=torch.float8_e4m3fn,
+            block=(128, 128),  # TE's Float8BlockScaling weight tiles (2-D, w_block_scaling_dim=2)
+            power_2_scales=os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1",
+        )
     return FP8Scaling("tensorwise", fp8_dtype=torch.float8_e4m3fn)
