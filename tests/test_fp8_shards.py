@@ -483,7 +483,18 @@ def _primary_worker(
     """FP8 primary shards: the runtime gathers their own bytes (no refresh cast), bit-exact vs
     the full weight quantized on one rank; the write-back from DP-sliced masters (amax agreed
     over replicate x GTP; blockwise: a tile's over the replicate group) gives the same bytes as
-    quantizing the full master on one rank."""
+    quantizing the full master on one rank, also when it works through a slice in pieces."""
+    from nemo_gtp.engine import fp8_primary
+
+    default = fp8_primary.WRITE_BACK_CHUNK_ELEMENTS
+    fp8_primary.WRITE_BACK_CHUNK_ELEMENTS = 200  # every slice in several pieces (GTP 2 and 4)
+    try:
+        return _primary_checks(world, gtp, coalesce_mb, kind)
+    finally:
+        fp8_primary.WRITE_BACK_CHUNK_ELEMENTS = default
+
+
+def _primary_checks(world: int, gtp: int, coalesce_mb: float, kind: str) -> dict:
     from nemo_gtp.engine import gtp_linear
     from nemo_gtp.engine.fp8_gather import padded_scale_shape
     from nemo_gtp.engine.fp8_primary import (

@@ -269,20 +269,41 @@ def _all_reduce_max(amax: torch.Tensor, groups: Sequence[dist.ProcessGroup | Non
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
 
 
+WRITE_BACK_CHUNK_ELEMENTS = 1 << 24
+"""Elements of a master slice the write-back rounds and casts at once (design §1.3 "FP8 primary
+weights"): its fp32 working copies stay a few times 64 MiB whatever the model's size (one
+piece of one weight at a time, in two passes: the amax, then after the collective the cast);
+a 1B model's largest shard is one piece."""
+
+
+def _pieces(
+    param: GTPShardedParam, master: torch.Tensor | None, start: int | None, rows_per_unit: int
+):
+    """``(piece start, master elements)`` of a master slice, cut at multiples of whole units
+    of ``rows_per_unit`` rows (a tile row, or a row) at most ~:data:`WRITE_BACK_CHUNK_ELEMENTS`
+    long; nothing when the rank holds none of it."""
+    if master is None or not master.numel():
+        return
+    flat = master.detach().reshape(-1)
+    unit = rows_per_unit * (param.numel() // max(param.shape[0], 1))
+    step = max(1, WRITE_BACK_CHUNK_ELEMENTS // unit) * unit
+    at, end = start, start + flat.numel()
+    while at < end:
+        stop = min(end, (at // step + 1) * step)
+        yield at, flat[at - start : stop - start]
+        at = stop
+
+
 def _write_back_tensors(params, masters, start_offsets, groups) -> None:
     """Per-tensor current scaling: one amax per weight, agreed over replicate x GTP."""
     amax, scale, scale_inv = _scalars(len(params), params[0].device)
     k = _STRIDE
-    slices: list[tuple[int, torch.Tensor] | None] = []
     for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
-        if master is None or not master.numel():
-            slices.append(None)
-            continue
-        values = _rounded_slice(param, master, start)
-        amax[i * k] = values.abs().max()
-        slices.append((start, values))
+        for at, piece in _pieces(param, master, start, 1):
+            peak = _rounded_slice(param, piece, at).abs().max()
+            torch.maximum(amax[i * k : i * k + 1], peak, out=amax[i * k : i * k + 1])
     _all_reduce_max(amax, groups)
-    for i, param in enumerate(params):
+    for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
         shard = param.gtp_state.fp8
         view = slice(i * k, i * k + 1)
         scale[view] = scale_from_amax(amax[view], shard.scaling)
@@ -290,11 +311,10 @@ def _write_back_tensors(params, masters, start_offsets, groups) -> None:
         shard.amax.copy_(amax[view])
         shard.scale.copy_(scale[view])
         shard.scale_inv.copy_(scale_inv[view])
-        if slices[i] is None:
-            continue
-        start, values = slices[i]
         flat = param.detach().view(-1)
-        flat[start : start + values.numel()].copy_(_cast(values, shard.scale, shard.scaling))
+        for at, piece in _pieces(param, master, start, 1):
+            values = _rounded_slice(param, piece, at)
+            flat[at : at + values.numel()].copy_(_cast(values, shard.scale, shard.scaling))
 
 
 def _tile_window(
@@ -317,37 +337,36 @@ def _tile_window(
 
 def _write_back_tiles(params, masters, start_offsets, groups, scaling: FP8Scaling) -> None:
     """Blockwise: one amax per tile, agreed over the replicate group (TE's partial amax of each
-    rank's slice, then MAX); every tile's scale on every rank, each rank casts its slice."""
+    rank's slice, then MAX); every tile's scale on every rank, each rank casts its slice. The
+    pieces are whole tile rows (except at the slice's ends), so each tile's partial amax comes
+    from one piece."""
+    block_rows = scaling.block[0]
     sizes = [param.gtp_state.fp8.amax.numel() for param in params]
     bounds = [0, *itertools.accumulate(sizes)]
     amax = torch.zeros(bounds[-1], dtype=torch.float32, device=params[0].device)
-    windows: list[tuple[int, int, int, torch.Tensor] | None] = []
     for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
-        if master is None or not master.numel():
-            windows.append(None)
-            continue
-        values = _rounded_slice(param, master, start)
-        first, offset, tiles = _tile_window(values, start, param.shape, scaling.block)
         grid = amax[bounds[i] : bounds[i + 1]].view(param.gtp_state.fp8.amax.shape)
-        grid[first : first + tiles.shape[0]] = tiles.abs().amax(dim=(1, 3))
-        windows.append((first, offset, values.numel(), tiles))
+        for at, piece in _pieces(param, master, start, block_rows):
+            values = _rounded_slice(param, piece, at)
+            first, _, tiles = _tile_window(values, at, param.shape, scaling.block)
+            grid[first : first + tiles.shape[0]] = tiles.abs().amax(dim=(1, 3))
     _all_reduce_max(amax, groups)
     scale = scale_from_amax(amax, scaling)
     scale_inv = torch.reciprocal(scale)
-    for i, param in enumerate(params):
+    for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
         shard = param.gtp_state.fp8
         part = slice(bounds[i], bounds[i + 1])
         shard.amax.copy_(amax[part].view(shard.amax.shape))
         shard.scale.copy_(scale[part].view(shard.scale.shape))
         shard.scale_inv.copy_(scale_inv[part].view(shard.scale.shape))  # the wire's columns
-        if windows[i] is None:
-            continue
-        first, offset, numel, tiles = windows[i]
-        tile_scale = shard.scale[first : first + tiles.shape[0], None, :, None]
-        cast = _cast(tiles, tile_scale, scaling).view(-1, tiles.shape[2] * tiles.shape[3])
-        flat = cast[:, : param.shape[1]].reshape(-1)[offset : offset + numel]
-        start = start_offsets[i]
-        param.detach().view(-1)[start : start + numel].copy_(flat)
+        flat = param.detach().view(-1)
+        for at, piece in _pieces(param, master, start, block_rows):
+            values = _rounded_slice(param, piece, at)
+            first, offset, tiles = _tile_window(values, at, param.shape, scaling.block)
+            tile_scale = shard.scale[first : first + tiles.shape[0], None, :, None]
+            cast = _cast(tiles, tile_scale, scaling).view(-1, tiles.shape[2] * tiles.shape[3])
+            rows = cast[:, : param.shape[1]].reshape(-1)[offset : offset + values.numel()]
+            flat[at : at + values.numel()].copy_(rows)
 
 
 def quantize_loaded_fp8_primary(
