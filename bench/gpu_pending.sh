@@ -80,10 +80,11 @@ if want fp8; then
     --lr 1e-4 --lr-warmup 10 --steps $STEPS \
     --out "$OUT/fp8/warmup" 2>&1 | grep -v Warn | tail -8
   # the step-time target (GTP2-FP8 <= 1.05x DP2-FP8 at 4k) on the 1B recipe: per-tensor FP8
-  # gathers and blockwise FP8 gathers (new 2026-12-02: bit-exact on one GPU), 2 GPUs
-  [ "$ONE_GPU" = 1 ] || timeout 200 python3 bench/bench_nemo.py \
-    --modes dp2_fp8,gtp2_fp8,dp2_fp8block,gtp2_fp8block --tokens 4096 --warmup 5 --timed 19 \
-    --fit-timeout 45 --out "$OUT/fp8/nemo" | tail -8
+  # gathers, blockwise FP8 gathers (2026-12-02: bit-exact on one GPU) and blockwise FP8 primary
+  # weights (2026-12-02 evening: all numerics PASS on one GPU), 2 GPUs
+  [ "$ONE_GPU" = 1 ] || timeout 290 python3 bench/bench_nemo.py \
+    --modes dp2_fp8,gtp2_fp8,dp2_fp8block,gtp2_fp8block,dp2_fp8blockparam,gtp2_fp8blockparam \
+    --tokens 4096 --warmup 5 --timed 19 --fit-timeout 45 --out "$OUT/fp8/nemo" | tail -10
   pack fp8
 fi
 # 5. The rows never run: eager 1k, and NeMo's Megatron-FSDP as the second baseline.
@@ -92,16 +93,18 @@ if want rows; then
     --warmup 5 --timed 19 --fit-timeout 60 --out "$OUT/rows" | tail -10
   pack rows
 fi
-# 6. FP8 primary weights (megatron's fp8_param, per-tensor current scaling) on real TE: the
-#    megatron GPT (loss vs TE's own FP8 params, the FP8 primary state, a Float8Tensor per weight
-#    and direction), then the 1B FP8 recipe with fp8.param_gather=true through the strategy.
-#    One GPU (run 2026-12-01, all PASS / match): 10 steps and a 4-layer cut, numerics only.
+# 6. FP8 primary weights (megatron's fp8_param; per-tensor current scaling and blockwise) on
+#    real TE: the megatron GPT (loss vs TE's own FP8 params, the FP8 primary state, a quantized
+#    tensor per weight and direction, blockwise: the hand-outs vs TE's quantizer on the masters),
+#    then the 1B FP8 recipe with fp8.param_gather=true through the strategy. One GPU (2026-12-01
+#    per-tensor, 2026-12-02 blockwise: all PASS / match): 10 steps and a 4-layer cut.
 if want fp8param; then
   STEPS=30; [ "$ONE_GPU" = 1 ] && STEPS=10
-  timeout 130 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py $SHARED --deadline 120 \
-    --modes fp8param_dp2,fp8param_gtp2 --lr 1e-4 --steps $STEPS \
-    --out "$OUT/fp8param" 2>&1 | grep -v Warn | tail -8
-  timeout 170 python3 bench/bench_nemo.py $SHARED --modes dp2_fp8param,gtp2_fp8param \
+  timeout 250 torchrun --nproc-per-node 2 bench/gpu_fp8_check.py $SHARED --deadline 240 \
+    --modes fp8param_dp2,fp8param_gtp2,fp8blockparam_dp2,fp8blockparam_gtp2 --lr 1e-4 \
+    --lr-warmup 10 --steps $STEPS --out "$OUT/fp8param" 2>&1 | grep -v Warn | tail -8
+  timeout 290 python3 bench/bench_nemo.py $SHARED \
+    --modes dp2_fp8param,gtp2_fp8param,dp2_fp8blockparam,gtp2_fp8blockparam \
     --tokens 2048 --warmup 5 --timed 10 --fit-timeout 120 --out "$OUT/fp8param/nemo" | tail -8
   pack fp8param
 fi

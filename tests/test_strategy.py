@@ -36,6 +36,13 @@ FP8_PARAM_FIT = dict(  # NeMo's precision plugin puts fp8_recipe into the Optimi
     model_kwargs=dict(fp8="hybrid", fp8_recipe="tensorwise", fp8_param=True),
     optim_kwargs=dict(fp8_recipe="tensorwise"),
 )
+# blockwise FP8 primary shards own TE's 128x128 tiles: every linear's GTP2 shard whole tiles
+FP8_BLOCK_PARAM_FIT = dict(
+    model_kwargs=dict(
+        fp8="hybrid", fp8_recipe="blockwise", fp8_param=True, hidden_size=256, ffn_hidden_size=512
+    ),
+    optim_kwargs=dict(fp8_recipe="blockwise"),
+)
 TWO_RANK_FITS = [
     Fit("base_tp1_dp2"),
     Fit("tp1_gtp2", gtp=2, metrics=True),
@@ -60,6 +67,8 @@ TWO_RANK_FITS = [
     # DP2 whose linear weights are megatron's FP8 params emulated on full weights
     Fit("base_fp8_param", steps=3, emulate_fp8_params=True, **FP8_PARAM_FIT),
     Fit("tp1_gtp2_fp8_param", gtp=2, steps=3, **FP8_PARAM_FIT),
+    Fit("base_fp8_block_param", steps=3, emulate_fp8_params=True, **FP8_BLOCK_PARAM_FIT),
+    Fit("tp1_gtp2_fp8_block_param", gtp=2, steps=3, **FP8_BLOCK_PARAM_FIT),
 ]
 shared_launch(2).add(TWO_RANK_FITS)  # one 2-rank spawn with test_hf_export's fit
 
@@ -149,6 +158,20 @@ def test_fp8_param_makes_fp8_primary_shards(two_ranks: dict) -> None:
         assert rank["shard_dtypes"] == ["torch.float8_e4m3fn"]
         assert state["shards"] == 8 and state["training_dtypes"] == ["torch.float32"]
         assert state["master_dtypes"] == ["torch.float32"] and state["hooks_installed"]
+        assert state["fp8_quantizes"] == 0 and state["fp8_gathers"] == state["gathers"] > 0
+        assert state["write_back_errors"] == []
+
+
+def test_fp8_param_blockwise_makes_fp8_primary_shards(two_ranks: dict) -> None:
+    """The same with ``fp8_recipe="blockwise"`` (design §1.3 "FP8 primary weights"): every
+    shard FP8 and owning its 128x128 tiles, written back exactly (bytes and tile scales), every
+    gather FP8 with no refresh cast; losses and grad norms equal DP2 with megatron's blockwise
+    FP8 params emulated on full weights."""
+    fits = two_ranks["tp1_gtp2_fp8_block_param"], two_ranks["base_fp8_block_param"]
+    _assert_parity(*fits, 1e-6, steps=3)
+    for rank in two_ranks["tp1_gtp2_fp8_block_param"]:
+        state = rank["fp8_primary"]
+        assert rank["shard_dtypes"] == ["torch.float8_e4m3fn"] and state["shards"] == 8
         assert state["fp8_quantizes"] == 0 and state["fp8_gathers"] == state["gathers"] > 0
         assert state["write_back_errors"] == []
 

@@ -335,6 +335,10 @@ def test_model_config_low_precision_checked_for_gtp() -> None:
     config.fp8_param = True
     assert check_low_precision_for_gtp(config) == "fp8_primary"
     assert fp8_primary_scaling(config) == FP8Scaling("tensorwise", fp8_dtype=torch.float8_e4m3fn)
+    blockwise = SimpleNamespace(fp8="e4m3", fp8_recipe="blockwise", fp8_param=True)
+    assert fp8_primary_scaling(blockwise) == FP8Scaling(  # TE's Float8BlockScaling weight tiles
+        "blockwise", fp8_dtype=torch.float8_e4m3fn, block=(128, 128), power_2_scales=True
+    )
     with pytest.raises(ValueError, match=r"routed experts.*expert_num_weight_shards"):
         refuse_fp8_primary_experts(config)
     config.first_last_layers_bf16 = True

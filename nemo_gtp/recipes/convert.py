@@ -28,9 +28,10 @@ per-layer CUDA graphs                            kept for ``cuda_graph_impl="loc
                                                  ``"full"`` / ``"attn"`` with
                                                  ``use_te_rng_tracker=True``; otherwise rejected
                                                  (TE's graph helper, MoE, PP, recompute; §3.5)
-FP8 primary weights (``fp8_param_gather``)      kept with ``fp8_recipe="tensorwise"``: the GTP
-                                                 shards are FP8 (§1.3 "FP8 primary weights");
-                                                 rejected with other recipes, without the
+FP8 primary weights (``fp8_param_gather``)      kept with ``fp8_recipe`` tensorwise or
+                                                 blockwise: the GTP shards are FP8 (§1.3 "FP8
+                                                 primary weights"); rejected with delayed
+                                                 scaling, without the
                                                  distributed optimizer or fp32 grad reduction,
                                                  for routed experts over expert GTP
 FP8 compute (``trainer.plugins.fp8``)            kept: ``fp8_recipe="tensorwise"`` gathers FP8

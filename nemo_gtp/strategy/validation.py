@@ -144,11 +144,11 @@ def validate_fp8_primary(
     settings they need, checked before any collective (design §1.3 "FP8 primary weights").
 
     Returns the shards' :class:`FP8Scaling`, or ``None`` when ``fp8_param`` is off. Raises
-    ``ValueError`` naming the setting: ``fp8_recipe`` other than ``"tensorwise"``, megatron's
-    bf16 first / last layers, routed experts under expert GTP (``egtp > 1``), DDP without
+    ``ValueError`` naming the setting: ``fp8_recipe`` other than ``"tensorwise"`` / ``"blockwise"``,
+    megatron's bf16 first / last layers, routed experts under expert GTP (``egtp > 1``), DDP without
     ``grad_reduce_in_fp32`` or the distributed optimizer, an ``OptimizerConfig`` without
-    ``use_distributed_optimizer`` (megatron's other optimizers copy the fp32 main params into
-    the model params with a plain copy, which an FP8 shard cannot take).
+    ``use_distributed_optimizer`` (megatron's other optimizers copy the fp32 main params into the
+    model params with a plain copy, which an FP8 shard cannot take).
 
     Example::
 

@@ -51,14 +51,18 @@ class EmulatedFP8Params(pl.Callback):
     reference of FP8 primary GTP shards (design §1.3 "FP8 primary weights").
 
     The fp32 masters are kept here; between optimizer steps the linear weights that GTP shards
-    hold their masters quantized on one rank (per-tensor current scaling, the engine's formula)
-    and dequantized, and the optimizer steps on the masters
+    hold their masters quantized on one rank (per-tensor current scaling, or ``blockwise``
+    128x128 tiles; the engine's formula) and dequantized, and the optimizer steps on the masters
     (:func:`~nemo_gtp.testing.gpt_harness.quantize_full_weights`, as the megatron-level
     harness does around its own steps).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, blockwise: bool = False) -> None:
+        from nemo_gtp.engine.fp8 import FP8Scaling
+
         self.masters: dict[str, Any] = {}
+        # megatron's blockwise recipe: TE's 128x128 weight tiles (fp8_primary_scaling's)
+        self.scaling = FP8Scaling("blockwise") if blockwise else FP8Scaling("tensorwise")
 
     @staticmethod
     def _weights(pl_module: pl.LightningModule) -> dict[str, Any]:
@@ -69,7 +73,7 @@ class EmulatedFP8Params(pl.Callback):
     def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
         from nemo_gtp.testing.gpt_harness import quantize_full_weights
 
-        self.masters = quantize_full_weights(self._weights(pl_module))
+        self.masters = quantize_full_weights(self._weights(pl_module), self.scaling)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
         import torch
@@ -81,7 +85,7 @@ class EmulatedFP8Params(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # noqa: ANN001, ANN002
         from nemo_gtp.testing.gpt_harness import quantize_full_weights
 
-        self.masters = quantize_full_weights(self._weights(pl_module))
+        self.masters = quantize_full_weights(self._weights(pl_module), self.scaling)
 
 
 class TestableGPTModel(GPTModel):

@@ -239,7 +239,7 @@ def _gpt_config(
         layer_spec = te_named_local_layer_spec
     if grouped_experts:
         from nemo_gtp.testing.te_grouped import grouped_local_layer_spec as layer_spec
-    return config_class(
+    settings = dict(
         num_layers=2,
         hidden_size=64,
         ffn_hidden_size=128,
@@ -263,9 +263,8 @@ def _gpt_config(
         cross_entropy_loss_fusion=False,
         gradient_accumulation_fusion=False,
         data_step_fn=cpu_gpt_data_step,
-        **extra,
-        **model_kwargs,
     )
+    return config_class(**{**settings, **extra, **model_kwargs})  # model_kwargs may resize
 
 
 def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
@@ -348,7 +347,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     if fit.emulate_fp8_params:
         from nemo_gtp.testing.harness_objects import EmulatedFP8Params
 
-        callbacks.append(EmulatedFP8Params())
+        callbacks.append(EmulatedFP8Params(fit.model_kwargs.get("fp8_recipe") == "blockwise"))
     if fit.checkpoint_every:
         from nemo_gtp.recipes.loader import model_checkpoint
 

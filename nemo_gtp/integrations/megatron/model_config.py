@@ -84,14 +84,14 @@ FP8_CONFIG_KEYS = {
 def check_low_precision_for_gtp(config: object) -> str | None:
     """The model config's FP8 / FP4 settings, checked for GTP on this device (design §1.3).
 
-    ``None`` when neither is on; ``"fp8"`` when TE's GEMMs will get FP8 gathers (per-tensor
-    current scaling; blockwise, for shards of whole 128-row tiles), ``"training_dtype"`` when
-    TE quantizes the gathered weight itself (other recipes), ``"fp8_primary"`` for FP8 primary
-    weights (``fp8_param`` with ``fp8_recipe="tensorwise"``: ``shard_model`` makes the shards
+    ``None`` when neither is on; ``"fp8"`` when TE's GEMMs will get FP8 gathers (per-tensor current
+    scaling; blockwise, for shards of whole 128-row tiles), ``"training_dtype"`` when TE quantizes
+    the gathered weight itself (other recipes), ``"fp8_primary"`` for FP8 primary weights
+    (``fp8_param`` with ``fp8_recipe`` "tensorwise" or "blockwise": ``shard_model`` makes the shards
     FP8, design §1.3 "FP8 primary weights"). Raises ``ValueError`` naming the setting for FP8
     primary weights under another recipe or with megatron's bf16 first / last layers, and for
-    recipes this GPU cannot run (MXFP8 / NVFP4 below compute capability 10.0): before any
-    weight is built or sharded.
+    recipes this GPU cannot run (MXFP8 / NVFP4 below compute capability 10.0): before any weight is
+    built or sharded.
 
     Example::
 

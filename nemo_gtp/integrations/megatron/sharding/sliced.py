@@ -162,18 +162,18 @@ def shard_model(
     boundary on each (:func:`~nemo_gtp.integrations.megatron.layer_graphs.install_layer_graphs`,
     design §3.5); ``gather_backend="auto"`` then means the process group.
 
-    A model config with megatron's ``fp8_param`` (and ``fp8_recipe="tensorwise"``) gets FP8
-    primary shards: after every check, the dense runtime's shards are made FP8 with the full
+    A model config with megatron's ``fp8_param`` (``fp8_recipe`` "tensorwise" or "blockwise") gets
+    FP8 primary shards: after every check, the dense runtime's shards are made FP8 with the full
     weights' scales (``make_fp8_primary``, one all-reduce over GTP), and TE linears get them as
     ``Float8Tensor``s (design §1.3 "FP8 primary weights"); DDP must then be built with
     ``grad_reduce_in_fp32=True`` and the distributed optimizer.
 
-    Raises ``ValueError`` for settings GTP cannot honour (megatron's legacy ``GroupedMLP``
-    under expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, weights
-    built as shards for other groups than ``groups``,
-    per-layer graphs with routed experts or fewer than 2 warmup steps, ``fp8_param`` with a
-    recipe other than ``"tensorwise"``, with routed experts under expert GTP or with TE linears
-    to slice, ...) and warns once naming TE ``LayerNormMLP``s, which stay unsharded.
+    Raises ``ValueError`` for settings GTP cannot honour (megatron's legacy ``GroupedMLP`` under
+    expert GTP, ``delay_wgrad_compute``, a ``calculate_per_token_loss`` mismatch, weights built as
+    shards for other groups than ``groups``, per-layer graphs with routed experts or fewer than 2
+    warmup steps, ``fp8_param`` with a recipe other than ``"tensorwise"`` / ``"blockwise"``, with
+    routed experts under expert GTP or with TE linears to slice, ...) and warns once naming TE
+    ``LayerNormMLP``s, which stay unsharded.
     """
     if hasattr(model, "param_to_bucket_group") or isinstance(
         model, torch.nn.parallel.DistributedDataParallel
