@@ -65,6 +65,8 @@ from nemo_gtp.engine.fp8_gather import _SCALAR_STRIDE as _STRIDE  # cuBLAS-align
 from nemo_gtp.engine.fp8_gather import padded_scale_shape
 from nemo_gtp.engine.param import GTPShardedParam
 
+_INF = float("inf")
+
 
 def is_fp8_primary(param: object) -> bool:
     """True for a GTP shard whose storage is FP8 (:func:`make_fp8_primary`).
@@ -252,11 +254,16 @@ def write_back_fp8_primary(
             _write_back_tensors(params, masters, start_offsets, groups)
 
 
+def _real_elements(param: GTPShardedParam) -> int:
+    """Flat elements of the shard's real rows (design §1.3 pad rows after them)."""
+    cols = param.numel() // max(param.shape[0], 1)
+    return _real_rows(param.gtp_spec, param.shape[0]) * cols
+
+
 def _rounded_slice(param: GTPShardedParam, master: torch.Tensor, start: int) -> torch.Tensor:
     """The master slice in fp32 after TE's rounding to the training dtype, pad elements zero."""
     values = master.detach().reshape(-1).to(param.gtp_state.fp8_primary_dtype).float()
-    cols = param.numel() // max(param.shape[0], 1)
-    keep = max(0, min(values.numel(), _real_rows(param.gtp_spec, param.shape[0]) * cols - start))
+    keep = max(0, min(values.numel(), _real_elements(param) - start))
     if keep < values.numel():
         values = values.clone()
         values[keep:] = 0
@@ -270,10 +277,10 @@ def _all_reduce_max(amax: torch.Tensor, groups: Sequence[dist.ProcessGroup | Non
 
 
 WRITE_BACK_CHUNK_ELEMENTS = 1 << 24
-"""Elements of a master slice the write-back rounds and casts at once (design §1.3 "FP8 primary
-weights"): its fp32 working copies stay a few times 64 MiB whatever the model's size (one
-piece of one weight at a time, in two passes: the amax, then after the collective the cast);
-a 1B model's largest shard is one piece."""
+"""Elements of a master slice the write-back casts at once (design §1.3 "FP8 primary weights"):
+its fp32 working copies stay a few times 64 MiB whatever the model's size (one piece of one
+weight at a time, in two passes: the amax, then after the collective the cast); a 1B model's
+largest shard is one piece."""
 
 
 def _pieces(
@@ -294,27 +301,63 @@ def _pieces(
         at = stop
 
 
+# Rounding to the training dtype is monotonic and symmetric, so the amax of the rounded master
+# is the rounded amax of the master: the amax pass reads the fp32 master as it is (one max
+# kernel, no working copy) and rounds the result, bit for bit what TE computes on the rounded
+# values; the cast pass rounds the values it casts.
+
+
+def _cast_into(
+    target: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, limit
+) -> None:
+    """``target`` (FP8) = saturating cast of ``values`` rounded to ``dtype``, times ``scale``."""
+    target.copy_((values.to(dtype) * scale).clamp_(-limit, limit))
+
+
 def _write_back_tensors(params, masters, start_offsets, groups) -> None:
     """Per-tensor current scaling: one amax per weight, agreed over replicate x GTP."""
-    amax, scale, scale_inv = _scalars(len(params), params[0].device)
-    k = _STRIDE
+    n, k = len(params), _STRIDE
+    device = params[0].device
+    amax = torch.zeros(n * k, dtype=torch.float32, device=device)
+    reals, slots = [], []
     for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
+        real = _real_elements(param)
         for at, piece in _pieces(param, master, start, 1):
-            peak = _rounded_slice(param, piece, at).abs().max()
-            torch.maximum(amax[i * k : i * k + 1], peak, out=amax[i * k : i * k + 1])
+            if at < real:
+                reals.append(piece[: real - at])
+                slots.append(i * k)
+    if reals:  # every piece's amax in one multi-tensor kernel, the max per weight
+        norms = torch.stack(torch._foreach_norm(reals, _INF)).float()
+        index = torch.tensor(slots, dtype=torch.long, device=device)
+        amax.index_reduce_(0, index, norms, "amax")
+    for dtype in {p.gtp_state.fp8_primary_dtype for p in params}:  # TE's rounding of the master
+        rows = [i * k for i, p in enumerate(params) if p.gtp_state.fp8_primary_dtype is dtype]
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        amax.index_copy_(0, index, amax.index_select(0, index).to(dtype).float())
     _all_reduce_max(amax, groups)
+    scaling = params[0].gtp_state.fp8.scaling
+    scale = scale_from_amax(amax, scaling)
+    scale_inv = torch.reciprocal(scale)
     for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
-        shard = param.gtp_state.fp8
+        state = param.gtp_state
+        shard = state.fp8
         view = slice(i * k, i * k + 1)
-        scale[view] = scale_from_amax(amax[view], shard.scaling)
-        torch.reciprocal(scale[view], out=scale_inv[view])
         shard.amax.copy_(amax[view])
         shard.scale.copy_(scale[view])
         shard.scale_inv.copy_(scale_inv[view])
         flat = param.detach().view(-1)
+        real = _real_elements(param)
         for at, piece in _pieces(param, master, start, 1):
-            values = _rounded_slice(param, piece, at)
-            flat[at : at + values.numel()].copy_(_cast(values, shard.scale, shard.scaling))
+            keep = max(0, min(piece.numel(), real - at))
+            target = flat[at : at + piece.numel()]
+            _cast_into(
+                target[:keep],
+                piece[:keep],
+                state.fp8_primary_dtype,
+                shard.scale,
+                shard.scaling.fp8_max,
+            )
+            target[keep:].view(torch.uint8).zero_()  # pad elements: FP8 zeros
 
 
 def _tile_window(
@@ -335,38 +378,74 @@ def _tile_window(
     return first, offset, padded.view(last - first + 1, block_rows, col_tiles, block_cols)
 
 
+def _whole_tiles(
+    param: GTPShardedParam, at: int, piece: torch.Tensor, block
+) -> torch.Tensor | None:
+    """``piece`` viewed as ``(tile rows, rows, tile columns, columns)`` when it is whole tile
+    rows of real elements and the columns whole tiles (the common case: no working copy);
+    None otherwise (a distributed optimizer's slice edge, pad rows, a partial tile column)."""
+    cols = param.shape[1]
+    block_rows, block_cols = block
+    unit = block_rows * cols
+    if cols % block_cols or at % unit or piece.numel() % unit:
+        return None
+    if at + piece.numel() > _real_elements(param):
+        return None
+    return piece.view(-1, block_rows, cols // block_cols, block_cols)
+
+
 def _write_back_tiles(params, masters, start_offsets, groups, scaling: FP8Scaling) -> None:
     """Blockwise: one amax per tile, agreed over the replicate group (TE's partial amax of each
     rank's slice, then MAX); every tile's scale on every rank, each rank casts its slice. The
     pieces are whole tile rows (except at the slice's ends), so each tile's partial amax comes
     from one piece."""
-    block_rows = scaling.block[0]
+    block = scaling.block
     sizes = [param.gtp_state.fp8.amax.numel() for param in params]
     bounds = [0, *itertools.accumulate(sizes)]
     amax = torch.zeros(bounds[-1], dtype=torch.float32, device=params[0].device)
     for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
+        dtype = param.gtp_state.fp8_primary_dtype
         grid = amax[bounds[i] : bounds[i + 1]].view(param.gtp_state.fp8.amax.shape)
-        for at, piece in _pieces(param, master, start, block_rows):
-            values = _rounded_slice(param, piece, at)
-            first, _, tiles = _tile_window(values, at, param.shape, scaling.block)
-            grid[first : first + tiles.shape[0]] = tiles.abs().amax(dim=(1, 3))
+        for at, piece in _pieces(param, master, start, block[0]):
+            tiles = _whole_tiles(param, at, piece, block)
+            if tiles is not None:  # the rounded amax, from the master as it is
+                first = at // (block[0] * param.shape[1])
+                peak = torch.linalg.vector_norm(tiles, _INF, dim=(1, 3)).to(dtype).float()
+            else:
+                values = _rounded_slice(param, piece, at)
+                first, _, tiles = _tile_window(values, at, param.shape, block)
+                peak = tiles.abs().amax(dim=(1, 3))
+            grid[first : first + tiles.shape[0]] = peak
     _all_reduce_max(amax, groups)
     scale = scale_from_amax(amax, scaling)
     scale_inv = torch.reciprocal(scale)
     for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
-        shard = param.gtp_state.fp8
+        state = param.gtp_state
+        shard = state.fp8
         part = slice(bounds[i], bounds[i + 1])
         shard.amax.copy_(amax[part].view(shard.amax.shape))
         shard.scale.copy_(scale[part].view(shard.scale.shape))
         shard.scale_inv.copy_(scale_inv[part].view(shard.scale.shape))  # the wire's columns
         flat = param.detach().view(-1)
-        for at, piece in _pieces(param, master, start, block_rows):
+        for at, piece in _pieces(param, master, start, block[0]):
+            target = flat[at : at + piece.numel()]
+            tiles = _whole_tiles(param, at, piece, block)
+            if tiles is not None:
+                first = at // (block[0] * param.shape[1])
+                tile_scale = shard.scale[first : first + tiles.shape[0], None, :, None]
+                _cast_into(
+                    target.view(tiles.shape),
+                    tiles,
+                    state.fp8_primary_dtype,
+                    tile_scale,
+                    scaling.fp8_max,
+                )
+                continue
             values = _rounded_slice(param, piece, at)
-            first, offset, tiles = _tile_window(values, at, param.shape, scaling.block)
+            first, offset, tiles = _tile_window(values, at, param.shape, block)
             tile_scale = shard.scale[first : first + tiles.shape[0], None, :, None]
             cast = _cast(tiles, tile_scale, scaling).view(-1, tiles.shape[2] * tiles.shape[3])
-            rows = cast[:, : param.shape[1]].reshape(-1)[offset : offset + values.numel()]
-            flat[at : at + values.numel()].copy_(rows)
+            target.copy_(cast[:, : param.shape[1]].reshape(-1)[offset : offset + values.numel()])
 
 
 def quantize_loaded_fp8_primary(
