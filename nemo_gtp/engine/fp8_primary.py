@@ -212,7 +212,9 @@ def write_back_fp8_primary(
     ``params[i]``'s shard on this rank, or ``None`` when another replicate rank holds all of it
     (megatron's ``quantize_param_shard`` convention). ``replicate_group``: the group whose
     members hold the other slices of the same shards (the distributed optimizer's data-parallel
-    group), ``None`` when every rank holds its whole shard. Every param belongs to one runtime.
+    group), ``None`` when every rank holds its whole shard. Params of several runtimes (dense and
+    expert axes) are written back runtime by runtime, in the order the runtimes first appear in
+    ``params`` (the same on every rank: each holds the same params in the same order).
 
     The amax of every scaling unit goes into one vector, all-reduced (MAX) once per group that
     holds pieces of it: per tensor the replicate group, then the runtime's GTP group (together
@@ -234,8 +236,6 @@ def write_back_fp8_primary(
     for param, master, start in zip(params, masters, start_offsets):
         if not is_fp8_primary(param):
             raise ValueError(f"{param!r} is not an FP8 primary weight (make_fp8_primary)")
-        if param.runtime is not params[0].runtime:
-            raise ValueError("write_back_fp8_primary: params of more than one runtime")
         if master is None:
             continue
         if start is None or start < 0 or start + master.numel() > param.numel():
@@ -243,15 +243,18 @@ def write_back_fp8_primary(
                 f"{param.gtp_state.name}: master slice [{start}, +{master.numel()}) outside the "
                 f"shard's {param.numel()} elements"
             )
-    scaling = params[0].gtp_state.fp8.scaling
-    groups = [replicate_group]
-    if scaling.kind is not ScalingKind.BLOCKWISE:
-        groups.append(params[0].runtime.group)
+    by_runtime: dict[int, list[int]] = {}
+    for i, param in enumerate(params):
+        by_runtime.setdefault(id(param.runtime), []).append(i)
     with torch.no_grad():
-        if scaling.kind is ScalingKind.BLOCKWISE:
-            _write_back_tiles(params, masters, start_offsets, groups, scaling)
-        else:
-            _write_back_tensors(params, masters, start_offsets, groups)
+        for members in by_runtime.values():  # one runtime: one GTP group, one recipe
+            ours = [params[i] for i in members]
+            mine = [masters[i] for i in members], [start_offsets[i] for i in members]
+            scaling = ours[0].gtp_state.fp8.scaling
+            if scaling.kind is ScalingKind.BLOCKWISE:
+                _write_back_tiles(ours, *mine, [replicate_group], scaling)
+            else:
+                _write_back_tensors(ours, *mine, [replicate_group, ours[0].runtime.group])
 
 
 def _real_elements(param: GTPShardedParam) -> int:
@@ -472,7 +475,7 @@ def quantize_loaded_fp8_primary(
     """
     if len(params) != len(values):
         raise ValueError("quantize_loaded_fp8_primary: params and values differ in length")
-    by_runtime: dict[int, tuple[list, list]] = {}
+    sources = []
     for param, value in zip(params, values):
         if not is_fp8_primary(param):
             raise ValueError(f"{param!r} is not an FP8 primary weight (make_fp8_primary)")
@@ -481,9 +484,6 @@ def quantize_loaded_fp8_primary(
                 f"{param.gtp_state.name}: loaded value of shape {tuple(value.shape)} for a shard "
                 f"of shape {tuple(param.shape)}"
             )
-        entry = by_runtime.setdefault(id(param.runtime), ([], []))
-        entry[0].append(param)
         source = dequantize_fp8_primary(param, torch.float32) if value is None else value
-        entry[1].append(source.detach().reshape(-1))
-    for group_params, sources in by_runtime.values():
-        write_back_fp8_primary(group_params, sources, [0] * len(sources))
+        sources.append(source.detach().reshape(-1))
+    write_back_fp8_primary(params, sources, [0] * len(sources))  # runtime by runtime

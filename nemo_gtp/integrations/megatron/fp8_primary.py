@@ -99,24 +99,6 @@ def _modify_underlying_storage(original: Callable[..., None]) -> Callable[..., N
     return modify_underlying_storage
 
 
-def _by_runtime(
-    params: Sequence[torch.Tensor],
-    mains: Sequence[torch.Tensor | None],
-    starts: Sequence[int | None],
-) -> dict[int, tuple[list, list, list]]:
-    """The FP8 primary shards among ``params`` with their mains and offsets, per runtime (in
-    the order the runtimes first appear: the same on every rank, which holds the same params in
-    the same buffer order)."""
-    ours: dict[int, tuple[list, list, list]] = {}
-    for param, main, start in zip(params, mains, starts, strict=True):
-        if is_fp8_primary(param):
-            entry = ours.setdefault(id(param.runtime), ([], [], []))
-            entry[0].append(param)
-            entry[1].append(main)
-            entry[2].append(start)
-    return ours
-
-
 def _quantize_param_shard(original: Callable[..., None]) -> Callable[..., None]:
     def quantize_param_shard(
         model_params: Sequence[torch.Tensor],
@@ -126,16 +108,15 @@ def _quantize_param_shard(original: Callable[..., None]) -> Callable[..., None]:
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        ours = _by_runtime(model_params, main_params, start_offsets)
+        ours: tuple[list, list, list] = ([], [], [])
         rest: tuple[list, list, list] = ([], [], [])
         for param, main, start in zip(model_params, main_params, start_offsets, strict=True):
-            if not is_fp8_primary(param):
-                for out, value in zip(rest, (param, main, start)):
-                    out.append(value)
+            for out, value in zip(ours if is_fp8_primary(param) else rest, (param, main, start)):
+                out.append(value)
         # Every rank of the replicate and GTP groups holds the same params in the same buffer
-        # order, so the runtimes come in the same order on every rank (one collective each).
-        for params, mains, starts in ours.values():
-            write_back_fp8_primary(params, mains, starts, data_parallel_group)
+        # order, so the write-back's runtimes come in the same order on every rank.
+        if ours[0]:
+            write_back_fp8_primary(*ours, data_parallel_group)
         original(*rest, data_parallel_group, *args, **kwargs)
 
     setattr(quantize_param_shard, _MARK, original)
@@ -206,10 +187,9 @@ def quantize_fp8_primary_from_main_params(optimizer: Any) -> bool:
         get = getattr(opt, "_get_fp8_params_and_shard_fp32_from_fp8", None)
         if get is None:
             continue
-        ours = _by_runtime(*get())
-        for group_params, group_mains, group_starts in ours.values():
-            write_back_fp8_primary(group_params, group_mains, group_starts, opt.data_parallel_group)
+        ours = [entry for entry in zip(*get(), strict=True) if is_fp8_primary(entry[0])]
         if ours:
+            write_back_fp8_primary(*zip(*ours), opt.data_parallel_group)
             found = True
             for chunk in opt.model_chunks:
                 chunks.setdefault(id(chunk), chunk)
