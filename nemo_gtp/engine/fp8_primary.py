@@ -108,8 +108,9 @@ def make_fp8_primary(runtime: object, scaling: FP8Scaling) -> None:
     """Make every shard of ``runtime`` an FP8 primary weight (collective over its GTP group).
 
     Each shard's real rows are quantized with the full weight's scale (amax agreed over the GTP
-    group); the param's data becomes the FP8 tensor (pad rows zero), its scale / scale_inv /
-    amax views into runtime-wide vectors (``param.gtp_state.fp8``), the training dtype is
+    group; blockwise each tile's own); the param's data becomes the FP8 tensor (pad rows zero),
+    its scale / scale_inv / amax (``param.gtp_state.fp8``) views into runtime-wide vectors (per
+    tile: grids, ``scale_inv`` in the gather-ready ``fp8_scale_wire``), the training dtype is
     remembered as ``gtp_state.fp8_primary_dtype`` (the GEMM and gradient dtype) and the
     training-dtype shard is kept for the optimizer's master until
     :meth:`GTPShardedParam.clear_high_precision_init_val`. The quantization itself is
@@ -139,7 +140,8 @@ def make_fp8_primary(runtime: object, scaling: FP8Scaling) -> None:
     if blockwise:
         _check_tiles(params, scaling, runtime.config.pad_for_alignment)
     device = params[0].device
-    amax, scale, scale_inv = _scalars(len(params), device)  # runtime-wide, one slot per weight
+    if not blockwise:  # runtime-wide, one aligned slot per weight
+        amax, scale, scale_inv = _scalars(len(params), device)
     with torch.no_grad():
         for i, param in enumerate(params):
             state = param.gtp_state
