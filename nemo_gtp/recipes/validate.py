@@ -437,7 +437,7 @@ def _check_fp8_primary(raw: dict[str, Any], dims: Any, section: dict[str, Any]) 
         _check_primary_tiles(raw, dims)
 
 
-TE_TILE = 128  # rows of TE's Float8BlockScaling weight tiles
+TE_TILE = 128  # TE's Float8BlockScaling weight tiles (sharding/te_fp8.TE_TILE; no torch here)
 
 
 def _check_primary_tiles(raw: dict[str, Any], dims: Any) -> None:

@@ -51,18 +51,16 @@ class EmulatedFP8Params(pl.Callback):
     reference of FP8 primary GTP shards (design §1.3 "FP8 primary weights").
 
     The fp32 masters are kept here; between optimizer steps the linear weights that GTP shards
-    hold their masters quantized on one rank (per-tensor current scaling, or ``blockwise``
-    128x128 tiles; the engine's formula) and dequantized, and the optimizer steps on the masters
+    hold their masters quantized on one rank (in the recipe the model config asks for, as GTP's
+    shards would get it: ``fp8_primary_scaling``; the engine's formula) and dequantized, and the
+    optimizer steps on the masters
     (:func:`~nemo_gtp.testing.gpt_harness.quantize_full_weights`, as the megatron-level
     harness does around its own steps).
     """
 
-    def __init__(self, blockwise: bool = False) -> None:
-        from nemo_gtp.engine.fp8 import FP8Scaling
-
+    def __init__(self) -> None:
         self.masters: dict[str, Any] = {}
-        # megatron's blockwise recipe: TE's 128x128 weight tiles (fp8_primary_scaling's)
-        self.scaling = FP8Scaling("blockwise") if blockwise else FP8Scaling("tensorwise")
+        self.scaling: Any = None  # the model config's, at train start
 
     @staticmethod
     def _weights(pl_module: pl.LightningModule) -> dict[str, Any]:
@@ -71,8 +69,10 @@ class EmulatedFP8Params(pl.Callback):
         return {n: p for n, p in pl_module.named_parameters() if n.endswith(FP8_PRIMARY_WEIGHTS)}
 
     def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        from nemo_gtp.integrations.megatron.model_config import fp8_primary_scaling
         from nemo_gtp.testing.gpt_harness import quantize_full_weights
 
+        self.scaling = fp8_primary_scaling(pl_module.config)
         self.masters = quantize_full_weights(self._weights(pl_module), self.scaling)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001

@@ -347,7 +347,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     if fit.emulate_fp8_params:
         from nemo_gtp.testing.harness_objects import EmulatedFP8Params
 
-        callbacks.append(EmulatedFP8Params(fit.model_kwargs.get("fp8_recipe") == "blockwise"))
+        callbacks.append(EmulatedFP8Params())
     if fit.checkpoint_every:
         from nemo_gtp.recipes.loader import model_checkpoint
 
