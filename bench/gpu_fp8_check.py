@@ -407,11 +407,15 @@ def fp8_primary_state(runtime: object, ddp: object, optimizer: object) -> dict:
     }
 
 
-def full_weight(param: torch.Tensor, runtime: object) -> torch.Tensor:
-    """``param``'s full (unpadded) weight, its GTP shards gathered over the runtime's group
-    (collective): what the bit checks quantize with TE's own quantizer."""
-    shards = [torch.empty_like(param) for _ in range(runtime.size)]
-    dist.all_gather(shards, param.detach().contiguous(), group=runtime.group)
+def full_weight(
+    param: torch.Tensor, runtime: object, shard: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``param``'s full (unpadded) weight, its GTP shards (or every rank's ``shard`` of the
+    param's shape) gathered over the runtime's group (collective): what the bit checks quantize
+    with TE's own quantizer."""
+    shard = param.detach() if shard is None else shard
+    shards = [torch.empty_like(shard) for _ in range(runtime.size)]
+    dist.all_gather(shards, shard.contiguous(), group=runtime.group)
     return param.gtp_spec.unpad(torch.cat(shards)).contiguous()
 
 
@@ -514,9 +518,7 @@ def full_master(param: torch.Tensor, runtime: object) -> torch.Tensor:
     params gathered over GTP (DP 1: each rank's main is its whole shard), rounded to bf16 as TE
     and the write-back round them (collective)."""
     main = param.main_param.detach().view(param.shape).to(param.gtp_state.fp8_primary_dtype)
-    shards = [torch.empty_like(main) for _ in range(runtime.size)]
-    dist.all_gather(shards, main.contiguous(), group=runtime.group)
-    return param.gtp_spec.unpad(torch.cat(shards)).contiguous()
+    return full_weight(param, runtime, main)
 
 
 def te_block_primary_checks(runtime: object) -> dict:
