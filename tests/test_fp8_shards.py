@@ -257,6 +257,28 @@ def _blockwise_reference(full: torch.Tensor, spec, scaling: FP8Scaling) -> FP8Sh
     return quantize_shard(padded, scaling)
 
 
+def _full_reference(full: torch.Tensor, spec, scaling: FP8Scaling) -> tuple[FP8Shard, int]:
+    """The full weight quantized on one rank (blockwise: its rows padded as the shards are, so
+    its tiles are the shards' tiles) and the number of real rows."""
+    if scaling.kind is ScalingKind.BLOCKWISE:
+        return _blockwise_reference(full, spec, scaling), full.shape[0]
+    return quantize_shard(full.float(), scaling), full.shape[0]
+
+
+def _check_gathered_view(got: FP8Gathered, ref: FP8Shard, rows: int, what: str) -> None:
+    """A gathered FP8 view vs the one-rank reference: rows, and the scales (blockwise: in the
+    padded, gather-ready layout)."""
+    from nemo_gtp.engine.fp8_gather import padded_scale_shape
+
+    if ref.scaling.kind is not ScalingKind.BLOCKWISE:
+        _assert_same(FP8Shard(got.data, got.scale_inv, None, None, ref.scaling), ref, what)
+        return
+    assert torch.equal(_bits(got.data), _bits(ref.data[:rows])), f"{what}: FP8 rows"
+    want = torch.zeros(padded_scale_shape(rows, got.data.shape[1], ref.scaling))
+    want[:, : ref.scale_inv.shape[1]] = ref.scale_inv[: want.shape[0]]
+    assert torch.equal(got.scale_inv, want), f"{what}: tile scales (padded layout)"
+
+
 def _runtime_worker(
     rank: int, world: int, gtp: int, coalesce_mb: float, kind: str = "tensorwise"
 ) -> dict:
@@ -290,18 +312,11 @@ def _runtime_worker(
         got = consumer.seen[(name, direction)]
         # cuBLAS refuses FP8 GEMMs whose scale pointer is not 16-byte aligned
         assert got.scale_inv.data_ptr() % 16 == 0, f"{name}: scale_inv not 16-byte aligned"
-        rows, cols = fulls[i].shape
-        if blockwise:  # rows and block scales vs the padded full weight quantized on one rank
-            ref = _blockwise_reference(fulls[i], params[i].gtp_spec, scaling)
-            assert torch.equal(_bits(got.data), _bits(ref.data[:rows])), f"{name}: FP8 rows"
-            want = torch.zeros(padded_scale_shape(rows, cols, scaling))
-            want[:, : ref.scale_inv.shape[1]] = ref.scale_inv[: want.shape[0]]
-            assert torch.equal(got.scale_inv, want), f"{name}: block scales (padded layout)"
-            assert torch.equal(out, ref.dequantize(torch.bfloat16)[:rows])
-        else:
-            ref = quantize_shard(fulls[i].float(), scaling)
-            _assert_same(FP8Shard(got.data, got.scale_inv, None, None, scaling), ref, name)
-            assert torch.equal(out, ref.dequantize(torch.bfloat16))
+        # rows and scales vs the (blockwise: padded) full weight quantized on one rank
+        ref, rows = _full_reference(fulls[i], params[i].gtp_spec, scaling)
+        cols = fulls[i].shape[1]
+        _check_gathered_view(got, ref, rows, name)
+        assert torch.equal(out, ref.dequantize(torch.bfloat16)[:rows])
         if direction == "bwd":
             assert torch.equal(_bits(got.transpose), _bits(ref.data[:rows].t())), name
             if blockwise:
@@ -405,28 +420,6 @@ def _primary_scaling(kind: str) -> FP8Scaling:
     """The FP8 primary cases' recipe: blockwise with small tiles (the shards' rows whole tiles
     at pad 8; 3 tile columns of a 48-wide weight exercise the padded scale layout)."""
     return FP8Scaling(kind, block=(8, 16)) if kind == "blockwise" else FP8Scaling(kind)
-
-
-def _full_reference(full: torch.Tensor, spec, scaling: FP8Scaling) -> tuple[FP8Shard, int]:
-    """The full weight quantized on one rank (blockwise: its rows padded as the shards are, so
-    its tiles are the shards' tiles) and the number of real rows."""
-    if scaling.kind is ScalingKind.BLOCKWISE:
-        return _blockwise_reference(full, spec, scaling), full.shape[0]
-    return quantize_shard(full.float(), scaling), full.shape[0]
-
-
-def _check_gathered_view(got: FP8Gathered, ref: FP8Shard, rows: int, what: str) -> None:
-    """A gathered FP8 view vs the one-rank reference: rows, and the scales (blockwise: in the
-    padded, gather-ready layout)."""
-    from nemo_gtp.engine.fp8_gather import padded_scale_shape
-
-    if ref.scaling.kind is not ScalingKind.BLOCKWISE:
-        _assert_same(FP8Shard(got.data, got.scale_inv, None, None, ref.scaling), ref, what)
-        return
-    assert torch.equal(_bits(got.data), _bits(ref.data[:rows])), f"{what}: FP8 rows"
-    want = torch.zeros(padded_scale_shape(rows, got.data.shape[1], ref.scaling))
-    want[:, : ref.scale_inv.shape[1]] = ref.scale_inv[: want.shape[0]]
-    assert torch.equal(got.scale_inv, want), f"{what}: tile scales (padded layout)"
 
 
 def _primary_runtime(
