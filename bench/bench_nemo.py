@@ -636,6 +636,29 @@ def timed_fit(
     )
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _memory_history(start: bool) -> str:
+    """Start recording this process's CUDA allocations (with Python stacks), or stop and
+    return what was live at the allocator's peak, per allocation site (``memory_peak.py``)."""
+    import torch
+
+    if start:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        return ""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from memory_peak import format_breakdown, peak_breakdown, peak_stack
+
+    snapshot = torch.cuda.memory._snapshot()
+    text = format_breakdown(peak_breakdown(snapshot), top=30) + "\n" + peak_stack(snapshot)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return text
+
+
 def _rank_main(spec_path: str) -> None:
 
     from nemo_gtp.recipes.launch import teardown_fit
@@ -674,7 +697,13 @@ def _rank_main(spec_path: str) -> None:
                 [*run["overrides"], f"trainer.max_steps={steps.total_steps}"],
             )
             store = str(Path(spec["dir"], f"store{i}"))
+            trace = spec.get("memory_trace") and rank == 0 and _cuda()
+            if trace:  # from before the model is built: setup's blocks are in the replay too
+                _memory_history(True)
             record.update(timed_fit(cfg, [steps], steps, store, world, run["tokens_per_gpu"]))
+            if trace:
+                safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+                Path(spec["out"], f"memory_peak_{safe}.txt").write_text(_memory_history(False))
             record.update(
                 # forward + backward: host issue time vs what the GPU still had left after it
                 split_ms={
@@ -1109,6 +1138,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "checkpoint load) and end: weights_<mode>_<tokens>_{start,end}.pt, the mode's "
         "characters outside [A-Za-z0-9._-] as _ (compare_weights.py)",
     )
+    parser.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="rank 0 records its CUDA allocations per fit (Python stacks, from before the build) "
+        "and writes what is live at its peak, per allocation site: memory_peak_<mode>_<tokens>.txt",
+    )
     add_launch_arguments(parser, SHARED_DEVICE_SHAPE)
     args = parser.parse_args(argv)
     check_launch_arguments(parser, args)
@@ -1193,6 +1228,7 @@ def main(argv: list[str] | None = None) -> int:
                     "host_timer": args.host_timer or args.te_timer,
                     "te_timer": args.te_timer,
                     "dump_weights": args.dump_weights,
+                    "memory_trace": args.memory_trace,
                     "timed": args.timed,
                     "fit_timeout": args.fit_timeout,
                     "shared_device": args.shared_device,

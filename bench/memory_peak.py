@@ -29,8 +29,9 @@ def _site(frames: list[dict]) -> str:
     return "<no frames>"
 
 
-def peak_breakdown(snapshot: dict, device: int | None = None) -> tuple[int, list[tuple[int, str]]]:
-    """(peak bytes, [(bytes, allocation site)] of the blocks live at the peak, largest first)."""
+def _replay(snapshot: dict, device: int | None) -> tuple[int, dict[int, tuple[int, list]], list]:
+    """Replay the allocator's trace from zero: (peak bytes, the blocks live then as
+    ``{addr: (size, frames)}``, the frames of the allocation that set the peak)."""
     traces = snapshot["device_traces"]
     trace = traces[device] if device is not None else max(traces, key=len)
     frees = (
@@ -38,21 +39,28 @@ def peak_breakdown(snapshot: dict, device: int | None = None) -> tuple[int, list
         if any(e["action"] == "free_completed" for e in trace)
         else {"free_requested"}
     )
-    live: dict[int, tuple[int, str]] = {}
+    live: dict[int, tuple[int, list]] = {}
     total = peak = 0
-    peak_live: dict[int, tuple[int, str]] = {}
+    peak_live: dict[int, tuple[int, list]] = {}
+    peak_frames: list = []
     for event in trace:
         action = event["action"]
         if action == "alloc":
-            live[event["addr"]] = (event["size"], _site(event.get("frames", [])))
+            live[event["addr"]] = (event["size"], event.get("frames", []))
             total += event["size"]
             if total > peak:
-                peak, peak_live = total, dict(live)
+                peak, peak_live, peak_frames = total, dict(live), live[event["addr"]][1]
         elif action in frees and event["addr"] in live:
             total -= live.pop(event["addr"])[0]
+    return peak, peak_live, peak_frames
+
+
+def peak_breakdown(snapshot: dict, device: int | None = None) -> tuple[int, list[tuple[int, str]]]:
+    """(peak bytes, [(bytes, allocation site)] of the blocks live at the peak, largest first)."""
+    peak, peak_live, _ = _replay(snapshot, device)
     by_site: Counter[str] = Counter()
-    for size, site in peak_live.values():
-        by_site[site] += size
+    for size, frames in peak_live.values():
+        by_site[_site(frames)] += size
     return peak, sorted(((b, s) for s, b in by_site.items()), reverse=True)
 
 
@@ -61,4 +69,16 @@ def format_breakdown(result: tuple[int, list[tuple[int, str]]], top: int = 20) -
     peak, rows = result
     lines = [f"peak (traced allocations) {peak / 2**30:.2f} GiB"]
     lines += [f"  {b / 2**30:8.3f} GiB  {site}" for b, site in rows[:top]]
+    return "\n".join(lines)
+
+
+def peak_stack(snapshot: dict, device: int | None = None, depth: int = 16) -> str:
+    """The Python stack of the allocation that set the peak (which phase of the step: build,
+    forward, backward, optimizer), innermost frame first."""
+    peak, _, frames = _replay(snapshot, device)
+    lines = [f"allocation that set the peak ({peak / 2**30:.2f} GiB):"]
+    lines += [
+        f"  {f.get('filename', '?').split('site-packages/')[-1]}:{f.get('line')} {f.get('name')}"
+        for f in frames[:depth]
+    ]
     return "\n".join(lines)

@@ -479,6 +479,26 @@ def test_state_machines_refuse_transitions_from_the_wrong_state() -> None:
         rs.complete()
 
 
+def test_coalescing_units_count_the_training_dtype() -> None:
+    """An FP8 primary shard counts as its training dtype in the unit budget: the same units
+    as its bf16 twin, not twice the weights (and twice the wgrad scratch) per unit (design §3.1
+    "Coalescing units")."""
+    from nemo_gtp.engine.chain import coalescing_units
+    from nemo_gtp.engine.param import GTPShardedParam, ShardSpec
+
+    def weight(dtype: torch.dtype, fp8_primary: bool) -> GTPShardedParam:
+        spec = ShardSpec.for_weight((8, 4), gtp_size=2, gtp_rank=0, pad_for_alignment=1)
+        param = GTPShardedParam(torch.zeros(spec.shard_shape, dtype=dtype), spec=spec)
+        if fp8_primary:
+            param.gtp_state.fp8_primary_dtype = torch.bfloat16
+        return param
+
+    budget = 2 * 8 * 4 * 2  # two gathered (8, 4) weights in bf16
+    bf16 = coalescing_units([weight(torch.bfloat16, False) for _ in range(4)], budget)
+    fp8 = coalescing_units([weight(torch.float8_e4m3fn, True) for _ in range(4)], budget)
+    assert [len(u) for u in bf16] == [len(u) for u in fp8] == [2, 2]
+
+
 def test_coalescing_units_segment_heads() -> None:
     """A captured segment's first and last weights are units alone; the weights between, and
     the eager chain, coalesce as the byte budget allows (design §3.5 "Segment heads")."""

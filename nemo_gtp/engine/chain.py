@@ -59,6 +59,14 @@ class WeightGroup:
     together: bool
 
 
+def _training_itemsize(param: GTPShardedParam) -> int:
+    """Bytes per element of the weight in its training dtype: an FP8 primary shard counts as
+    its training dtype, not its float8 storage (design §3.1 "Coalescing units": a unit's live
+    memory is mostly its wgrad scratch, whose size does not shrink with the wire format)."""
+    dtype = param.gtp_state.fp8_primary_dtype or param.dtype
+    return dtype.itemsize
+
+
 def coalescing_units(
     order: list[GTPShardedParam],
     unit_bytes: float,
@@ -68,7 +76,9 @@ def coalescing_units(
 
     Greedy and order-preserving: a unit takes consecutive weights of one dtype and one CUDA-graph
     segment (design §3.5: a collective never spans two graphs) while their gathered (padded)
-    bytes stay within ``unit_bytes``; a weight larger than that is a unit alone, so
+    bytes in the training dtype (an FP8 primary shard counts as its training dtype, so FP8
+    does not double a unit's weights and wgrad scratch) stay within ``unit_bytes``; a weight
+    larger than that is a unit alone, so
     ``unit_bytes=0`` gives one unit per weight. The first and the last weight of a captured
     segment are units alone (design §3.5 "Segment heads": the graph gathers its forward and
     backward head units and reduce-scatters its head unit synchronously, so each of those
@@ -109,7 +119,7 @@ def coalescing_units(
                     current, size = [], 0
                 units.append(tuple(q for q in groups[index].params if id(q) in observed))
             continue
-        nbytes = math.prod(param.gtp_spec.gathered_shape) * param.element_size()
+        nbytes = math.prod(param.gtp_spec.gathered_shape) * _training_itemsize(param)
         if current and (
             size + nbytes > unit_bytes
             or param.dtype != current[0].dtype

@@ -26,9 +26,10 @@ class GTPConfig:
         prefetch_depth: how many weights ahead each consume gathers (1: the one-step-ahead chain
             of §1.1). 2 gives a small GEMM (e.g. the attention projection before a large MLP
             weight) two GEMMs of runway, for one more gathered buffer per chain and direction.
-        coalesce_mb: consecutive weights of a prefetch chain whose gathered (padded) sizes add
-            up to at most this many MiB form one coalescing unit (design §3.1 "Coalescing
-            units"): they are all-gathered in one collective, one unit ahead of use, and their
+        coalesce_mb: consecutive weights of a prefetch chain whose gathered (padded) sizes in
+            the training dtype (FP8 primary shards count as their training dtype) add up to at
+            most this many MiB form one coalescing unit (design §3.1 "Coalescing units"): they
+            are all-gathered in one collective, one unit ahead of use, and their
             wgrads reduce-scattered in one collective once the unit's last wgrad exists. Fewer,
             larger collectives cut the host cost and NCCL launches per weight (the small-token
             regime is host- and latency-bound) for up to two units of gathered buffers per
