@@ -477,14 +477,14 @@ def _primary_worker(
     the full weight quantized on one rank; the write-back from DP-sliced masters (amax agreed
     over replicate x GTP; blockwise: a tile's over the replicate group) gives the same bytes as
     quantizing the full master on one rank, also when it works through a slice in pieces."""
-    from nemo_gtp.engine import fp8_primary
+    from nemo_gtp.engine import fp8_write_back
 
-    default = fp8_primary.WRITE_BACK_CHUNK_ELEMENTS
-    fp8_primary.WRITE_BACK_CHUNK_ELEMENTS = 200  # every slice in several pieces (GTP 2 and 4)
+    default = fp8_write_back.WRITE_BACK_CHUNK_ELEMENTS
+    fp8_write_back.WRITE_BACK_CHUNK_ELEMENTS = 200  # every slice in several pieces (GTP 2 and 4)
     try:
         return _primary_checks(world, gtp, coalesce_mb, kind)
     finally:
-        fp8_primary.WRITE_BACK_CHUNK_ELEMENTS = default
+        fp8_write_back.WRITE_BACK_CHUNK_ELEMENTS = default
 
 
 def _primary_checks(world: int, gtp: int, coalesce_mb: float, kind: str) -> dict:
@@ -634,6 +634,8 @@ def _primary_training_worker(rank: int, world: int, gtp: int, kind: str = "tenso
     optimizer = torch.optim.SGD(masters, lr=lr)
     ref_masters = [f.clone() for f in fulls]
     losses, ref_losses = [], []
+    assert runtime.fp8_write_back_plan is None, "make_fp8_primary kept its one-off plan"
+    plans = []  # held, so a rebuilt plan could not reuse an earlier one's id
     for _ in range(4):
         # GTP: this rank's microbatch; grads reduce-scattered (MEAN) over GTP, averaged over DP
         hidden = torch.relu(gtp_linear(data[me], params[0]))
@@ -650,6 +652,7 @@ def _primary_training_worker(rank: int, world: int, gtp: int, kind: str = "tenso
             )
         optimizer.step()
         write_back_fp8_primary(params, list(masters), offsets, groups.replicate)
+        plans.append(runtime.fp8_write_back_plan)  # planned at the first step, then reused
         for param, (start, end) in zip(params, ranges):
             _param_all_gather(param, groups, start, end)
             param.main_grad.zero_()
@@ -698,11 +701,27 @@ def _primary_training_worker(rank: int, world: int, gtp: int, kind: str = "tenso
         want = full.dequantize(params[i].gtp_state.fp8_primary_dtype)[:rows]
         got = exported[f"l{i}.weight"]
         dequantized.append(got.dtype == want.dtype and torch.equal(got, want))
+    # other master tensors (twice the values) get a plan of their own, which reads them: the
+    # same FP8 codes, every scale_inv of a nonzero amax doubled (exact: powers of two)
+    codes = [param.detach().view(torch.uint8).clone() for param in params]
+    scale_invs = [param.gtp_state.fp8.scale_inv.clone() for param in params]
+    amaxes = [param.gtp_state.fp8.amax.clone() for param in params]  # zero: scale_inv stays 1
+    doubled = [2 * master.detach() for master in masters]
+    write_back_fp8_primary(params, doubled, offsets, groups.replicate)
+    for param, (start, end) in zip(params, ranges):
+        _param_all_gather(param, groups, start, end)
+    rereads = [
+        torch.equal(param.detach().view(torch.uint8), code)
+        and torch.equal(param.gtp_state.fp8.scale_inv, torch.where(amax > 0, 2 * inv, inv))
+        for param, code, inv, amax in zip(params, codes, scale_invs, amaxes)
+    ]
     return {
+        "rereads": rereads,
         "losses": losses,
         "ref_losses": ref_losses,
         "differing": steps,
         "exported_dequantized": dequantized,
+        "write_back_plans": len({id(plan) for plan in plans}),
     }
 
 
@@ -825,6 +844,9 @@ def test_fp8_primary_training_matches_full_weight(four_ranks: dict, gtp: int, ki
         assert value["differing"] == [0, 0], value["differing"]
         # nemo_gtp.full_state_dict returns them dequantized (not raw FP8 codes), bit for bit
         assert value["exported_dequantized"] == [True, True]
+        # the write-back is planned at the first step and that plan serves every later one
+        assert value["write_back_plans"] == 1, value["write_back_plans"]
+        assert value["rereads"] == [True, True], value["rereads"]
 
 
 def test_fp8_primary_unsupported_recipe_named() -> None:

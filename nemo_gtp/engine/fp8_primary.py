@@ -17,7 +17,8 @@ holds one level down:
   for its own FP8 params).
 - The runtime gathers the param's own bytes (``GTPRuntime.fp8_primary``): no refresh cast, no
   FP8 copy; the TE consumer wraps the gathered rows as for the FP8 gather.
-- :func:`write_back_fp8_primary` is the optimizer's write-back: each rank holds the fp32
+- :func:`write_back_fp8_primary` (``engine/fp8_write_back.py``, planned once for the lists
+  megatron passes every step) is the optimizer's write-back: each rank holds the fp32
   master of a flat slice of its shard (megatron's distributed optimizer splits the shard over
   the replicate group), or none. The amax of every slice's real elements (pad rows excluded)
   goes into one vector, all-reduced (MAX) over each group given (the replicate group, then the
@@ -42,40 +43,33 @@ The master is rounded to the training dtype before the amax and the cast, as TE 
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from nemo_gtp.engine.fp8 import (
     FP8_DTYPES,
     FP8Scaling,
     FP8Shard,
     ScalingKind,
-    _cast,
-    _real_rows,
     check_block_alignment,
     dequantize_fp8,
-    scale_from_amax,
 )
 from nemo_gtp.engine.fp8_gather import _SCALAR_STRIDE as _STRIDE  # cuBLAS-aligned scalars
 from nemo_gtp.engine.fp8_gather import padded_scale_shape
+from nemo_gtp.engine.fp8_write_back import is_fp8_primary, write_back_fp8_primary
 from nemo_gtp.engine.param import GTPShardedParam
 
+__all__ = [
+    "dequantize_fp8_primary",
+    "fp8_primary_init_value",
+    "is_fp8_primary",
+    "make_fp8_primary",
+    "quantize_loaded_fp8_primary",
+    "write_back_fp8_primary",
+]
+
 _INF = float("inf")
-
-
-def is_fp8_primary(param: object) -> bool:
-    """True for a GTP shard whose storage is FP8 (:func:`make_fp8_primary`).
-
-    Example::
-
-        is_fp8_primary(layer.weight)   # True after make_fp8_primary(layer's runtime, ...)
-    """
-    return isinstance(param, GTPShardedParam) and param.gtp_state.fp8_primary_dtype is not None
 
 
 def _check_scaling(scaling: FP8Scaling) -> None:
@@ -167,7 +161,7 @@ def make_fp8_primary(runtime: object, scaling: FP8Scaling) -> None:
             param.data = data
     # The initial quantization is a write-back of the whole shard from its own values.
     masters = [p.gtp_state.fp8_init.reshape(-1) for p in params]
-    write_back_fp8_primary(params, masters, [0] * len(params))
+    write_back_fp8_primary(params, masters, [0] * len(params), keep_plan=False)
     runtime.fp8_primary = scaling
 
 
@@ -200,257 +194,6 @@ def dequantize_fp8_primary(
     return dequantize_fp8(
         param.detach(), shard.scale_inv, shard.scaling, dtype or state.fp8_primary_dtype
     )
-
-
-def write_back_fp8_primary(
-    params: Sequence[GTPShardedParam],
-    masters: Sequence[torch.Tensor | None],
-    start_offsets: Sequence[int | None],
-    replicate_group: dist.ProcessGroup | None = None,
-) -> None:
-    """Quantize each param's master slice into its FP8 shard with the full weight's scales.
-
-    ``masters[i]`` is the fp32 master of the flat elements ``[start_offsets[i], +numel)`` of
-    ``params[i]``'s shard on this rank, or ``None`` when another replicate rank holds all of it
-    (megatron's ``quantize_param_shard`` convention). ``replicate_group``: the group whose
-    members hold the other slices of the same shards (the distributed optimizer's data-parallel
-    group), ``None`` when every rank holds its whole shard. Params of several runtimes (dense and
-    expert axes) are written back runtime by runtime, in the order the runtimes first appear in
-    ``params`` (the same on every rank: each holds the same params in the same order).
-
-    The amax of every scaling unit goes into one vector, all-reduced (MAX) once per group that
-    holds pieces of it: per tensor the replicate group, then the runtime's GTP group (together
-    every piece of the TP-local weight); blockwise the replicate group only (a tile lies within
-    one shard). Every rank then sets every param's scales (the replicas need them after the
-    param all-gather) and casts only its own slices, pad elements written as zeros. All checks
-    run before the first collective; every rank of the groups calls it with the same ``params``.
-
-    Example::
-
-        optimizer.step()     # fp32 masters updated
-        write_back_fp8_primary(params, masters, offsets, replicate_group)
-        # then all-gather the FP8 bytes over the replicate group (megatron's param gather)
-    """
-    if not (len(params) == len(masters) == len(start_offsets)):
-        raise ValueError("write_back_fp8_primary: params, masters, start_offsets differ in length")
-    if not params:
-        return
-    for param, master, start in zip(params, masters, start_offsets):
-        if not is_fp8_primary(param):
-            raise ValueError(f"{param!r} is not an FP8 primary weight (make_fp8_primary)")
-        if master is None:
-            continue
-        if start is None or start < 0 or start + master.numel() > param.numel():
-            raise ValueError(
-                f"{param.gtp_state.name}: master slice [{start}, +{master.numel()}) outside the "
-                f"shard's {param.numel()} elements"
-            )
-    by_runtime: dict[int, list[int]] = {}
-    for i, param in enumerate(params):
-        by_runtime.setdefault(id(param.runtime), []).append(i)
-    with torch.no_grad():
-        for members in by_runtime.values():  # one runtime: one GTP group, one recipe
-            ours = [params[i] for i in members]
-            mine = [masters[i] for i in members], [start_offsets[i] for i in members]
-            scaling = ours[0].gtp_state.fp8.scaling
-            if scaling.kind is ScalingKind.BLOCKWISE:
-                _write_back_tiles(ours, *mine, [replicate_group], scaling)
-            else:
-                _write_back_tensors(ours, *mine, [replicate_group, ours[0].runtime.group])
-
-
-def _real_elements(param: GTPShardedParam) -> int:
-    """Flat elements of the shard's real rows (design §1.3 pad rows after them)."""
-    cols = param.numel() // max(param.shape[0], 1)
-    return _real_rows(param.gtp_spec, param.shape[0]) * cols
-
-
-def _rounded_slice(param: GTPShardedParam, master: torch.Tensor, start: int) -> torch.Tensor:
-    """The master slice in fp32 after TE's rounding to the training dtype, pad elements zero."""
-    values = master.detach().reshape(-1).to(param.gtp_state.fp8_primary_dtype).float()
-    keep = max(0, min(values.numel(), _real_elements(param) - start))
-    if keep < values.numel():
-        values = values.clone()
-        values[keep:] = 0
-    return values
-
-
-def _all_reduce_max(amax: torch.Tensor, groups: Sequence[dist.ProcessGroup | None]) -> None:
-    for group in groups:
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-
-
-WRITE_BACK_CHUNK_ELEMENTS = 1 << 24
-"""Elements of a master slice the write-back casts at once (design §1.3 "FP8 primary weights"):
-its fp32 working copies stay a few times 64 MiB whatever the model's size (one piece of one
-weight at a time, in two passes: the amax, then after the collective the cast); a 1B model's
-largest shard is one piece."""
-
-
-def _pieces(
-    param: GTPShardedParam, master: torch.Tensor | None, start: int | None, rows_per_unit: int
-):
-    """``(piece start, master elements)`` of a master slice, cut at multiples of whole units
-    of ``rows_per_unit`` rows (a tile row, or a row) at most ~:data:`WRITE_BACK_CHUNK_ELEMENTS`
-    long; nothing when the rank holds none of it."""
-    if master is None or not master.numel():
-        return
-    flat = master.detach().reshape(-1)
-    unit = rows_per_unit * (param.numel() // max(param.shape[0], 1))
-    step = max(1, WRITE_BACK_CHUNK_ELEMENTS // unit) * unit
-    at, end = start, start + flat.numel()
-    while at < end:
-        stop = min(end, (at // step + 1) * step)
-        yield at, flat[at - start : stop - start]
-        at = stop
-
-
-# Rounding to the training dtype is monotonic and symmetric, so the amax of the rounded master
-# is the rounded amax of the master: the amax pass reads the fp32 master as it is (one max
-# kernel, no working copy) and rounds the result, bit for bit what TE computes on the rounded
-# values; the cast pass rounds the values it casts.
-
-
-def _cast_into(
-    target: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, limit
-) -> None:
-    """``target`` (FP8) = saturating cast of ``values`` rounded to ``dtype``, times ``scale``."""
-    target.copy_((values.to(dtype) * scale).clamp_(-limit, limit))
-
-
-def _write_back_tensors(params, masters, start_offsets, groups) -> None:
-    """Per-tensor current scaling: one amax per weight, agreed over replicate x GTP."""
-    n, k = len(params), _STRIDE
-    device = params[0].device
-    amax = torch.zeros(n * k, dtype=torch.float32, device=device)
-    reals, slots = [], []
-    for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
-        real = _real_elements(param)
-        for at, piece in _pieces(param, master, start, 1):
-            if at < real:
-                reals.append(piece[: real - at])
-                slots.append(i * k)
-    if reals:  # every piece's amax in one multi-tensor kernel, the max per weight
-        norms = torch.stack(torch._foreach_norm(reals, _INF)).float()
-        index = torch.tensor(slots, dtype=torch.long, device=device)
-        amax.index_reduce_(0, index, norms, "amax")
-    for dtype in {p.gtp_state.fp8_primary_dtype for p in params}:  # TE's rounding of the master
-        rows = [i * k for i, p in enumerate(params) if p.gtp_state.fp8_primary_dtype is dtype]
-        index = torch.tensor(rows, dtype=torch.long, device=device)
-        amax.index_copy_(0, index, amax.index_select(0, index).to(dtype).float())
-    _all_reduce_max(amax, groups)
-    scaling = params[0].gtp_state.fp8.scaling
-    scale = scale_from_amax(amax, scaling)
-    scale_inv = torch.reciprocal(scale)
-    for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
-        state = param.gtp_state
-        shard = state.fp8
-        view = slice(i * k, i * k + 1)
-        shard.amax.copy_(amax[view])
-        shard.scale.copy_(scale[view])
-        shard.scale_inv.copy_(scale_inv[view])
-        flat = param.detach().view(-1)
-        real = _real_elements(param)
-        for at, piece in _pieces(param, master, start, 1):
-            keep = max(0, min(piece.numel(), real - at))
-            target = flat[at : at + piece.numel()]
-            _cast_into(
-                target[:keep],
-                piece[:keep],
-                state.fp8_primary_dtype,
-                shard.scale,
-                shard.scaling.fp8_max,
-            )
-            target[keep:].view(torch.uint8).zero_()  # pad elements: FP8 zeros
-
-
-def _tile_window(
-    values: torch.Tensor, start: int, shape: torch.Size, block: tuple[int, int]
-) -> tuple[int, int, torch.Tensor]:
-    """The tile rows a flat slice ``[start, +numel)`` of a ``shape`` weight touches: (first
-    tile row, the slice's offset in the window, the window as ``(tile rows, rows, tile
-    columns, columns)`` blocks, zero outside the slice)."""
-    cols = shape[1]
-    block_rows, block_cols = block
-    first = start // cols // block_rows
-    last = (start + values.numel() - 1) // cols // block_rows
-    window = torch.zeros((last - first + 1) * block_rows * cols, device=values.device)
-    offset = start - first * block_rows * cols
-    window[offset : offset + values.numel()] = values
-    col_tiles = math.ceil(cols / block_cols)
-    padded = F.pad(window.view(-1, cols), (0, col_tiles * block_cols - cols))
-    return first, offset, padded.view(last - first + 1, block_rows, col_tiles, block_cols)
-
-
-def _whole_tiles(
-    param: GTPShardedParam, at: int, piece: torch.Tensor, block
-) -> torch.Tensor | None:
-    """``piece`` viewed as ``(tile rows, rows, tile columns, columns)`` when it is whole tile
-    rows of real elements and the columns whole tiles (the common case: no working copy);
-    None otherwise (a distributed optimizer's slice edge, pad rows, a partial tile column)."""
-    cols = param.shape[1]
-    block_rows, block_cols = block
-    unit = block_rows * cols
-    if cols % block_cols or at % unit or piece.numel() % unit:
-        return None
-    if at + piece.numel() > _real_elements(param):
-        return None
-    return piece.view(-1, block_rows, cols // block_cols, block_cols)
-
-
-def _write_back_tiles(params, masters, start_offsets, groups, scaling: FP8Scaling) -> None:
-    """Blockwise: one amax per tile, agreed over the replicate group (TE's partial amax of each
-    rank's slice, then MAX); every tile's scale on every rank, each rank casts its slice. The
-    pieces are whole tile rows (except at the slice's ends), so each tile's partial amax comes
-    from one piece."""
-    block = scaling.block
-    sizes = [param.gtp_state.fp8.amax.numel() for param in params]
-    bounds = [0, *itertools.accumulate(sizes)]
-    amax = torch.zeros(bounds[-1], dtype=torch.float32, device=params[0].device)
-    for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
-        dtype = param.gtp_state.fp8_primary_dtype
-        grid = amax[bounds[i] : bounds[i + 1]].view(param.gtp_state.fp8.amax.shape)
-        for at, piece in _pieces(param, master, start, block[0]):
-            tiles = _whole_tiles(param, at, piece, block)
-            if tiles is not None:  # the rounded amax, from the master as it is
-                first = at // (block[0] * param.shape[1])
-                peak = torch.linalg.vector_norm(tiles, _INF, dim=(1, 3)).to(dtype).float()
-            else:
-                values = _rounded_slice(param, piece, at)
-                first, _, tiles = _tile_window(values, at, param.shape, block)
-                peak = tiles.abs().amax(dim=(1, 3))
-            grid[first : first + tiles.shape[0]] = peak
-    _all_reduce_max(amax, groups)
-    scale = scale_from_amax(amax, scaling)
-    scale_inv = torch.reciprocal(scale)
-    for i, (param, master, start) in enumerate(zip(params, masters, start_offsets)):
-        state = param.gtp_state
-        shard = state.fp8
-        part = slice(bounds[i], bounds[i + 1])
-        shard.amax.copy_(amax[part].view(shard.amax.shape))
-        shard.scale.copy_(scale[part].view(shard.scale.shape))
-        shard.scale_inv.copy_(scale_inv[part].view(shard.scale.shape))  # the wire's columns
-        flat = param.detach().view(-1)
-        for at, piece in _pieces(param, master, start, block[0]):
-            target = flat[at : at + piece.numel()]
-            tiles = _whole_tiles(param, at, piece, block)
-            if tiles is not None:
-                first = at // (block[0] * param.shape[1])
-                tile_scale = shard.scale[first : first + tiles.shape[0], None, :, None]
-                _cast_into(
-                    target.view(tiles.shape),
-                    tiles,
-                    state.fp8_primary_dtype,
-                    tile_scale,
-                    scaling.fp8_max,
-                )
-                continue
-            values = _rounded_slice(param, piece, at)
-            first, offset, tiles = _tile_window(values, at, param.shape, block)
-            tile_scale = shard.scale[first : first + tiles.shape[0], None, :, None]
-            cast = _cast(tiles, tile_scale, scaling).view(-1, tiles.shape[2] * tiles.shape[3])
-            target.copy_(cast[:, : param.shape[1]].reshape(-1)[offset : offset + values.numel()])
 
 
 def quantize_loaded_fp8_primary(
@@ -488,4 +231,4 @@ def quantize_loaded_fp8_primary(
             )
         source = dequantize_fp8_primary(param, torch.float32) if value is None else value
         sources.append(source.detach().reshape(-1))
-    write_back_fp8_primary(params, sources, [0] * len(sources))  # runtime by runtime
+    write_back_fp8_primary(params, sources, [0] * len(sources), keep_plan=False)

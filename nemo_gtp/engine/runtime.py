@@ -224,6 +224,9 @@ class GTPRuntime(GraphSegments):
         self.fp8_primary: FP8Scaling | None = None
         """Set by ``make_fp8_primary``: every shard is an FP8 primary weight in this scaling and
         every gather moves the shards' own FP8 bytes (design §1.3 "FP8 primary weights")."""
+        self.fp8_write_back_plan: object | None = None
+        """The optimizer write-back's plan for this runtime's shards (``fp8_write_back``),
+        built at the first write-back and reused while megatron passes the same lists."""
         # The consumer that quantizes the training-dtype gathers it is handed and needs that
         # quantization redone for its backward (design §1.3 "Consumer-quantized backward").
         self.consumer_quantize: ConsumerQuantize | None = None
