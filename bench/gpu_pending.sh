@@ -2,9 +2,10 @@
 # The GPU checks written but not yet run on 2 GPUs, in priority order, each bounded and packed
 # into $OUT/<stage>.tgz as it finishes (so a cut call keeps the earlier stages). Run on the GPU
 # machine from the repository root after TE is built (bench/te_build.sh; see the device notes
-# for carrying .whl / .te0..5 / .te_ext), up to ~31 minutes in all (the stages' time limits;
+# for carrying .whl / .te0..5 / .te_ext), up to ~35 minutes in all (the stages' time limits;
 # more than one session's device time: the first five are the issues' 2-GPU targets, each call
-# ≤ 10 minutes, e.g. `nemo_threads layergraph`, then `moe rows`, then `fp8`, then `fp8param`):
+# ≤ 10 minutes, e.g. `nemo_threads layergraph`, then `moe rows`, then `fp8`, then `fp8units
+# grouped`, then `fp8param`):
 #   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 #   export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 PYTHONPATH=/tmp/te:/tmp/site:$PWD
 #   bash bench/gpu_pending.sh            # or: bash bench/gpu_pending.sh nemo_threads fp8
@@ -86,6 +87,16 @@ if want fp8; then
     --modes dp2_fp8,gtp2_fp8,dp2_fp8block,gtp2_fp8block,dp2_fp8blockparam,gtp2_fp8blockparam \
     --tokens 4096 --warmup 5 --timed 19 --fit-timeout 45 --out "$OUT/fp8/nemo" | tail -10
   pack fp8
+fi
+# 4b. What the FP8 primary units fix costs in step time (2026-12-02 night: coalescing units count
+#    the training dtype, -1.65 GiB peak on the 1B recipe, twice the unit collectives of before;
+#    one fake-world pair on one GPU could not separate it from machine noise): blockwise FP8
+#    primary at 4k with the new units and with the old ones (coalesce_mb=384), 2 GPUs.
+if want fp8units; then
+  timeout 230 python3 bench/bench_nemo.py \
+    --modes dp2_fp8blockparam,gtp2_fp8blockparam,gtp2_fp8blockparam@coalesce_mb=384 \
+    --tokens 4096 --warmup 5 --timed 19 --fit-timeout 60 --out "$OUT/fp8units" | tail -8
+  pack fp8units
 fi
 # 5. The rows never run: eager 1k, and NeMo's Megatron-FSDP as the second baseline.
 if want rows; then
