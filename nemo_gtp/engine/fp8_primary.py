@@ -69,8 +69,6 @@ __all__ = [
     "write_back_fp8_primary",
 ]
 
-_INF = float("inf")
-
 
 def _check_scaling(scaling: FP8Scaling) -> None:
     if scaling.kind is ScalingKind.DELAYED:
