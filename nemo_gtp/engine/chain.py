@@ -59,14 +59,6 @@ class WeightGroup:
     together: bool
 
 
-def _training_itemsize(param: GTPShardedParam) -> int:
-    """Bytes per element of the weight in its training dtype: an FP8 primary shard counts as
-    its training dtype, not its float8 storage (design §3.1 "Coalescing units": a unit's live
-    memory is mostly its wgrad scratch, whose size does not shrink with the wire format)."""
-    dtype = param.gtp_state.fp8_primary_dtype or param.dtype
-    return dtype.itemsize
-
-
 def coalescing_units(
     order: list[GTPShardedParam],
     unit_bytes: float,
@@ -119,7 +111,7 @@ def coalescing_units(
                     current, size = [], 0
                 units.append(tuple(q for q in groups[index].params if id(q) in observed))
             continue
-        nbytes = math.prod(param.gtp_spec.gathered_shape) * _training_itemsize(param)
+        nbytes = math.prod(param.gtp_spec.gathered_shape) * param.training_dtype.itemsize
         if current and (
             size + nbytes > unit_bytes
             or param.dtype != current[0].dtype

@@ -524,6 +524,18 @@ class GTPShardedParam(torch.nn.Parameter):
         self.gtp_state.fp8_init = None
 
     @property
+    def training_dtype(self) -> torch.dtype:
+        """The dtype the weight trains in: its own, or an FP8 primary shard's training dtype
+        (its storage is float8; design §1.3 "FP8 primary weights"): what its GEMMs and
+        gradients use and what a coalescing unit's size counts (§3.1 "Coalescing units").
+
+        Example::
+
+            param.training_dtype   # torch.bfloat16 for a bf16 weight, FP8 primary or not
+        """
+        return self.gtp_state.fp8_primary_dtype or self.dtype
+
+    @property
     def runtime(self) -> GTPRuntime:
         """The :class:`GTPRuntime` that owns this param."""
         ref = self.gtp_state.runtime

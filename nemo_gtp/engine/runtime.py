@@ -1032,7 +1032,7 @@ class GTPRuntime(GraphSegments):
         if main_grad is not None:
             dtype = main_grad.dtype
         else:  # an FP8 primary shard's gradient is in its training dtype
-            dtype = param.gtp_state.fp8_primary_dtype or param.dtype
+            dtype = param.training_dtype
         pool = param.gtp_state.rs.scratch_pool
         if pool is None or pool.dtype is not dtype:
             self._bind_pools(param, dtype)

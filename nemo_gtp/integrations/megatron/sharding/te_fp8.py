@@ -182,7 +182,7 @@ class TEFP8Gather:
             tensor = gathered.consumer = self._tensor(
                 shape=data.shape,
                 # an FP8 primary shard's own dtype is FP8: TE wants the training dtype
-                dtype=param.gtp_state.fp8_primary_dtype or param.dtype,
+                dtype=param.training_dtype,
                 data=data,
                 fp8_scale_inv=gathered.scale_inv,
                 fp8_dtype=te_dtype,
@@ -224,7 +224,7 @@ class TEFP8Gather:
             )
             tensor = gathered.consumer = self._block_tensor(
                 data.shape,
-                param.gtp_state.fp8_primary_dtype or param.dtype,
+                param.training_dtype,
                 rowwise_data=data,
                 rowwise_scale_inv=gathered.scale_inv,
                 columnwise_data=None,
