@@ -397,7 +397,9 @@ def write_per_weight_exposed(
 
 def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple[int, int]]):
     if args.memory_trace:
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        from memory_peak import start_recording
+
+        start_recording()
     model, optimizer, step, runtime = build(args, mode, world)
     built_gib = torch.cuda.memory_allocated() / 2**30
     records = []
@@ -468,10 +470,9 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
         if dist.get_rank() == 0:
             print(json.dumps(records[-1]), flush=True)
     if args.memory_trace:
-        from memory_peak import format_breakdown, peak_breakdown
+        from memory_peak import stop_and_report
 
-        text = format_breakdown(peak_breakdown(torch.cuda.memory._snapshot()))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        text = stop_and_report()
         if dist.get_rank() == 0:
             with open(os.path.join(args.out, f"memory_peak_{mode}.txt"), "w") as f:
                 f.write(f"mode={mode} shapes={args.shapes}\n{text}\n")

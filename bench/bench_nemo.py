@@ -636,30 +636,9 @@ def timed_fit(
     )
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _memory_history(start: bool) -> str:
-    """Start recording this process's CUDA allocations (with Python stacks), or stop and
-    return what was live at the allocator's peak, per allocation site (``memory_peak.py``)."""
-    import torch
-
-    if start:
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-        return ""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from memory_peak import format_breakdown, peak_breakdown, peak_stack
-
-    snapshot = torch.cuda.memory._snapshot()
-    text = format_breakdown(peak_breakdown(snapshot), top=30) + "\n" + peak_stack(snapshot)
-    torch.cuda.memory._record_memory_history(enabled=None)
-    return text
-
-
 def _rank_main(spec_path: str) -> None:
+    import torch
+    from memory_peak import start_recording, stop_and_report  # bench/: the script's directory
 
     from nemo_gtp.recipes.launch import teardown_fit
     from nemo_gtp.recipes.loader import load_recipe
@@ -685,8 +664,8 @@ def _rank_main(spec_path: str) -> None:
                 spec["warmup"], spec["timed"], run["profile"], timing=not spec.get("shared_device")
             )
             name = f"{run['mode']}_{run['tokens_per_gpu']}"
-            if spec.get("dump_weights"):  # a plain file name: modifiers may hold paths
-                safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+            safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name)  # a file name: modifiers hold paths
+            if spec.get("dump_weights"):
                 steps.dump_prefix = str(Path(spec["out"], f"weights_{safe}"))
             if rank == 0 and run["profile"]:
                 steps.pstats_path = str(Path(spec["out"], f"host_profile_{name}.pstats"))
@@ -697,13 +676,13 @@ def _rank_main(spec_path: str) -> None:
                 [*run["overrides"], f"trainer.max_steps={steps.total_steps}"],
             )
             store = str(Path(spec["dir"], f"store{i}"))
-            trace = spec.get("memory_trace") and rank == 0 and _cuda()
+            trace = spec.get("memory_trace") and rank == 0 and torch.cuda.is_available()
             if trace:  # from before the model is built: setup's blocks are in the replay too
-                _memory_history(True)
+                start_recording()
             record.update(timed_fit(cfg, [steps], steps, store, world, run["tokens_per_gpu"]))
             if trace:
-                safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
-                Path(spec["out"], f"memory_peak_{safe}.txt").write_text(_memory_history(False))
+                report = stop_and_report(top=30, stack=True)
+                Path(spec["out"], f"memory_peak_{safe}.txt").write_text(report)
             record.update(
                 # forward + backward: host issue time vs what the GPU still had left after it
                 split_ms={

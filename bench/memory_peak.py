@@ -1,13 +1,14 @@
 """What is live at the peak of a CUDA memory history (explains a peak-memory difference).
 
-``torch.cuda.memory._record_memory_history(stacks="python")`` from before the model is built,
-run some steps, then :func:`peak_breakdown` replays the allocator's alloc/free trace from zero,
+:func:`start_recording` (allocations with Python stacks) from before the model is built, run
+some steps, then :func:`stop_and_report` replays the allocator's alloc/free trace from zero,
 finds the moment of the highest allocated total and groups the blocks live then by the first
-stack frame in our code (megatron, nemo_gtp, bench).
+stack frame in our code (megatron, nemo_gtp, bench); ``stack=True`` adds the stack of the
+allocation that set the peak (which phase of the step).
 
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    start_recording()
     ...  # build, train
-    print(format_breakdown(peak_breakdown(torch.cuda.memory._snapshot())))
+    print(stop_and_report(stack=True))
 """
 
 from __future__ import annotations
@@ -55,13 +56,17 @@ def _replay(snapshot: dict, device: int | None) -> tuple[int, dict[int, tuple[in
     return peak, peak_live, peak_frames
 
 
+def _by_site(live: dict[int, tuple[int, list]]) -> list[tuple[int, str]]:
+    by_site: Counter[str] = Counter()
+    for size, frames in live.values():
+        by_site[_site(frames)] += size
+    return sorted(((b, s) for s, b in by_site.items()), reverse=True)
+
+
 def peak_breakdown(snapshot: dict, device: int | None = None) -> tuple[int, list[tuple[int, str]]]:
     """(peak bytes, [(bytes, allocation site)] of the blocks live at the peak, largest first)."""
     peak, peak_live, _ = _replay(snapshot, device)
-    by_site: Counter[str] = Counter()
-    for size, frames in peak_live.values():
-        by_site[_site(frames)] += size
-    return peak, sorted(((b, s) for s, b in by_site.items()), reverse=True)
+    return peak, _by_site(peak_live)
 
 
 def format_breakdown(result: tuple[int, list[tuple[int, str]]], top: int = 20) -> str:
@@ -72,13 +77,33 @@ def format_breakdown(result: tuple[int, list[tuple[int, str]]], top: int = 20) -
     return "\n".join(lines)
 
 
-def peak_stack(snapshot: dict, device: int | None = None, depth: int = 16) -> str:
-    """The Python stack of the allocation that set the peak (which phase of the step: build,
-    forward, backward, optimizer), innermost frame first."""
-    peak, _, frames = _replay(snapshot, device)
+def _stack_text(peak: int, frames: list, depth: int = 16) -> str:
+    """The Python stack of the allocation that set the peak, innermost frame first."""
     lines = [f"allocation that set the peak ({peak / 2**30:.2f} GiB):"]
     lines += [
         f"  {f.get('filename', '?').split('site-packages/')[-1]}:{f.get('line')} {f.get('name')}"
         for f in frames[:depth]
     ]
     return "\n".join(lines)
+
+
+MAX_ENTRIES = 2_000_000  # allocator events kept: a few steps of a 1B model
+
+
+def start_recording() -> None:
+    """Record this process's CUDA allocations, with Python stacks."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
+
+
+def stop_and_report(top: int = 20, stack: bool = False) -> str:
+    """Stop recording and return what was live at the peak per site (:func:`format_breakdown`,
+    ``top`` rows), with ``stack`` also the stack that set the peak; one replay of the trace."""
+    import torch
+
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, live, frames = _replay(snapshot, None)
+    text = format_breakdown((peak, _by_site(live)), top)
+    return text + "\n" + _stack_text(peak, frames) if stack else text
