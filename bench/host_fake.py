@@ -98,6 +98,32 @@ def _patch_flatten_allreduce() -> None:
     finalize.allreduce_replicated_grads = flatten_allreduce
 
 
+def _patch_te_columnwise() -> None:
+    """``%tecolumnwise``: the blockwise backward hand-out as it was before 2026-12-03 (TE's
+    ``_create_columnwise`` per hand-out: its checks, shapes and slices every call) instead of the
+    column-wise plan kept per gathered buffer."""
+    from nemo_gtp.integrations.megatron.sharding import te_fp8
+
+    def wrap_blocks(self, param, direction, gathered):  # noqa: ANN001, ANN202
+        hand_out = gathered.consumer
+        if hand_out is None:
+            hand_out = gathered.consumer = self._block_hand_out(param, direction, gathered)
+        tensor = hand_out.tensor
+        tensor._rowwise_data = gathered.data.view(torch.uint8)
+        tensor._rowwise_scale_inv = gathered.scale_inv
+        if direction is te_fp8.Direction.BWD and gathered.transpose is not None:
+            tensor._columnwise_data = gathered.transpose.view(torch.uint8)
+            tensor._columnwise_scale_inv = gathered.columnwise_scale_inv
+            tensor._create_columnwise()
+        else:
+            tensor._columnwise_data = tensor._columnwise_scale_inv = None
+        return tensor
+
+    import torch
+
+    te_fp8.TEFP8Gather._wrap_blocks = wrap_blocks
+
+
 def _patch_count_bails() -> None:
     """``%why``: count, per reason, the TE protocol consumes the one-frame dense consume hands
     to the general path (printed as ``DENSE_BAILS {...}`` at exit)."""
@@ -203,6 +229,7 @@ PATCHES = {
     "flatten": _patch_flatten_allreduce,
     "why": _patch_count_bails,
     "te": _patch_gemm_variants,
+    "tecolumnwise": _patch_te_columnwise,
 }
 """Mode suffixes ``%name`` (e.g. ``gtp2_te%general%flatten``): an earlier host path restored in
 that mode's process, so old and new run interleaved in one launch (same machine, same hour), or

@@ -21,9 +21,10 @@ Blockwise scaling (``fp8_recipe="blockwise"``, TE's ``Float8BlockScaling`` with 
 128x128 weight tiles) gathers FP8 too: every rank quantizes its own tiles once per step (no
 collective; the shards' rows are whole tiles), the tiles' ``scale_inv`` travel with the rows,
 and TE gets a ``Float8BlockwiseQTensor`` over the gathered rows and scales. Its backward needs
-the column-wise copy (the transpose and the transposed scale grid, the same tiles' values): TE's
-own ``_create_columnwise`` writes it into the runtime's stable buffers at each backward
-hand-out. A weight whose shard rows are not whole tiles (``GTPConfig.pad_for_alignment`` below
+the column-wise copy (the transpose and the transposed scale grid, the same tiles' values),
+written into the runtime's stable buffers at each backward hand-out by TE's transpose kernel
+and one scale copy (what TE's ``_create_columnwise`` does, its views planned once per
+buffer). A weight whose shard rows are not whole tiles (``GTPConfig.pad_for_alignment`` below
 128) is gathered in the training dtype and quantized by TE, as before.
 
 Other recipes gather the training dtype (TE quantizes the gathered weight itself): delayed
@@ -121,6 +122,7 @@ class TEFP8Gather:
         self._quantizer = Float8CurrentScalingQuantizer
         self._block_tensor = Float8BlockwiseQTensor
         self._block_quantizer = Float8BlockQuantizer
+        self._fp8_transpose = tex.fp8_transpose
         self._te_dtypes = {
             torch.float8_e4m3fn: tex.DType.kFloat8E4M3,
             torch.float8_e5m2: tex.DType.kFloat8E5M2,
@@ -205,45 +207,86 @@ class TEFP8Gather:
         self, param: GTPShardedParam, direction: Direction, gathered: FP8Gathered
     ) -> torch.Tensor:
         """The blockwise ``Float8BlockwiseQTensor``: the gathered rows and tile scales; in a
-        backward hand-out also the column-wise copy, written by TE's ``_create_columnwise``
-        into the runtime's stable transpose and scale buffers (one transpose kernel and one
-        scale copy per gathered weight)."""
+        backward hand-out also the column-wise copy, written into the runtime's stable
+        transpose and scale buffers (one transpose kernel and one scale copy per gathered
+        weight, planned once per buffer: :class:`_BlockHandOut`)."""
+        hand_out = gathered.consumer
+        if hand_out is None:
+            hand_out = gathered.consumer = self._block_hand_out(param, direction, gathered)
+        tensor = hand_out.tensor
+        # Fresh byte views at every hand-out, as for per tensor (TE may drop or clear them).
         data = gathered.data.view(torch.uint8)
-        tensor = gathered.consumer
-        columnwise = direction is Direction.BWD and gathered.transpose is not None
-        if tensor is None:
-            scaling = gathered.scaling
-            te_dtype = self._te_dtypes[scaling.fp8_dtype]
-            quantizer = self._block_quantizer(
-                te_dtype,
-                rowwise=True,
-                columnwise=direction is Direction.BWD,
-                amax_epsilon=scaling.epsilon,
-                force_pow_2_scales=bool(scaling.power_2_scales),
-                block_scaling_dim=2,
-            )
-            tensor = gathered.consumer = self._block_tensor(
-                data.shape,
-                param.training_dtype,
-                rowwise_data=data,
-                rowwise_scale_inv=gathered.scale_inv,
-                columnwise_data=None,
-                columnwise_scale_inv=None,
-                fp8_dtype=te_dtype,
-                quantizer=quantizer,
-                is_2D_scaled=True,
-                requires_grad=param.requires_grad,
-                device=data.device,
-            )
         tensor._rowwise_data = data
         tensor._rowwise_scale_inv = gathered.scale_inv
-        if columnwise:
-            tensor._columnwise_data = gathered.transpose.view(torch.uint8)
-            tensor._columnwise_scale_inv = gathered.columnwise_scale_inv
-            tensor._create_columnwise()  # TE's own: the same tiles' transpose, in place
-        else:
+        if direction is not Direction.BWD or hand_out.scale_to is None:
             tensor._columnwise_data = tensor._columnwise_scale_inv = None
+            return tensor
+        # What TE's ``_create_columnwise`` does for 2-D tiles (the tiles' transpose, the scale
+        # grid transposed), without its per-call checks, shapes and slicing: the rows are a
+        # contiguous cache buffer and the scale views are fixed for the life of the buffer.
+        columnwise = gathered.transpose.view(torch.uint8)
+        tensor._columnwise_data = columnwise
+        tensor._columnwise_scale_inv = gathered.columnwise_scale_inv
+        self._fp8_transpose(data, tensor._fp8_dtype, out=columnwise)
+        hand_out.scale_to.copy_(hand_out.scale_from)
         return tensor
+
+    def _block_hand_out(
+        self, param: GTPShardedParam, direction: Direction, gathered: FP8Gathered
+    ) -> _BlockHandOut:
+        """The TE tensor of one gathered buffer and, for a backward buffer with a column-wise
+        copy, the scale views of its transpose (made at the buffer's first hand-out)."""
+        scaling = gathered.scaling
+        te_dtype = self._te_dtypes[scaling.fp8_dtype]
+        quantizer = self._block_quantizer(
+            te_dtype,
+            rowwise=True,
+            columnwise=direction is Direction.BWD,
+            amax_epsilon=scaling.epsilon,
+            force_pow_2_scales=bool(scaling.power_2_scales),
+            block_scaling_dim=2,
+        )
+        data = gathered.data.view(torch.uint8)
+        tensor = self._block_tensor(
+            data.shape,
+            param.training_dtype,
+            rowwise_data=data,
+            rowwise_scale_inv=gathered.scale_inv,
+            columnwise_data=None,
+            columnwise_scale_inv=None,
+            fp8_dtype=te_dtype,
+            quantizer=quantizer,
+            is_2D_scaled=True,
+            requires_grad=param.requires_grad,
+            device=data.device,
+        )
+        if direction is not Direction.BWD or gathered.transpose is None:
+            return _BlockHandOut(tensor, None, None)
+        # TE's own scale copy: the overlap of the transposed row-wise grid and the column-wise
+        # grid (both padded to cuBLAS's 4-column layout, so their shapes differ).
+        source = gathered.scale_inv.transpose(-2, -1)
+        target = gathered.columnwise_scale_inv
+        h = min(target.shape[0], source.shape[0])
+        w = min(target.shape[1], source.shape[1])
+        return _BlockHandOut(tensor, source[0:h, 0:w], target[0:h, 0:w])
+
+
+class _BlockHandOut:
+    """What :meth:`TEFP8Gather._wrap_blocks` keeps per gathered buffer (``FP8Gathered.consumer``):
+    the ``Float8BlockwiseQTensor`` handed to TE, and for a backward buffer the fixed views its
+    column-wise scale copy reads (``scale_from``) and writes (``scale_to``); None otherwise."""
+
+    __slots__ = ("tensor", "scale_from", "scale_to")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        scale_from: torch.Tensor | None,
+        scale_to: torch.Tensor | None,
+    ) -> None:
+        self.tensor = tensor
+        self.scale_from = scale_from
+        self.scale_to = scale_to
 
 
 def install_te_fp8_gather(runtime: object) -> bool:
