@@ -202,6 +202,12 @@ GRAPH_KINDS = {  # mode modifier -> recipe overrides (design §3.5)
 }
 
 
+def file_stem(text: str) -> str:
+    """``text`` as a plain file name (letters, digits, ``._-``): mode modifiers hold ``@ = / %
+    #``, and the device tool returns no file whose name holds them."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
+
+
 def _token_overrides(tokens: int, config: str | None = None) -> list[str]:
     if config in CPU_CONFIGS:
         return []
@@ -663,10 +669,9 @@ def _rank_main(spec_path: str) -> None:
             steps = _steps_callback(
                 spec["warmup"], spec["timed"], run["profile"], timing=not spec.get("shared_device")
             )
-            name = f"{run['mode']}_{run['tokens_per_gpu']}"
-            safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name)  # a file name: modifiers hold paths
+            name = file_stem(f"{run['mode']}_{run['tokens_per_gpu']}")
             if spec.get("dump_weights"):
-                steps.dump_prefix = str(Path(spec["out"], f"weights_{safe}"))
+                steps.dump_prefix = str(Path(spec["out"], f"weights_{name}"))
             if rank == 0 and run["profile"]:
                 steps.pstats_path = str(Path(spec["out"], f"host_profile_{name}.pstats"))
                 if spec.get("chrome_trace"):
@@ -682,7 +687,7 @@ def _rank_main(spec_path: str) -> None:
             record.update(timed_fit(cfg, [steps], steps, store, world, run["tokens_per_gpu"]))
             if trace:
                 report = stop_and_report(top=30, stack=True)
-                Path(spec["out"], f"memory_peak_{safe}.txt").write_text(report)
+                Path(spec["out"], f"memory_peak_{name}.txt").write_text(report)
             record.update(
                 # forward + backward: host issue time vs what the GPU still had left after it
                 split_ms={

@@ -362,7 +362,9 @@ def _rank_main(spec: dict) -> dict:
     times = _Times()
     build_fit(cfg, callbacks=[times]).run()
     out = Path(spec["out"])
-    name = f"{spec['mode']}_{spec['tokens']}"
+    from bench_nemo import file_stem
+
+    name = file_stem(f"{spec['mode']}_{spec['tokens']}")
     if profiled:
         prof.dump_stats(str(out / f"host_profile_{name}.pstats"))
         text = io.StringIO()
@@ -401,6 +403,8 @@ def main() -> int:
     if args.rank_main:
         print("RECORD " + json.dumps(_rank_main(json.loads(args.rank_main))), flush=True)
         return 0
+    from bench_nemo import file_stem
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
@@ -420,7 +424,7 @@ def main() -> int:
                 profile=args.profile,
                 out=str(out.resolve()),
             )
-            log = out / f"{mode}_{tokens}.log"
+            log = out / f"{file_stem(f'{mode}_{tokens}')}.log"
             with open(log, "w") as f:
                 proc = subprocess.run(
                     [sys.executable, __file__, "--out", str(out), "--rank-main", json.dumps(spec)],
@@ -440,7 +444,8 @@ def main() -> int:
                 record["error"] = f"exit {proc.returncode}, see {log.name}"
             records.append(record)
             print(json.dumps(record), flush=True)
-    (out / "host_fake.json").write_text(json.dumps(records, indent=1))
+            # after every fit: a launch cut short by its time limit keeps what it measured
+            (out / "host_fake.json").write_text(json.dumps(records, indent=1))
     profiles = sorted(out.glob("host_profile_*"))
     with tarfile.open(out / "host_profiles.tgz", "w:gz") as tar:  # one file to fetch
         for path in profiles:
