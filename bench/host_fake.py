@@ -102,6 +102,8 @@ def _patch_te_columnwise() -> None:
     """``%tecolumnwise``: the blockwise backward hand-out as it was before 2026-12-03 (TE's
     ``_create_columnwise`` per hand-out: its checks, shapes and slices every call) instead of the
     column-wise plan kept per gathered buffer."""
+    import torch
+
     from nemo_gtp.integrations.megatron.sharding import te_fp8
 
     def wrap_blocks(self, param, direction, gathered):  # noqa: ANN001, ANN202
@@ -118,8 +120,6 @@ def _patch_te_columnwise() -> None:
         else:
             tensor._columnwise_data = tensor._columnwise_scale_inv = None
         return tensor
-
-    import torch
 
     te_fp8.TEFP8Gather._wrap_blocks = wrap_blocks
 
@@ -362,9 +362,7 @@ def _rank_main(spec: dict) -> dict:
     times = _Times()
     build_fit(cfg, callbacks=[times]).run()
     out = Path(spec["out"])
-    from bench_nemo import file_stem
-
-    name = file_stem(f"{spec['mode']}_{spec['tokens']}")
+    name = spec["file_stem"]
     if profiled:
         prof.dump_stats(str(out / f"host_profile_{name}.pstats"))
         text = io.StringIO()
@@ -417,6 +415,7 @@ def main() -> int:
         for mode in names:
             spec = dict(
                 mode=mode,
+                file_stem=file_stem(f"{mode}_{tokens}"),  # the mode's log and profile names
                 tokens=tokens,
                 world=args.world,
                 warmup=args.warmup,
@@ -424,7 +423,7 @@ def main() -> int:
                 profile=args.profile,
                 out=str(out.resolve()),
             )
-            log = out / f"{file_stem(f'{mode}_{tokens}')}.log"
+            log = out / f"{spec['file_stem']}.log"
             with open(log, "w") as f:
                 proc = subprocess.run(
                     [sys.executable, __file__, "--out", str(out), "--rank-main", json.dumps(spec)],

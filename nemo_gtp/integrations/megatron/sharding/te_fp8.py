@@ -218,7 +218,7 @@ class TEFP8Gather:
         data = gathered.data.view(torch.uint8)
         tensor._rowwise_data = data
         tensor._rowwise_scale_inv = gathered.scale_inv
-        if direction is not Direction.BWD or hand_out.scale_to is None:
+        if hand_out.scale_to is None:  # a forward buffer, or no column-wise copy asked for
             tensor._columnwise_data = tensor._columnwise_scale_inv = None
             return tensor
         # What TE's ``_create_columnwise`` does for 2-D tiles (the tiles' transpose, the scale
