@@ -238,81 +238,127 @@ def _optimizer_states(
     return None
 
 
-def _assemble_replicate(built: Built, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-    """Each optimizer state of ``param``, shard-shaped (distributed-optimizer ranges joined)."""
+def _replicate_group(built: Built, param: torch.nn.Parameter) -> object:
+    """The group ``param``'s optimizer state is sharded over."""
     # shard_replicated_params_over_gtp: the replicated params' state is spread over DP x GTP
     over_data = built.layout.shard_replicated and not is_gtp_param(param)
-    group = built.groups.data if over_data else built.groups.replicate
-    return _assemble(_local_states(built, param), param, group)
+    return built.groups.data if over_data else built.groups.replicate
 
 
-def _assemble(
-    local: tuple[int, int, dict] | None,
-    param: torch.nn.Parameter,
-    group: object,
+def _in_groups(keys: list[object]) -> dict[int, tuple[object, list[int]]]:
+    """Indices of ``keys`` by group, in first-appearance order (the same on every rank, so the
+    ranks issue one collective per group in the same order)."""
+    by_group: dict[int, tuple[object, list[int]]] = {}
+    for index, group in enumerate(keys):
+        by_group.setdefault(id(group), (group, []))[1].append(index)
+    return by_group
+
+
+def _assemble_many(
+    entries: list[tuple[tuple[int, int, dict] | None, torch.nn.Parameter, object]],
     kinds: tuple[str, ...] = STATE_KINDS,
-) -> dict[str, torch.Tensor]:
-    """``local`` states of ``param`` joined over ``group`` into shard-shaped tensors."""
-    payload = (  # on the host: objects travel pickled (NCCL too)
-        None
-        if local is None
-        else (local[0], local[1], {k: v.detach().cpu().clone() for k, v in local[2].items()})
-    )
-    parts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, payload, group=group)
-    out = {}
-    for kind in kinds:
-        flat = torch.full((param.numel(),), float("nan"), dtype=torch.float32)
-        covered = torch.zeros(param.numel(), dtype=torch.bool)
-        for part in parts:
-            if part is not None:
-                flat[part[0] : part[1]] = part[2][kind]
-                covered[part[0] : part[1]] = True
-        assert covered.all(), f"optimizer state of a {tuple(param.shape)} param not fully covered"
-        out[kind] = flat.view(param.shape)
+) -> list[dict[str, torch.Tensor]]:
+    """Each entry's ``(local states, param, group)`` joined over its group into shard-shaped
+    tensors: one ``all_gather_object`` per group for every entry (a collective costs
+    milliseconds on a loaded CPU machine; the checkpoint tests assemble hundreds of params)."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in entries]
+    for group, indices in _in_groups([entry[2] for entry in entries]).values():
+        payload = [  # on the host: objects travel pickled (NCCL too)
+            None
+            if entries[i][0] is None
+            else (
+                entries[i][0][0],
+                entries[i][0][1],
+                {k: v.detach().cpu().clone() for k, v in entries[i][0][2].items()},
+            )
+            for i in indices
+        ]
+        ranks: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ranks, payload, group=group)
+        for position, i in enumerate(indices):
+            param = entries[i][1]
+            for kind in kinds:
+                flat = torch.full((param.numel(),), float("nan"), dtype=torch.float32)
+                covered = torch.zeros(param.numel(), dtype=torch.bool)
+                for rank_payload in ranks:
+                    part = rank_payload[position]
+                    if part is not None:
+                        flat[part[0] : part[1]] = part[2][kind]
+                        covered[part[0] : part[1]] = True
+                assert covered.all(), (
+                    f"optimizer state of a {tuple(param.shape)} param not fully covered"
+                )
+                out[i][kind] = flat.view(param.shape)
     return out
 
 
-def gather_logical(
-    name: str,
-    param: torch.nn.Parameter,
-    tensor: torch.Tensor,
-    gtp_group: object,
-    *,
-    glu: bool = False,
-) -> torch.Tensor:
-    """``tensor`` (shaped like ``param``) gathered over GTP (pad stripped), then over TP.
+def _every_rank(tensors: list[torch.Tensor], group: object) -> list[list[torch.Tensor]]:
+    """Every rank's copy of each of ``tensors`` (same shapes on every rank of ``group``), in
+    rank order: one ``all_gather_into_tensor`` per dtype and device for all of them."""
+    world = dist.get_world_size(group)
+    out: list[list[torch.Tensor]] = [[] for _ in tensors]
+    by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(index)
+    for (dtype, device), indices in by_kind.items():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        gathered = torch.empty(world * flat.numel(), dtype=dtype, device=device)
+        dist.all_gather_into_tensor(gathered, flat, group=group)
+        per_rank, offset = gathered.view(world, -1), 0
+        for i in indices:
+            size = tensors[i].numel()
+            shape = tensors[i].shape
+            out[i] = [per_rank[r, offset : offset + size].view(shape) for r in range(world)]
+            offset += size
+    return out
+
+
+def gather_logical_many(
+    items: list[tuple[str, torch.nn.Parameter, torch.Tensor, object]], *, glu: bool = False
+) -> list[torch.Tensor]:
+    """Each ``(name, param, tensor, gtp_group)``'s ``tensor`` (shaped like ``param``) gathered
+    over its GTP group (pad stripped), then over TP, with one collective per group and dtype for
+    all of them.
 
     A GLU ``fc1`` holds ``[gate; up]`` per TP rank; the full tensor is all gates, then all ups.
     """
-    tensor = tensor.detach().contiguous()
-    if is_gtp_param(param):
-        spec = param.gtp_spec
-        gathered = torch.empty(spec.gathered_shape, dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(gathered, tensor, group=gtp_group)
-        tensor = spec.unpad(gathered).contiguous()
+    tensors = [tensor.detach().contiguous() for _, _, tensor, _ in items]
+    sharded = [i for i, (_, param, _, _) in enumerate(items) if is_gtp_param(param)]
+    for group, indices in _in_groups([items[i][3] for i in sharded]).values():
+        indices = [sharded[j] for j in indices]
+        every = _every_rank([tensors[i] for i in indices], group)
+        for i, ranks in zip(indices, every, strict=True):
+            tensors[i] = items[i][1].gtp_spec.unpad(torch.cat(ranks)).contiguous()
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if getattr(param, "tensor_model_parallel", False) and tp > 1:
+    split = [i for i, item in enumerate(items) if getattr(item[1], "tensor_model_parallel", False)]
+    if tp > 1 and split:
         group = parallel_state.get_tensor_model_parallel_group()
-        parts = [torch.empty_like(tensor) for _ in range(tp)]
-        dist.all_gather(parts, tensor, group=group)
-        if glu and ".linear_fc1." in name:
-            halves = [part.chunk(2) for part in parts]
-            parts = [gate for gate, _ in halves] + [up for _, up in halves]
-        tensor = torch.cat(parts, dim=param.partition_dim)
-    return tensor.clone()
+        for i, parts in zip(split, _every_rank([tensors[i] for i in split], group), strict=True):
+            name, param = items[i][0], items[i][1]
+            if glu and ".linear_fc1." in name:
+                halves = [part.chunk(2) for part in parts]
+                parts = [gate for gate, _ in halves] + [up for _, up in halves]
+            tensors[i] = torch.cat(parts, dim=param.partition_dim)
+    return [tensor.clone() for tensor in tensors]
 
 
 def full_state(built: Built, *, weights: bool = True) -> dict[str, torch.Tensor]:
     """Every weight and optimizer state as full logical tensors, keyed ``"<kind>/<param name>"``
     (``weights=False``: the optimizer states only)."""
-    out, gtp, glu = {}, built.groups.gtp, built.layout.glu
-    for name, param in built.ddp.module.named_parameters():
+    gtp = built.groups.gtp
+    named = list(built.ddp.module.named_parameters())
+    states = _assemble_many(
+        [(_local_states(built, param), param, _replicate_group(built, param)) for _, param in named]
+    )
+    keys, items = [], []
+    for (name, param), found in zip(named, states, strict=True):
         if weights:
-            out[f"weight/{name}"] = gather_logical(name, param, param.data, gtp, glu=glu)
-        for kind, tensor in _assemble_replicate(built, param).items():
-            out[f"{kind}/{name}"] = gather_logical(name, param, tensor, gtp, glu=glu)
-    return out
+            keys.append(f"weight/{name}")
+            items.append((name, param, param.data, gtp))
+        for kind, tensor in found.items():
+            keys.append(f"{kind}/{name}")
+            items.append((name, param, tensor, gtp))
+    return dict(zip(keys, gather_logical_many(items, glu=built.layout.glu), strict=True))
 
 
 def expert_key(name: str, first: int) -> str:
@@ -361,30 +407,38 @@ def moe_full_state(
     distributed = any(
         hasattr(opt, "model_param_group_index_map") for opt in _inner_optimizers(optimizer)
     )
-    local = {}
-    for name, param in model.named_parameters():
+    named = list(model.named_parameters())
+    kinds = STATE_KINDS if moments else STATE_KINDS[:1]
+    found = [optimizer and _optimizer_states(optimizer, param, kinds) for _, param in named]
+    if distributed:  # ranges of it on other ranks of its DDP buffer's group, maybe not here
+        states = _assemble_many(
+            [(f and f[:3], p, _buffer_group(ddp, p)) for (_, p), f in zip(named, found)], kinds
+        )
+    else:
+        states = [
+            {} if f is None else {k: t.detach().clone().view(p.shape) for k, t in f[2].items()}
+            for (_, p), f in zip(named, found)
+        ]
+    local, keys, items = {}, [], []
+    for (name, param), param_states in zip(named, states, strict=True):
         key = expert_key(name, first)
         group = param.runtime.group if is_gtp_param(param) else None
         if is_fp8_primary(param):
             fp8 = param.gtp_state.fp8
             weight = dequantize_fp8_primary(param)
-            local[f"fp8/{key}"] = gather_logical(name, param, param.view(torch.uint8), group).cpu()
+            keys.append(f"fp8/{key}")
+            items.append((name, param, param.view(torch.uint8), group))
             local[f"fp8_scale/{key}"] = fp8.scale.detach().clone().cpu()
             local[f"fp8_scale_inv/{key}"] = fp8.scale_inv.detach().clone().cpu()
         else:
             weight = param.data
-        local[f"weight/{key}"] = gather_logical(name, param, weight, group).cpu()
-        if optimizer is None:
-            continue
-        kinds = STATE_KINDS if moments else STATE_KINDS[:1]
-        found = _optimizer_states(optimizer, param, kinds)
-        if distributed:  # ranges of it on other ranks of its DDP buffer's group, maybe not here
-            states = _assemble(found and found[:3], param, _buffer_group(ddp, param), kinds)
-        else:
-            states = {kind: t.detach().clone().view(param.shape) for kind, t in found[2].items()}
-        for kind, tensor in states.items():
-            full = gather_logical(name, param, tensor.to(param.device), group)
-            local[f"{kind}/{key}"] = full.cpu()
+        keys.append(f"weight/{key}")
+        items.append((name, param, weight, group))
+        for kind, tensor in param_states.items():
+            keys.append(f"{kind}/{key}")
+            items.append((name, param, tensor.to(param.device), group))
+    for key, full in zip(keys, gather_logical_many(items), strict=True):
+        local[key] = full.cpu()
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, local)
     merged: dict[str, torch.Tensor] = {}
