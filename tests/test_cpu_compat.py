@@ -49,6 +49,7 @@ def _free_port() -> int:
 def _megatron_sites() -> dict[str, Any]:
     from megatron.core import tensor_parallel
     from megatron.core import utils as mcore_utils
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as mcore_optimizer
     from megatron.core.pipeline_parallel import schedules
@@ -74,6 +75,7 @@ def _megatron_sites() -> dict[str, Any]:
         "seed_fn": mp_random.model_parallel_cuda_manual_seed,
         "tp.seed_fn": tensor_parallel.model_parallel_cuda_manual_seed,
         "Tensor.type": torch.Tensor.type,
+        "results_queue": filesystem_async._get_write_results_queue,
     }
 
 
@@ -94,6 +96,7 @@ def test_enable_disable_restore_originals() -> None:
         "grad_norm_cuda_tensors",
         "clip_grad_type_check",
         "distopt_type_dispatch",
+        "checkpoint_results_queue",
     ):
         assert name in active
     assert not any(info.nemo and info.name in active for info in cpu_compat.all_patches())
@@ -115,6 +118,11 @@ def test_enable_disable_restore_originals() -> None:
     assert type(staged) is torch.Tensor and staged.device.type == "cpu" and int(staged) == 3
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1, device="cuda")  # the real torch is untouched
+    # megatron's checkpoint write-results queue: one forked manager per process
+    queue = during["results_queue"]()
+    assert during["results_queue"]() is queue
+    queue.put({"rank0": [torch.arange(3)]})
+    assert torch.equal(queue.get()["rank0"][0], torch.arange(3))
 
     disable_cpu_compat()
     after = _megatron_sites()
