@@ -324,8 +324,8 @@ def gather_logical_many(
     """
     tensors = [tensor.detach().contiguous() for _, _, tensor, _ in items]
     sharded = [i for i, (_, param, _, _) in enumerate(items) if is_gtp_param(param)]
-    for group, indices in _in_groups([items[i][3] for i in sharded]).values():
-        indices = [sharded[j] for j in indices]
+    for group, positions in _in_groups([items[i][3] for i in sharded]).values():
+        indices = [sharded[j] for j in positions]
         every = _every_rank([tensors[i] for i in indices], group)
         for i, ranks in zip(indices, every, strict=True):
             tensors[i] = items[i][1].gtp_spec.unpad(torch.cat(ranks)).contiguous()
@@ -409,7 +409,10 @@ def moe_full_state(
     )
     named = list(model.named_parameters())
     kinds = STATE_KINDS if moments else STATE_KINDS[:1]
-    found = [optimizer and _optimizer_states(optimizer, param, kinds) for _, param in named]
+    found = [
+        None if optimizer is None else _optimizer_states(optimizer, param, kinds)
+        for _, param in named
+    ]
     if distributed:  # ranges of it on other ranks of its DDP buffer's group, maybe not here
         states = _assemble_many(
             [(f and f[:3], p, _buffer_group(ddp, p)) for (_, p), f in zip(named, found)], kinds

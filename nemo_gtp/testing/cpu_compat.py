@@ -603,7 +603,8 @@ def _patch_checkpoint_results_queue(patcher: _Patcher) -> None:
     """The queue a ``torch_dist`` save collects its write results in comes from a forked
     manager, not a spawned one: a spawned manager starts a fresh interpreter that imports torch
     to unpickle the first results (~9 s per rank at its first save on a 2-core machine, 4 ranks
-    at once); a forked one has torch already (time, not results: the same files are written)."""
+    at once); a forked one has torch already (time, not results: the same files are written).
+    megatron forks its writer processes from the same rank the same way."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     patcher.set(filesystem_async, "_get_write_results_queue", _forked_write_results_queue)
