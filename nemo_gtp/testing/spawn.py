@@ -196,6 +196,8 @@ class Outcome:
     ok: bool
     value: Any = None
     error: str = ""
+    seconds: float = 0.0
+    """Wall time of the case on this rank (where a module's spawn spends its time)."""
 
 
 Case = tuple[str, Callable, tuple]
@@ -212,12 +214,13 @@ def _cases_entry(rank: int, world_size: int, cases: Sequence[Case], out_dir: str
             # once per remaining case).
             outcomes[name] = Outcome(False, error=f"not run: case {failed!r} failed on this rank")
             continue
+        start = time.perf_counter()
         try:
-            outcomes[name] = Outcome(True, fn(rank, world_size, *args))
+            value = fn(rank, world_size, *args)
+            outcomes[name] = Outcome(True, value, seconds=time.perf_counter() - start)
         except Exception as err:  # noqa: BLE001 - reported by the test that owns the case
-            outcomes[name] = Outcome(
-                False, error=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
-            )
+            error = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+            outcomes[name] = Outcome(False, error=error, seconds=time.perf_counter() - start)
             failed = name
     Path(out_dir, f"outcomes.{rank}.pkl").write_bytes(pickle.dumps(outcomes))
 
