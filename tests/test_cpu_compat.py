@@ -136,6 +136,45 @@ def test_enable_disable_restore_originals() -> None:
     assert torch.cuda.current_device is before["cuda.current_device"]
 
 
+def test_results_queue_manager_exits_with_its_process() -> None:
+    """The forked manager behind megatron's write-results queue (``checkpoint_results_queue``)
+    exits soon after the process that made it is killed: an orphan would keep that rank's
+    inherited gloo sockets open."""
+    import multiprocessing
+    import signal
+    import time
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the "rank": makes the queue at its first save, then is killed
+        try:
+            os.close(read)
+            from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+            enable_cpu_compat(nemo=False)
+            before = {child.pid for child in multiprocessing.active_children()}
+            queue = filesystem_async._get_write_results_queue()
+            queue.put("written")
+            assert queue.get() == "written"
+            (manager,) = {child.pid for child in multiprocessing.active_children()} - before
+            os.write(write, f"{manager}\n".encode())
+            time.sleep(120)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as lines:
+        manager = int(lines.readline())
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{manager}").exists() and time.monotonic() < deadline:
+        if Path(f"/proc/{manager}/stat").read_text().split()[2] == "Z":
+            break  # exited (a zombie until its reaper collects it)
+        time.sleep(0.1)
+    alive = Path(f"/proc/{manager}").exists()
+    assert not alive or Path(f"/proc/{manager}/stat").read_text().split()[2] == "Z"
+
+
 def test_pipeline_with_tied_embeddings_is_rejected() -> None:
     """PP > 1 with tied embeddings would reach megatron's ``.cuda()``: a clear error instead."""
     import types

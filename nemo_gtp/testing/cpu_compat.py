@@ -585,14 +585,33 @@ def _patch_gloo_shared_device(patcher: _Patcher) -> None:
 _results_queue: list[tuple[int, Any]] = []  # (pid, queue): this process's forked manager
 
 
+def _exit_with(parent: int) -> None:
+    """In the forked manager: exit once ``parent`` is gone. A rank killed mid-run would
+    otherwise leave its manager behind, holding the rank's gloo sockets it inherited (its peers
+    would never see the connection close)."""
+    import os
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-rank", daemon=True).start()
+
+
 def _forked_write_results_queue() -> Any:
     """megatron's checkpoint write-results queue, served by a manager *forked* from this
-    process (one per process, made at its first save)."""
+    process (one per process, made at its first save; it exits with the process)."""
     import multiprocessing
     import os
+    from multiprocessing.managers import SyncManager
 
     if not _results_queue or _results_queue[0][0] != os.getpid():
-        _results_queue[:] = [(os.getpid(), multiprocessing.get_context("fork").Manager().Queue())]
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(_exit_with, (os.getpid(),))
+        _results_queue[:] = [(os.getpid(), manager.Queue())]
     return _results_queue[0][1]
 
 
