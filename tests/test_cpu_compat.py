@@ -166,13 +166,15 @@ def test_results_queue_manager_exits_with_its_process() -> None:
         manager = int(lines.readline())
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
+
+    def running() -> bool:  # an exited process is a zombie ("Z") until its reaper collects it
+        stat = Path(f"/proc/{manager}/stat")
+        return stat.exists() and stat.read_text().split()[2] != "Z"
+
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{manager}").exists() and time.monotonic() < deadline:
-        if Path(f"/proc/{manager}/stat").read_text().split()[2] == "Z":
-            break  # exited (a zombie until its reaper collects it)
+    while running() and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = Path(f"/proc/{manager}").exists()
-    assert not alive or Path(f"/proc/{manager}/stat").read_text().split()[2] == "Z"
+    assert not running()
 
 
 def test_pipeline_with_tied_embeddings_is_rejected() -> None:

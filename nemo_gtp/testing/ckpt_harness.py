@@ -314,17 +314,17 @@ def _every_rank(tensors: list[torch.Tensor], group: object) -> list[list[torch.T
 
 
 def gather_logical_many(
-    items: list[tuple[str, torch.nn.Parameter, torch.Tensor, object]], *, glu: bool = False
+    items: list[tuple[str, torch.nn.Parameter, torch.Tensor]], *, glu: bool = False
 ) -> list[torch.Tensor]:
-    """Each ``(name, param, tensor, gtp_group)``'s ``tensor`` (shaped like ``param``) gathered
-    over its GTP group (pad stripped), then over TP, with one collective per group and dtype for
-    all of them.
+    """Each ``(name, param, tensor)``'s ``tensor`` (shaped like ``param``) gathered over the
+    param's own weight axis (its runtime's GTP or expert GTP group; pad stripped), then over
+    TP, with one collective per group and dtype for all of them.
 
     A GLU ``fc1`` holds ``[gate; up]`` per TP rank; the full tensor is all gates, then all ups.
     """
-    tensors = [tensor.detach().contiguous() for _, _, tensor, _ in items]
-    sharded = [i for i, (_, param, _, _) in enumerate(items) if is_gtp_param(param)]
-    for group, positions in _in_groups([items[i][3] for i in sharded]).values():
+    tensors = [tensor.detach().contiguous() for _, _, tensor in items]
+    sharded = [i for i, (_, param, _) in enumerate(items) if is_gtp_param(param)]
+    for group, positions in _in_groups([items[i][1].runtime.group for i in sharded]).values():
         indices = [sharded[j] for j in positions]
         every = _every_rank([tensors[i] for i in indices], group)
         for i, ranks in zip(indices, every, strict=True):
@@ -345,7 +345,6 @@ def gather_logical_many(
 def full_state(built: Built, *, weights: bool = True) -> dict[str, torch.Tensor]:
     """Every weight and optimizer state as full logical tensors, keyed ``"<kind>/<param name>"``
     (``weights=False``: the optimizer states only)."""
-    gtp = built.groups.gtp
     named = list(built.ddp.module.named_parameters())
     states = _assemble_many(
         [(_local_states(built, param), param, _replicate_group(built, param)) for _, param in named]
@@ -354,10 +353,10 @@ def full_state(built: Built, *, weights: bool = True) -> dict[str, torch.Tensor]
     for (name, param), found in zip(named, states, strict=True):
         if weights:
             keys.append(f"weight/{name}")
-            items.append((name, param, param.data, gtp))
+            items.append((name, param, param.data))
         for kind, tensor in found.items():
             keys.append(f"{kind}/{name}")
-            items.append((name, param, tensor, gtp))
+            items.append((name, param, tensor))
     return dict(zip(keys, gather_logical_many(items, glu=built.layout.glu), strict=True))
 
 
@@ -425,21 +424,20 @@ def moe_full_state(
     local, keys, items = {}, [], []
     for (name, param), param_states in zip(named, states, strict=True):
         key = expert_key(name, first)
-        group = param.runtime.group if is_gtp_param(param) else None
         if is_fp8_primary(param):
             fp8 = param.gtp_state.fp8
             weight = dequantize_fp8_primary(param)
             keys.append(f"fp8/{key}")
-            items.append((name, param, param.view(torch.uint8), group))
+            items.append((name, param, param.view(torch.uint8)))
             local[f"fp8_scale/{key}"] = fp8.scale.detach().clone().cpu()
             local[f"fp8_scale_inv/{key}"] = fp8.scale_inv.detach().clone().cpu()
         else:
             weight = param.data
         keys.append(f"weight/{key}")
-        items.append((name, param, weight, group))
+        items.append((name, param, weight))
         for kind, tensor in param_states.items():
             keys.append(f"{kind}/{key}")
-            items.append((name, param, tensor.to(param.device), group))
+            items.append((name, param, tensor.to(param.device)))
     for key, full in zip(keys, gather_logical_many(items), strict=True):
         local[key] = full.cpu()
     every: list = [None] * dist.get_world_size()
