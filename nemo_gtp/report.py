@@ -96,14 +96,30 @@ def read_run(log_dir: str | Path, name: str | None = None) -> RunLog:
     return RunLog(name or path.resolve().name, path, read_scalars(path))
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+WARMUP_STEPS = 5
+"""Steps at the start of a run that its median step time leaves out (first gathers, allocator
+and kernel warm-up); ``python -m nemo_gtp.run``'s VERDICT and this report count the same."""
 
 
-def median_step_ms(run: RunLog, skip: int = 1) -> float:
-    """Median step time in ms, past the first ``skip`` logged steps (warm-up)."""
-    times = [v for _, v in run.series(*STEP_TIME)]
-    return 1000 * _median(times[skip:] or times)
+def median_after_warmup(series: list[tuple[int, float]], warmup: int = WARMUP_STEPS) -> float:
+    """The median value of a ``[(step, value), ...]`` series past its first ``warmup`` steps
+    (counted from its first step, so every logging interval and a resumed run skip the same
+    steps); all of its values when none lies past them, NaN when it is empty.
+
+    Example::
+
+        median_after_warmup([(0, 9.0), (1, 1.0), (2, 2.0), (3, 3.0)], warmup=1)   # 2.0
+    """
+    if not series:
+        return float("nan")
+    first = series[0][0]
+    kept = [value for step, value in series if step >= first + warmup]
+    return statistics.median(kept or [value for _, value in series])
+
+
+def median_step_ms(run: RunLog, warmup: int = WARMUP_STEPS) -> float:
+    """Median step time in ms past the first ``warmup`` steps (:func:`median_after_warmup`)."""
+    return 1000 * median_after_warmup(run.series(*STEP_TIME), warmup)
 
 
 def max_rel_loss_diff(a: RunLog, b: RunLog) -> tuple[float, int]:

@@ -190,12 +190,12 @@ def check(config: str, overrides: list[str]) -> object:
     return cfg
 
 
-def verdict(
-    gtp: list[dict], baseline: list[dict], precision: str = "32", skip_steps: int = 5
-) -> tuple[bool, str]:
+def verdict(gtp: list[dict], baseline: list[dict], precision: str = "32") -> tuple[bool, str]:
     """Whether GTP's loss curve matches the baseline's, and the one-line ``VERDICT:`` text.
 
-    The step-time ratio uses the median step time past the first ``skip_steps`` (warm-up).
+    The step-time ratio is of the median step times past the warm-up steps, counted as the
+    report (``python -m nemo_gtp.report``) counts them
+    (:func:`nemo_gtp.report.median_after_warmup`).
     Example::
 
         ok, line = verdict(logs["GTP"], logs["baseline"], precision="32")
@@ -212,7 +212,7 @@ def verdict(
         )
     worst = max(diffs)
     ok = worst <= tol
-    ratio = _median_ms(gtp, skip_steps) / _median_ms(baseline, skip_steps)
+    ratio = _median_ms(gtp) / _median_ms(baseline)
     what = "matches" if ok else "did not match"
     return ok, (
         f"VERDICT: GTP {what} the baseline (max rel loss diff {worst:.1e} over {len(diffs)} "
@@ -220,9 +220,10 @@ def verdict(
     )
 
 
-def _median_ms(log: list[dict], skip: int) -> float:
-    times = sorted(r["ms"] for r in (log[skip:] or log))
-    return times[len(times) // 2] if times else float("nan")
+def _median_ms(log: list[dict]) -> float:
+    from nemo_gtp.report import median_after_warmup
+
+    return median_after_warmup([(r["step"], r["ms"]) for r in log])
 
 
 def _compare(
@@ -287,7 +288,7 @@ def report_comparison(
     for name in names:
         peak = max((r.get("peak_gib", 0.0) for r in logs[name]), default=0.0)
         print(
-            f"{name}: median step {_median_ms(logs[name], 5):.1f} ms"
+            f"{name}: median step {_median_ms(logs[name]):.1f} ms"
             + (f", peak memory {peak:.2f} GiB" if peak else "")
         )
     if logs[names[0]]:

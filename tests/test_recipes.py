@@ -79,6 +79,10 @@ def test_main_job_gtp_matches_baseline_in_one_launch(tmp_path: Path) -> None:
     ), verdict
     png = Path(verdict.rsplit("plot: ", 1)[1])
     assert png.is_file() and png.stat().st_size > 10_000, png  # four panels drawn
+    # the VERDICT and the report's line time the same steps with the same numbers
+    summary = next(s for s in result.stdout.splitlines() if s.startswith("gtp vs baseline:"))
+    ratio = re.search(r"GTP/baseline ([\d.]+);", verdict)[1]
+    assert re.search(r"ms = ([\d.]+);", summary)[1] == ratio, (summary, verdict)
     report_line = f"report: python -m nemo_gtp.report {logs / 'gtp'} {logs / 'baseline'} -o {png}"
     assert report_line in result.stdout
     _check_report_of_main_job(logs, rows, tmp_path)
@@ -256,3 +260,18 @@ def test_rank_env_sets_the_launch_and_keeps_explicit_defaults() -> None:
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["MASTER_PORT"] == "29500"
     with pytest.raises(ValueError, match="rank must be in"):
         rank_env(2, 2)
+
+
+def test_a_rank_that_dies_before_writing_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that exits before its stderr file exists (e.g. the fork server re-running an
+    unguarded script) is reported with its exit status and the likely cause, not as a missing
+    file of the launcher's."""
+    from nemo_gtp.recipes import launch
+
+    def exits_at_once(spec: str, env: dict[str, str], stderr_path: str):  # noqa: ANN202
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]).wait
+
+    monkeypatch.setattr(launch, "_fork_rank", exits_at_once)
+    died = r"rank 0 exited with 3 before it wrote a line.*__main__"
+    with pytest.raises(RuntimeError, match=died):
+        launch.launch_fits(TINY, {"gtp": []})

@@ -50,13 +50,36 @@ def test_reader_merges_event_files_and_summary_compares_two_runs(tmp_path: Path)
     runs, line = report.report([gtp, base], png)
     assert png.stat().st_size > 10_000
     assert report.max_rel_loss_diff(*runs) == (pytest.approx(1e-3 / (1 + 1e-3), rel=1e-4), 4)
-    # medians past the first step: 120 ms vs 100 ms
+    # fewer steps than the warm-up (report.WARMUP_STEPS): the medians of all of them
     assert re.fullmatch(
-        r"gtp vs baseline: median step time 120\.0 / 100\.0 ms = 1\.20; max rel loss diff "
+        r"gtp vs baseline: median step time 130\.0 / 100\.0 ms = 1\.30; max rel loss diff "
         r"1\.0e-03 over 4 common steps",
         line,
     ), line
     assert report.summary([run]).startswith("gtp: 4 steps, last loss 1.5000, median step time")
+
+
+def test_run_verdict_and_report_time_the_same_steps() -> None:
+    """The CLI's VERDICT (rank 0's records, steps counted from 1) and the report (TensorBoard,
+    steps from 0, or every ``log_every_n_steps``) leave out the same warm-up steps."""
+    from nemo_gtp.run import verdict
+
+    gtp_s = [0.9, 0.5, 0.4, 0.3, 0.3, 0.12, 0.13, 0.11, 0.14, 0.12]
+    base_s = [0.8, 0.2, 0.2, 0.2, 0.2, 0.10, 0.10, 0.10, 0.11, 0.10]
+    assert report.WARMUP_STEPS == 5
+    tb_gtp, tb_base = list(enumerate(gtp_s)), list(enumerate(base_s))
+    assert report.median_after_warmup(tb_gtp) == pytest.approx(0.12)
+    assert report.median_after_warmup(tb_base) == pytest.approx(0.10)
+    # every third step logged (0, 3, 6, 9): steps 6 and 9 count
+    assert report.median_after_warmup(tb_gtp[::3]) == pytest.approx(0.125)
+    assert report.median_after_warmup([(40, 1.0), (41, 3.0)]) == 2.0  # a resumed run's few
+    assert report.median_after_warmup([]) != report.median_after_warmup([])  # NaN
+
+    def records(seconds: list[float]) -> list[dict]:
+        return [{"step": i + 1, "loss": 1.0, "ms": 1000 * t} for i, t in enumerate(seconds)]
+
+    ok, line = verdict(records(gtp_s), records(base_s), "32")
+    assert ok and line.endswith("step time GTP/baseline 1.20"), line
 
 
 def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -205,7 +205,15 @@ def launch_fits(
         codes = [wait() for wait in ranks]
         if any(codes):
             rank = next(r for r, c in enumerate(codes) if c)
-            tail = Path(tmp, f"stderr{rank}.txt").read_text()[-stderr_tail:]
+            stderr = Path(tmp, f"stderr{rank}.txt")
+            if not stderr.exists():  # died before its first line of its own
+                raise RuntimeError(
+                    f"rank {rank} exited with {codes[rank]} before it wrote a line (e.g. a "
+                    "script that calls launch_fits at its top level: guard the call with `if "
+                    '__name__ == "__main__":`, CPU recipes fork their ranks from a fork '
+                    "server, which imports the script's main module again)"
+                )
+            tail = stderr.read_text()[-stderr_tail:]
             raise RuntimeError(f"rank {rank} exited with {codes[rank]}:\n{tail}")
         return {name: _read_log(Path(tmp, f"{i}.jsonl")) for i, name in enumerate(runs)}
 

@@ -282,10 +282,24 @@ def model_checkpoint(
     )
 
 
+def _step_metrics(trainer: pl.Trainer) -> dict[str, float] | None:
+    """What a :class:`~nemo_gtp.strategy.GTPMetricsCallback` of ``trainer`` measured in the step
+    that just ended (it runs before the recipe's callbacks), None if it did not measure it."""
+    from nemo_gtp.strategy.callbacks import GTPMetricsCallback
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, GTPMetricsCallback) and callback.last_step == trainer.global_step:
+            return callback.last_metrics
+    return None
+
+
 class LossLog(pl.Callback):
     """Rank 0 appends ``{"step", "loss", "ms"[, "peak_gib"]}`` JSON lines to a file.
 
-    ``loss`` is NeMo's ``reduced_train_loss`` (averaged over the data-parallel ranks). With
+    ``loss`` is NeMo's ``reduced_train_loss`` (averaged over the data-parallel ranks); ``ms``
+    rank 0's wall time of the step: ``train/step_s`` of the trainer's
+    :class:`~nemo_gtp.strategy.GTPMetricsCallback` when it measured the step (the value its
+    loggers, and so ``python -m nemo_gtp.report``, get), else this callback's own timer. With
     ``val_path``, every in-fit validation also appends ``{"step", "val_loss"}`` there.
 
     Example::
@@ -318,11 +332,11 @@ class LossLog(pl.Callback):
         if trainer.global_rank != 0:
             return
         loss = trainer.callback_metrics.get("reduced_train_loss")
-        record = {
-            "step": trainer.global_step,
-            "loss": float(loss),
-            "ms": round(1000 * (time.perf_counter() - self._start), 1),
-        }
+        seconds = time.perf_counter() - self._start
+        metrics = _step_metrics(trainer)
+        if metrics is not None:  # the step time the loggers got: the report reads the same
+            seconds = metrics["train/step_s"]
+        record = {"step": trainer.global_step, "loss": float(loss), "ms": round(1000 * seconds, 1)}
         if torch.cuda.is_available():
             record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         with open(self.path, "a") as f:
@@ -392,7 +406,6 @@ class ProgressLog(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         from nemo_gtp.strategy.callbacks import (
-            GTPMetricsCallback,
             gtp_runtimes,
             stop_wait_timing,
         )
@@ -405,10 +418,11 @@ class ProgressLog(pl.Callback):
             exposed = sum(stop_wait_timing(self._timed).values())
         seconds = time.perf_counter() - self._start  # after collect(): CUDA work is done
         # else a GTPMetricsCallback timed this step, if Lightning logged it (it runs first)
-        if exposed is None and gtp_runtimes(trainer):
-            for callback in trainer.callbacks:
-                if isinstance(callback, GTPMetricsCallback) and callback.last_step == step:
-                    exposed = callback.last_metrics.get("gtp/exposed_comm_s")
+        metrics = _step_metrics(trainer)
+        if metrics is not None:
+            seconds = metrics["train/step_s"]
+            if exposed is None and gtp_runtimes(trainer):
+                exposed = metrics.get("gtp/exposed_comm_s")
         loss = trainer.callback_metrics.get("reduced_train_loss")
         loss_text = f"{float(loss):.5f}" if loss is not None else "n/a"
         line = (
