@@ -18,6 +18,22 @@ def test_sizes_and_rank_order() -> None:
     assert dims.coords(5) == {"tp": 1, "gtp": 0, "cp": 0, "dp": 1, "pp": 0}
 
 
+def test_context_parallel_sits_between_tp_and_gtp() -> None:
+    """megatron's tp-cp-ep-dp-pp order with GTP the fastest part of its data-parallel axis:
+    CP peers hold the same shards and join the replicate group of DDP (``replicate_cp``)."""
+    dims = GTPParallelDims(world_size=16, num_weight_shards=2, context_parallel_size=2)
+    assert (dims.gtp, dims.dp, dims.data_parallel_size) == (2, 4, 8)
+    groups = dims.group_ranks()
+    assert groups["gtp"][:2] == [[0, 2], [4, 6]]  # stride CP
+    assert groups["replicate"][0] == [0, 4, 8, 12]
+    assert groups["replicate_cp"][0] == [0, 1, 4, 5, 8, 9, 12, 13]  # megatron's dp_cp, no GTP
+    assert groups["data"][0] == list(range(0, 16, 2))  # megatron's data-parallel group
+    assert groups["model_parallel"][0] == [0, 2]  # TP1 x GTP2 x PP1
+    assert dims.coords(3) == {"tp": 0, "cp": 1, "gtp": 1, "dp": 0, "pp": 0}
+    plain = GTPParallelDims(world_size=4, num_weight_shards=2).group_ranks()  # CP 1
+    assert plain["replicate_cp"] == plain["replicate"] == [[0, 2], [1, 3]]
+
+
 def test_defaults_are_gtp_off() -> None:
     dims = GTPParallelDims(world_size=4, tensor_model_parallel_size=2)
     assert (dims.gtp, dims.egtp, dims.gtp_enabled) == (1, 1, False)
@@ -41,10 +57,6 @@ def test_expert_axes() -> None:
             "world_size=6 is not divisible by num_weight_shards",
         ),
         (dict(world_size=8, num_weight_shards=0), "num_weight_shards must be a positive integer"),
-        (
-            dict(world_size=8, num_weight_shards=2, context_parallel_size=2),
-            "context_parallel_size=2 with GTP=2 is not supported yet",
-        ),
         (
             dict(world_size=8, expert_tensor_parallel_size=2, expert_num_weight_shards=3),
             "expert_num_weight_shards=3 must be a multiple of expert_tensor_parallel_size=2",

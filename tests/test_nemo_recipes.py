@@ -74,10 +74,10 @@ def test_with_gtp_keeps_settings_and_notes_each_fix(caplog: pytest.LogCaptureFix
     recipe = _recipe()
     before = str(recipe)
     with caplog.at_level(logging.WARNING, logger="nemo_gtp.recipes.convert"):
-        gtp = with_gtp(recipe, num_weight_shards=8, pad_for_alignment=32)
+        gtp = with_gtp(recipe, num_weight_shards=4, pad_for_alignment=32)
     assert str(recipe) == before  # a copy: the NeMo recipe is untouched
     strategy = gtp.trainer.strategy
-    assert strategy.__fn_or_cls__ is GTPMegatronStrategy and strategy.num_weight_shards == 8
+    assert strategy.__fn_or_cls__ is GTPMegatronStrategy and strategy.num_weight_shards == 4
     old = recipe.trainer.strategy
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
                 "ckpt_async_save", "ckpt_parallel_load", "gradient_as_bucket_view"):  # fmt: skip
@@ -87,17 +87,16 @@ def test_with_gtp_keeps_settings_and_notes_each_fix(caplog: pytest.LogCaptureFix
     assert (
         strategy.ddp.average_in_collective is False and strategy.ddp.overlap_param_gather is False
     )
-    assert strategy.context_parallel_size == 1  # the recipe's CP2: not with GTP yet
+    assert strategy.context_parallel_size == 2  # the recipe's CP2 kept: GTP4 x CP2 on 8 GPUs
     assert str(gtp.optim) == str(recipe.optim) and str(gtp.model) == str(recipe.model)
     notes = [r.getMessage() for r in caplog.records if r.name == "nemo_gtp.recipes.convert"]
-    assert len(notes) == 3, notes
-    for setting in ("context_parallel_size=2 -> 1", "average_in_collective=True -> False",
-                    "overlap_param_gather=True -> False"):  # fmt: skip
+    assert len(notes) == 2, notes
+    for setting in ("average_in_collective=True -> False", "overlap_param_gather=True -> False"):
         assert any(setting in note for note in notes), (setting, notes)
     built = fdl.build(strategy)  # the strategy's own checks pass
-    assert built.gtp_size == 8 and built.gtp_config.pad_for_alignment == 32
-    again = with_gtp(gtp, num_weight_shards=4, prefetch_depth=2)  # a GTP recipe re-converted
-    assert again.trainer.strategy.num_weight_shards == 4
+    assert built.gtp_size == 4 and built.gtp_config.pad_for_alignment == 32
+    again = with_gtp(gtp, num_weight_shards=2, prefetch_depth=2)  # a GTP recipe re-converted
+    assert again.trainer.strategy.num_weight_shards == 2
     assert fdl.build(again.trainer.strategy.gtp_config).pad_for_alignment == 32  # kept
     assert again.trainer.strategy.gtp_config.prefetch_depth == 2
 
@@ -228,7 +227,7 @@ BAD = [
         "llama3_8b",
         2,
         {},
-        _mutate("data.global_batch_size", 100),
+        _mutate("data.global_batch_size", 98),  # DP x GTP = 2 x 2 (the recipe's CP2 kept)
         "set data.global_batch_size=96",
     ),  # fmt: skip
 ]
@@ -256,7 +255,7 @@ def test_with_gtp_keeps_fp8_primary_weights_under_tensorwise() -> None:
     recipe = _recipe()
     for key, value in (("fp8", "hybrid"), ("fp8_recipe", "tensorwise"), ("fp8_param_gather", True)):
         setattr(recipe.trainer.plugins, key, value)
-    out = with_gtp(recipe, num_weight_shards=8)
+    out = with_gtp(recipe, num_weight_shards=4)  # GTP4 x the recipe's CP2
     assert out.trainer.plugins.fp8_param_gather and out.optim.config.use_distributed_optimizer
 
 
@@ -267,21 +266,25 @@ def test_with_gtp_keeps_per_layer_graphs_with_the_te_rng_tracker() -> None:
     recipe.model.config.cuda_graph_impl = "local"
     recipe.model.config.cuda_graph_scope = "attn"
     recipe.trainer.strategy.use_te_rng_tracker = True
-    out = with_gtp(recipe, num_weight_shards=8)
+    out = with_gtp(recipe, num_weight_shards=4)
     assert out.model.config.cuda_graph_impl == "local" and out.trainer.strategy.use_te_rng_tracker
 
 
 def test_batch_arithmetic_counts_gtp_peers_as_data_ranks() -> None:
-    """8 GPUs at TP1·GTP8 (the recipe's CP2 folded into data ranks): DP x GTP = 8 ranks eat
-    distinct microbatches, so the global batch must divide by micro x 8 (not by micro x DP)."""
+    """8 GPUs at TP1·CP2·GTP4 (the recipe's CP2 kept): DP x GTP = 4 ranks eat distinct
+    microbatches (the CP peers share theirs), so the global batch must divide by micro x 4 (not
+    by micro x DP); GTP8 does not fit 8 GPUs beside CP2, and the error names both settings."""
     from nemo_gtp.recipes import with_gtp
     from nemo_gtp.recipes.config import RecipeError
 
     recipe = _recipe()
-    recipe.data.global_batch_size = 8 * 3
-    assert with_gtp(recipe, num_weight_shards=8).data.global_batch_size == 24
-    recipe.data.global_batch_size = 4
+    recipe.data.global_batch_size = 4 * 3
+    assert with_gtp(recipe, num_weight_shards=4).data.global_batch_size == 12
+    recipe.data.global_batch_size = 2
     with pytest.raises(RecipeError, match=r"micro_batch_size x data-parallel ranks \(DP x GTP"):
+        with_gtp(recipe, num_weight_shards=4)
+    recipe.data.global_batch_size = 16
+    with pytest.raises(RecipeError, match=r"8 x 2 x 1 = 16: change num_weight_shards, cont"):
         with_gtp(recipe, num_weight_shards=8)
 
 

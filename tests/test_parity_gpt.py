@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+import types
 import weakref
 
 import pytest
@@ -122,6 +123,8 @@ CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when 
     Run(tp=2, gtp=2, per_token=True, distopt=True),  # TP2·GTP2
     Run(tp=2, gtp=2, per_token=True, distopt=True, shard_replicated=True),
     Run(tp=2, gtp=2, coalesce_mb=0.0625, distopt=True),  # TP2: a layer's shards are halved
+    Run(gtp=2, cp=2),  # GTP2·CP2 vs CP2·DP2: DDP reduces over CP x DP, GTP over its peers
+    Run(gtp=2, cp=2, per_token=True, distopt=True, coalesce_mb=0.125),
 ]
 
 
@@ -671,9 +674,44 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outco
         (f"full_state_dict {run}", _full_state_dict_case, (run,)) for run in FULL_STATE_DICT_CASES_4
     ]
     cases += [("fp8 primary", _fp8_primary_case, (FP8_PRIMARY_4,))]
+    cases += [("cp attention", _cp_attention_case, ())]
     root = str(tmp_path_factory.mktemp("fp8ckpt4"))
     cases += [("fp8 checkpoint", _fp8_checkpoint_case, (root, FP8_PRIMARY_4))]
     return run_cases(cases, 4, tmp_path_factory.mktemp("parity4"))
+
+
+def _cp_attention_case(rank: int, world: int) -> float:
+    """The CPU stand-in of context-parallel attention (``nemo_gtp.testing.cp_attention``) on
+    megatron's CP group equals plain causal attention over the whole sequence: outputs and the
+    gradients of queries, keys and values at this rank's positions. Returns the largest error."""
+    import torch
+    from megatron.core import parallel_state
+
+    from nemo_gtp.testing.cp_attention import ContextParallelAttention, chunk_positions
+
+    gtp_groups(Run(gtp=2, cp=2))  # megatron's parallel_state with CP2
+    cp_rank = parallel_state.get_context_parallel_rank()
+    cp_size = parallel_state.get_context_parallel_world_size()
+    gen = torch.Generator().manual_seed(7)
+    seq, batch, heads, dim = 8, 2, 4, 16
+    full = [torch.randn(seq, batch, heads, dim, generator=gen) for _ in range(3)]
+    weight = torch.randn(seq, batch, heads * dim, generator=gen)  # a loss reading every output
+    leaves = [t.clone().requires_grad_() for t in full]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in leaves)  # [b, h, s, d]
+    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    scores = (q @ k.transpose(-1, -2) / dim**0.5).masked_fill(causal, float("-inf"))
+    expected = (scores.softmax(-1) @ v).permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)
+    (expected * weight).sum().backward()
+    mine = chunk_positions(cp_rank, cp_size, seq // cp_size)
+    local = [t[mine].clone().requires_grad_() for t in full]
+    config = types.SimpleNamespace(context_parallel_size=cp_size)
+    attention = ContextParallelAttention(config, 1, attn_mask_type=None, attention_type="self")
+    out = attention(*local, attention_mask=None)
+    (out * weight[mine]).sum().backward()
+    errors = [rel_err(out.detach(), expected.detach()[mine])]
+    errors += [rel_err(a.grad, b.grad[mine]) for a, b in zip(local, leaves)]
+    assert max(errors) < 1e-6, errors
+    return max(errors)
 
 
 def _check_all(outcomes: dict[str, list[Outcome]], runs: list[Run]) -> None:
@@ -741,6 +779,12 @@ def test_fp8_checkpoint_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None
     """The same round trip at TP1·GTP2·DP2 -> DP4 -> TP1·GTP2·DP2: the fp32 mains split over
     DP, the re-quantization from the loaded mains and the param all-gather after it."""
     case_values(four_ranks["fp8 checkpoint"])
+
+
+def test_context_parallel_attention_stand_in_is_causal_attention(
+    four_ranks: dict[str, list[Outcome]],
+) -> None:
+    assert max(case_values(four_ranks["cp attention"])) < 1e-6
 
 
 def test_parity_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:

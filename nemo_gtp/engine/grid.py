@@ -5,14 +5,16 @@ collectives; statically from a trainer's arguments, then against the world size 
 :meth:`GTPParallelDims.with_world_size`) and builds every process group
 (:meth:`GTPParallelDims.build` -> :class:`GTPGroups`, whose GTP size and rank come from it).
 
-Rank order, fastest-varying first (design §3.1: ``tp-gtp_remat-cp-ep-dp-pp``)::
+Rank order, fastest-varying first (design §3.1 "Process groups")::
 
-    dense:  rank = tp + TP*(gtp + GTP*(cp + CP*(dp + DP*pp)))
+    dense:  rank = tp + TP*(cp + CP*(gtp + GTP*(dp + DP*pp)))
     expert: rank = etp + ETP*(ep + EP*(egtp + EGTP*(edp + EDP*pp)))
 
-With CP = 1 this is exactly megatron-core's default ``tp-cp-ep-dp-pp`` order with megatron's
-data-parallel axis of size ``GTP*DP``: megatron's ``parallel_state`` (which knows nothing of GTP)
-keeps finding the right TP/PP groups, and its data-parallel group *is* our ``data`` group.
+This is megatron-core's default ``tp-cp-ep-dp-pp`` order with megatron's data-parallel axis of
+size ``GTP*DP`` and the GTP axis its fastest part: megatron's ``parallel_state`` (which knows
+nothing of GTP) keeps finding the right TP/CP/PP groups, and its data-parallel group *is* our
+``data`` group. (Upstream's GTP, which megatron knows, puts GTP before CP; with CP = 1 the two
+orders are the same.)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported in build(): the sizes are pure arithmetic, checked without torch
     import torch.distributed as dist
 
-_DENSE_AXES = ("tp", "gtp", "cp", "dp", "pp")
+_DENSE_AXES = ("tp", "cp", "gtp", "dp", "pp")
 _EXPERT_AXES = ("etp", "ep", "egtp", "edp", "pp")
 
 
@@ -81,7 +83,8 @@ class GTPParallelDims:
     Two stages, because a trainer's arguments are known before its world is:
 
     - ``world_size=None`` (static): every check that does not need the world size (sizes
-      positive, shards vs TP and EGTP vs ETP, CP with GTP, distributed-optimizer instances);
+      positive, shards vs TP and EGTP vs ETP, CP with expert GTP, distributed-optimizer
+      instances);
       ``gtp`` / ``etp`` / ``egtp`` are known, ``dp`` / ``edp`` and the rank grid are not.
     - :meth:`with_world_size` (complete): the same sizes, also checked against the world size.
 
@@ -129,12 +132,6 @@ class GTPParallelDims:
                 f" (num_weight_shards = TP x GTP, e.g. {tp * 2} for GTP=2)"
             )
         gtp = shards // tp
-        if gtp > 1 and self.context_parallel_size > 1:
-            raise ValueError(
-                f"context_parallel_size={self.context_parallel_size} with GTP={gtp} is not "
-                "supported yet: megatron's CP axis would land on the GTP peers. Set "
-                f"context_parallel_size=1 or num_weight_shards=tensor_model_parallel_size ({tp})"
-            )
         etp = tp if self.expert_tensor_parallel_size is None else self.expert_tensor_parallel_size
         _check_positive("expert_tensor_parallel_size", etp)
         eshards = etp if self.expert_num_weight_shards is None else self.expert_num_weight_shards
@@ -175,7 +172,10 @@ class GTPParallelDims:
                 f"world_size={world} is not divisible by num_weight_shards x "
                 f"context_parallel_size x pipeline_model_parallel_size = "
                 f"{self.num_weight_shards} x {self.context_parallel_size} x {pp} = "
-                f"{self._dense_model_size}: change num_weight_shards or the number of devices"
+                f"{self._dense_model_size}: change num_weight_shards, "
+                + ("context_parallel_size, " if self.context_parallel_size > 1 else "")
+                + ("pipeline_model_parallel_size, " if pp > 1 else "")
+                + "or the number of devices"
             )
         if world % self._expert_model_size != 0:
             raise ValueError(
@@ -264,8 +264,8 @@ class GTPParallelDims:
                 _DENSE_AXES,
                 (
                     self.tensor_model_parallel_size,
-                    self.gtp,
                     self.context_parallel_size,
+                    self.gtp,
                     self.dp,
                     self.pipeline_model_parallel_size,
                 ),
@@ -288,7 +288,7 @@ class GTPParallelDims:
         )
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Dense coordinates of ``rank``: ``{'tp': 1, 'gtp': 0, 'cp': 0, 'dp': 1, 'pp': 0}``."""
+        """Dense coordinates of ``rank``: ``{'tp': 1, 'cp': 0, 'gtp': 0, 'dp': 1, 'pp': 0}``."""
         if not 0 <= rank < self._world("coords"):
             raise ValueError(f"rank {rank} outside world_size={self.world_size}")
         out = {}
@@ -311,6 +311,7 @@ class GTPParallelDims:
         return {
             "gtp": _groups_varying(dense, ("gtp",)),
             "replicate": _groups_varying(dense, ("dp",)),
+            "replicate_cp": _groups_varying(dense, ("cp", "dp")),
             "data": _groups_varying(dense, ("gtp", "dp")),
             "model_parallel": _groups_varying(dense, ("tp", "gtp", "pp")),
             "expert_gtp": _groups_varying(expert, ("egtp",)),
@@ -340,11 +341,14 @@ class GTPParallelDims:
         rank = dist.get_rank()
         mine: dict[str, dist.ProcessGroup] = {}
         for name, rank_lists in self.group_ranks().items():
+            if name == "replicate_cp" and self.context_parallel_size == 1:
+                continue  # the replicate group itself (below): no second communicator
             for ranks in rank_lists:
                 options = gtp_pg_options if name in ("gtp", "expert_gtp") else None
                 group = dist.new_group(ranks, pg_options=options)
                 if rank in ranks:
                     mine[name] = group
+        mine.setdefault("replicate_cp", mine["replicate"])
         return GTPGroups(dims=self, rank=rank, **mine)
 
 
@@ -354,8 +358,13 @@ class GTPGroups:
 
     Attributes:
         gtp: the GTP peers holding the other shards of every dense GTP weight.
-        replicate: DP without GTP; megatron DDP and the distributed optimizer reduce over it.
-        data: DP x GTP; each member eats a distinct microbatch (megatron's data-parallel group).
+        replicate: DP without GTP (the ranks holding the same shards and eating distinct
+            samples).
+        replicate_cp: CP x DP without GTP, the ranks holding the same shards; megatron DDP
+            and the distributed optimizer reduce and shard over it (its ``dp_cp`` groups; CP
+            peers eat the chunks of one sample). The replicate group itself when CP is 1.
+        data: DP x GTP; each member eats a distinct microbatch (megatron's data-parallel group,
+            without CP).
         model_parallel: TP x GTP x PP; the grad-norm group of the non-distributed optimizer.
         expert_gtp: the EGTP peers holding the other shards of every routed-expert weight.
         expert_replicate: EDP (expert data-parallel without EGTP); DDP's expert buffer and the
@@ -368,6 +377,7 @@ class GTPGroups:
     rank: int
     gtp: dist.ProcessGroup
     replicate: dist.ProcessGroup
+    replicate_cp: dist.ProcessGroup
     data: dist.ProcessGroup
     model_parallel: dist.ProcessGroup
     expert_gtp: dist.ProcessGroup

@@ -15,8 +15,11 @@ setting                                          under GTP (num_weight_shards > 
                                                  1/(DP x GTP) and sums: the same mean, §3.2)
 ``ddp.overlap_param_gather=True`` (and the       -> False (DDP's param all-gather pre-hook would
 optimizer's, ``MegatronCommOverlapCallback``'s)  race GTP's prefetch; a speed knob)
-``context_parallel_size > 1``                    -> 1 (CP with GTP is not supported yet; the CP
-                                                 ranks become data-parallel ranks, same loss)
+``context_parallel_size > 1``                    kept (the CP peers hold the same shards, §3.1);
+                                                 -> 1 with expert GTP or
+                                                 ``shard_replicated_params_over_gtp`` (not
+                                                 supported there yet; the CP ranks become
+                                                 data-parallel ranks, same loss)
 ``num_distributed_optimizer_instances > 1``      -> 1 (§3.2)
 ``use_tp_pp_dp_mapping=True``                    -> False (megatron's data group must be DP x GTP)
 ``model.config.delay_wgrad_compute=True``        -> False (TE would skip GTP's wgrad finalize)
@@ -151,7 +154,9 @@ def with_gtp(
     new = _strategy_config(GTPMegatronStrategy, args)
     tp = _get(new, "tensor_model_parallel_size", 1)
     if isinstance(num_weight_shards, int) and isinstance(tp, int) and num_weight_shards > tp:
-        _fix_strategy(conv, new)  # before the sizes are checked: e.g. CP 2 -> 1
+        # before the sizes are checked: e.g. CP 2 -> 1 under expert GTP
+        no_cp = _why_no_context_parallel(new, expert_num_weight_shards, gtp_config)
+        _fix_strategy(conv, new, no_cp)
     dims = _static_dims(new, num_weight_shards, expert_num_weight_shards)
     if dims.gtp > 1:
         _fix_model(conv, out)
@@ -228,17 +233,29 @@ def _gtp_config(options: dict[str, Any], existing: Any) -> Any:
     return run.Config(GTPConfig, **merged)
 
 
-def _fix_strategy(conv: _Conversion, strategy: Any) -> None:
+def _why_no_context_parallel(strategy: Any, expert_shards: int | None, gtp_config: Any) -> str:
+    """Why this GTP recipe cannot keep its context parallelism ('' when it can)."""
+    tp = _get(strategy, "tensor_model_parallel_size", 1)
+    etp = _get(strategy, "expert_tensor_parallel_size") or tp
+    if isinstance(expert_shards, int) and isinstance(etp, int) and expert_shards > etp:
+        return "context parallelism with expert GTP is not supported yet"
+    if gtp_config is not None and _get(gtp_config, "shard_replicated_params_over_gtp"):
+        return "context parallelism with shard_replicated_params_over_gtp is not supported yet"
+    return ""
+
+
+def _fix_strategy(conv: _Conversion, strategy: Any, no_cp: str) -> None:
     import fiddle as fdl
 
-    conv.fix(
-        strategy,
-        "context_parallel_size",
-        "trainer.strategy.context_parallel_size",
-        1,
-        "context parallelism with GTP is not supported yet; the CP ranks become data-parallel "
-        "ranks, activation memory per GPU grows with the sequence it now holds",
-    )
+    if no_cp:
+        conv.fix(
+            strategy,
+            "context_parallel_size",
+            "trainer.strategy.context_parallel_size",
+            1,
+            f"{no_cp}; the CP ranks become data-parallel ranks, activation memory per GPU grows "
+            "with the sequence it now holds",
+        )
     conv.fix(
         strategy,
         "use_tp_pp_dp_mapping",

@@ -304,6 +304,7 @@ def _check_sizes(raw: dict[str, Any]) -> None:
             )
     _check_moe(raw, dims)
     _check_fp8(raw, dims)
+    _check_context_parallel(raw, dims)
     data = raw.get("data") or {}
     micro, batch = data.get("micro_batch_size"), data.get("global_batch_size")
     if micro is None or batch is None:
@@ -314,6 +315,29 @@ def _check_sizes(raw: dict[str, Any]) -> None:
             f"data.global_batch_size={batch} must be a multiple of data.micro_batch_size x "
             f"(DP x GTP) = {micro} x {ranks} = {micro * ranks}: set "
             f"data.global_batch_size={max(1, round(batch / (micro * ranks))) * micro * ranks}"
+        )
+
+
+def _check_context_parallel(raw: dict[str, Any], dims: Any) -> None:
+    """Context parallelism runs in TransformerEngine's attention only (megatron's local core
+    attention refuses it); under GTP the CP peers join the replicate group (design §3.1), which
+    ``shard_replicated_params_over_gtp``'s second DDP buffer does not."""
+    cp = dims.context_parallel_size
+    if cp == 1:
+        return
+    spec = (raw.get("model") or {}).get("layer_spec") or _default_spec()
+    if spec != "te":
+        why = "model.layer_spec=local" if spec == "local" else f"model.layer_spec={spec}"
+        raise RecipeError(
+            f"strategy.context_parallel_size={cp} with {why}: megatron runs context parallelism "
+            "in TransformerEngine's attention only; set model.layer_spec=te (GPUs) or "
+            "strategy.context_parallel_size=1"
+        )
+    if dims.gtp > 1 and (raw.get("gtp") or {}).get("shard_replicated_params_over_gtp"):
+        raise RecipeError(
+            f"gtp.shard_replicated_params_over_gtp=true with strategy.context_parallel_size={cp} "
+            "is not supported: set gtp.shard_replicated_params_over_gtp=false or "
+            "strategy.context_parallel_size=1"
         )
 
 

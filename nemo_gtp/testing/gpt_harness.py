@@ -52,6 +52,9 @@ class Run:
 
     tp: int = 1
     gtp: int = 1
+    # context parallelism: each sample's sequence over CP ranks (megatron's load-balanced
+    # chunks); on CPU the core attention is nemo_gtp.testing.cp_attention's stand-in
+    cp: int = 1
     steps: int = 10
     per_token: bool = False
     distopt: bool = False
@@ -141,6 +144,8 @@ _RECOMPUTE = {
 def _batch(
     run: Run, step: int, microbatch: int, data_rank: int, device: str
 ) -> dict[str, torch.Tensor]:
+    """One micro-batch of ``data_rank`` (megatron's data-parallel rank, CP excluded): this CP
+    rank's chunks of it."""
     gen = torch.Generator().manual_seed(10_000 * step + 100 * microbatch + data_rank)
     seq = run.seq
     tokens = torch.randint(0, run.vocab, (MBS, seq + 1), generator=gen)
@@ -152,6 +157,10 @@ def _batch(
         position_ids=torch.arange(seq).expand(MBS, seq),
         attention_mask=torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1),
     )
+    if run.cp > 1:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        batch = get_batch_on_this_cp_rank(batch)
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -196,9 +205,10 @@ _GROUPS: dict[tuple[int, ...], GTPGroups] = {}
 
 
 def _megatron_matches(run: Run) -> bool:
-    """Whether megatron's parallel_state has ``run``'s TP and EP sizes."""
+    """Whether megatron's parallel_state has ``run``'s TP, CP and EP sizes."""
     return (
         parallel_state.get_tensor_model_parallel_world_size() == run.tp
+        and parallel_state.get_context_parallel_world_size() == run.cp
         and parallel_state.get_expert_model_parallel_world_size() == run.ep
     )
 
@@ -208,10 +218,10 @@ def gtp_groups(run: Run) -> GTPGroups:
 
     Process groups are never freed before the process group itself is destroyed, and every
     gloo group owns threads: rebuilding them for each of a test's runs piles up hundreds.
-    megatron's parallel_state is rebuilt only when TP or EP changes.
+    megatron's parallel_state is rebuilt only when TP, CP or EP changes.
     """
     world = dist.get_world_size()
-    key = (world, run.tp, run.gtp, run.ep, run.egtp)
+    key = (world, run.tp, run.cp, run.gtp, run.ep, run.egtp)
     if key not in _GROUPS:
         if parallel_state.model_parallel_is_initialized() and not _megatron_matches(run):
             parallel_state.destroy_model_parallel()
@@ -219,6 +229,7 @@ def gtp_groups(run: Run) -> GTPGroups:
             world_size=world,
             tensor_model_parallel_size=run.tp,
             num_weight_shards=run.tp * run.gtp,
+            context_parallel_size=run.cp,
             expert_model_parallel_size=run.ep,
             expert_num_weight_shards=run.tp * run.egtp,
         )
@@ -288,6 +299,10 @@ def layer_spec(run: Run, on_gpu: bool = False) -> object:
     spec = make_spec(num_experts=run.experts or None, moe_grouped_gemm=False)
     if run.experts and run.grouped:
         spec = with_grouped_experts(spec, grouped_linear_kinds(on_gpu))
+    if run.cp > 1 and run.spec == "local":  # megatron's local attention refuses CP
+        from nemo_gtp.testing.cp_attention import with_context_parallel_attention
+
+        spec = with_context_parallel_attention(spec)
     return spec
 
 
@@ -346,6 +361,7 @@ def build(run: Run) -> dict:
         ffn_hidden_size=run.ffn,
         num_attention_heads=run.heads,
         tensor_model_parallel_size=run.tp,
+        context_parallel_size=run.cp,
         use_cpu_initialization=True,
         params_dtype=torch.bfloat16 if run.bf16 else torch.float32,
         bf16=run.bf16,

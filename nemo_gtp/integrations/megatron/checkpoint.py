@@ -106,7 +106,7 @@ def make_gtp_sharded_state_dict(sharded_state_dict: dict, groups: GTPGroups | No
         expert_rank = parallel_state.get_expert_data_parallel_rank()
         egtp_rank, egtp_size = 0, 1
     else:
-        replicate_rank = dist.get_rank(groups.replicate)
+        replicate_rank = dist.get_rank(groups.replicate_cp)  # CP peers hold the same shards
         expert_rank = dist.get_rank(groups.expert_replicate)
         egtp_rank, egtp_size = groups.expert_gtp_rank, groups.expert_gtp_size
 

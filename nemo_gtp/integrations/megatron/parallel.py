@@ -1,10 +1,11 @@
 """megatron ``parallel_state`` alongside the GTP rank grid (design §3.1 "Process groups").
 
-megatron-core 0.15 knows no GTP axis. With the GTP axis placed right after TP, megatron's default
-``tp-cp-ep-dp-pp`` order sees GTP x DP as its data-parallel axis, so its TP/PP/embedding groups
-are exactly right and its data-parallel group is our ``data`` group (where the sampler shards).
-What megatron must *not* use for gradients is that data-parallel group: DDP and the optimizer get
-a ``ProcessGroupCollection`` whose data-parallel groups are the GTP-excluded replicate group.
+megatron-core 0.15 knows no GTP axis. With the GTP axis placed right after TP and CP, megatron's
+default ``tp-cp-ep-dp-pp`` order sees GTP x DP as its data-parallel axis, so its TP/CP/PP/embedding
+groups are exactly right and its data-parallel group is our ``data`` group (where the sampler
+shards). What megatron must *not* use for gradients is that data-parallel group: DDP and the
+optimizer get a ``ProcessGroupCollection`` whose data-parallel groups are the GTP-excluded
+replicate group (its ``dp_cp`` groups: the replicate group's CP x DP ranks).
 """
 
 from __future__ import annotations
@@ -113,9 +114,10 @@ def gtp_process_groups(
     """The ``ProcessGroupCollection`` megatron DDP and ``get_megatron_optimizer`` must use.
 
     Default (design §3.2): the data-parallel fields are the replicate group (DDP and the
-    distributed optimizer reduce over it); ``mp`` is TP x GTP x PP, so the non-distributed
-    optimizer's grad norm sums every GTP shard, and ``DistributedOptimizer`` keys state by a rank
-    unique per GTP peer (design §3.3 "Optimizer state").
+    distributed optimizer reduce over it; ``dp_cp`` / ``intra_dp_cp`` its CP x DP twin,
+    :attr:`~nemo_gtp.engine.grid.GTPGroups.replicate_cp`); ``mp`` is TP x GTP x PP, so the
+    non-distributed optimizer's grad norm sums every GTP shard, and ``DistributedOptimizer`` keys
+    state by a rank unique per GTP peer (design §3.3 "Optimizer state").
 
     Expert side (design §1.4, §3.2): megatron's expert buffer and optimizer reduce and shard over
     ``expt_dp = intra_expt_dp`` = the expert replicate group (EDP, without the EGTP peers, which
@@ -138,11 +140,19 @@ def gtp_process_groups(
         pgs.expt_dp = pgs.intra_expt_dp = groups.expert_replicate
         pgs.tp_ep_pp = groups.expert_model_parallel
     if groups.gtp_size > 1 and config is not None and config.shard_replicated_params_over_gtp:
+        if groups.dims.context_parallel_size > 1:
+            # the shards' (expert-style) buffer has no CP twin of its replicate group
+            raise ValueError(
+                "GTPConfig.shard_replicated_params_over_gtp with context_parallel_size="
+                f"{groups.dims.context_parallel_size} is not supported: set "
+                "shard_replicated_params_over_gtp=False or context_parallel_size=1"
+            )
         pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = groups.data
         pgs.expt_dp = pgs.intra_expt_dp = groups.replicate
         pgs.tp_ep_pp = groups.model_parallel
         pgs.mp = parallel_state.get_model_parallel_group()
         return pgs
-    pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = groups.replicate
+    pgs.dp = groups.replicate
+    pgs.dp_cp = pgs.intra_dp_cp = groups.replicate_cp
     pgs.mp = groups.model_parallel
     return pgs
