@@ -155,6 +155,7 @@ SHARED_DEVICE_SHAPE = (  # --shared-device: numerics need no 1B model, the stage
 
 
 TOP_LEVEL_KEYS = ("resume",)  # recipe keys a mode modifier may set without a dot
+LAYOUT_KEYS = ("strategy.context_parallel_size",)  # modifiers a mode's baseline shares
 
 
 def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
@@ -163,7 +164,9 @@ def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
     recipe key (``@model.cuda_graph_scope=full_iteration``, ``@resume=<dir>/step=N``). A
     modified mode's baseline is its base mode's baseline, or ``base@graph`` when the modifiers
     include ``@graph`` (below).
-    ``mode#k`` is repeat k of ``mode`` (``--repeat``); its baseline is the baseline's repeat k."""
+    ``mode#k`` is repeat k of ``mode`` (``--repeat``); its baseline is the baseline's repeat k.
+    A layout modifier (:data:`LAYOUT_KEYS`, e.g. ``@strategy.context_parallel_size=2``) goes to
+    the baseline too: GTP2·CP2 is compared with CP2·DP2."""
     base, *knobs = mode.split("#")[0].split("@")
     config, overrides = MODES[base]
     extra = []
@@ -177,6 +180,9 @@ def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
     for kind in GRAPH_KINDS:
         if baseline and kind in knobs:
             baseline += f"@{kind}"
+    for knob in knobs:
+        if baseline and knob.split("=", 1)[0] in LAYOUT_KEYS:
+            baseline += f"@{knob}"
     if baseline and "#" in mode:
         baseline += "#" + mode.split("#")[1]
     return config, [*overrides, *extra], baseline

@@ -1,5 +1,5 @@
 """Run a recipe: ``python -m nemo_gtp.run configs/<recipe>.yaml [key=value ...]``, or a NeMo
-recipe: ``python -m nemo_gtp.run --recipe llama3_8b --num-weight-shards 8 [key=value ...]``.
+recipe: ``python -m nemo_gtp.run --recipe llama3_8b --num-weight-shards 4 [key=value ...]``.
 
 NeMo recipes (``--recipe``) are handled by :mod:`nemo_gtp.recipes.nemo_cli`: NeMo's
 ``llm.<name>.pretrain_recipe``, NeMo-Run's overrides, :func:`nemo_gtp.recipes.with_gtp`, launched
@@ -53,10 +53,10 @@ NeMo recipes (--recipe NAME: nemo.collections.llm.recipes.NAME.pretrain_recipe):
   rejected) and launched through NeMo-Run: torchrun on this machine (--executor local; for
   several nodes run the same command on each with MASTER_ADDR, MASTER_PORT, NODE_RANK set) or
   sbatch (--executor slurm). Everything is checked before anything is launched.
-  {PROG} --recipe llama3_8b --num-weight-shards 8 trainer.max_steps=100
+  {PROG} --recipe llama3_8b --num-weight-shards 4 trainer.max_steps=100
   {PROG} --recipe nemotron4_15b --num-weight-shards 8 --nodes 2 --executor slurm \\
       --slurm-account ACCT --slurm-partition batch --job-dir /lustre/me/runs --dryrun
-  {PROG} --recipe llama3_8b --num-weight-shards 8 --data data/corpus \\
+  {PROG} --recipe llama3_8b --num-weight-shards 4 --data data/corpus \\
       --tokenizer sentencepiece:data/tok.model   # python -m nemo_gtp.data builds them
 
 examples:

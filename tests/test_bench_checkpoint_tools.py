@@ -61,3 +61,12 @@ def test_gather_bytes_line_against_the_bf16_twin() -> None:
     )
     assert "OUTSIDE" in _bytes_summary([record("gtp2_te", 1000), record("gtp2_fp8", 600)])
     assert _bytes_summary([record("gtp2_fp8", 500)]) == ""  # no twin: no line
+
+
+def test_a_layout_modifier_goes_to_the_baseline_too() -> None:
+    """GTP2·CP2 is compared with CP2·DP2 (GTP knobs stay the GTP mode's)."""
+    _, overrides, baseline = resolve_mode(
+        "gtp2_te@strategy.context_parallel_size=2@preshard_linears=none"
+    )
+    assert overrides == ["+strategy.context_parallel_size=2", "+gtp.preshard_linears=none"]
+    assert baseline == "dp2_te@strategy.context_parallel_size=2"

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from nemo_gtp.engine import GTPConfig
+from nemo_gtp.testing.cp_attention import cp_local_layer_spec
 from nemo_gtp.testing.strategy_harness import (
     BANNER_PREFIX,
     GBS,
@@ -85,11 +86,19 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
 # freshly built model without any checkpoint.
 VAL_EVERY = 4
 EVAL = dict(val_every=VAL_EVERY, sanity_val_steps=1, evaluate_after=True)
+# context parallelism through NeMo (design §1.4 "CP"): megatron's CP attention is TE's, so on
+# CPU its stand-in (testing.cp_attention); NeMo's data step cuts each sample for its CP rank
+CP2 = dict(
+    strategy_kwargs={"context_parallel_size": 2},
+    model_kwargs={"transformer_layer_spec": cp_local_layer_spec},
+)
 FOUR_RANK_FITS = [
     Fit("base_tp1_dp4", **EVAL),
     Fit("tp1_gtp2_dp2", gtp=2, save_to="tp1_gtp2_dp2_saved", **EVAL),
     Fit("base_tp2_dp2", tp=2),
     Fit("tp2_gtp2", tp=2, gtp=2),
+    Fit("base_cp2_dp2", **CP2),
+    Fit("tp1_cp2_gtp2", gtp=2, **CP2),
     Fit("gtp_validate_fresh", gtp=2, entry="validate", resume_from="tp1_gtp2_dp2_saved"),
     Fit("gtp_test_fresh", gtp=2, entry="test", resume_from="tp1_gtp2_dp2_saved"),
     Fit("base_validate_fresh", entry="validate", resume_from="tp1_gtp2_dp2_saved"),
@@ -191,6 +200,12 @@ def test_parity_tp1_gtp2_dp2(four_ranks: dict) -> None:
 
 def test_parity_tp2_gtp2(four_ranks: dict) -> None:
     _assert_parity(four_ranks["tp2_gtp2"], four_ranks["base_tp2_dp2"])
+
+
+def test_parity_cp2_gtp2(four_ranks: dict) -> None:
+    """TP1·CP2·GTP2 vs TP1·CP2·DP2 through NeMo's Trainer: the CP peers of a GTP rank hold its
+    shards, DDP reduces over CP x replicate."""
+    _assert_parity(four_ranks["tp1_cp2_gtp2"], four_ranks["base_cp2_dp2"])
 
 
 # ------------------------------------------------------------------------------ evaluation

@@ -54,7 +54,7 @@ Example::
     from nemo.collections import llm
     recipe = llm.llama3_8b.pretrain_recipe(name="gtp", dir="/ckpt", num_nodes=1,
                                            num_gpus_per_node=8)
-    recipe = with_gtp(recipe, num_weight_shards=8)   # TP1 x GTP8, CP 2 -> 1 (noted)
+    recipe = with_gtp(recipe, num_weight_shards=4)   # TP1 x CP2 x GTP4 (the recipe's CP kept)
     run.run(recipe, executor=run.LocalExecutor(ntasks_per_node=8, launcher="torchrun"))
 """
 

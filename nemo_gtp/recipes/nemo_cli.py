@@ -10,7 +10,7 @@ and one ``error:`` line naming it.
 
 Example::
 
-    python -m nemo_gtp.run --recipe llama3_8b --num-weight-shards 8 trainer.max_steps=100 \\
+    python -m nemo_gtp.run --recipe llama3_8b --num-weight-shards 4 trainer.max_steps=100 \\
         --data data/corpus --tokenizer sentencepiece:data/tok.model
 """
 

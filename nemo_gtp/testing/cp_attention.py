@@ -96,3 +96,12 @@ def with_context_parallel_attention(spec: object) -> object:
     spec = copy.deepcopy(spec)
     spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     return spec
+
+
+def cp_local_layer_spec(config: object) -> object:
+    """NeMo's ``local_layer_spec`` with :class:`ContextParallelAttention`, as a NeMo
+    ``transformer_layer_spec``: ``llm.GPTConfig(..., transformer_layer_spec=cp_local_layer_spec)``
+    trains with ``context_parallel_size > 1`` on CPU."""
+    from nemo.collections.llm.gpt.model.base import local_layer_spec
+
+    return with_context_parallel_attention(local_layer_spec(config))

@@ -4,7 +4,8 @@ Tooling for the tests and ``python -m nemo_gtp.run --recipe ... --cpu``, not for
 changes (each a setting NeMo's GPU recipes choose for CUDA):
 
 - ``trainer.accelerator="cpu"``, the strategy's ``process_group_backend="gloo"``, synchronous
-  checkpoint saves;
+  checkpoint saves, ``context_parallel_size=1`` (megatron runs CP in TransformerEngine's
+  attention only; the CP ranks become data-parallel ranks, the same loss);
 - fp32: the mixed-precision plugin dropped, ``bf16`` / ``fp16`` off in the model and optimizer;
 - the model config: megatron's local layer spec (no TransformerEngine), CPU initialization, the
   fused CUDA kernels off, ``data_step_fn=cpu_gpt_data_step`` (``cpu_compat``'s batch staging);
@@ -54,6 +55,7 @@ def on_cpu(recipe: Any) -> Any:
     strategy.process_group_backend = "gloo"
     strategy.ckpt_async_save = False
     strategy.pipeline_dtype = None
+    strategy.context_parallel_size = 1
     ddp = getattr(strategy, "ddp", "megatron")
     if isinstance(ddp, fdl.Buildable):
         ddp.average_in_collective = False
