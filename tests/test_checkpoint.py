@@ -92,12 +92,15 @@ SAVES = {
     "tp1gtp2dp2-dp-reshardable": Save(Layout(gtp=2), DP_ONLY),
     "tp1gtp4-nobias": Save(Layout(gtp=4, bias=False)),
     "tp1gtp2dp2-shard-replicated": Save(Layout(gtp=2, shard_replicated=True)),
+    "tp1cp2gtp2": Save(Layout(gtp=2, cp=2)),  # CP peers: replicas of the GTP shards
 }
 CRASH_TARGET = "crash-target"  # the tp2gtp2 model again, in its own directory
 # Resume GTP4 (data-parallel size GTP x DP = 4) without GTP at DP4: same batches per data rank.
 RESUME_FROM, RESUME_AT = "tp1gtp4-nobias", Layout(bias=False)
 
 LOADS = {
+    "tp1cp2gtp2->nogtp-cp2dp2": Load("tp1cp2gtp2", Layout(cp=2)),
+    "tp1cp2gtp2->tp1gtp4": Load("tp1cp2gtp2", Layout(gtp=4)),  # CP 2 -> 1
     "tp1gtp4->tp2gtp2": Load("tp1gtp4", Layout(tp=2, gtp=2)),
     "tp2gtp2->tp1gtp2dp2": Load("tp2gtp2", Layout(gtp=2)),
     "tp1gtp4->nogtp-dp4": Load("tp1gtp4", Layout()),

@@ -25,6 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from nemo_gtp.engine import GTPConfig, GTPGroups, is_gtp_param
 from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary
@@ -34,6 +35,7 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
     shard_model,
 )
+from nemo_gtp.testing.cp_attention import with_context_parallel_attention
 from nemo_gtp.testing.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
 from nemo_gtp.testing.gpt_harness import Run, gtp_groups
 from nemo_gtp.testing.spawn import DistributedJob, run_distributed, start_distributed
@@ -55,10 +57,13 @@ def start_ranks(fn: Callable, world: int, *args: object) -> DistributedJob:
 
 @dataclass(frozen=True)
 class Layout:
-    """One (TP, GTP) layout on the current world (DP = world / (TP * GTP)) and the model shape."""
+    """One (TP, CP, GTP) layout on the current world (DP = world / (TP * CP * GTP)) and the
+    model shape."""
 
     tp: int = 1
     gtp: int = 1
+    cp: int = 1
+    """Context parallelism (the CPU stand-in of TE's CP attention, ``testing.cp_attention``)."""
     ffn: int = 80
     hidden: int = 64
     pad: int = 16
@@ -77,10 +82,12 @@ class Layout:
     misplaces its state when buckets are padded ("param range exceeds unpadded buffer")."""
 
     def __str__(self) -> str:
-        dp = dist.get_world_size() // (self.tp * self.gtp) if dist.is_initialized() else "?"
+        world = dist.get_world_size() if dist.is_initialized() else None
+        dp = world // (self.tp * self.cp * self.gtp) if world else "?"
         glu = ",glu" if self.glu else ""
         glu += ",shard_replicated" if self.shard_replicated else ""
-        return f"TP{self.tp}·GTP{self.gtp}·DP{dp}(ffn={self.ffn},pad={self.pad}{glu})"
+        cp = f"·CP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp}{cp}·GTP{self.gtp}·DP{dp}(ffn={self.ffn},pad={self.pad}{glu})"
 
 
 @dataclass
@@ -98,7 +105,7 @@ def build(layout: Layout, seed: int = 1234) -> Built:
     """(Re)initialize parallel state for ``layout`` and build model, DDP and optimizer."""
     enable_cpu_compat(nemo=False)  # megatron-only: importing NeMo costs ~7 s CPU per rank
     # megatron's state and this layout's GTP groups, built once per process (gpt_harness)
-    groups = gtp_groups(Run(tp=layout.tp, gtp=layout.gtp))
+    groups = gtp_groups(Run(tp=layout.tp, gtp=layout.gtp, cp=layout.cp))
     model_parallel_cpu_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(
@@ -107,6 +114,7 @@ def build(layout: Layout, seed: int = 1234) -> Built:
         ffn_hidden_size=layout.ffn,
         num_attention_heads=4,
         tensor_model_parallel_size=layout.tp,
+        context_parallel_size=layout.cp,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         hidden_dropout=0.0,
@@ -120,7 +128,10 @@ def build(layout: Layout, seed: int = 1234) -> Built:
         gated_linear_unit=layout.glu,
         add_bias_linear=layout.bias,
     )
-    model = GPTModel(config, get_gpt_layer_local_spec(), VOCAB, SEQ)
+    spec = get_gpt_layer_local_spec()
+    if layout.cp > 1:  # megatron's local attention refuses CP
+        spec = with_context_parallel_attention(spec)
+    model = GPTModel(config, spec, VOCAB, SEQ)
     gtp_config = GTPConfig(
         pad_for_alignment=layout.pad, shard_replicated_params_over_gtp=layout.shard_replicated
     )
@@ -146,7 +157,7 @@ def build(layout: Layout, seed: int = 1234) -> Built:
         if hasattr(opt, "data_parallel_group_gloo"):
             # megatron refuses gloo groups alongside a pg_collection, but its memory-efficient
             # fully_reshardable checkpoint path needs one; on CPU the replicate group is gloo.
-            opt.data_parallel_group_gloo = groups.replicate
+            opt.data_parallel_group_gloo = groups.replicate_cp
     config.finalize_model_grads_func = make_finalize_model_grads(groups)
     config.no_sync_func = ddp.no_sync
     return Built(layout, groups, ddp, optimizer, config)
@@ -155,13 +166,14 @@ def build(layout: Layout, seed: int = 1234) -> Built:
 def _batch(step: int, microbatch: int, data_rank: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(10_000 * step + 100 * microbatch + data_rank)
     tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
-    return dict(
+    batch = dict(
         tokens=tokens[:, :-1],
         labels=tokens[:, 1:],
         loss_mask=torch.ones(MBS, SEQ),
         position_ids=torch.arange(SEQ).expand(MBS, SEQ),
         attention_mask=torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1),
     )
+    return get_batch_on_this_cp_rank(batch)  # this CP rank's chunks (all of it at CP 1)
 
 
 def _forward_step(data_iterator, model):  # noqa: ANN001
@@ -239,10 +251,11 @@ def _optimizer_states(
 
 
 def _replicate_group(built: Built, param: torch.nn.Parameter) -> object:
-    """The group ``param``'s optimizer state is sharded over."""
+    """The group ``param``'s optimizer state is sharded over (CP x DP: CP peers hold the same
+    params)."""
     # shard_replicated_params_over_gtp: the replicated params' state is spread over DP x GTP
     over_data = built.layout.shard_replicated and not is_gtp_param(param)
-    return built.groups.data if over_data else built.groups.replicate
+    return built.groups.data if over_data else built.groups.replicate_cp
 
 
 def _in_groups(keys: list[object]) -> dict[int, tuple[object, list[int]]]:
