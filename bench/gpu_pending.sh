@@ -127,6 +127,19 @@ if want grouped; then
     2>&1 | grep -v Warn | tail -6
   pack grouped
 fi
+# 7b. Context parallelism under GTP with NCCL (4 GPUs; 2026-12-03 on one GPU, four ranks sharing
+#    it: GTP2·CP2 vs CP2·DP2 step 0 identical, 9.3e-6): the 1B TE recipe at 4k tokens per GPU,
+#    TP1·CP2·GTP2 vs TP1·CP2·DP2, step time and loss. Skipped below 4 GPUs.
+if want cp; then
+  if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+    timeout 230 python3 bench/bench_nemo.py --devices 4 --modes \
+      "dp2_te@strategy.context_parallel_size=2,gtp2_te@strategy.context_parallel_size=2@preshard_linears=none" \
+      --tokens 4096 --warmup 5 --timed 19 --fit-timeout 80 --out "$OUT/cp" | tail -10
+    pack cp
+  else
+    echo "cp skipped: needs 4 GPUs"
+  fi
+fi
 # 8. Host time inside GTP's entry points and the optimizer, per step (gtp_host_timer), eager
 #    and per-layer graphs, without communication (one device; the fake 2-rank world).
 if want host; then

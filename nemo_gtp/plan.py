@@ -92,21 +92,25 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate: TP × GTP × DP and the memory options."""
+    """One candidate: TP × CP × GTP × DP and the memory options."""
 
     tp: int
     gtp: int
     dp: int
     recompute: bool = False
     shard_replicated: bool = False
+    cp: int = 1
+    """Context parallelism: the CP peers hold the same weights and split the distributed
+    optimizer's state with the DP ranks (megatron's ``dp_cp`` group, design §1.4 "CP")."""
 
     @property
     def name(self) -> str:
-        """E.g. ``TP2·GTP4·DP1 +recompute``."""
+        """E.g. ``TP2·GTP4·DP1 +recompute`` (``TP1·CP2·GTP4·DP1`` with context parallelism)."""
         extra = (" +recompute" if self.recompute else "") + (
             " +shard_replicated" if self.shard_replicated else ""
         )
-        return f"TP{self.tp}·GTP{self.gtp}·DP{self.dp}{extra}"
+        cp = f"·CP{self.cp}" if self.cp > 1 else ""
+        return f"TP{self.tp}{cp}·GTP{self.gtp}·DP{self.dp}{extra}"
 
 
 @dataclass
@@ -144,14 +148,17 @@ def estimate(
     dropout, 2 without, 4 more with ``ModelShape.softmax_fp32``, none with flash / fused
     attention (TE's default spec).
     """
-    tp, gtp, dp = layout.tp, layout.gtp, layout.dp
+    tp, gtp = layout.tp, layout.gtp
+    replicas = layout.dp * layout.cp  # the distributed optimizer shards over CP x DP
     sharded = model.layers * model.linear_params_per_layer / (tp * gtp)
     replicated = model.embedding_params / tp + (2 * model.layers + 1) * model.hidden
     optimizer_bytes = 12  # fp32 master + Adam m and v
-    replicated_shards = dp * gtp if layout.shard_replicated else dp
+    replicated_shards = replicas * gtp if layout.shard_replicated else replicas
     weights = (sharded + replicated) * param_bytes
     grads = (sharded + replicated) * grad_bytes
-    optimizer = sharded * optimizer_bytes / dp + replicated * optimizer_bytes / replicated_shards
+    optimizer = (
+        sharded * optimizer_bytes / replicas + replicated * optimizer_bytes / replicated_shards
+    )
     gather = 0.0
     if gtp > 1:  # live gathered units (current + prefetched per direction, the tail's
         # hand-over) and the wgrad scratch of the staged and the in-flight unit; a coalescing
@@ -177,22 +184,27 @@ def estimate(
     }
 
 
-def candidate_layouts(gpus: int, *, gpus_per_node: int = 8, max_tp: int = 8) -> list[Layout]:
-    """Every TP × GTP × DP = ``gpus`` with TP ≤ ``max_tp`` inside a node, each with and without
-    recompute and (GTP > 1) with and without ``shard_replicated_params_over_gtp``."""
+def candidate_layouts(
+    gpus: int, *, gpus_per_node: int = 8, max_tp: int = 8, cp: int = 1
+) -> list[Layout]:
+    """Every TP × CP × GTP × DP = ``gpus`` (CP fixed, the recipe's) with TP ≤ ``max_tp`` inside
+    a node, each with and without recompute and (GTP > 1, CP 1) with and without
+    ``shard_replicated_params_over_gtp`` (not supported beside CP)."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    if cp < 1 or gpus % cp:
+        raise ValueError(f"--context-parallel {cp} must be >= 1 and divide --gpus {gpus}")
     out = []
-    for tp in range(1, min(gpus, max_tp, gpus_per_node) + 1):
-        if gpus % tp:
+    for tp in range(1, min(gpus // cp, max_tp, gpus_per_node) + 1):
+        if (gpus // cp) % tp:
             continue
-        for gtp in range(1, gpus // tp + 1):
-            if (gpus // tp) % gtp:
+        for gtp in range(1, gpus // (cp * tp) + 1):
+            if (gpus // (cp * tp)) % gtp:
                 continue
-            dp = gpus // (tp * gtp)
+            dp = gpus // (cp * tp * gtp)
             for recompute in (False, True):
-                for shard_replicated in (False, True) if gtp > 1 else (False,):
-                    out.append(Layout(tp, gtp, dp, recompute, shard_replicated))
+                for shard_replicated in (False, True) if gtp > 1 and cp == 1 else (False,):
+                    out.append(Layout(tp, gtp, dp, recompute, shard_replicated, cp))
     return out
 
 
@@ -203,14 +215,16 @@ def plan_layouts(
     gpu_memory_gib: float,
     tokens_per_gpu: int,
     gpus_per_node: int = 8,
+    cp: int = 1,
     **estimate_kwargs: float,
 ) -> list[Plan]:
-    """A :class:`Plan` per candidate layout, ordered as :func:`recommend` prefers them."""
+    """A :class:`Plan` per candidate layout (context parallelism ``cp``: each GPU holds
+    ``tokens_per_gpu`` of a sample's ``seq / cp``), ordered as :func:`recommend` prefers them."""
     if tokens_per_gpu < 1:
         raise ValueError(f"--tokens-per-gpu must be >= 1, got {tokens_per_gpu}")
     budget = gpu_memory_gib * GIB
     plans = []
-    for layout in candidate_layouts(gpus, gpus_per_node=gpus_per_node):
+    for layout in candidate_layouts(gpus, gpus_per_node=gpus_per_node, cp=cp):
         plan = Plan(
             layout,
             estimate(model, layout, tokens_per_gpu=tokens_per_gpu, **estimate_kwargs),
@@ -299,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         "--tokens-per-gpu", type=int, required=True, help="micro-batch x sequence length"
     )
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument(
+        "--context-parallel",
+        type=int,
+        default=1,
+        metavar="CP",
+        help="context_parallel_size (fixed; --tokens-per-gpu is then micro-batch x seq / CP)",
+    )
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument(
         "--grad-dtype",
@@ -344,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_gib=args.gpu_memory_gib,
             tokens_per_gpu=args.tokens_per_gpu,
             gpus_per_node=args.gpus_per_node,
+            cp=args.context_parallel,
             param_bytes=2 if args.precision == "bf16" else 4,
             grad_bytes=4 if args.grad_dtype == "fp32" else 2,
             overhead_gib=args.overhead_gib,

@@ -39,6 +39,23 @@ def test_gtp_divides_sharded_bytes_and_options_do_what_they_say() -> None:
     assert tp2["activations"] == pytest.approx(dp2["activations"] / 2)
 
 
+def test_context_parallel_layouts_split_optimizer_state_over_cp() -> None:
+    """With CP the candidates are TP x CP x GTP x DP (CP fixed); the CP peers hold the same
+    weights and split the distributed optimizer's state with the DP ranks."""
+    plans = plan_layouts(MODEL_1B, gpus=8, gpu_memory_gib=141, tokens_per_gpu=4096, cp=2)
+    names = {p.layout.name for p in plans}
+    assert "TP1·CP2·GTP2·DP2" in names and "TP2·CP2·GTP2·DP1 +recompute" in names
+    assert not any("shard_replicated" in n for n in names)  # not supported beside CP
+    cp2 = estimate(MODEL_1B, Layout(1, 2, 2, cp=2), tokens_per_gpu=4096)
+    dp4 = estimate(MODEL_1B, Layout(1, 2, 4), tokens_per_gpu=4096)
+    assert cp2 == dp4  # same bytes: CP x DP = 4 replicas of the GTP2 shards either way
+    gtp2 = estimate(MODEL_1B, Layout(1, 2, 2), tokens_per_gpu=4096)
+    assert cp2["optimizer"] == pytest.approx(gtp2["optimizer"] / 2)
+    assert cp2["weights"] == gtp2["weights"] and cp2["activations"] == gtp2["activations"]
+    with pytest.raises(ValueError, match="--context-parallel 3 must be >= 1 and divide"):
+        plan_layouts(MODEL_1B, gpus=8, gpu_memory_gib=141, tokens_per_gpu=4096, cp=3)
+
+
 def test_recommendation_prefers_no_recompute_then_fewest_shards_then_tp() -> None:
     roomy = plan_layouts(MODEL_1B, gpus=4, gpu_memory_gib=141, tokens_per_gpu=4096)
     assert recommend(roomy).layout == Layout(1, 1, 4)
