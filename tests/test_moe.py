@@ -43,10 +43,6 @@ def test_expert_grid_rank_order_and_groups() -> None:
     ("kwargs", "message"),
     [
         (
-            dict(world_size=8, expert_num_weight_shards=2, context_parallel_size=2),
-            "context_parallel_size=2 with expert GTP=2 is not supported yet",
-        ),
-        (
             dict(world_size=8, expert_model_parallel_size=2, expert_num_weight_shards=8),
             "world_size=8 is not divisible by expert_num_weight_shards x "
             "expert_model_parallel_size",
@@ -162,6 +158,9 @@ CASES = [
     dataclasses.replace(MOE, ep=2, egtp=2, capacity=1.0, **_SEQ),  # token dropping
     dataclasses.replace(MOE, ep=2, egtp=2, gtp=2, per_token=True, distopt=True, **_SEQ),
     dataclasses.replace(MOE, ep=2, gtp=2),  # dense GTP2, experts whole (EGTP1) over DP x GTP
+    # context parallelism: megatron folds CP into the expert data axis the EGTP peers are cut
+    # from (here the EGTP peers are CP peers), DDP's expert pre-scale counts it
+    dataclasses.replace(MOE, egtp=2, gtp=2, cp=2, **_SEQ),
     # TEGroupedMLP experts (CPU stand-in of TE's GroupedLinear) built as their EGTP shards from
     # the reference's seed: no weight copied in, parity from the exact init alone
     dataclasses.replace(MOE, egtp=2, grouped=True, presharded=True),
@@ -173,7 +172,8 @@ def _case_id(run: Run) -> str:
     grouped = "_grouped" if run.grouped else ""
     built = "_presharded" if run.presharded or run.preshard_experts else ""
     extra = "_capacity" if run.capacity else "_per_token" if run.per_token else ""
-    return f"gtp{run.gtp}_ep{run.ep}_egtp{run.egtp}{grouped}{extra}{built}"
+    cp = f"_cp{run.cp}" if run.cp > 1 else ""
+    return f"gtp{run.gtp}_ep{run.ep}_egtp{run.egtp}{cp}{grouped}{extra}{built}"
 
 
 def _expert_step_parity(

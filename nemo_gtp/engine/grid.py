@@ -146,13 +146,6 @@ class GTPParallelDims:
                 f"expert_tensor_parallel_size={etp} (expert_num_weight_shards = ETP x EGTP)"
             )
         egtp = eshards // etp
-        if egtp > 1 and self.context_parallel_size > 1:
-            raise ValueError(
-                f"context_parallel_size={self.context_parallel_size} with expert GTP={egtp} is "
-                "not supported yet: megatron folds CP into the expert data-parallel axis the "
-                "EGTP peers are cut from. Set context_parallel_size=1 or "
-                f"expert_num_weight_shards=expert_tensor_parallel_size ({etp})"
-            )
         if gtp > 1 or egtp > 1:
             self.check_distributed_optimizer_instances(self.num_distributed_optimizer_instances)
         object.__setattr__(self, "num_weight_shards", shards)

@@ -16,7 +16,7 @@ setting                                          under GTP (num_weight_shards > 
 ``ddp.overlap_param_gather=True`` (and the       -> False (DDP's param all-gather pre-hook would
 optimizer's, ``MegatronCommOverlapCallback``'s)  race GTP's prefetch; a speed knob)
 ``context_parallel_size > 1``                    kept (the CP peers hold the same shards, §3.1);
-                                                 -> 1 with expert GTP or
+                                                 -> 1 with
                                                  ``shard_replicated_params_over_gtp`` (not
                                                  supported there yet; the CP ranks become
                                                  data-parallel ranks, same loss)
@@ -154,8 +154,8 @@ def with_gtp(
     new = _strategy_config(GTPMegatronStrategy, args)
     tp = _get(new, "tensor_model_parallel_size", 1)
     if isinstance(num_weight_shards, int) and isinstance(tp, int) and num_weight_shards > tp:
-        # before the sizes are checked: e.g. CP 2 -> 1 under expert GTP
-        no_cp = _why_no_context_parallel(new, expert_num_weight_shards, gtp_config)
+        # before the sizes are checked: CP 2 -> 1 beside shard_replicated_params_over_gtp
+        no_cp = _why_no_context_parallel(gtp_config)
         _fix_strategy(conv, new, no_cp)
     dims = _static_dims(new, num_weight_shards, expert_num_weight_shards)
     if dims.gtp > 1:
@@ -233,12 +233,8 @@ def _gtp_config(options: dict[str, Any], existing: Any) -> Any:
     return run.Config(GTPConfig, **merged)
 
 
-def _why_no_context_parallel(strategy: Any, expert_shards: int | None, gtp_config: Any) -> str:
+def _why_no_context_parallel(gtp_config: Any) -> str:
     """Why this GTP recipe cannot keep its context parallelism ('' when it can)."""
-    tp = _get(strategy, "tensor_model_parallel_size", 1)
-    etp = _get(strategy, "expert_tensor_parallel_size") or tp
-    if isinstance(expert_shards, int) and isinstance(etp, int) and expert_shards > etp:
-        return "context parallelism with expert GTP is not supported yet"
     if gtp_config is not None and _get(gtp_config, "shard_replicated_params_over_gtp"):
         return "context parallelism with shard_replicated_params_over_gtp is not supported yet"
     return ""

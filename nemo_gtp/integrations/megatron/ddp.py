@@ -88,18 +88,19 @@ def check_data_group(runtime: GTPRuntime, pg_collection: object | None) -> None:
 
 
 def rescale_expert_buffers(ddp: DistributedDataParallel, dims: GTPParallelDims) -> None:
-    """Pre-scale DDP's expert buffer by EGTP / (DP x GTP) (mean loss; design §3.2 table).
+    """Pre-scale DDP's expert buffer by EGTP / (DP x GTP x CP) (mean loss; design §3.2 table).
 
     An expert's gradient on one rank holds the tokens of every EP peer, so the sum over its
-    EGTP x EDP holders covers all DP x GTP data ranks: the mean needs 1/(DP x GTP) on that sum.
-    The EGTP reduce-scatter averages (1/EGTP), DDP sums over EDP, so DDP's pre-scale must be
-    EGTP / (DP x GTP). megatron computes 1/dp_cp, and dp_cp is the replicate group (DP) under
-    GTP. Under per-token loss megatron pre-scales by 1 and divides by the token count later:
-    nothing to change. Call after megatron's constructor, before the first backward.
+    EGTP x EDP holders (megatron folds CP into the expert data axis) covers all DP x GTP x CP
+    ranks: the mean needs 1/(DP x GTP x CP) on that sum. The EGTP reduce-scatter averages
+    (1/EGTP), DDP sums over EDP, so DDP's pre-scale must be EGTP / (DP x GTP x CP). megatron
+    computes 1/dp_cp, and dp_cp is the replicate group's CP x DP under GTP. Under per-token
+    loss megatron pre-scales by 1 and divides by the token count later: nothing to change. Call
+    after megatron's constructor, before the first backward.
     """
     if ddp.config.calculate_per_token_loss or not ddp.expert_parallel_buffers:
         return
-    factor = dims.egtp / dims.data_parallel_size
+    factor = dims.egtp / (dims.data_parallel_size * dims.context_parallel_size)
     for buffer in ddp.expert_parallel_buffers:
         buffer.gradient_scaling_factor = factor
         for bucket in buffer.buckets:
