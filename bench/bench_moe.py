@@ -63,6 +63,7 @@ if str(ROOT) not in sys.path:  # nemo_gtp for the recipe checks without PYTHONPA
     sys.path.insert(1, str(ROOT))
 
 from bench_nemo import (  # noqa: E402 (after the path)
+    LAYOUT_KEYS,
     SHARED_DEVICE_NOTE,
     _free_port,
     _max_rel,
@@ -136,10 +137,15 @@ DEFAULT_MODES = "seq_dp2,seq_ep2,seq_egtp2,grouped_dp2,grouped_ep2,grouped_egtp2
 
 
 def baselines(mode: str) -> tuple[str | None, str | None]:
-    """(loss baseline, speed baseline) of ``mode`` (modifiers dropped); None for a mode that
-    is a baseline itself."""
-    entry = MODES.get(mode.split("@")[0])
-    return (entry.loss_baseline, entry.speed_baseline) if entry else (None, None)
+    """(loss baseline, speed baseline) of ``mode``: its modifiers dropped but the layout ones
+    (``bench_nemo.LAYOUT_KEYS``, e.g. ``@strategy.context_parallel_size=2``), which its
+    baselines share; None for a mode that is a baseline itself."""
+    base, *knobs = mode.split("@")
+    entry = MODES.get(base)
+    if entry is None:
+        return None, None
+    layout = "".join(f"@{k}" for k in knobs if k.split("=", 1)[0] in LAYOUT_KEYS)
+    return tuple(b and b + layout for b in (entry.loss_baseline, entry.speed_baseline))
 
 
 def resolve_mode(mode: str) -> tuple[Mode, list[str]]:

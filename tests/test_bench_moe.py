@@ -92,3 +92,14 @@ def test_gpu_grouped_experts_arguments() -> None:
     assert args.checks.split(",") == list(CHECKS)
     with pytest.raises(SystemExit):
         parse_args(["--out", "x", "--checks", "nope"])
+
+
+def test_a_layout_modifier_goes_to_the_baselines() -> None:
+    """EP2·EGTP2·CP2 is compared with EP2·(expert DP2)·CP2; other modifiers stay the mode's."""
+    cp = "@strategy.context_parallel_size=2"
+    assert baselines(f"grouped_ep2_egtp2{cp}@prefetch_depth=2") == (
+        f"grouped_ep2_dp2{cp}",
+        f"grouped_ep4{cp}",
+    )
+    assert baselines("grouped_ep2_egtp2@prefetch_depth=2") == ("grouped_ep2_dp2", "grouped_ep4")
+    assert baselines(f"grouped_ep2_dp2{cp}")[0] is None  # a baseline itself
