@@ -188,8 +188,8 @@ def candidate_layouts(
     gpus: int, *, gpus_per_node: int = 8, max_tp: int = 8, cp: int = 1
 ) -> list[Layout]:
     """Every TP × CP × GTP × DP = ``gpus`` (CP fixed, the recipe's) with TP ≤ ``max_tp`` inside
-    a node, each with and without recompute and (GTP > 1, CP 1) with and without
-    ``shard_replicated_params_over_gtp`` (not supported beside CP)."""
+    a node, each with and without recompute and (GTP > 1) with and without
+    ``shard_replicated_params_over_gtp``."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
     if cp < 1 or gpus % cp:
@@ -203,7 +203,7 @@ def candidate_layouts(
                 continue
             dp = gpus // (cp * tp * gtp)
             for recompute in (False, True):
-                for shard_replicated in (False, True) if gtp > 1 and cp == 1 else (False,):
+                for shard_replicated in (False, True) if gtp > 1 else (False,):
                     out.append(Layout(tp, gtp, dp, recompute, shard_replicated, cp))
     return out
 

@@ -66,11 +66,6 @@ BAD_OVERRIDES = [
     (["trainer.devices=3"], "world_size=3 is not divisible"),
     (["strategy.tensor_model_parallel_size=2", "strategy.num_weight_shards=3"], "multiple of"),
     (["+strategy.context_parallel_size=2"], "context_parallel_size=2 with model.layer_spec=local"),
-    (
-        ["+strategy.context_parallel_size=2", "model.layer_spec=te", "trainer.devices=8"]
-        + ["+gtp.shard_replicated_params_over_gtp=true", "data.global_batch_size=32"],
-        "gtp.shard_replicated_params_over_gtp=true with strategy.context_parallel_size=2",
-    ),
     (["data.global_batch_size=12"], "data.global_batch_size=12 must be a multiple of"),
     (["data.global_batch_size=8"], "data.micro_batch_size x (DP x GTP) = 4 x 4 = 16"),
     (["+strategy.save_ckpt_format=zarr"], "strategy.save_ckpt_format='zarr'"),

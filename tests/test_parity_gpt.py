@@ -125,6 +125,7 @@ CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when 
     Run(tp=2, gtp=2, coalesce_mb=0.0625, distopt=True),  # TP2: a layer's shards are halved
     Run(gtp=2, cp=2),  # GTP2·CP2 vs CP2·DP2: DDP reduces over CP x DP, GTP over its peers
     Run(gtp=2, cp=2, per_token=True, distopt=True, coalesce_mb=0.125),
+    Run(gtp=2, cp=2, distopt=True, shard_replicated=True),  # replicated params over CP x DP x GTP
 ]
 
 

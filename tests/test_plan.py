@@ -45,7 +45,7 @@ def test_context_parallel_layouts_split_optimizer_state_over_cp() -> None:
     plans = plan_layouts(MODEL_1B, gpus=8, gpu_memory_gib=141, tokens_per_gpu=4096, cp=2)
     names = {p.layout.name for p in plans}
     assert "TP1·CP2·GTP2·DP2" in names and "TP2·CP2·GTP2·DP1 +recompute" in names
-    assert not any("shard_replicated" in n for n in names)  # not supported beside CP
+    assert "TP1·CP2·GTP2·DP2 +shard_replicated" in names
     cp2 = estimate(MODEL_1B, Layout(1, 2, 2, cp=2), tokens_per_gpu=4096)
     dp4 = estimate(MODEL_1B, Layout(1, 2, 4), tokens_per_gpu=4096)
     assert cp2 == dp4  # same bytes: CP x DP = 4 replicas of the GTP2 shards either way

@@ -434,14 +434,6 @@ INVALID = [
         dict(num_weight_shards=2, num_distributed_optimizer_instances=2),
         "num_distributed_optimizer_instances",
     ),
-    (
-        dict(
-            num_weight_shards=2,
-            context_parallel_size=2,
-            gtp_config=GTPConfig(shard_replicated_params_over_gtp=True),
-        ),
-        "shard_replicated_params_over_gtp=True with context_parallel_size=2",
-    ),
     (dict(expert_num_weight_shards=2, ddp="pytorch"), "ddp='pytorch'"),  # expert GTP alone
     (dict(expert_tensor_parallel_size=2, expert_num_weight_shards=3), "expert_num_weight_shards=3"),
     (dict(num_weight_shards=2, gtp_config="pad16"), "gtp_config"),

@@ -15,11 +15,7 @@ setting                                          under GTP (num_weight_shards > 
                                                  1/(DP x GTP) and sums: the same mean, §3.2)
 ``ddp.overlap_param_gather=True`` (and the       -> False (DDP's param all-gather pre-hook would
 optimizer's, ``MegatronCommOverlapCallback``'s)  race GTP's prefetch; a speed knob)
-``context_parallel_size > 1``                    kept (the CP peers hold the same shards, §3.1);
-                                                 -> 1 with
-                                                 ``shard_replicated_params_over_gtp`` (not
-                                                 supported there yet; the CP ranks become
-                                                 data-parallel ranks, same loss)
+``context_parallel_size > 1``                    kept (the CP peers hold the same shards, §1.4)
 ``num_distributed_optimizer_instances > 1``      -> 1 (§3.2)
 ``use_tp_pp_dp_mapping=True``                    -> False (megatron's data group must be DP x GTP)
 ``model.config.delay_wgrad_compute=True``        -> False (TE would skip GTP's wgrad finalize)
@@ -154,9 +150,7 @@ def with_gtp(
     new = _strategy_config(GTPMegatronStrategy, args)
     tp = _get(new, "tensor_model_parallel_size", 1)
     if isinstance(num_weight_shards, int) and isinstance(tp, int) and num_weight_shards > tp:
-        # before the sizes are checked: CP 2 -> 1 beside shard_replicated_params_over_gtp
-        no_cp = _why_no_context_parallel(gtp_config)
-        _fix_strategy(conv, new, no_cp)
+        _fix_strategy(conv, new)  # before the sizes are checked
     dims = _static_dims(new, num_weight_shards, expert_num_weight_shards)
     if dims.gtp > 1:
         _fix_model(conv, out)
@@ -233,25 +227,9 @@ def _gtp_config(options: dict[str, Any], existing: Any) -> Any:
     return run.Config(GTPConfig, **merged)
 
 
-def _why_no_context_parallel(gtp_config: Any) -> str:
-    """Why this GTP recipe cannot keep its context parallelism ('' when it can)."""
-    if gtp_config is not None and _get(gtp_config, "shard_replicated_params_over_gtp"):
-        return "context parallelism with shard_replicated_params_over_gtp is not supported yet"
-    return ""
-
-
-def _fix_strategy(conv: _Conversion, strategy: Any, no_cp: str) -> None:
+def _fix_strategy(conv: _Conversion, strategy: Any) -> None:
     import fiddle as fdl
 
-    if no_cp:
-        conv.fix(
-            strategy,
-            "context_parallel_size",
-            "trainer.strategy.context_parallel_size",
-            1,
-            f"{no_cp}; the CP ranks become data-parallel ranks, activation memory per GPU grows "
-            "with the sequence it now holds",
-        )
     conv.fix(
         strategy,
         "use_tp_pp_dp_mapping",

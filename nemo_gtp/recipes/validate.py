@@ -320,8 +320,7 @@ def _check_sizes(raw: dict[str, Any]) -> None:
 
 def _check_context_parallel(raw: dict[str, Any], dims: Any) -> None:
     """Context parallelism runs in TransformerEngine's attention only (megatron's local core
-    attention refuses it); under GTP the CP peers join the replicate group (design §3.1), which
-    ``shard_replicated_params_over_gtp``'s second DDP buffer does not."""
+    attention refuses it); under GTP the CP peers join the replicate group (design §1.4 "CP")."""
     cp = dims.context_parallel_size
     if cp == 1:
         return
@@ -331,12 +330,6 @@ def _check_context_parallel(raw: dict[str, Any], dims: Any) -> None:
         raise RecipeError(
             f"strategy.context_parallel_size={cp} with {why}: megatron runs context parallelism "
             "in TransformerEngine's attention only; set model.layer_spec=te (GPUs) or "
-            "strategy.context_parallel_size=1"
-        )
-    if dims.gtp > 1 and (raw.get("gtp") or {}).get("shard_replicated_params_over_gtp"):
-        raise RecipeError(
-            f"gtp.shard_replicated_params_over_gtp=true with strategy.context_parallel_size={cp} "
-            "is not supported: set gtp.shard_replicated_params_over_gtp=false or "
             "strategy.context_parallel_size=1"
         )
 

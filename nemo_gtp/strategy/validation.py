@@ -81,13 +81,6 @@ def validate_gtp_config(gtp_config: Any, args: dict[str, Any], gtp_size: int) ->
     """
     if gtp_size == 1 or gtp_config is None or not gtp_config.shard_replicated_params_over_gtp:
         return
-    cp = args.get("context_parallel_size", 1)
-    if cp > 1:  # the shards' (expert-style) DDP buffer would reduce without the CP peers
-        raise ValueError(
-            f"gtp_config.shard_replicated_params_over_gtp=True with context_parallel_size={cp} "
-            "is not supported: set shard_replicated_params_over_gtp=False or "
-            "context_parallel_size=1"
-        )
     ddp = args.get("ddp", "megatron")
     if isinstance(ddp, str) or not getattr(ddp, "use_distributed_optimizer", False):
         raise ValueError(

@@ -126,9 +126,10 @@ def gtp_process_groups(
 
     With ``config.shard_replicated_params_over_gtp`` (GTP shards tagged ``allreduce=False`` by
     :class:`GTPDDPMixin`): the replicated params take megatron's first buffer and optimizer over
-    the whole data group (DP x GTP) with the TP x PP model-parallel group, exactly as without GTP;
-    the GTP shards take the second (expert-style) buffer and optimizer over the replicate group
-    with TP x GTP x PP as their model-parallel group.
+    the whole data group (DP x GTP, and CP: megatron's ``dp_cp``) with the TP x PP
+    model-parallel group, exactly as without GTP; the GTP shards take the second (expert-style)
+    buffer and optimizer over the ranks holding the same shards (``replicate_cp``) with
+    TP x GTP x PP as their model-parallel group.
 
     Example::
 
@@ -140,15 +141,13 @@ def gtp_process_groups(
         pgs.expt_dp = pgs.intra_expt_dp = groups.expert_replicate
         pgs.tp_ep_pp = groups.expert_model_parallel
     if groups.gtp_size > 1 and config is not None and config.shard_replicated_params_over_gtp:
-        if groups.dims.context_parallel_size > 1:
-            # the shards' (expert-style) buffer has no CP twin of its replicate group
-            raise ValueError(
-                "GTPConfig.shard_replicated_params_over_gtp with context_parallel_size="
-                f"{groups.dims.context_parallel_size} is not supported: set "
-                "shard_replicated_params_over_gtp=False or context_parallel_size=1"
-            )
-        pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = groups.data
-        pgs.expt_dp = pgs.intra_expt_dp = groups.replicate
+        # replicated params: megatron's own data groups (DP x GTP; with CP, x CP); GTP shards:
+        # the second (expert-style) buffer over the ranks holding the same shards (CP x DP)
+        pgs.dp = groups.data
+        pgs.dp_cp = pgs.intra_dp_cp = parallel_state.get_data_parallel_group(
+            with_context_parallel=True
+        )
+        pgs.expt_dp = pgs.intra_expt_dp = groups.replicate_cp
         pgs.tp_ep_pp = groups.model_parallel
         pgs.mp = parallel_state.get_model_parallel_group()
         return pgs
