@@ -63,12 +63,12 @@ if str(ROOT) not in sys.path:  # nemo_gtp for the recipe checks without PYTHONPA
     sys.path.insert(1, str(ROOT))
 
 from bench_nemo import (  # noqa: E402 (after the path)
-    LAYOUT_KEYS,
     SHARED_DEVICE_NOTE,
     _free_port,
     _max_rel,
     add_launch_arguments,
     check_launch_arguments,
+    layout_modifiers,
     parity_section,
     rank_environment,
     world_overrides,
@@ -144,7 +144,7 @@ def baselines(mode: str) -> tuple[str | None, str | None]:
     entry = MODES.get(base)
     if entry is None:
         return None, None
-    layout = "".join(f"@{k}" for k in knobs if k.split("=", 1)[0] in LAYOUT_KEYS)
+    layout = layout_modifiers(knobs)
     return tuple(b and b + layout for b in (entry.loss_baseline, entry.speed_baseline))
 
 

@@ -158,6 +158,12 @@ TOP_LEVEL_KEYS = ("resume",)  # recipe keys a mode modifier may set without a do
 LAYOUT_KEYS = ("strategy.context_parallel_size",)  # modifiers a mode's baseline shares
 
 
+def layout_modifiers(knobs: list[str]) -> str:
+    """The ``@key=value`` modifiers among ``knobs`` that a mode's baselines share
+    (:data:`LAYOUT_KEYS`), joined in their order: ``"@strategy.context_parallel_size=2"``."""
+    return "".join(f"@{k}" for k in knobs if k.split("=", 1)[0] in LAYOUT_KEYS)
+
+
 def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
     """``base[@key=value...]`` → (config, overrides, baseline mode); each ``@key=value`` is a
     ``GTPConfig`` field (``gtp2_local@coalesce_mb=64@prefetch_depth=2``), or, with a dot, any
@@ -180,9 +186,8 @@ def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:
     for kind in GRAPH_KINDS:
         if baseline and kind in knobs:
             baseline += f"@{kind}"
-    for knob in knobs:
-        if baseline and knob.split("=", 1)[0] in LAYOUT_KEYS:
-            baseline += f"@{knob}"
+    if baseline:
+        baseline += layout_modifiers(knobs)
     if baseline and "#" in mode:
         baseline += "#" + mode.split("#")[1]
     return config, [*overrides, *extra], baseline

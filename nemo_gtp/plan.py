@@ -194,14 +194,14 @@ def candidate_layouts(
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
     if cp < 1 or gpus % cp:
         raise ValueError(f"--context-parallel {cp} must be >= 1 and divide --gpus {gpus}")
-    out = []
-    for tp in range(1, min(gpus // cp, max_tp, gpus_per_node) + 1):
-        if (gpus // cp) % tp:
+    out, ranks = [], gpus // cp  # the TP x GTP x DP ranks of each CP slice
+    for tp in range(1, min(ranks, max_tp, gpus_per_node) + 1):
+        if ranks % tp:
             continue
-        for gtp in range(1, gpus // (cp * tp) + 1):
-            if (gpus // (cp * tp)) % gtp:
+        for gtp in range(1, ranks // tp + 1):
+            if (ranks // tp) % gtp:
                 continue
-            dp = gpus // (cp * tp * gtp)
+            dp = ranks // (tp * gtp)
             for recompute in (False, True):
                 for shard_replicated in (False, True) if gtp > 1 else (False,):
                     out.append(Layout(tp, gtp, dp, recompute, shard_replicated, cp))

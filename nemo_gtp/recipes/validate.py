@@ -326,11 +326,10 @@ def _check_context_parallel(raw: dict[str, Any], dims: Any) -> None:
         return
     spec = (raw.get("model") or {}).get("layer_spec") or _default_spec()
     if spec != "te":
-        why = "model.layer_spec=local" if spec == "local" else f"model.layer_spec={spec}"
         raise RecipeError(
-            f"strategy.context_parallel_size={cp} with {why}: megatron runs context parallelism "
-            "in TransformerEngine's attention only; set model.layer_spec=te (GPUs) or "
-            "strategy.context_parallel_size=1"
+            f"strategy.context_parallel_size={cp} with model.layer_spec={spec}: megatron runs "
+            "context parallelism in TransformerEngine's attention only; set "
+            "model.layer_spec=te (GPUs) or strategy.context_parallel_size=1"
         )
 
 

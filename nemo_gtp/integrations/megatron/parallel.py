@@ -141,12 +141,10 @@ def gtp_process_groups(
         pgs.expt_dp = pgs.intra_expt_dp = groups.expert_replicate
         pgs.tp_ep_pp = groups.expert_model_parallel
     if groups.gtp_size > 1 and config is not None and config.shard_replicated_params_over_gtp:
-        # replicated params: megatron's own data groups (DP x GTP; with CP, x CP); GTP shards:
-        # the second (expert-style) buffer over the ranks holding the same shards (CP x DP)
+        # replicated params: megatron's own dp_cp / intra_dp_cp, as use_mpu_process_groups set
+        # them (DP x GTP, and CP); GTP shards: the second (expert-style) buffer over the ranks
+        # holding the same shards (CP x DP)
         pgs.dp = groups.data
-        pgs.dp_cp = pgs.intra_dp_cp = parallel_state.get_data_parallel_group(
-            with_context_parallel=True
-        )
         pgs.expt_dp = pgs.intra_expt_dp = groups.replicate_cp
         pgs.tp_ep_pp = groups.model_parallel
         pgs.mp = parallel_state.get_model_parallel_group()
