@@ -40,6 +40,7 @@ from nemo_gtp.integrations.megatron import (
     presharded_grouped_classes,
     shard_model,
 )
+from nemo_gtp.integrations.megatron.muon import MuonConfig, get_muon_optimizer
 from nemo_gtp.testing import graph_stand_in
 from nemo_gtp.testing.staged_gloo import world_on_gpu
 
@@ -114,6 +115,9 @@ class Run:
     # FP8 primary weights with blockwise scaling of these tiles (rows, columns); None: per-tensor
     # current scaling. The shards' rows must be whole tiles (GTPConfig.pad_for_alignment).
     fp8_block: tuple[int, int] | None = None
+    # "adam" (megatron's) or "muon": Muon for the hidden matrices, Adam for the rest
+    # (get_muon_optimizer; Newton-Schulz in fp32 so parity holds to fp32 rounding)
+    optimizer: str = "adam"
 
     @property
     def fp8_scaling(self) -> FP8Scaling:
@@ -427,19 +431,22 @@ def build(run: Run) -> dict:
         grad_reduce_in_fp32=True,
     )
     ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=run.lr,
-            clip_grad=1.0,
-            weight_decay=0.01,
-            bf16=run.bf16,
-            use_distributed_optimizer=run.distopt,
-        ),
-        [ddp],
-        use_gloo_process_groups=False,
-        pg_collection=pgs,
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=run.lr,
+        clip_grad=1.0,
+        weight_decay=0.01,
+        bf16=run.bf16,
+        use_distributed_optimizer=run.distopt,
     )
+    if run.optimizer == "muon":
+        optimizer = get_muon_optimizer(
+            optimizer_config, [ddp], MuonConfig(ns_dtype=torch.float32), pg_collection=pgs
+        )
+    else:
+        optimizer = get_megatron_optimizer(
+            optimizer_config, [ddp], use_gloo_process_groups=False, pg_collection=pgs
+        )
     if run.gtp_on:  # as GTPMegatronStrategy's optimizer setup does
         plan_optimizer_copies(optimizer)
     config.finalize_model_grads_func = make_finalize_model_grads(groups)

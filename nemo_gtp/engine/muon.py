@@ -1,0 +1,226 @@
+"""Muon on GTP shards: orthogonalize the whole matrix, update this rank's rows (design §1.6).
+
+Muon replaces a 2D weight's momentum by its orthogonalization (a few Newton–Schulz iterations
+on the *whole* matrix), so a GTP rank cannot update its rows from its rows alone. Per step,
+:class:`GTPMuon` all-gathers every sharded weight's Muon input (the nesterov-mixed momentum, the
+shard's rows) over the weight's GTP group — one flat collective per GTP group and param group,
+not one per weight — runs Newton–Schulz on the logical (unpadded) matrix exactly as the run
+without GTP does on its replicated copy, and applies only its own rows of the result. The
+momentum stays a shard (1/GTP of its bytes per rank); the Newton–Schulz work is repeated on every
+GTP peer, as it is on every data-parallel replica without GTP. At GTP size 1 no collective runs
+and the update is the plain Muon update, bit for bit the same as ``torch.optim.Muon``'s with
+``ns_dtype=torch.bfloat16`` (tested).
+
+Example::
+
+    optimizer = GTPMuon([shard_a, shard_b, other_2d], lr=0.02, ns_dtype=torch.float32)
+    loss.backward(); optimizer.step()   # one all-gather for the two GTP shards' inputs
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""The quintic Newton–Schulz coefficients of Keller Jordan's Muon (torch's defaults too)."""
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def newton_schulz(
+    update: torch.Tensor,
+    steps: int = 5,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Muon's approximate orthogonalization of the 2D ``update`` (a new tensor of ``dtype``).
+
+    Runs on the wide orientation (a tall matrix is transposed first), normalized by its
+    Frobenius norm, ``steps`` quintic iterations ``X <- aX + (bA + cA^2)X`` with ``A = XX^T``.
+
+    Example::
+
+        ortho = newton_schulz(torch.randn(64, 32), dtype=torch.float32)
+    """
+    a, b, c = coefficients
+    x = update.to(dtype, copy=True)  # never normalize the caller's tensor in place
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
+    """Muon's shape-dependent learning rate for a ``shape`` (rows, cols) matrix: ``"original"``
+    (default) ``sqrt(max(1, rows/cols))``, ``"match_rms_adamw"`` ``0.2*sqrt(max(rows, cols))``.
+    Under GTP the *logical* shape counts, never the shard's.
+
+    Example::
+
+        adjusted_lr(0.02, None, (4096, 1024))   # 0.04
+    """
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+
+
+def _default_shard_of(param: torch.Tensor) -> GTPShardedParam | None:
+    return param if is_gtp_param(param) else None
+
+
+class GTPMuon(torch.optim.Optimizer):
+    """Muon (momentum, Newton–Schulz orthogonalization, decoupled weight decay) for 2D params,
+    GTP shards included (module docstring; design §1.6 "Muon").
+
+    ``shard_of(p)`` names the :class:`GTPShardedParam` whose rows ``p`` holds (None: ``p`` is a
+    whole matrix). The default answers ``p`` itself for a GTP shard; megatron's mixed-precision
+    wrapper hands the optimizer fp32 copies of the shards, and
+    :func:`nemo_gtp.integrations.megatron.muon.get_muon_optimizer` passes their map. Every GTP
+    peer must step the same params in the same order (the flat gathers are collective).
+
+    Example::
+
+        opt = GTPMuon(model_2d_params, lr=0.02, momentum=0.95, weight_decay=0.01)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        shard_of: Callable[[torch.Tensor], GTPShardedParam | None] | None = None,
+    ) -> None:
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(
+                f"GTPMuon: lr ({lr}), momentum ({momentum}) and weight_decay ({weight_decay}) "
+                "must be >= 0"
+            )
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(
+                f"GTPMuon: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}"
+            )
+        if not 0 < ns_steps < 100:
+            raise ValueError(f"GTPMuon: ns_steps must be in 1..99, got {ns_steps}")
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients),
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
+        )
+        super().__init__(params, defaults)
+        self.shard_of = shard_of or _default_shard_of
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.ndim != 2:
+                    raise ValueError(
+                        f"GTPMuon takes 2D params only, got one of shape {tuple(param.shape)} "
+                        "(give biases, norms and embeddings to Adam)"
+                    )
+
+    def init_state(self) -> None:
+        """Create every param's momentum buffer (zeros) before a checkpoint load fills it
+        (megatron's ``init_state_fn``)."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if "momentum_buffer" not in self.state[param]:
+                    self.state[param]["momentum_buffer"] = torch.zeros_like(param)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # noqa: D102
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        momentum, nesterov = group["momentum"], group["nesterov"]
+        updates: list[tuple[torch.Tensor, torch.Tensor, GTPShardedParam | None]] = []
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            grad = param.grad
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if nesterov else buf
+            shard = self.shard_of(param)
+            if shard is not None and shard.gtp_spec.gtp_size == 1:
+                shard = None
+            updates.append((param, update, shard))
+        fulls = _gather_full(updates)
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        for (param, _, shard), full in zip(updates, fulls):
+            ortho = newton_schulz(
+                full, group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"]
+            )
+            shape = tuple(full.shape)
+            if shard is not None:  # this rank's rows of the logical matrix (pad rows: none)
+                spec = shard.gtp_spec
+                start = spec.gtp_rank * spec.shard_dim0
+                ortho = ortho[start : min(start + spec.shard_dim0, shape[0])]
+            param.mul_(1 - lr * weight_decay)
+            target = param if ortho.size(0) == param.size(0) else param[: ortho.size(0)]
+            target.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+
+
+def _gather_full(
+    updates: list[tuple[torch.Tensor, torch.Tensor, GTPShardedParam | None]],
+) -> list[torch.Tensor]:
+    """Each update as its whole logical matrix: a whole param's as is; the GTP shards' gathered
+    over their GTP group, one flat all-gather per group (in ``updates`` order on every peer)."""
+    fulls: list[torch.Tensor | None] = [u if s is None else None for _, u, s in updates]
+    by_group: dict[int, list[int]] = {}
+    groups: dict[int, Any] = {}
+    for index, (_, _, shard) in enumerate(updates):
+        if shard is not None:
+            group = shard.runtime.group
+            by_group.setdefault(id(group), []).append(index)
+            groups[id(group)] = group
+    for key, indices in by_group.items():
+        parts = [updates[i][1].reshape(-1) for i in indices]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+        size = updates[indices[0]][2].gtp_spec.gtp_size
+        gathered = flat.new_empty(size * flat.numel())
+        dist.all_gather_into_tensor(gathered, flat, group=groups[key])
+        per_rank = gathered.view(size, flat.numel())
+        offset = 0
+        for i, part in zip(indices, parts):
+            spec = updates[i][2].gtp_spec
+            block = per_rank[:, offset : offset + part.numel()]
+            offset += part.numel()
+            full = block.reshape(spec.gathered_shape)  # rank-major rows: the padded matrix
+            fulls[i] = spec.unpad(full)
+    return fulls  # type: ignore[return-value]

@@ -1,0 +1,230 @@
+"""A megatron optimizer with Muon for the hidden matrices and Adam for the rest (design §1.6).
+
+megatron-core 0.15 builds Adam or SGD only. :func:`get_muon_optimizer` builds, per model part
+(dense, and routed experts if any), two megatron optimizers over the same param groups megatron
+makes (weight-decay and lr multipliers, expert flag; the lr scheduler drives both): Muon
+(:class:`~nemo_gtp.engine.muon.GTPMuon`) for every 2D weight that is not the embedding or the
+output layer, megatron's own Adam for the rest, chained (``ChainedOptimizer``: one grad norm
+over both, one clip, checkpoints of both). It works with and without GTP: the baseline of a GTP
+run is the same call without GTP process groups.
+
+Muon needs whole matrices, which megatron's distributed optimizer cuts into flat ranges, so the
+optimizer is megatron's non-distributed one (``use_distributed_optimizer=False``; refused
+otherwise, naming the setting). Under GTP its state is still 1/GTP per rank: every rank keeps
+its shards' fp32 masters and momenta, and :class:`GTPMuon` gathers the Muon input over GTP for
+the step (design §1.6 "Muon").
+
+Example::
+
+    optimizer = get_muon_optimizer(
+        OptimizerConfig(optimizer="muon", lr=2e-2, bf16=True), [ddp], MuonConfig(),
+        pg_collection=gtp_process_groups(groups),
+    )
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    MegatronOptimizer,
+    OptimizerConfig,
+    _get_megatron_optimizer_based_on_param_groups,
+    _get_param_groups,
+)
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from nemo_gtp.engine.muon import ADJUST_LR_FNS, NS_COEFFICIENTS, GTPMuon
+from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonConfig:
+    """Muon's own settings; lr and weight decay are the ``OptimizerConfig``'s (and its
+    scheduler's), as for Adam (design §1.6 "Muon").
+
+    Example::
+
+        MuonConfig(momentum=0.95, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32)
+    """
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    eps: float = 1e-7
+    adjust_lr_fn: str | None = None
+    """``None`` / ``"original"``: ``sqrt(max(1, rows/cols))``; ``"match_rms_adamw"``:
+    ``0.2*sqrt(max(rows, cols))`` (Adam's lr and weight decay carry over)."""
+    ns_dtype: torch.dtype = torch.bfloat16
+    """dtype of the Newton–Schulz iterations (bf16 as Keller Jordan's Muon; fp32 for parity)."""
+
+    def __post_init__(self) -> None:
+        if self.adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(
+                f"MuonConfig.adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {self.adjust_lr_fn!r}"
+            )
+        if not 0 < self.ns_steps < 100:
+            raise ValueError(f"MuonConfig.ns_steps must be in 1..99, got {self.ns_steps}")
+
+
+def takes_muon(param: torch.Tensor) -> bool:
+    """Whether Muon updates ``param``: a 2D weight other than the embedding / output layer.
+
+    Example::
+
+        takes_muon(model.decoder.layers[0].mlp.linear_fc1.weight)   # True
+    """
+    return param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+
+def check_muon_config(config: OptimizerConfig) -> None:
+    """Refuse the optimizer settings Muon cannot run with, naming each (before any collective)."""
+    if config.use_distributed_optimizer:
+        raise ValueError(
+            "Muon needs whole matrices and megatron's distributed optimizer cuts params into "
+            "flat ranges: set OptimizerConfig.use_distributed_optimizer=False (and the DDP "
+            "config's use_distributed_optimizer=False); under GTP each rank still keeps only "
+            "its shards' optimizer state"
+        )
+    for name in ("optimizer_cpu_offload", "use_precision_aware_optimizer"):
+        if getattr(config, name, False):
+            raise ValueError(f"Muon does not support OptimizerConfig.{name}=True: set it False")
+
+
+def _grad_scaler(config: OptimizerConfig) -> Any:
+    """megatron's choice of loss scaler for a mixed-precision optimizer."""
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return None
+
+
+def _muon_part(
+    config: OptimizerConfig,
+    param_groups: list[dict],
+    muon: MuonConfig,
+    grad_stats_group: torch.distributed.ProcessGroup,
+) -> MegatronOptimizer:
+    """megatron's non-distributed wrapper around a :class:`GTPMuon` over ``param_groups``."""
+    inner = GTPMuon(
+        param_groups,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        momentum=muon.momentum,
+        nesterov=muon.nesterov,
+        ns_coefficients=muon.ns_coefficients,
+        eps=muon.eps,
+        ns_steps=muon.ns_steps,
+        adjust_lr_fn=muon.adjust_lr_fn,
+        ns_dtype=muon.ns_dtype,
+    )
+
+    def init_state_fn(optimizer: GTPMuon, config: Any = None) -> None:
+        optimizer.init_state()
+
+    if config.fp16 or config.bf16:
+        wrapper = Float16OptimizerWithFloat16Params(
+            inner, config, _grad_scaler(config), init_state_fn
+        )
+        # The wrapper handed the inner optimizer fp32 copies of the 16-bit params.
+        shards: dict[int, GTPShardedParam] = {}
+        for model_group, main_group in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                if is_gtp_param(model_param):
+                    shards[id(main_param)] = model_param
+        for group in wrapper.fp32_from_fp32_groups:
+            for param in group:
+                if is_gtp_param(param):
+                    shards[id(param)] = param
+        inner.shard_of = _lookup(shards)
+    else:
+        wrapper = FP32Optimizer(inner, config, init_state_fn)
+    wrapper.grad_stats_parallel_group = grad_stats_group
+    return wrapper
+
+
+def _lookup(shards: dict[int, GTPShardedParam]) -> Callable[[torch.Tensor], Any]:
+    def shard_of(param: torch.Tensor) -> GTPShardedParam | None:
+        return shards.get(id(param))
+
+    return shard_of
+
+
+def _split(groups: list[dict]) -> tuple[list[dict], list[dict]]:
+    """megatron's param groups, each cut into its Muon params and the rest (every group kept,
+    maybe empty, in the same order: ranks must hold the same groups for checkpoints)."""
+    muon, adam = [], []
+    for group in groups:
+        muon.append({**group, "params": [p for p in group["params"] if takes_muon(p)]})
+        adam.append({**group, "params": [p for p in group["params"] if not takes_muon(p)]})
+    return muon, adam
+
+
+def get_muon_optimizer(
+    config: OptimizerConfig,
+    model_chunks: list[Any],
+    muon: MuonConfig | None = None,
+    *,
+    pg_collection: ProcessGroupCollection | None = None,
+    no_weight_decay_cond: Callable | None = None,
+    scale_lr_cond: Callable | None = None,
+    lr_mult: float = 1.0,
+    default_skip_embedding_weight_decay: bool = False,
+    **unused: Any,
+) -> MegatronOptimizer:
+    """``get_megatron_optimizer``'s counterpart with Muon for the hidden matrices (module
+    docstring). ``pg_collection``: the GTP collection under GTP (its model-parallel groups
+    count every shard once in the grad norm); megatron's own groups when None. ``unused``
+    takes ``get_megatron_optimizer``'s other keywords (gloo groups: the non-distributed
+    optimizer uses none).
+
+    Example::
+
+        opt = get_muon_optimizer(OptimizerConfig(lr=0.02), [ddp], MuonConfig(), pg_collection=pgs)
+        opt.step()   # -> (success, grad norm, zeros)
+    """
+    check_muon_config(config)
+    muon = muon or MuonConfig()
+    pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    groups = _get_param_groups(
+        model_chunks,
+        no_weight_decay_cond,
+        scale_lr_cond,
+        lr_mult,
+        lr=config.lr,
+        min_lr=config.min_lr,
+        decoupled_lr=config.decoupled_lr,
+        decoupled_min_lr=config.decoupled_min_lr,
+        default_skip_embedding_weight_decay=default_skip_embedding_weight_decay,
+    )
+    optimizers = []
+    for expert, grad_stats_group in ((False, pgs.mp), (True, pgs.tp_ep_pp)):
+        part = [g for g in groups if g["is_expert_parallel"] is expert]
+        if not part:
+            continue
+        muon_groups, adam_groups = _split(part)
+        optimizers.append(
+            _get_megatron_optimizer_based_on_param_groups(
+                dataclasses.replace(config, optimizer="adam"),
+                model_chunks=model_chunks,
+                param_groups=adam_groups,
+                model_parallel_group=grad_stats_group,
+            )
+        )
+        optimizers.append(_muon_part(config, muon_groups, muon, grad_stats_group))
+    return ChainedOptimizer(optimizers)
