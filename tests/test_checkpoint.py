@@ -93,12 +93,18 @@ SAVES = {
     "tp1gtp4-nobias": Save(Layout(gtp=4, bias=False)),
     "tp1gtp2dp2-shard-replicated": Save(Layout(gtp=2, shard_replicated=True)),
     "tp1cp2gtp2": Save(Layout(gtp=2, cp=2)),  # CP peers: replicas of the GTP shards
+    "tp1gtp2dp2-muon": Save(Layout(gtp=2, distopt=False, muon=True)),  # momenta as GTP shards
 }
 CRASH_TARGET = "crash-target"  # the tp2gtp2 model again, in its own directory
 # Resume GTP4 (data-parallel size GTP x DP = 4) without GTP at DP4: same batches per data rank.
 RESUME_FROM, RESUME_AT = "tp1gtp4-nobias", Layout(bias=False)
 
 LOADS = {
+    # Muon (design §1.6): each rank's momentum rows land where a run without GTP keeps them
+    "muon-tp1gtp2dp2->nogtp-dp4": Load("tp1gtp2dp2-muon", Layout(distopt=False, muon=True)),
+    "muon-tp1gtp2dp2->tp2gtp2": Load(
+        "tp1gtp2dp2-muon", Layout(tp=2, gtp=2, distopt=False, muon=True)
+    ),
     "tp1cp2gtp2->nogtp-cp2dp2": Load("tp1cp2gtp2", Layout(cp=2)),
     "tp1cp2gtp2->tp1gtp4": Load("tp1cp2gtp2", Layout(gtp=4)),  # CP 2 -> 1
     "tp1gtp4->tp2gtp2": Load("tp1gtp4", Layout(tp=2, gtp=2)),
@@ -372,8 +378,9 @@ def _outcome(run: dict, name: str) -> list:
 @pytest.mark.parametrize("name", list(LOADS))
 def test_reshard(run: dict, name: str) -> None:
     counts = _outcome(run, name)
-    # 4 tensors (weight, fp32 master, exp_avg, exp_avg_sq) for each of the 29 params
-    assert counts == [116] * WORLD
+    # 4 tensors (weight, fp32 master, exp_avg, exp_avg_sq) for each of the 29 params; Muon's
+    # 8 hidden matrices have one momentum instead of Adam's two moments
+    assert counts == [108 if LOADS[name].layout.muon else 116] * WORLD
 
 
 def test_interrupted_save_keeps_previous_checkpoint(run: dict) -> None:

@@ -165,6 +165,9 @@ CASES = [
     # the reference's seed: no weight copied in, parity from the exact init alone
     dataclasses.replace(MOE, egtp=2, grouped=True, presharded=True),
     dataclasses.replace(MOE, ep=2, egtp=2, gtp=2, grouped=True, presharded=True, distopt=True),
+    # Muon (design §1.6): expert matrices orthogonalized whole, gathered over EGTP, their grad
+    # norm over the expert model-parallel group; dense ones over GTP
+    dataclasses.replace(MOE, ep=2, egtp=2, gtp=2, optimizer="muon", **_SEQ),
 ]
 
 
@@ -173,7 +176,8 @@ def _case_id(run: Run) -> str:
     built = "_presharded" if run.presharded or run.preshard_experts else ""
     extra = "_capacity" if run.capacity else "_per_token" if run.per_token else ""
     cp = f"_cp{run.cp}" if run.cp > 1 else ""
-    return f"gtp{run.gtp}_ep{run.ep}_egtp{run.egtp}{cp}{grouped}{extra}{built}"
+    optimizer = "" if run.optimizer == "adam" else f"_{run.optimizer}"
+    return f"gtp{run.gtp}_ep{run.ep}_egtp{run.egtp}{cp}{grouped}{extra}{built}{optimizer}"
 
 
 def _expert_step_parity(

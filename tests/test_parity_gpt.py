@@ -109,6 +109,8 @@ CASES_2 = [
     Run(gtp=2, recompute="selective_mlp"),  # the MLPs re-run: fc1 and fc2 re-gathered
     Run(gtp=2, coalesce_mb=0.125),  # one collective per layer and direction
     Run(gtp=2, coalesce_mb=0.125, recompute="full_uniform", distopt=True),
+    # Muon (design §1.6): whole-matrix Newton-Schulz from gathered shards, padded rows left out
+    Run(gtp=2, ffn=72, hidden=48, pad=16, optimizer="muon"),
 ]
 CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when TP changes
     Run(gtp=2),
@@ -118,11 +120,13 @@ CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when 
     Run(gtp=4, fp32_accum=True),
     Run(gtp=4, ffn=72, pad=1),  # TP1·GTP4
     Run(gtp=4, distopt=True, fp32_accum=True, shard_replicated=True),
+    Run(gtp=2, optimizer="muon"),  # TP1·GTP2·DP2: the Muon input gathered over GTP only
     Run(gtp=2, distopt=True, per_token=True, coalesce_mb=0.125, separate_rs=True),
     Run(tp=2, gtp=2),
     Run(tp=2, gtp=2, per_token=True, distopt=True),  # TP2·GTP2
     Run(tp=2, gtp=2, per_token=True, distopt=True, shard_replicated=True),
     Run(tp=2, gtp=2, coalesce_mb=0.0625, distopt=True),  # TP2: a layer's shards are halved
+    Run(tp=2, gtp=2, optimizer="muon"),  # Muon on the TP-local matrix, as without GTP
     Run(gtp=2, cp=2),  # GTP2·CP2 vs CP2·DP2: DDP reduces over CP x DP, GTP over its peers
     Run(gtp=2, cp=2, per_token=True, distopt=True, coalesce_mb=0.125),
     Run(gtp=2, cp=2, distopt=True, shard_replicated=True),  # replicated params over CP x DP x GTP

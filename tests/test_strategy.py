@@ -53,6 +53,8 @@ TWO_RANK_FITS = [
     Fit("tp1_gtp2_bf16", gtp=2, steps=4, bf16=True),
     Fit("base_plain_adam", steps=5, distopt=False),
     Fit("tp1_gtp2_plain_adam", gtp=2, steps=5, distopt=False),
+    Fit("base_muon", steps=5, distopt=False, muon=True),  # MuonOptimizerModule (design §1.6)
+    Fit("tp1_gtp2_muon", gtp=2, steps=5, distopt=False, muon=True),
     Fit(
         "tp1_gtp2_shard_replicated",
         gtp=2,
@@ -138,6 +140,18 @@ def test_parity_tp1_gtp2_dp1(two_ranks: dict) -> None:
 def test_parity_default_ddp_non_distributed_optimizer(two_ranks: dict) -> None:
     """ddp='megatron' (no overlap) + megatron's FP32Optimizer: grad norm via ``shared`` marks."""
     _assert_parity(two_ranks["tp1_gtp2_plain_adam"], two_ranks["base_plain_adam"], steps=5)
+
+
+def test_parity_muon(two_ranks: dict) -> None:
+    """Muon for the hidden matrices, Adam for the rest (``MuonOptimizerModule``), NeMo's lr
+    schedule over both: GTP2 (Muon inputs gathered over GTP) reproduces DP2 on plain
+    ``MegatronStrategy`` with the same optimizer."""
+    for fit in ("tp1_gtp2_muon", "base_muon"):
+        for rank in two_ranks[fit]:
+            assert rank["inner_optimizers"] == ["AdamW", "GTPMuon"], rank["inner_optimizers"]
+    _assert_parity(two_ranks["tp1_gtp2_muon"], two_ranks["base_muon"], steps=5)
+    adam = two_ranks["base_plain_adam"][0]["losses"]
+    assert two_ranks["base_muon"][0]["losses"][1:] != adam[1:]  # Muon did update the matrices
 
 
 def test_presharded_linears_register_through_the_strategy(two_ranks: dict) -> None:

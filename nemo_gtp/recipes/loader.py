@@ -106,7 +106,17 @@ def build_fit(
         model_cfg["transformer_layer_spec"] = local_layer_spec
     gpt_config = llm.GPTConfig(vocab_size=vocab, seq_length=data_cfg["seq_length"], **model_cfg)
     tokenizer = NullTokenizer(vocab - 1)  # NullTokenizer(n) has vocab_size n + 1
-    optim = nl.MegatronOptimizerModule(config=OptimizerConfig(**_plain(cfg.optim)))
+    optim_config = OptimizerConfig(**_plain(cfg.optim))
+    if optim_config.optimizer == "muon":  # Muon for the hidden matrices (design §1.6)
+        from nemo_gtp.integrations.megatron.muon import MuonConfig
+        from nemo_gtp.strategy.muon import MuonOptimizerModule
+
+        muon = _plain(cfg.get("muon"))
+        if "ns_dtype" in muon:
+            muon["ns_dtype"] = _DTYPES[muon["ns_dtype"]]
+        optim = MuonOptimizerModule(optim_config, muon=MuonConfig(**muon))
+    else:
+        optim = nl.MegatronOptimizerModule(config=optim_config)
     model = llm.GPTModel(gpt_config, tokenizer=tokenizer, optim=optim)
     data_class = ArithmeticGPTDataModule if kind == "arithmetic" else SyntheticGPTDataModule
     data = data_class(

@@ -40,7 +40,13 @@ SECTIONS = (
     "checkpoint",
     "resume",
     "fp8",
+    "muon",
 )
+# The muon section (optim.optimizer=muon): MuonConfig's fields (design §1.6 "Muon").
+MUON_KEYS = ("momentum", "nesterov", "ns_steps", "eps", "adjust_lr_fn", "ns_dtype")
+MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
+MUON_NS_DTYPES = ("bfloat16", "float32")
+OPTIMIZERS = ("adam", "sgd", "muon")
 CHECKPOINT_KEYS = ("dir", "every_n_train_steps")
 # The fp8 section: NeMo's MegatronMixedPrecision(fp8=format, fp8_recipe=recipe,
 # fp8_param_gather=param_gather), megatron's names (design §1.3 "FP8 gather", "FP8 primary
@@ -116,6 +122,13 @@ TYPED: dict[str, str] = {
     "optim.clip_grad": _FLOAT,
     "optim.bf16": _BOOL,
     "optim.use_distributed_optimizer": _BOOL,
+    "optim.optimizer": _STR,
+    "muon.momentum": _FLOAT,
+    "muon.nesterov": _BOOL,
+    "muon.ns_steps": _INT + "+",
+    "muon.eps": _FLOAT,
+    "muon.adjust_lr_fn": _STR,
+    "muon.ns_dtype": _STR,
     "checkpoint.dir": _STR,
     "checkpoint.every_n_train_steps": _INT + "+",
     "fp8.format": _STR,
@@ -198,7 +211,18 @@ def validate_recipe(cfg: DictConfig) -> None:
                 f"unknown recipe section {section!r}{_did_you_mean(section, SECTIONS)}: "
                 f"known sections are {', '.join(SECTIONS)}"
             )
-    mappings = ("trainer", "strategy", "ddp", "gtp", "model", "data", "optim", "checkpoint", "fp8")
+    mappings = (
+        "trainer",
+        "strategy",
+        "ddp",
+        "gtp",
+        "model",
+        "data",
+        "optim",
+        "checkpoint",
+        "fp8",
+        "muon",
+    )
     for section in mappings:
         if section in raw and not isinstance(raw[section], dict | type(None)):
             raise RecipeError(f"{section} must be a mapping of keys, got {raw[section]!r}")
@@ -207,6 +231,7 @@ def validate_recipe(cfg: DictConfig) -> None:
         _check_type(key, value, kind)
     _check_gtp_section(raw.get("gtp") or {})
     _check_checkpoint_section(raw.get("checkpoint"))
+    _check_muon(raw)
     _check_names(raw)
     _check_sizes(raw)
     if raw.get("resume") is not None:
@@ -226,6 +251,34 @@ def _check_gtp_section(gtp: dict[str, Any]) -> None:
         _engine_module("config").GTPConfig(**gtp)
     except ValueError as err:  # GTPConfig's own value checks name the field
         raise RecipeError(str(err).replace("GTPConfig.", "gtp.")) from None
+
+
+def _check_muon(raw: dict[str, Any]) -> None:
+    """``optim.optimizer=muon`` (Muon for the hidden matrices, Adam for the rest, design §1.6
+    "Muon"): megatron's non-distributed optimizer, the ``muon`` section's keys and names; a
+    ``muon`` section without it would do nothing."""
+    optim, section = raw.get("optim") or {}, raw.get("muon")
+    _one_of("optim.optimizer", optim.get("optimizer"), OPTIMIZERS)
+    if optim.get("optimizer") != "muon":
+        if section is not None:
+            raise RecipeError(
+                "the muon section applies only with optim.optimizer=muon: set it, or drop muon"
+            )
+        return
+    if optim.get("use_distributed_optimizer"):
+        raise RecipeError(
+            "optim.optimizer=muon needs whole matrices, which megatron's distributed optimizer "
+            "cuts into ranges: set optim.use_distributed_optimizer=false (under GTP each rank "
+            "still keeps only its shards' optimizer state)"
+        )
+    for key in section or {}:
+        if key not in MUON_KEYS:
+            raise RecipeError(
+                f"muon.{key} is not a Muon setting{_did_you_mean(key, MUON_KEYS)}: known are "
+                f"{', '.join(MUON_KEYS)}"
+            )
+    _one_of("muon.adjust_lr_fn", (section or {}).get("adjust_lr_fn"), MUON_ADJUST_LR_FNS)
+    _one_of("muon.ns_dtype", (section or {}).get("ns_dtype"), MUON_NS_DTYPES)
 
 
 def _check_checkpoint_section(section: Any) -> None:

@@ -47,6 +47,8 @@ def megatron_optimizer_pg_collection(pg_collection: ProcessGroupCollection) -> I
         plan_optimizer_copies(optimizer)  # its per-tensor copies, exact (design §3.2)
         return optimizer
 
+    # what a builder that replaces this one inside the block must use too (MuonOptimizerModule)
+    get_megatron_optimizer.gtp_pg_collection = pg_collection
     mcore_optimizer.get_megatron_optimizer = get_megatron_optimizer
     try:
         yield

@@ -35,13 +35,14 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
     shard_model,
 )
+from nemo_gtp.integrations.megatron.muon import MuonConfig, get_muon_optimizer
 from nemo_gtp.testing.cp_attention import with_context_parallel_attention
 from nemo_gtp.testing.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
 from nemo_gtp.testing.gpt_harness import Run, gtp_groups
 from nemo_gtp.testing.spawn import DistributedJob, run_distributed, start_distributed
 
 VOCAB, SEQ, MBS, MICROBATCHES = 128, 16, 2, 2
-STATE_KINDS = ("fp32_param", "exp_avg", "exp_avg_sq")
+STATE_KINDS = ("fp32_param", "exp_avg", "exp_avg_sq", "momentum_buffer")  # Adam, Muon
 COLLECTIVE_TIMEOUT_S = 240  # a rank stuck in a collective fails the spawn instead of hanging
 
 
@@ -76,6 +77,9 @@ class Layout:
     shard_replicated: bool = False
     """``GTPConfig.shard_replicated_params_over_gtp``: two chained optimizers (replicated params
     over DP x GTP, GTP shards over DP) instead of one."""
+    muon: bool = False
+    """Muon for the hidden matrices, Adam for the rest (``get_muon_optimizer``; needs
+    ``distopt=False``): their momenta are checkpointed as Adam's moments are."""
     bucket_size: int | None = 8_000
     """Small: several DDP buckets, so distributed-optimizer ranges cut params mid-row.
     ``None`` (megatron's default, one bucket here) for ``fully_reshardable``: megatron 0.15
@@ -86,6 +90,7 @@ class Layout:
         dp = world // (self.tp * self.cp * self.gtp) if world else "?"
         glu = ",glu" if self.glu else ""
         glu += ",shard_replicated" if self.shard_replicated else ""
+        glu += ",muon" if self.muon else ""
         cp = f"·CP{self.cp}" if self.cp > 1 else ""
         return f"TP{self.tp}{cp}·GTP{self.gtp}·DP{dp}(ffn={self.ffn},pad={self.pad}{glu})"
 
@@ -145,14 +150,16 @@ def build(layout: Layout, seed: int = 1234) -> Built:
         grad_reduce_in_fp32=True,
     )
     ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=layout.distopt
-        ),
-        [ddp],
-        use_gloo_process_groups=False,
-        pg_collection=pgs,
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=layout.distopt
     )
+    if layout.muon:
+        muon = MuonConfig(ns_dtype=torch.float32)
+        optimizer = get_muon_optimizer(optimizer_config, [ddp], muon, pg_collection=pgs)
+    else:
+        optimizer = get_megatron_optimizer(
+            optimizer_config, [ddp], use_gloo_process_groups=False, pg_collection=pgs
+        )
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if hasattr(opt, "data_parallel_group_gloo"):
             # megatron refuses gloo groups alongside a pg_collection, but its memory-efficient
@@ -234,19 +241,13 @@ def _optimizer_states(
             rng = opt._get_model_param_range_map(param)["param"]
             tensors = opt._get_main_param_and_optimizer_states(param)
             tensors["fp32_param"] = tensors.pop("param")
-            return (rng.start, rng.end, {k: tensors[k] for k in kinds}, opt.data_parallel_group)
+            found = {k: tensors[k] for k in kinds if k in tensors}
+            return (rng.start, rng.end, found, opt.data_parallel_group)
         state = opt.optimizer.state.get(param)
         if state is not None:
-            return (
-                0,
-                param.numel(),
-                {
-                    "fp32_param": param.detach().view(-1),
-                    "exp_avg": state["exp_avg"].view(-1),
-                    "exp_avg_sq": state["exp_avg_sq"].view(-1),
-                },
-                None,
-            )
+            found = {"fp32_param": param.detach().view(-1)}
+            found.update({k: state[k].view(-1) for k in kinds if k in state})
+            return (0, param.numel(), found, None)
     return None
 
 
@@ -290,7 +291,9 @@ def _assemble_many(
         dist.all_gather_object(ranks, payload, group=group)
         for position, i in enumerate(indices):
             param = entries[i][1]
-            for kind in kinds:
+            held = next((p for rank in ranks if (p := rank[position]) is not None), None)
+            assert held is not None, f"no optimizer state for a {tuple(param.shape)} param"
+            for kind in [k for k in kinds if k in held[2]]:  # Adam's moments, or Muon's
                 flat = torch.full((param.numel(),), float("nan"), dtype=torch.float32)
                 covered = torch.zeros(param.numel(), dtype=torch.bool)
                 for rank_payload in ranks:

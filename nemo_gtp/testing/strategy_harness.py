@@ -93,6 +93,8 @@ class Fit:
     # of FP8 primary GTP shards: harness_objects.EmulatedFP8Params)
     optim_kwargs: dict[str, Any] = field(default_factory=dict)
     emulate_fp8_params: bool = False
+    # Muon for the hidden matrices (MuonOptimizerModule, fp32 Newton-Schulz; needs distopt=False)
+    muon: bool = False
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -282,19 +284,25 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     if fit.checkpoint_context:  # serializable in context/, and what the HF exporters read
         from nemo_gtp.testing.harness_objects import ExportableNullTokenizer as tokenizer_class
     tokenizer = tokenizer_class(VOCAB - 1)
-    optim = nl.MegatronOptimizerModule(
-        OptimizerConfig(
-            optimizer="adam",
-            use_distributed_optimizer=fit.distopt,
-            lr=1e-3,
-            clip_grad=1.0,
-            weight_decay=0.01,
-            **fit.optim_kwargs,
-        ),
-        lr_scheduler=nl.lr_scheduler.CosineAnnealingScheduler(
-            warmup_steps=3, max_steps=fit.steps, min_lr=1e-4
-        ),
+    optim_config = OptimizerConfig(
+        optimizer="adam",
+        use_distributed_optimizer=fit.distopt,
+        lr=1e-3,
+        clip_grad=1.0,
+        weight_decay=0.01,
+        **fit.optim_kwargs,
     )
+    scheduler = nl.lr_scheduler.CosineAnnealingScheduler(
+        warmup_steps=3, max_steps=fit.steps, min_lr=1e-4
+    )
+    if fit.muon:
+        from nemo_gtp.integrations.megatron.muon import MuonConfig
+        from nemo_gtp.strategy.muon import MuonOptimizerModule
+
+        muon = MuonConfig(ns_dtype=torch.float32)
+        optim = MuonOptimizerModule(optim_config, lr_scheduler=scheduler, muon=muon)
+    else:
+        optim = nl.MegatronOptimizerModule(optim_config, lr_scheduler=scheduler)
     from nemo.collections.llm.gpt.model.llama import LlamaModel
 
     from nemo_gtp.testing.harness_objects import TestableGPTModel
@@ -430,6 +438,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "ddp_class": type(ddp).__name__,
         "ddp_dp_size": dist.get_world_size(ddp.intra_dp_cp_group),
         "chained_optimizers": len(chained),
+        "inner_optimizers": [type(getattr(o, "optimizer", None)).__name__ for o in chained],
         "optimizer_dp_size": dist.get_world_size(optimizer.data_parallel_group)
         if fit.distopt
         else None,

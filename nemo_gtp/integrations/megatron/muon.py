@@ -37,7 +37,7 @@ from megatron.core.optimizer import (
     _get_param_groups,
 )
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from nemo_gtp.engine.muon import ADJUST_LR_FNS, NS_COEFFICIENTS, GTPMuon
@@ -74,14 +74,31 @@ class MuonConfig:
             raise ValueError(f"MuonConfig.ns_steps must be in 1..99, got {self.ns_steps}")
 
 
-def takes_muon(param: torch.Tensor) -> bool:
-    """Whether Muon updates ``param``: a 2D weight other than the embedding / output layer.
+def embedding_params(model_chunks: list[Any]) -> set[int]:
+    """ids of every embedding table's params (word, position, token type: megatron's
+    ``VocabParallelEmbedding`` and ``torch.nn.Embedding``): lookups, not matrices, for Muon."""
+    found = set()
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, torch.nn.Embedding) or type(module).__name__.endswith(
+                "Embedding"
+            ):
+                found.update(id(p) for p in module.parameters(recurse=False))
+    return found
+
+
+def takes_muon(param: torch.Tensor, embeddings: set[int] = frozenset()) -> bool:
+    """Whether Muon updates ``param``: a 2D weight that is neither an embedding table
+    (``embeddings``: :func:`embedding_params`) nor the output layer (megatron's
+    ``is_embedding_or_output_parameter``). The MoE router's weight is one.
 
     Example::
 
         takes_muon(model.decoder.layers[0].mlp.linear_fc1.weight)   # True
     """
-    return param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+    if param.ndim != 2 or id(param) in embeddings:
+        return False
+    return not getattr(param, "is_embedding_or_output_parameter", False)
 
 
 def check_muon_config(config: OptimizerConfig) -> None:
@@ -143,7 +160,8 @@ def _muon_part(
         )
         # The wrapper handed the inner optimizer fp32 copies of the 16-bit params.
         shards: dict[int, GTPShardedParam] = {}
-        for model_group, main_group in zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups):
+        pairs = zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups)
+        for model_group, main_group in pairs:
             for model_param, main_param in zip(model_group, main_group):
                 if is_gtp_param(model_param):
                     shards[id(main_param)] = model_param
@@ -165,13 +183,14 @@ def _lookup(shards: dict[int, GTPShardedParam]) -> Callable[[torch.Tensor], Any]
     return shard_of
 
 
-def _split(groups: list[dict]) -> tuple[list[dict], list[dict]]:
+def _split(groups: list[dict], embeddings: set[int]) -> tuple[list[dict], list[dict]]:
     """megatron's param groups, each cut into its Muon params and the rest (every group kept,
     maybe empty, in the same order: ranks must hold the same groups for checkpoints)."""
     muon, adam = [], []
     for group in groups:
-        muon.append({**group, "params": [p for p in group["params"] if takes_muon(p)]})
-        adam.append({**group, "params": [p for p in group["params"] if not takes_muon(p)]})
+        mine = [takes_muon(p, embeddings) for p in group["params"]]
+        muon.append({**group, "params": [p for p, m in zip(group["params"], mine) if m]})
+        adam.append({**group, "params": [p for p, m in zip(group["params"], mine) if not m]})
     return muon, adam
 
 
@@ -199,6 +218,8 @@ def get_muon_optimizer(
         opt.step()   # -> (success, grad norm, zeros)
     """
     check_muon_config(config)
+    if config.optimizer == "muon":  # upstream megatron's name for this split: Adam beside it
+        config = dataclasses.replace(config, optimizer="adam")
     muon = muon or MuonConfig()
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     groups = _get_param_groups(
@@ -212,15 +233,16 @@ def get_muon_optimizer(
         decoupled_min_lr=config.decoupled_min_lr,
         default_skip_embedding_weight_decay=default_skip_embedding_weight_decay,
     )
+    embeddings = embedding_params(model_chunks)
     optimizers = []
     for expert, grad_stats_group in ((False, pgs.mp), (True, pgs.tp_ep_pp)):
         part = [g for g in groups if g["is_expert_parallel"] is expert]
         if not part:
             continue
-        muon_groups, adam_groups = _split(part)
+        muon_groups, adam_groups = _split(part, embeddings)
         optimizers.append(
             _get_megatron_optimizer_based_on_param_groups(
-                dataclasses.replace(config, optimizer="adam"),
+                config,
                 model_chunks=model_chunks,
                 param_groups=adam_groups,
                 model_parallel_group=grad_stats_group,
