@@ -155,13 +155,21 @@ SHARED_DEVICE_SHAPE = (  # --shared-device: numerics need no 1B model, the stage
 
 
 TOP_LEVEL_KEYS = ("resume",)  # recipe keys a mode modifier may set without a dot
-LAYOUT_KEYS = ("strategy.context_parallel_size",)  # modifiers a mode's baseline shares
+# Modifiers a mode's baseline shares: the layout beside GTP, and the optimizer (a Muon GTP2 run
+# is compared with a Muon DP2 run, design §1.6); ``muon.*`` keys too.
+LAYOUT_KEYS = (
+    "strategy.context_parallel_size",
+    "optim.optimizer",
+    "optim.use_distributed_optimizer",
+    "ddp.use_distributed_optimizer",
+)
 
 
 def layout_modifiers(knobs: list[str]) -> str:
     """The ``@key=value`` modifiers among ``knobs`` that a mode's baselines share
     (:data:`LAYOUT_KEYS`), joined in their order: ``"@strategy.context_parallel_size=2"``."""
-    return "".join(f"@{k}" for k in knobs if k.split("=", 1)[0] in LAYOUT_KEYS)
+    shared = [k for k in knobs if k.split("=", 1)[0] in LAYOUT_KEYS or k.startswith("muon.")]
+    return "".join(f"@{k}" for k in shared)
 
 
 def resolve_mode(mode: str) -> tuple[str, list[str], str | None]:

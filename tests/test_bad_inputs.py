@@ -79,6 +79,18 @@ BAD_OVERRIDES = [
     (["trainer.max_steps"], "is not key=value"),
     (["=3"], "has no key"),
     (["trainer.max_steps=[1"], "override 'trainer.max_steps=[1'"),
+    # Muon (design §1.6): whole matrices, so megatron's non-distributed optimizer
+    (["optim.optimizer=muon"], "set optim.use_distributed_optimizer=false"),
+    (["optim.optimizer=adamw"], "optim.optimizer='adamw' is not supported"),
+    (["+muon.momentum=0.9"], "the muon section applies only with optim.optimizer=muon"),
+    (
+        ["optim.optimizer=muon", "optim.use_distributed_optimizer=false", "+muon.steps=3"],
+        "muon.steps is not a Muon setting",
+    ),
+    (
+        ["optim.optimizer=muon", "optim.use_distributed_optimizer=false", "+muon.ns_dtype=fp32"],
+        "muon.ns_dtype='fp32' is not supported",
+    ),
 ]
 
 

@@ -70,3 +70,7 @@ def test_a_layout_modifier_goes_to_the_baseline_too() -> None:
     )
     assert overrides == ["+strategy.context_parallel_size=2", "+gtp.preshard_linears=none"]
     assert baseline == "dp2_te@strategy.context_parallel_size=2"
+    # the optimizer too: a Muon GTP2 run is compared with a Muon DP2 run (design §1.6)
+    muon = "@optim.optimizer=muon@optim.use_distributed_optimizer=false@muon.ns_dtype=float32"
+    _, _, baseline = resolve_mode(f"gtp2_te{muon}@coalesce_mb=64")
+    assert baseline == f"dp2_te{muon}"

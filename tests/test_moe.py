@@ -711,6 +711,7 @@ NEMO_FITS = [
     Fit(
         "moe_gtp2_ep2_egtp2",
         gtp=2,
+        metrics=True,  # GTPMetricsCallback's accounting over the dense + expert optimizer chain
         model_kwargs=_MOE_MODEL,
         strategy_kwargs={"expert_model_parallel_size": 2, "expert_num_weight_shards": 2},
     ),
@@ -745,6 +746,7 @@ def test_trainer_parity_gtp2_ep2_egtp2(nemo_fits: dict[str, list[dict[str, Any]]
         assert (g["optimizer_dp_size"], g["expert_optimizer_dp_size"]) == (2, 1)
         assert (b["optimizer_dp_size"], b["expert_optimizer_dp_size"]) == (4, 2)
         assert all("egtp=2" in line for line in g["banners"])  # rank 0 logs it
+        assert g["metrics"]["gtp/optimizer_bytes"] > 0  # it failed on a chain of two before
         for what in ("losses", "grad_norms"):
             assert len(g[what]) == len(b[what]) > 0
             for step, (x, y) in enumerate(zip(g[what], b[what], strict=True)):

@@ -654,6 +654,29 @@ def _optimizer_copies_case(rank: int, world: int) -> int:
     return len(mains)
 
 
+def _muon_bf16_case(rank: int, world: int) -> float:
+    """Muon under megatron's mixed-precision wrapper (bf16 params, fp32 masters: the path of
+    every GPU run): the inner optimizer resolves each master to its GTP shard (else it would
+    orthogonalize the shard alone), and GTP2 tracks DP2 to bf16 rounding over 3 steps."""
+    from nemo_gtp.engine import is_gtp_param
+    from nemo_gtp.testing.gpt_harness import build, train_built
+
+    case = Run(gtp=2, steps=3, bf16=True, optimizer="muon")
+    setup = build(case)
+    adam, muon = setup["optimizer"].chained_optimizers
+    masters = [p for group in muon.fp32_from_float16_groups for p in group]
+    resolved = [muon.optimizer.shard_of(p) for p in masters]
+    assert len(masters) == 8 and all(is_gtp_param(s) for s in resolved), resolved
+    assert not any(isinstance(p, type(resolved[0])) for g in adam.float16_groups for p in g)
+    result = train_built(setup, case)
+    reference = train(_reference_run(case))
+    return max(
+        abs(a - b) / abs(b)
+        for x, y in zip(result["losses"], reference["losses"], strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
+
+
 def _cases(runs: list[Run]) -> list:
     return [("setup", _setup, ()), *((f"parity {run}", _parity_case, (run,)) for run in runs)]
 
@@ -664,6 +687,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcom
     cases += [(f"layer graphs {run}", _layer_graph_case, (run,)) for run in LAYER_GRAPH_CASES_2]
     cases += [("grad guard", _grad_guard_case, ())]
     cases += [("optimizer copies", _optimizer_copies_case, ())]
+    cases += [("muon bf16", _muon_bf16_case, ())]
     cases += [("fp8 primary", _fp8_primary_case, (FP8_PRIMARY_2,))]
     cases += [("fp8 primary blockwise", _fp8_primary_case, (FP8_PRIMARY_BLOCK_2,))]
     cases += [("fp8 checkpoint", _fp8_checkpoint_case, (str(tmp_path_factory.mktemp("fp8ckpt")),))]
@@ -727,6 +751,10 @@ def _check_all(outcomes: dict[str, list[Outcome]], runs: list[Run]) -> None:
 
 def test_parity_two_ranks(two_ranks: dict[str, list[Outcome]]) -> None:
     _check_all(two_ranks, CASES_2)
+
+
+def test_muon_under_the_mixed_precision_wrapper(two_ranks: dict[str, list[Outcome]]) -> None:
+    assert all(err < 1e-4 for err in case_values(two_ranks["muon bf16"]))
 
 
 def test_planned_optimizer_copies_are_megatrons_bit_for_bit(

@@ -197,6 +197,25 @@ def test_pipeline_dtype_reaches_the_strategy() -> None:
         validate_recipe(bad)
 
 
+def test_optim_muon_builds_the_muon_module() -> None:
+    """``optim.optimizer=muon`` + the ``muon`` section: NeMo's optimizer module with Muon
+    (design §1.6); megatron's own otherwise."""
+    import torch
+
+    from nemo_gtp.recipes.config import load_recipe
+    from nemo_gtp.recipes.loader import optimizer_module
+    from nemo_gtp.strategy.muon import MuonOptimizerModule
+
+    muon = ["optim.optimizer=muon", "optim.use_distributed_optimizer=false"]
+    extra = ["+muon.ns_dtype=float32", "+muon.momentum=0.9", "+muon.adjust_lr_fn=match_rms_adamw"]
+    module = optimizer_module(load_recipe("configs/tiny_cpu.yaml", muon + extra))
+    assert isinstance(module, MuonOptimizerModule)
+    assert (module.muon.ns_dtype, module.muon.momentum) == (torch.float32, 0.9)
+    assert module.muon.adjust_lr_fn == "match_rms_adamw" and module.config.lr == 0.003
+    plain = optimizer_module(load_recipe("configs/tiny_cpu.yaml"))
+    assert not isinstance(plain, MuonOptimizerModule) and plain.config.optimizer == "adam"
+
+
 def test_pipeline_parallel_recipe_runs_with_gtp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -54,7 +54,7 @@ TWO_RANK_FITS = [
     Fit("base_plain_adam", steps=5, distopt=False),
     Fit("tp1_gtp2_plain_adam", gtp=2, steps=5, distopt=False),
     Fit("base_muon", steps=5, distopt=False, muon=True),  # MuonOptimizerModule (design §1.6)
-    Fit("tp1_gtp2_muon", gtp=2, steps=5, distopt=False, muon=True),
+    Fit("tp1_gtp2_muon", gtp=2, steps=5, distopt=False, muon=True, metrics=True),
     Fit(
         "tp1_gtp2_shard_replicated",
         gtp=2,
@@ -152,6 +152,10 @@ def test_parity_muon(two_ranks: dict) -> None:
     _assert_parity(two_ranks["tp1_gtp2_muon"], two_ranks["base_muon"], steps=5)
     adam = two_ranks["base_plain_adam"][0]["losses"]
     assert two_ranks["base_muon"][0]["losses"][1:] != adam[1:]  # Muon did update the matrices
+    # the metrics callback counts the state of both chained optimizers (a chain of two used to
+    # fail its accounting: megatron's ChainedOptimizer.optimizer asserts a chain of one)
+    for rank in two_ranks["tp1_gtp2_muon"]:
+        assert rank["metrics"]["gtp/optimizer_bytes"] > 0
 
 
 def test_presharded_linears_register_through_the_strategy(two_ranks: dict) -> None:

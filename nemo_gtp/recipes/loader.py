@@ -61,6 +61,30 @@ def _plain(section: Any) -> dict[str, Any]:
     return dict(OmegaConf.to_container(section, resolve=True)) if section is not None else {}
 
 
+def optimizer_module(cfg: DictConfig) -> Any:
+    """The recipe's NeMo optimizer module: megatron's (``optim``, an ``OptimizerConfig``), or
+    with ``optim.optimizer=muon`` Muon for the hidden matrices with the ``muon`` section's
+    ``MuonConfig`` (design §1.6 "Muon").
+
+    Example::
+
+        optimizer_module(load_recipe("configs/tiny_cpu.yaml", ["optim.optimizer=muon", ...]))
+    """
+    from megatron.core.optimizer import OptimizerConfig
+    from nemo import lightning as nl
+
+    config = OptimizerConfig(**_plain(cfg.optim))
+    if config.optimizer != "muon":
+        return nl.MegatronOptimizerModule(config=config)
+    from nemo_gtp.integrations.megatron.muon import MuonConfig
+    from nemo_gtp.strategy.muon import MuonOptimizerModule
+
+    muon = _plain(cfg.get("muon"))
+    if "ns_dtype" in muon:
+        muon["ns_dtype"] = _DTYPES[muon["ns_dtype"]]
+    return MuonOptimizerModule(config, muon=MuonConfig(**muon))
+
+
 def build_fit(
     cfg: DictConfig, callbacks: list[Any] | None = None, log_dir: str | None = None
 ) -> Fit:
@@ -75,7 +99,6 @@ def build_fit(
 
         enable_cpu_compat(nemo=True)
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
     from nemo import lightning as nl
     from nemo.collections import llm
     from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
@@ -106,17 +129,7 @@ def build_fit(
         model_cfg["transformer_layer_spec"] = local_layer_spec
     gpt_config = llm.GPTConfig(vocab_size=vocab, seq_length=data_cfg["seq_length"], **model_cfg)
     tokenizer = NullTokenizer(vocab - 1)  # NullTokenizer(n) has vocab_size n + 1
-    optim_config = OptimizerConfig(**_plain(cfg.optim))
-    if optim_config.optimizer == "muon":  # Muon for the hidden matrices (design §1.6)
-        from nemo_gtp.integrations.megatron.muon import MuonConfig
-        from nemo_gtp.strategy.muon import MuonOptimizerModule
-
-        muon = _plain(cfg.get("muon"))
-        if "ns_dtype" in muon:
-            muon["ns_dtype"] = _DTYPES[muon["ns_dtype"]]
-        optim = MuonOptimizerModule(optim_config, muon=MuonConfig(**muon))
-    else:
-        optim = nl.MegatronOptimizerModule(config=optim_config)
+    optim = optimizer_module(cfg)
     model = llm.GPTModel(gpt_config, tokenizer=tokenizer, optim=optim)
     data_class = ArithmeticGPTDataModule if kind == "arithmetic" else SyntheticGPTDataModule
     data = data_class(

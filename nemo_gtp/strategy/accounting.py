@@ -51,13 +51,18 @@ def _optimizer_state_bytes(optimizers: Iterable[object], model_storages: set[int
     while stack:
         opt = stack.pop()
         # NeMo's McoreDistributedOptimizer -> megatron (Chained)Optimizer -> torch optimizer.
+        # A chain first: megatron's ChainedOptimizer.optimizer asserts it holds one optimizer
+        # (a MoE model's dense + expert pair, shard_replicated_params_over_gtp's, Muon + Adam).
+        chained = getattr(opt, "chained_optimizers", None)
+        if chained is not None:
+            stack.extend(chained)
+            continue
         for attr in ("mcore_optimizer", "optimizer"):
             inner = getattr(opt, attr, None)
             if inner is not None and inner is not opt:
                 stack.append(inner)
                 break
         else:
-            stack.extend(getattr(opt, "chained_optimizers", []))
             if not isinstance(opt, torch.optim.Optimizer):
                 continue
             for state in opt.state.values():
