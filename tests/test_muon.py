@@ -82,7 +82,7 @@ def test_bad_settings_are_refused() -> None:
         MuonConfig(ns_steps=0)
 
 
-def _shards_worker(rank: int, world: int, ns_dtype: torch.dtype) -> int:
+def _shards_worker(rank: int, world: int, ns_dtype: torch.dtype, bucket_mb: float = 256.0) -> int:
     """Two GTP ranks step their shards; every row equals the whole-weight step's, bitwise.
     Returns the all-gathers issued per step."""
     groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
@@ -94,7 +94,7 @@ def _shards_worker(rank: int, world: int, ns_dtype: torch.dtype) -> int:
         holder.weight = torch.nn.Parameter(weight)
         shards.append(runtime.shard_parameter(holder, "weight", f"w{index}"))
     plain = torch.nn.Parameter(torch.ones(8, 8))  # a whole matrix beside the shards
-    mine = GTPMuon([*shards, plain], lr=0.02, ns_dtype=ns_dtype)
+    mine = GTPMuon([*shards, plain], lr=0.02, ns_dtype=ns_dtype, gather_bucket_mb=bucket_mb)
     reference = GTPMuon(whole, lr=0.02, ns_dtype=ns_dtype)
     gathers = []
     original = dist.all_gather_into_tensor
@@ -129,6 +129,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cases = [
         ("fp32", _shards_worker, (torch.float32,)),
         ("bf16", _shards_worker, (torch.bfloat16,)),
+        # buckets of at most 6 KiB gathered (fp32 padded wholes: 4, 6 and 4 KiB): each weight
+        # alone, three gathers per step, the next one in flight
+        ("buckets", _shards_worker, (torch.float32, 6 / 1024)),
     ]
     return run_cases(cases, 2, tmp_path_factory.mktemp("muon"))
 
@@ -136,3 +139,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize("ns_dtype", ["fp32", "bf16"])
 def test_shards_step_as_the_whole_weight(two_ranks: dict, ns_dtype: str) -> None:
     assert case_values(two_ranks[ns_dtype]) == [1, 1]  # one flat all-gather per step
+
+
+def test_gathers_in_buckets(two_ranks: dict) -> None:
+    assert case_values(two_ranks["buckets"]) == [3, 3]

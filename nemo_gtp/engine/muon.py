@@ -3,9 +3,11 @@
 Muon replaces a 2D weight's momentum by its orthogonalization (a few Newton–Schulz iterations
 on the *whole* matrix), so a GTP rank cannot update its rows from its rows alone. Per step,
 :class:`GTPMuon` all-gathers every sharded weight's Muon input (the nesterov-mixed momentum, the
-shard's rows) over the weight's GTP group — one flat collective per GTP group and param group,
-not one per weight — runs Newton–Schulz on the logical (unpadded) matrix exactly as the run
-without GTP does on its replicated copy, and applies only its own rows of the result. The
+shard's rows) over the weight's GTP group — flat collectives, one per GTP group and bucket of at
+most ``gather_bucket_mb`` of gathered inputs, not one per weight; the next bucket's gather is in
+flight while this one is orthogonalized, and at most two buckets are held — runs Newton–Schulz
+on the logical (unpadded) matrix exactly as the run without GTP does on its replicated copy,
+and applies only its own rows of the result. The
 momentum stays a shard (1/GTP of its bytes per rank); the Newton–Schulz work is repeated on every
 GTP peer, as it is on every data-parallel replica without GTP. At GTP size 1 no collective runs
 and the update is the plain Muon update, bit for bit the same as ``torch.optim.Muon``'s with
@@ -93,6 +95,8 @@ class GTPMuon(torch.optim.Optimizer):
     wrapper hands the optimizer fp32 copies of the shards, and
     :func:`nemo_gtp.integrations.megatron.muon.get_muon_optimizer` passes their map. Every GTP
     peer must step the same params in the same order (the flat gathers are collective).
+    ``gather_bucket_mb``: the most gathered (whole-matrix) Muon input one collective moves; a
+    matrix larger than it is gathered alone.
 
     Example::
 
@@ -112,6 +116,7 @@ class GTPMuon(torch.optim.Optimizer):
         adjust_lr_fn: str | None = None,
         ns_dtype: torch.dtype = torch.bfloat16,
         shard_of: Callable[[torch.Tensor], GTPShardedParam | None] | None = None,
+        gather_bucket_mb: float = 256.0,
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(
@@ -124,6 +129,8 @@ class GTPMuon(torch.optim.Optimizer):
             )
         if not 0 < ns_steps < 100:
             raise ValueError(f"GTPMuon: ns_steps must be in 1..99, got {ns_steps}")
+        if gather_bucket_mb <= 0:
+            raise ValueError(f"GTPMuon: gather_bucket_mb must be > 0, got {gather_bucket_mb}")
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -137,6 +144,7 @@ class GTPMuon(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.shard_of = shard_of or _default_shard_of
+        self.gather_bucket_mb = gather_bucket_mb
         for group in self.param_groups:
             for param in group["params"]:
                 if param.ndim != 2:
@@ -165,7 +173,8 @@ class GTPMuon(torch.optim.Optimizer):
 
     def _step_group(self, group: dict[str, Any]) -> None:
         momentum, nesterov = group["momentum"], group["nesterov"]
-        updates: list[tuple[torch.Tensor, torch.Tensor, GTPShardedParam | None]] = []
+        whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+        sharded: dict[int, list[tuple[torch.Tensor, torch.Tensor, GTPShardedParam]]] = {}
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -177,50 +186,83 @@ class GTPMuon(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if nesterov else buf
             shard = self.shard_of(param)
-            if shard is not None and shard.gtp_spec.gtp_size == 1:
-                shard = None
-            updates.append((param, update, shard))
-        fulls = _gather_full(updates)
+            if shard is None or shard.gtp_spec.gtp_size == 1:
+                whole.append((param, update))
+            else:
+                sharded.setdefault(id(shard.runtime.group), []).append((param, update, shard))
+        for param, update in whole:
+            self._apply(group, param, update, None)
+        for members in sharded.values():  # GTP groups in first-param order: the same everywhere
+            buckets = _buckets(members, int(self.gather_bucket_mb * 2**20))
+            pending = _Gather(buckets[0])
+            for index in range(len(buckets)):
+                # the next bucket's gather in flight while this one is orthogonalized
+                ahead = _Gather(buckets[index + 1]) if index + 1 < len(buckets) else None
+                for (param, _, shard), full in zip(buckets[index], pending.wait()):
+                    self._apply(group, param, full, shard)
+                pending = ahead
+
+    @staticmethod
+    def _apply(
+        group: dict[str, Any],
+        param: torch.Tensor,
+        full: torch.Tensor,
+        shard: GTPShardedParam | None,
+    ) -> None:
+        """Orthogonalize the whole ``full`` update, then step ``param`` (a shard: its rows)."""
         lr, weight_decay = group["lr"], group["weight_decay"]
-        for (param, _, shard), full in zip(updates, fulls):
-            ortho = newton_schulz(
-                full, group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"]
-            )
-            shape = tuple(full.shape)
-            if shard is not None:  # this rank's rows of the logical matrix (pad rows: none)
-                spec = shard.gtp_spec
-                start = spec.gtp_rank * spec.shard_dim0
-                ortho = ortho[start : min(start + spec.shard_dim0, shape[0])]
-            param.mul_(1 - lr * weight_decay)
-            target = param if ortho.size(0) == param.size(0) else param[: ortho.size(0)]
-            target.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+        ortho = newton_schulz(
+            full, group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"]
+        )
+        shape = tuple(full.shape)
+        if shard is not None:  # this rank's rows of the logical matrix (pad rows: none)
+            spec = shard.gtp_spec
+            start = spec.gtp_rank * spec.shard_dim0
+            ortho = ortho[start : min(start + spec.shard_dim0, shape[0])]
+        param.mul_(1 - lr * weight_decay)
+        target = param if ortho.size(0) == param.size(0) else param[: ortho.size(0)]
+        target.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
 
 
-def _gather_full(
-    updates: list[tuple[torch.Tensor, torch.Tensor, GTPShardedParam | None]],
-) -> list[torch.Tensor]:
-    """Each update as its whole logical matrix: a whole param's as is; the GTP shards' gathered
-    over their GTP group, one flat all-gather per group (in ``updates`` order on every peer)."""
-    fulls: list[torch.Tensor | None] = [u if s is None else None for _, u, s in updates]
-    by_group: dict[int, list[int]] = {}
-    groups: dict[int, Any] = {}
-    for index, (_, _, shard) in enumerate(updates):
-        if shard is not None:
-            group = shard.runtime.group
-            by_group.setdefault(id(group), []).append(index)
-            groups[id(group)] = group
-    for key, indices in by_group.items():
-        parts = [updates[i][1].reshape(-1) for i in indices]
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-        size = updates[indices[0]][2].gtp_spec.gtp_size
-        gathered = flat.new_empty(size * flat.numel())
-        dist.all_gather_into_tensor(gathered, flat, group=groups[key])
-        per_rank = gathered.view(size, flat.numel())
-        offset = 0
-        for i, part in zip(indices, parts):
-            spec = updates[i][2].gtp_spec
+_Member = tuple[torch.Tensor, torch.Tensor, GTPShardedParam]
+
+
+def _buckets(members: list[_Member], cap_bytes: int) -> list[list[_Member]]:
+    """``members`` in order, cut where their gathered (whole) inputs pass ``cap_bytes`` (at
+    least one member per bucket): what one all-gather moves and holds."""
+    buckets: list[list[_Member]] = [[]]
+    held = 0
+    for member in members:
+        update, spec = member[1], member[2].gtp_spec
+        size = update.numel() * update.element_size() * spec.gtp_size
+        if buckets[-1] and held + size > cap_bytes:
+            buckets.append([])
+            held = 0
+        buckets[-1].append(member)
+        held += size
+    return buckets
+
+
+class _Gather:
+    """One bucket's Muon inputs, all-gathered (async) over their GTP group as one flat tensor;
+    :meth:`wait` returns each member's whole logical matrix (rank-major rows, pad dropped)."""
+
+    def __init__(self, members: list[_Member]) -> None:
+        self.members = members
+        self.parts = [update.reshape(-1) for _, update, _ in members]
+        flat = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0].contiguous()
+        self.size = members[0][2].gtp_spec.gtp_size
+        self.gathered = flat.new_empty(self.size * flat.numel())
+        group = members[0][2].runtime.group
+        self.work = dist.all_gather_into_tensor(self.gathered, flat, group=group, async_op=True)
+
+    def wait(self) -> list[torch.Tensor]:
+        self.work.wait()
+        per_rank = self.gathered.view(self.size, -1)
+        fulls, offset = [], 0
+        for (_, _, shard), part in zip(self.members, self.parts):
+            spec = shard.gtp_spec
             block = per_rank[:, offset : offset + part.numel()]
             offset += part.numel()
-            full = block.reshape(spec.gathered_shape)  # rank-major rows: the padded matrix
-            fulls[i] = spec.unpad(full)
-    return fulls  # type: ignore[return-value]
+            fulls.append(spec.unpad(block.reshape(spec.gathered_shape)))  # the padded matrix
+        return fulls

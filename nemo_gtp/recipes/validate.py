@@ -43,7 +43,15 @@ SECTIONS = (
     "muon",
 )
 # The muon section (optim.optimizer=muon): MuonConfig's fields (design §1.6 "Muon").
-MUON_KEYS = ("momentum", "nesterov", "ns_steps", "eps", "adjust_lr_fn", "ns_dtype")
+MUON_KEYS = (
+    "momentum",
+    "nesterov",
+    "ns_steps",
+    "eps",
+    "adjust_lr_fn",
+    "ns_dtype",
+    "gather_bucket_mb",
+)
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("bfloat16", "float32")
 OPTIMIZERS = ("adam", "sgd", "muon")
@@ -129,6 +137,7 @@ TYPED: dict[str, str] = {
     "muon.eps": _FLOAT,
     "muon.adjust_lr_fn": _STR,
     "muon.ns_dtype": _STR,
+    "muon.gather_bucket_mb": _FLOAT,
     "checkpoint.dir": _STR,
     "checkpoint.every_n_train_steps": _INT + "+",
     "fp8.format": _STR,

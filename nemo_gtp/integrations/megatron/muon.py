@@ -64,6 +64,8 @@ class MuonConfig:
     ``0.2*sqrt(max(rows, cols))`` (Adam's lr and weight decay carry over)."""
     ns_dtype: torch.dtype = torch.bfloat16
     """dtype of the Newton–Schulz iterations (bf16 as Keller Jordan's Muon; fp32 for parity)."""
+    gather_bucket_mb: float = 256.0
+    """Under GTP: the most gathered Muon input (whole matrices, fp32) one all-gather moves."""
 
     def __post_init__(self) -> None:
         if self.adjust_lr_fn not in ADJUST_LR_FNS:
@@ -149,6 +151,7 @@ def _muon_part(
         ns_steps=muon.ns_steps,
         adjust_lr_fn=muon.adjust_lr_fn,
         ns_dtype=muon.ns_dtype,
+        gather_bucket_mb=muon.gather_bucket_mb,
     )
 
     def init_state_fn(optimizer: GTPMuon, config: Any = None) -> None:
