@@ -11,7 +11,8 @@ inside a node over GTP.
 The byte model (design §1.7, §3.1 "Buffer / memory management", §3.2) assumes megatron's
 mixed-precision distributed optimizer: bf16 (or fp32) model weights, a ``main_grad`` of the
 ``grad_dtype``, fp32 master weights and two fp32 Adam moments sharded over the replicate group
-(DP) — for the params GTP leaves whole over DP × GTP with ``shard_replicated_params_over_gtp``.
+(DP) — for the params GTP leaves whole over DP × GTP with ``shard_replicated_params_over_gtp``;
+``--optimizer muon``: Muon's non-distributed state instead (:func:`estimate`).
 Activations follow megatron's per-layer estimate (sequence parallelism with TP > 1):
 ``s·b·h·(34 + 5·a·s/h)`` bytes per layer (less without dropout, without the attention-score
 term under flash attention), divided by TP, or only the layer inputs (``2·s·b·h``)
@@ -140,8 +141,18 @@ def estimate(
     coalesce_mb: float = 192.0,
     dropout: bool = False,
     flash_attention: bool = False,
+    optimizer: str = "adam",
+    muon_bucket_mb: float = 256.0,
 ) -> dict[str, float]:
     """Per-GPU bytes of ``model`` under ``layout`` (see the module docstring for the model).
+
+    ``optimizer="muon"`` (design §1.6 "Muon"): megatron's non-distributed optimizer, so every
+    rank keeps whole state for its own params: an fp32 master and a momentum (8 bytes) per
+    element of the hidden matrices — 1/(TP·GTP) of them, never divided by DP — and Adam's 12 for
+    the rest; plus the step's transient: two buckets of gathered fp32 Muon inputs under GTP
+    (``muon_bucket_mb``, ``MuonConfig.gather_bucket_mb``) and Newton–Schulz's bf16 copies of the
+    largest matrix (counted in ``optimizer``; they never coexist with the activations, so this
+    overestimates a little).
 
     Activations per layer and token: ``34·h`` bytes with dropout (its masks), ``32·h`` without;
     plus the attention scores ``a·s`` times 5 bytes (scores, dropout mask and output) with
@@ -156,9 +167,22 @@ def estimate(
     replicated_shards = replicas * gtp if layout.shard_replicated else replicas
     weights = (sharded + replicated) * param_bytes
     grads = (sharded + replicated) * grad_bytes
-    optimizer = (
-        sharded * optimizer_bytes / replicas + replicated * optimizer_bytes / replicated_shards
-    )
+    if optimizer == "muon":
+        if layout.shard_replicated:
+            raise ValueError(
+                "optimizer='muon' runs without the distributed optimizer, so "
+                "without shard_replicated_params_over_gtp"
+            )
+        full = model.largest_linear / tp
+        inputs = sharded * gtp * 4  # every hidden matrix's whole fp32 Muon input
+        transient = (2 * min(muon_bucket_mb * 2**20, inputs) if gtp > 1 else 0) + 3 * full * 2
+        optimizer = sharded * 8 + replicated * optimizer_bytes + transient
+    elif optimizer == "adam":
+        optimizer = (
+            sharded * optimizer_bytes / replicas + replicated * optimizer_bytes / replicated_shards
+        )
+    else:
+        raise ValueError(f"--optimizer must be adam or muon, got {optimizer!r}")
     gather = 0.0
     if gtp > 1:  # live gathered units (current + prefetched per direction, the tail's
         # hand-over) and the wgrad scratch of the staged and the in-flight unit; a coalescing
@@ -185,11 +209,11 @@ def estimate(
 
 
 def candidate_layouts(
-    gpus: int, *, gpus_per_node: int = 8, max_tp: int = 8, cp: int = 1
+    gpus: int, *, gpus_per_node: int = 8, max_tp: int = 8, cp: int = 1, over_gtp: bool = True
 ) -> list[Layout]:
     """Every TP × CP × GTP × DP = ``gpus`` (CP fixed, the recipe's) with TP ≤ ``max_tp`` inside
-    a node, each with and without recompute and (GTP > 1) with and without
-    ``shard_replicated_params_over_gtp``."""
+    a node, each with and without recompute and (GTP > 1, ``over_gtp``: the distributed
+    optimizer) with and without ``shard_replicated_params_over_gtp``."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
     if cp < 1 or gpus % cp:
@@ -203,7 +227,7 @@ def candidate_layouts(
                 continue
             dp = ranks // (tp * gtp)
             for recompute in (False, True):
-                for shard_replicated in (False, True) if gtp > 1 else (False,):
+                for shard_replicated in (False, True) if gtp > 1 and over_gtp else (False,):
                     out.append(Layout(tp, gtp, dp, recompute, shard_replicated, cp))
     return out
 
@@ -224,7 +248,8 @@ def plan_layouts(
         raise ValueError(f"--tokens-per-gpu must be >= 1, got {tokens_per_gpu}")
     budget = gpu_memory_gib * GIB
     plans = []
-    for layout in candidate_layouts(gpus, gpus_per_node=gpus_per_node, cp=cp):
+    over_gtp = estimate_kwargs.get("optimizer", "adam") != "muon"
+    for layout in candidate_layouts(gpus, gpus_per_node=gpus_per_node, cp=cp, over_gtp=over_gtp):
         plan = Plan(
             layout,
             estimate(model, layout, tokens_per_gpu=tokens_per_gpu, **estimate_kwargs),
@@ -340,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dropout", action="store_true", help="dropout masks are kept")
     parser.add_argument(
+        "--optimizer",
+        choices=("adam", "muon"),
+        default="adam",
+        help="adam: megatron's distributed Adam; muon: Muon for the hidden matrices (design "
+        "§1.6), megatron's non-distributed optimizer",
+    )
+    parser.add_argument(
         "--coalesce-mb",
         type=float,
         default=192.0,
@@ -372,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             flash_attention=args.flash_attention,
             dropout=args.dropout,
             coalesce_mb=args.coalesce_mb,
+            optimizer=args.optimizer,
         )
         print(
             f"{model.parameters / 1e9:.2f} B parameters, {args.gpus} GPUs x "

@@ -56,6 +56,27 @@ def test_context_parallel_layouts_split_optimizer_state_over_cp() -> None:
         plan_layouts(MODEL_1B, gpus=8, gpu_memory_gib=141, tokens_per_gpu=4096, cp=3)
 
 
+def test_muon_keeps_whole_state_per_rank() -> None:
+    """Muon (design §1.6): non-distributed, so DP does not divide its state; GTP does (the
+    shards' masters and momenta, 8 bytes per element); no shard_replicated layouts."""
+    linear = MODEL_1B.layers * MODEL_1B.linear_params_per_layer
+    replicated = MODEL_1B.embedding_params + (2 * MODEL_1B.layers + 1) * MODEL_1B.hidden
+    ns = 3 * MODEL_1B.largest_linear * 2  # Newton-Schulz's bf16 copies of the largest matrix
+    dp2 = estimate(MODEL_1B, Layout(1, 1, 2), tokens_per_gpu=4096, optimizer="muon")
+    assert dp2["optimizer"] == pytest.approx(linear * 8 + replicated * 12 + ns)
+    dp4 = estimate(MODEL_1B, Layout(1, 1, 4), tokens_per_gpu=4096, optimizer="muon")
+    assert dp4["optimizer"] == dp2["optimizer"]
+    gtp2 = estimate(MODEL_1B, Layout(1, 2, 1), tokens_per_gpu=4096, optimizer="muon")
+    buckets = 2 * 256 * 2**20  # two buckets of gathered fp32 inputs in flight
+    assert gtp2["optimizer"] == pytest.approx(linear / 2 * 8 + replicated * 12 + ns + buckets)
+    plans = plan_layouts(
+        MODEL_1B, gpus=4, gpu_memory_gib=141, tokens_per_gpu=4096, optimizer="muon"
+    )
+    assert plans and not any(p.layout.shard_replicated for p in plans)
+    with pytest.raises(ValueError, match="--optimizer must be adam or muon"):
+        estimate(MODEL_1B, Layout(1, 1, 2), tokens_per_gpu=4096, optimizer="sgd")
+
+
 def test_recommendation_prefers_no_recompute_then_fewest_shards_then_tp() -> None:
     roomy = plan_layouts(MODEL_1B, gpus=4, gpu_memory_gib=141, tokens_per_gpu=4096)
     assert recommend(roomy).layout == Layout(1, 1, 4)

@@ -162,28 +162,21 @@ def _muon_part(
             inner, config, _grad_scaler(config), init_state_fn
         )
         # The wrapper handed the inner optimizer fp32 copies of the 16-bit params.
-        shards: dict[int, GTPShardedParam] = {}
+        shards: dict[torch.Tensor, GTPShardedParam] = {}
         pairs = zip(wrapper.float16_groups, wrapper.fp32_from_float16_groups)
         for model_group, main_group in pairs:
             for model_param, main_param in zip(model_group, main_group):
                 if is_gtp_param(model_param):
-                    shards[id(main_param)] = model_param
+                    shards[main_param] = model_param
         for group in wrapper.fp32_from_fp32_groups:
             for param in group:
                 if is_gtp_param(param):
-                    shards[id(param)] = param
-        inner.shard_of = _lookup(shards)
+                    shards[param] = param
+        inner.shard_of = shards.get
     else:
         wrapper = FP32Optimizer(inner, config, init_state_fn)
     wrapper.grad_stats_parallel_group = grad_stats_group
     return wrapper
-
-
-def _lookup(shards: dict[int, GTPShardedParam]) -> Callable[[torch.Tensor], Any]:
-    def shard_of(param: torch.Tensor) -> GTPShardedParam | None:
-        return shards.get(id(param))
-
-    return shard_of
 
 
 def _split(groups: list[dict], embeddings: set[int]) -> tuple[list[dict], list[dict]]:
