@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
-from nemo_gtp.engine.muon import GTPMuon, adjusted_lr, newton_schulz
+from nemo_gtp.engine.muon import GTPMuon, adjusted_lr, assign_owners, newton_schulz
 from nemo_gtp.testing.spawn import case_values, run_cases
 
 SHAPES = [(40, 16), (24, 48), (32, 32)]  # tall (padded under GTP2 at pad 16), wide, square
@@ -72,6 +72,8 @@ def test_bad_settings_are_refused() -> None:
         GTPMuon([torch.nn.Parameter(torch.zeros(4))])
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         GTPMuon([torch.nn.Parameter(torch.zeros(4, 4))], adjust_lr_fn="rms")
+    with pytest.raises(ValueError, match="orthogonalize"):
+        GTPMuon([torch.nn.Parameter(torch.zeros(4, 4))], orthogonalize="rank0")
     from megatron.core.optimizer import OptimizerConfig
 
     from nemo_gtp.integrations.megatron.muon import MuonConfig, check_muon_config
@@ -82,9 +84,12 @@ def test_bad_settings_are_refused() -> None:
         MuonConfig(ns_steps=0)
 
 
-def _shards_worker(rank: int, world: int, ns_dtype: torch.dtype, bucket_mb: float = 256.0) -> int:
+def _shards_worker(
+    rank: int, world: int, ns_dtype: torch.dtype, bucket_mb: float = 256.0, mode: str = "owner"
+) -> int:
     """Two GTP ranks step their shards; every row equals the whole-weight step's, bitwise.
-    Returns the all-gathers issued per step."""
+    Returns the collectives issued per step (``owner``: two all-to-alls per bucket;
+    ``every_rank``: one all-gather)."""
     groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
     runtime = GTPRuntime(groups, GTPConfig(pad_for_alignment=16))
     whole = [torch.nn.Parameter(w) for w in _weights(0)]
@@ -94,16 +99,23 @@ def _shards_worker(rank: int, world: int, ns_dtype: torch.dtype, bucket_mb: floa
         holder.weight = torch.nn.Parameter(weight)
         shards.append(runtime.shard_parameter(holder, "weight", f"w{index}"))
     plain = torch.nn.Parameter(torch.ones(8, 8))  # a whole matrix beside the shards
-    mine = GTPMuon([*shards, plain], lr=0.02, ns_dtype=ns_dtype, gather_bucket_mb=bucket_mb)
+    mine = GTPMuon(
+        [*shards, plain],
+        lr=0.02,
+        ns_dtype=ns_dtype,
+        gather_bucket_mb=bucket_mb,
+        orthogonalize=mode,
+    )
     reference = GTPMuon(whole, lr=0.02, ns_dtype=ns_dtype)
     gathers = []
-    original = dist.all_gather_into_tensor
+    name = "all_to_all_single" if mode == "owner" else "all_gather_into_tensor"
+    original = getattr(dist, name)
 
     def counted(*args, **kwargs):
         gathers.append(1)
         return original(*args, **kwargs)
 
-    dist.all_gather_into_tensor = counted
+    setattr(dist, name, counted)
     try:
         for step in range(3):
             for shard, param, grad in zip(shards, whole, _grads(step)):
@@ -119,27 +131,43 @@ def _shards_worker(rank: int, world: int, ns_dtype: torch.dtype, bucket_mb: floa
                     f"{(shard.detach() - expected).abs().max()}"
                 )
     finally:
-        dist.all_gather_into_tensor = original
+        setattr(dist, name, original)
     assert shards[0].gtp_spec.pad_length > 0  # the tall weight is padded under GTP2
     return len(gathers) // 3
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    cases = [
-        ("fp32", _shards_worker, (torch.float32,)),
-        ("bf16", _shards_worker, (torch.bfloat16,)),
-        # buckets of at most 6 KiB gathered (fp32 padded wholes: 4, 6 and 4 KiB): each weight
-        # alone, three gathers per step, the next one in flight
-        ("buckets", _shards_worker, (torch.float32, 6 / 1024)),
-    ]
+    cases = []
+    for mode in ("owner", "every_rank"):
+        cases += [
+            (f"fp32 {mode}", _shards_worker, (torch.float32, 256.0, mode)),
+            (f"bf16 {mode}", _shards_worker, (torch.bfloat16, 256.0, mode)),
+            # buckets of at most 6 KiB gathered (fp32 padded wholes: 4, 6 and 4 KiB): each
+            # weight alone (a rank owning nothing in it), the next bucket in flight
+            (f"buckets {mode}", _shards_worker, (torch.float32, 6 / 1024, mode)),
+        ]
     return run_cases(cases, 2, tmp_path_factory.mktemp("muon"))
 
 
+@pytest.mark.parametrize("mode, per_bucket", [("owner", 2), ("every_rank", 1)])
 @pytest.mark.parametrize("ns_dtype", ["fp32", "bf16"])
-def test_shards_step_as_the_whole_weight(two_ranks: dict, ns_dtype: str) -> None:
-    assert case_values(two_ranks[ns_dtype]) == [1, 1]  # one flat all-gather per step
+def test_shards_step_as_the_whole_weight(
+    two_ranks: dict, ns_dtype: str, mode: str, per_bucket: int
+) -> None:
+    """One bucket: one all-gather (every rank orthogonalizes), or two all-to-alls (shards to
+    the owner, rows back)."""
+    assert case_values(two_ranks[f"{ns_dtype} {mode}"]) == [per_bucket] * 2
 
 
-def test_gathers_in_buckets(two_ranks: dict) -> None:
-    assert case_values(two_ranks["buckets"]) == [3, 3]
+@pytest.mark.parametrize("mode, per_bucket", [("owner", 2), ("every_rank", 1)])
+def test_collectives_in_buckets(two_ranks: dict, mode: str, per_bucket: int) -> None:
+    assert case_values(two_ranks[f"buckets {mode}"]) == [3 * per_bucket] * 2
+
+
+def test_owners_balance_newton_schulz_work() -> None:
+    """The largest matrix first, each to the least loaded rank; shapes alone decide."""
+    assert assign_owners([(4096, 1024), (1024, 1024), (1024, 1024)], 2) == [0, 1, 1]
+    assert assign_owners([(64, 64)] * 4, 2) == [0, 1, 0, 1]
+    assert assign_owners([(64, 64)], 4) == [0]
+    assert assign_owners([(1024, 4096), (4096, 1024)], 2) == [0, 1]  # the same cost either way

@@ -3,13 +3,17 @@
 Muon replaces a 2D weight's momentum by its orthogonalization (a few Newton–Schulz iterations
 on the *whole* matrix), so a GTP rank cannot update its rows from its rows alone. Per step,
 :class:`GTPMuon` all-gathers every sharded weight's Muon input (the nesterov-mixed momentum, the
-shard's rows) over the weight's GTP group — flat collectives, one per GTP group and bucket of at
-most ``gather_bucket_mb`` of gathered inputs, not one per weight; the next bucket's gather is in
-flight while this one is orthogonalized, and at most two buckets are held — runs Newton–Schulz
-on the logical (unpadded) matrix exactly as the run without GTP does on its replicated copy,
-and applies only its own rows of the result. The
-momentum stays a shard (1/GTP of its bytes per rank); the Newton–Schulz work is repeated on every
-GTP peer, as it is on every data-parallel replica without GTP. At GTP size 1 no collective runs
+shard's rows) over the weight's GTP group in flat collectives, one per GTP group and bucket of at
+most ``gather_bucket_mb`` of whole inputs, not one per weight (the next bucket's in flight while
+this one is orthogonalized; at most two buckets held), runs Newton–Schulz on the logical
+(unpadded) matrix exactly as the run without GTP does on its replicated copy, and applies only
+its own rows of the result. ``orthogonalize="owner"`` (default): each matrix goes to one GTP
+peer only (:func:`assign_owners`, balanced by Newton–Schulz cost; an all-to-all of the shards),
+which orthogonalizes it and deals the rows back (a second all-to-all, in the Newton–Schulz
+dtype): 1/GTP of the Newton–Schulz work per rank, and for GTP > 2 fewer bytes than an
+all-gather. ``"every_rank"``: one all-gather, every peer orthogonalizes every matrix (as every
+data-parallel replica does without GTP). Both give the same bits. The momentum stays a shard
+(1/GTP of its bytes per rank). At GTP size 1 no collective runs
 and the update is the plain Muon update, bit for bit the same as ``torch.optim.Muon``'s with
 ``ns_dtype=torch.bfloat16`` (tested).
 
@@ -34,6 +38,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic Newton–Schulz coefficients of Keller Jordan's Muon (torch's defaults too)."""
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+ORTHOGONALIZE = ("owner", "every_rank")
+"""Who runs Newton–Schulz on a sharded matrix: one GTP peer (its owner), or every peer."""
 
 
 def newton_schulz(
@@ -117,6 +123,7 @@ class GTPMuon(torch.optim.Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         shard_of: Callable[[torch.Tensor], GTPShardedParam | None] | None = None,
         gather_bucket_mb: float = 256.0,
+        orthogonalize: str = "owner",
     ) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(
@@ -129,6 +136,10 @@ class GTPMuon(torch.optim.Optimizer):
             )
         if not 0 < ns_steps < 100:
             raise ValueError(f"GTPMuon: ns_steps must be in 1..99, got {ns_steps}")
+        if orthogonalize not in ORTHOGONALIZE:
+            raise ValueError(
+                f"GTPMuon: orthogonalize must be one of {ORTHOGONALIZE}, got {orthogonalize!r}"
+            )
         if gather_bucket_mb <= 0:
             raise ValueError(f"GTPMuon: gather_bucket_mb must be > 0, got {gather_bucket_mb}")
         defaults = dict(
@@ -145,6 +156,7 @@ class GTPMuon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.shard_of = shard_of or _default_shard_of
         self.gather_bucket_mb = gather_bucket_mb
+        self.orthogonalize = orthogonalize
         for group in self.param_groups:
             for param in group["params"]:
                 if param.ndim != 2:
@@ -192,15 +204,36 @@ class GTPMuon(torch.optim.Optimizer):
                 sharded.setdefault(id(shard.runtime.group), []).append((param, update, shard))
         for param, update in whole:
             self._apply(group, param, update, None)
+        start = _ToOwners if self.orthogonalize == "owner" else _Gather
         for members in sharded.values():  # GTP groups in first-param order: the same everywhere
             buckets = _buckets(members, int(self.gather_bucket_mb * 2**20))
-            pending = _Gather(buckets[0])
+            pending = start(buckets[0])
             for index in range(len(buckets)):
-                # the next bucket's gather in flight while this one is orthogonalized
-                ahead = _Gather(buckets[index + 1]) if index + 1 < len(buckets) else None
-                for (param, _, shard), full in zip(buckets[index], pending.wait()):
-                    self._apply(group, param, full, shard)
+                # the next bucket's inputs in flight while this one is orthogonalized
+                ahead = start(buckets[index + 1]) if index + 1 < len(buckets) else None
+                if isinstance(pending, _Gather):
+                    for (param, _, shard), full in zip(buckets[index], pending.wait()):
+                        self._apply(group, param, full, shard)
+                else:
+                    self._step_owned(group, pending)
                 pending = ahead
+
+    def _step_owned(self, group: dict[str, Any], inputs: _ToOwners) -> None:
+        """One bucket under ``orthogonalize="owner"``: orthogonalize the matrices this rank
+        owns, hand every rank its rows of every matrix, step this rank's shards."""
+        owned = [(index, self._orthogonalize(group, full)) for index, full in inputs.wait()]
+        dealt = _FromOwners(inputs, owned, group["ns_dtype"]).wait()
+        for (param, _, shard), rows in zip(inputs.members, dealt):
+            lr = group["lr"]
+            param.mul_(1 - lr * group["weight_decay"])
+            logical = shard.gtp_spec.logical_shape
+            param.add_(rows, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], logical))
+
+    @staticmethod
+    def _orthogonalize(group: dict[str, Any], full: torch.Tensor) -> torch.Tensor:
+        return newton_schulz(
+            full, group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"]
+        )
 
     @staticmethod
     def _apply(
@@ -211,9 +244,7 @@ class GTPMuon(torch.optim.Optimizer):
     ) -> None:
         """Orthogonalize the whole ``full`` update, then step ``param`` (a shard: its rows)."""
         lr, weight_decay = group["lr"], group["weight_decay"]
-        ortho = newton_schulz(
-            full, group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"]
-        )
+        ortho = GTPMuon._orthogonalize(group, full)
         shape = tuple(full.shape)
         if shard is not None:  # this rank's rows of the logical matrix (pad rows: none)
             spec = shard.gtp_spec
@@ -266,3 +297,103 @@ class _Gather:
             offset += part.numel()
             fulls.append(spec.unpad(block.reshape(spec.gathered_shape)))  # the padded matrix
         return fulls
+
+
+def _ns_cost(shape: tuple[int, ...]) -> int:
+    """Multiply-adds of one Newton–Schulz iteration on a ``shape`` matrix (wide orientation)."""
+    small, large = sorted(shape[:2])
+    return 2 * small * small * large + small**3
+
+
+def assign_owners(shapes: list[tuple[int, ...]], size: int) -> list[int]:
+    """The GTP rank that orthogonalizes each matrix of a bucket: the largest first, each to the
+    least loaded rank (ties: the lowest); the same answer on every peer (shapes only).
+
+    Example::
+
+        assign_owners([(4096, 1024), (1024, 1024), (1024, 1024)], 2)   # [0, 1, 1]
+    """
+    load, owners = [0] * size, [0] * len(shapes)
+    for index in sorted(range(len(shapes)), key=lambda i: (-_ns_cost(shapes[i]), i)):
+        owner = min(range(size), key=lambda r: (load[r], r))
+        owners[index] = owner
+        load[owner] += _ns_cost(shapes[index])
+    return owners
+
+
+class _ToOwners:
+    """One bucket's Muon inputs sent (async, one ``all_to_all_single``) to the ranks that
+    orthogonalize them (:func:`assign_owners`): every rank sends its shard of each matrix to
+    the matrix's owner. :meth:`wait` returns ``(bucket index, whole logical matrix)`` of the
+    matrices this rank owns."""
+
+    def __init__(self, members: list[_Member]) -> None:
+        self.members = members
+        spec = members[0][2].gtp_spec
+        self.size, self.rank = spec.gtp_size, spec.gtp_rank
+        self.group = members[0][2].runtime.group
+        shapes = [m[2].gtp_spec.logical_shape for m in members]
+        self.owners = assign_owners(shapes, self.size)
+        self.by_owner = [[i for i, o in enumerate(self.owners) if o == r] for r in range(self.size)]
+        self.numel = [m[1].numel() for m in members]  # a shard's elements (pad rows included)
+        parts = [members[i][1].reshape(-1) for owned in self.by_owner for i in owned]
+        send = torch.cat(parts)
+        self.send_counts = [sum(self.numel[i] for i in owned) for owned in self.by_owner]
+        mine = self.send_counts[self.rank]
+        self.recv = send.new_empty(self.size * mine)
+        self.work = dist.all_to_all_single(
+            self.recv, send, [mine] * self.size, self.send_counts, group=self.group, async_op=True
+        )
+
+    def wait(self) -> list[tuple[int, torch.Tensor]]:
+        self.work.wait()
+        owned = self.by_owner[self.rank]
+        per_rank = self.recv.view(self.size, -1)
+        out, offset = [], 0
+        for index in owned:
+            spec = self.members[index][2].gtp_spec
+            block = per_rank[:, offset : offset + self.numel[index]]
+            offset += self.numel[index]
+            out.append((index, spec.unpad(block.reshape(spec.gathered_shape))))
+        return out
+
+
+class _FromOwners:
+    """The owners' orthogonalized matrices dealt back by rows (one ``all_to_all_single``, in
+    the Newton–Schulz ``dtype``): :meth:`wait` returns this rank's shard-shaped rows of every
+    matrix of the bucket, in bucket order (pad rows zero)."""
+
+    def __init__(
+        self, inputs: _ToOwners, owned: list[tuple[int, torch.Tensor]], dtype: torch.dtype
+    ) -> None:
+        self.inputs = inputs
+        size = inputs.size
+        chunks: list[list[torch.Tensor]] = [[] for _ in range(size)]
+        for index, ortho in owned:
+            spec = inputs.members[index][2].gtp_spec
+            padded = ortho
+            if spec.pad_length:
+                padded = ortho.new_zeros(spec.gathered_shape)
+                padded[: ortho.size(0)] = ortho
+            for rank, rows in enumerate(padded.chunk(size)):
+                chunks[rank].append(rows.reshape(-1))
+        parts = [t for per_rank in chunks for t in per_rank]
+        update = inputs.members[0][1]
+        send = torch.cat(parts) if parts else update.new_empty(0, dtype=dtype)
+        mine = inputs.send_counts[inputs.rank]
+        # from owner r: this rank's rows of the matrices r owns
+        self.recv = update.new_empty(sum(inputs.send_counts), dtype=dtype)
+        dist.all_to_all_single(
+            self.recv, send, inputs.send_counts, [mine] * size, group=inputs.group
+        )
+
+    def wait(self) -> list[torch.Tensor]:
+        inputs = self.inputs
+        rows: list[torch.Tensor | None] = [None] * len(inputs.members)
+        offset = 0
+        for owned in inputs.by_owner:
+            for index in owned:
+                shape = inputs.members[index][1].shape
+                rows[index] = self.recv[offset : offset + inputs.numel[index]].view(shape)
+                offset += inputs.numel[index]
+        return rows  # type: ignore[return-value]

@@ -51,7 +51,9 @@ MUON_KEYS = (
     "adjust_lr_fn",
     "ns_dtype",
     "gather_bucket_mb",
+    "orthogonalize",
 )
+MUON_ORTHOGONALIZE = ("owner", "every_rank")
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("bfloat16", "float32")
 OPTIMIZERS = ("adam", "sgd", "muon")
@@ -138,6 +140,7 @@ TYPED: dict[str, str] = {
     "muon.adjust_lr_fn": _STR,
     "muon.ns_dtype": _STR,
     "muon.gather_bucket_mb": _FLOAT,
+    "muon.orthogonalize": _STR,
     "checkpoint.dir": _STR,
     "checkpoint.every_n_train_steps": _INT + "+",
     "fp8.format": _STR,
@@ -288,6 +291,7 @@ def _check_muon(raw: dict[str, Any]) -> None:
             )
     _one_of("muon.adjust_lr_fn", (section or {}).get("adjust_lr_fn"), MUON_ADJUST_LR_FNS)
     _one_of("muon.ns_dtype", (section or {}).get("ns_dtype"), MUON_NS_DTYPES)
+    _one_of("muon.orthogonalize", (section or {}).get("orthogonalize"), MUON_ORTHOGONALIZE)
 
 
 def _check_checkpoint_section(section: Any) -> None:

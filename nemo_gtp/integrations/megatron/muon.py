@@ -40,7 +40,7 @@ from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradS
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from nemo_gtp.engine.muon import ADJUST_LR_FNS, NS_COEFFICIENTS, GTPMuon
+from nemo_gtp.engine.muon import ADJUST_LR_FNS, NS_COEFFICIENTS, ORTHOGONALIZE, GTPMuon
 from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
 
 
@@ -65,7 +65,10 @@ class MuonConfig:
     ns_dtype: torch.dtype = torch.bfloat16
     """dtype of the Newton–Schulz iterations (bf16 as Keller Jordan's Muon; fp32 for parity)."""
     gather_bucket_mb: float = 256.0
-    """Under GTP: the most gathered Muon input (whole matrices, fp32) one all-gather moves."""
+    """Under GTP: the most gathered Muon input (whole matrices, fp32) one collective moves."""
+    orthogonalize: str = "owner"
+    """Under GTP: ``"owner"``, each matrix orthogonalized by one GTP peer (1/GTP of the
+    Newton–Schulz work per rank), or ``"every_rank"`` (all of it on every peer); same bits."""
 
     def __post_init__(self) -> None:
         if self.adjust_lr_fn not in ADJUST_LR_FNS:
@@ -74,6 +77,11 @@ class MuonConfig:
             )
         if not 0 < self.ns_steps < 100:
             raise ValueError(f"MuonConfig.ns_steps must be in 1..99, got {self.ns_steps}")
+        if self.orthogonalize not in ORTHOGONALIZE:
+            raise ValueError(
+                f"MuonConfig.orthogonalize must be one of {ORTHOGONALIZE}, got "
+                f"{self.orthogonalize!r}"
+            )
 
 
 def embedding_params(model_chunks: list[Any]) -> set[int]:
@@ -152,6 +160,7 @@ def _muon_part(
         adjust_lr_fn=muon.adjust_lr_fn,
         ns_dtype=muon.ns_dtype,
         gather_bucket_mb=muon.gather_bucket_mb,
+        orthogonalize=muon.orthogonalize,
     )
 
     def init_state_fn(optimizer: GTPMuon, config: Any = None) -> None:
