@@ -120,7 +120,8 @@ CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when 
     Run(gtp=4, fp32_accum=True),
     Run(gtp=4, ffn=72, pad=1),  # TP1·GTP4
     Run(gtp=4, distopt=True, fp32_accum=True, shard_replicated=True),
-    Run(gtp=2, optimizer="muon"),  # TP1·GTP2·DP2: the Muon input gathered over GTP only
+    Run(gtp=2, optimizer="muon"),  # TP1·GTP2·DP2: Muon inputs to their owners over GTP only
+    Run(gtp=4, ffn=72, pad=1, optimizer="muon"),  # Muon: four owners, padded shapes
     Run(gtp=2, distopt=True, per_token=True, coalesce_mb=0.125, separate_rs=True),
     Run(tp=2, gtp=2),
     Run(tp=2, gtp=2, per_token=True, distopt=True),  # TP2·GTP2
