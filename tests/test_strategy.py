@@ -633,6 +633,17 @@ def test_cuda_graph_warmup_bump(nemo_env: Any, monkeypatch: pytest.MonkeyPatch) 
     assert cuda_graphs.release_graphs_at_exit(config(cuda_graph_scope="full_iteration"))
     assert handlers == ["nemo's destroy", release_live_cuda_graphs]
     assert release_live_cuda_graphs() == 0  # no CUDA here: nothing to reset
+    # Its search by type survives objects that raise on any attribute (NeMo's TE placeholders
+    # on a GPU machine without TE: the teardown after a fit died there, 2026-12-03).
+    import torch
+
+    from nemo_gtp.integrations.megatron.layer_graphs import cuda_graphs_among
+
+    class RaisingProxy:
+        def __getattribute__(self, name: str) -> Any:
+            raise ImportError("transformer_engine not installed")
+
+    assert cuda_graphs_among([RaisingProxy(), object(), torch.zeros(1)]) == []
 
     # Through the strategy, on a real NeMo model config (connect runs before the model exists).
     for shards, expected in ((2, 2), (None, 1)):

@@ -367,7 +367,16 @@ def release_live_cuda_graphs() -> int:
 
     if not torch.cuda.is_available():
         return 0
-    graphs = [obj for obj in gc.get_objects() if isinstance(obj, torch.cuda.CUDAGraph)]
+    graphs = cuda_graphs_among(gc.get_objects())
     for graph in graphs:
         graph.reset()
     return len(graphs)
+
+
+def cuda_graphs_among(objects: list[object]) -> list[torch.cuda.CUDAGraph]:
+    """The ``torch.cuda.CUDAGraph`` objects among ``objects``, by their type alone: an
+    ``isinstance`` check would also ask an object for its ``__class__``, which some lazy-import
+    proxies answer by raising (NeMo's TE placeholders on a machine without TransformerEngine
+    raise ``ImportError`` for any attribute)."""
+    graph = torch.cuda.CUDAGraph
+    return [obj for obj in objects if issubclass(type(obj), graph)]
