@@ -10,4 +10,6 @@ M="@optim.optimizer=muon@optim.use_distributed_optimizer=false@ddp.use_distribut
 timeout 250 python3 bench/bench_nemo.py --shared-device \
   --modes "dp2_local$M,gtp2_local$M" \
   --tokens 2048 --warmup 2 --timed 14 --fit-timeout 115 --out $OUT/r5/local 2>&1 | tail -5
+# (first run: the GTP2 fit never started, the teardown after the DP2 fit died on a machine
+# without TE: data/r5/r5_local_rank1_teardown_failure.log; fixed, then r6_owner_pair.sh)
 timeout 200 python3 bench/muon_step.py --out $OUT/r5/muon_step.json
