@@ -42,6 +42,8 @@ SECTIONS = (
     "fp8",
     "muon",
 )
+SCALAR_SECTIONS = ("cpu_compat", "precision", "resume")
+MAPPING_SECTIONS = tuple(s for s in SECTIONS if s not in SCALAR_SECTIONS)
 # The muon section (optim.optimizer=muon): MuonConfig's fields (design §1.6 "Muon").
 MUON_KEYS = (
     "momentum",
@@ -223,19 +225,7 @@ def validate_recipe(cfg: DictConfig) -> None:
                 f"unknown recipe section {section!r}{_did_you_mean(section, SECTIONS)}: "
                 f"known sections are {', '.join(SECTIONS)}"
             )
-    mappings = (
-        "trainer",
-        "strategy",
-        "ddp",
-        "gtp",
-        "model",
-        "data",
-        "optim",
-        "checkpoint",
-        "fp8",
-        "muon",
-    )
-    for section in mappings:
+    for section in MAPPING_SECTIONS:
         if section in raw and not isinstance(raw[section], dict | type(None)):
             raise RecipeError(f"{section} must be a mapping of keys, got {raw[section]!r}")
     for key, kind in TYPED.items():
