@@ -21,7 +21,9 @@ _LAZY = {
     "GTPMetricsCallback": "nemo_gtp.strategy",
     "GTPProgressBar": "nemo_gtp.strategy",
     "SyntheticGPTDataModule": "nemo_gtp.recipes.data",
+    "MuonOptimizerModule": "nemo_gtp.strategy.muon",
     # megatron-core only: usable without NeMo
+    "MuonConfig": "nemo_gtp.integrations.megatron.muon",
     "full_state_dict": "nemo_gtp.integrations.megatron.export",
 }
 

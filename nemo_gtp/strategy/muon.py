@@ -4,7 +4,8 @@
 scheduler, weight-decay and lr multipliers, checkpoints) with the optimizer built by
 :func:`~nemo_gtp.integrations.megatron.muon.get_muon_optimizer`: Muon for the hidden matrices,
 megatron's Adam for embeddings, output layer, norms and biases. It runs under
-``GTPMegatronStrategy`` (Muon inputs gathered over GTP, state 1/GTP per rank) and under NeMo's
+``GTPMegatronStrategy`` (each sharded matrix orthogonalized whole by one GTP peer, state 1/GTP
+per rank) and under NeMo's
 plain ``MegatronStrategy`` (the baseline: the same optimizer without GTP).
 
 NeMo builds the optimizer through ``megatron.core.optimizer.get_megatron_optimizer``, looked up

@@ -11,8 +11,8 @@ run is the same call without GTP process groups.
 Muon needs whole matrices, which megatron's distributed optimizer cuts into flat ranges, so the
 optimizer is megatron's non-distributed one (``use_distributed_optimizer=False``; refused
 otherwise, naming the setting). Under GTP its state is still 1/GTP per rank: every rank keeps
-its shards' fp32 masters and momenta, and :class:`GTPMuon` gathers the Muon input over GTP for
-the step (design §1.6 "Muon").
+its shards' fp32 masters and momenta, and :class:`GTPMuon` brings each matrix's Muon input
+together on one GTP peer for the step (design §1.6 "Muon").
 
 Example::
 
