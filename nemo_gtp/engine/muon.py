@@ -20,7 +20,7 @@ and the update is the plain Muon update, bit for bit the same as ``torch.optim.M
 Example::
 
     optimizer = GTPMuon([shard_a, shard_b, other_2d], lr=0.02, ns_dtype=torch.float32)
-    loss.backward(); optimizer.step()   # one all-gather for the two GTP shards' inputs
+    loss.backward(); optimizer.step()   # the two GTP shards: one bucket, two all-to-alls
 """
 
 from __future__ import annotations
