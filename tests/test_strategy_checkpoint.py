@@ -21,6 +21,9 @@ launch 2
   ``gtp_truncated``   resuming from a copy of the step-10 checkpoint with one data file cut in
                       half fails, naming the checkpoint and the file
 
+Muon (``MuonOptimizerModule``): ``muon_10`` / ``muon_killed`` (after 5 of 10 steps) in launch 1,
+``muon_gtp4_resume`` in launch 2.
+
 MoE (dense GTP2, experts EP2·EGTP2): ``moe_10`` / ``moe_killed`` (``SequentialMLP`` experts, killed
 after 5 steps) in launch 1, ``moe_resume`` in launch 2; ``grouped_10`` (``TEGroupedMLP`` experts of
 the CPU ``GroupedLinear`` stand-ins, built as their EGTP shards by the strategy; NeMo's
@@ -97,6 +100,18 @@ FIRST_LAUNCH = [
         state_to="grouped_5.pt",
         **_GROUPED,
     ),
+    # Muon (design §1.6): TP1·GTP2·DP2, uninterrupted and killed after 5 of 10 steps
+    Fit("muon_10", gtp=2, steps=10, distopt=False, muon=True),
+    Fit(
+        "muon_killed",
+        gtp=2,
+        steps=10,
+        stop_after=5,
+        checkpoint_every=5,
+        checkpoint_dir="muon_ckpts",
+        distopt=False,
+        muon=True,
+    ),
     Fit(
         "plain_tp1",
         steps=10,
@@ -121,6 +136,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     moe_saved = [p for p in (root / "moe_ckpts").iterdir() if not p.name.startswith(".")]
     assert len(moe_saved) == 1, moe_saved
     (grouped_saved,) = (root / "grouped_ckpts").glob("step=4*")  # after 5 steps
+    (muon_saved,) = [p for p in (root / "muon_ckpts").iterdir() if not p.name.startswith(".")]
     truncated = root / "truncated" / saved[0].name
     shutil.copytree(saved[0], truncated)
     data_files = sorted((truncated / "weights").glob("*.distcp"))
@@ -180,6 +196,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             state_at=5,
             state_to=str(root / "grouped_from_seq_5.pt"),
             **_GROUPED,
+        ),
+        # Muon's checkpoint (momenta and fp32 params as GTP2 shards) resumed at TP1·GTP4
+        Fit(
+            "muon_gtp4_resume",
+            gtp=4,
+            steps=10,
+            resume_from=str(muon_saved),
+            distopt=False,
+            muon=True,
         ),
         # last: a failed fit leaves the launch going, but nothing after it is worth the risk
         Fit("gtp_truncated", gtp=2, steps=20, resume_from=str(truncated), expect_error=True),
@@ -267,6 +292,16 @@ def test_resume_at_another_gtp_size(runs: dict[str, Any]) -> None:
     for what in ("losses", "grad_norms"):
         for step, (x, y) in enumerate(zip(resumed[what], full[what][10:], strict=True)):
             assert abs(x - y) <= 1e-5 * abs(y), f"{what} step {10 + step}: {x} vs {y}"
+
+
+def test_muon_resumes_at_another_gtp_size(runs: dict[str, Any]) -> None:
+    """Muon + Adam through NeMo's checkpoint: the momenta (GTP2 shards) resharded to GTP4, the
+    resumed steps within 1e-5 of the uninterrupted run's (design §1.6 "Muon")."""
+    full, resumed = runs["muon_10"], runs["muon_gtp4_resume"]
+    assert len(resumed["losses"]) == 5
+    for what in ("losses", "grad_norms"):
+        for step, (x, y) in enumerate(zip(resumed[what], full[what][5:], strict=True)):
+            assert abs(x - y) <= 1e-5 * abs(y), f"{what} step {5 + step}: {x} vs {y}"
 
 
 def test_model_checkpoint_writes_a_committed_torch_dist_checkpoint(runs: dict[str, Any]) -> None:
