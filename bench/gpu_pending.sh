@@ -5,7 +5,7 @@
 # for carrying .whl / .te0..5 / .te_ext), up to ~35 minutes in all (the stages' time limits;
 # more than one session's device time: the first five are the issues' 2-GPU targets, each call
 # ≤ 10 minutes, e.g. `nemo_threads layergraph`, then `moe rows`, then `fp8`, then `fp8units
-# grouped`, then `fp8param`):
+# grouped`, then `fp8param`, then `muon`):
 #   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 #   export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 PYTHONPATH=/tmp/te:/tmp/site:$PWD
 #   bash bench/gpu_pending.sh            # or: bash bench/gpu_pending.sh nemo_threads fp8
@@ -139,6 +139,16 @@ if want cp; then
   else
     echo "cp skipped: needs 4 GPUs"
   fi
+fi
+# 7c. Muon (design §1.6; 2026-12-03 on one GPU: GTP2 vs DP2 match 1.7e-5, Newton-Schulz 105 ms
+#    per step on every rank vs 54 ms on the busiest owner at GTP2): the 1B TE recipe with
+#    MuonOptimizerModule at 2k and 4k tokens per GPU, GTP2 (owner split: two all-to-alls per
+#    bucket) vs DP2 (every replica orthogonalizes everything), step time and loss.
+if want muon; then
+  M="@optim.optimizer=muon@optim.use_distributed_optimizer=false@ddp.use_distributed_optimizer=false"
+  timeout 260 python3 bench/bench_nemo.py --modes "dp2_te$M,gtp2_te$M" --tokens 2048,4096 \
+    --warmup 5 --timed 15 --fit-timeout 100 --out "$OUT/muon" | tail -10
+  pack muon
 fi
 # 8. Host time inside GTP's entry points and the optimizer, per step (gtp_host_timer), eager
 #    and per-layer graphs, without communication (one device; the fake 2-rank world).
