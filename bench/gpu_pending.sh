@@ -146,7 +146,7 @@ fi
 #    bucket) vs DP2 (every replica orthogonalizes everything), step time and loss.
 if want muon; then
   M="@optim.optimizer=muon@optim.use_distributed_optimizer=false@ddp.use_distributed_optimizer=false"
-  timeout 260 python3 bench/bench_nemo.py --modes "dp2_te$M,gtp2_te$M" --tokens 2048,4096 \
+  timeout 260 python3 bench/bench_nemo.py --modes "dp2_te$M,gtp2_te$M@preshard_linears=none" --tokens 2048,4096 \
     --warmup 5 --timed 15 --fit-timeout 100 --out "$OUT/muon" | tail -10
   pack muon
 fi
