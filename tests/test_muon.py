@@ -82,6 +82,28 @@ def test_bad_settings_are_refused() -> None:
         check_muon_config(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True))
     with pytest.raises(ValueError, match="ns_steps"):
         MuonConfig(ns_steps=0)
+    with pytest.raises(ValueError, match="lr_mult"):
+        MuonConfig(lr_mult=0.0)
+
+
+def test_param_groups_split_muon_from_adam() -> None:
+    """Muon takes the 2D weights but the embedding tables and the output layer, in every
+    megatron group (kept even when empty), with its lr multiplier on top of the group's."""
+    from nemo_gtp.integrations.megatron.muon import split_param_groups
+
+    fc1, bias, table, head = (
+        torch.nn.Parameter(torch.zeros(s)) for s in ((8, 4), (8,), (9, 4), (9, 4))
+    )
+    head.is_embedding_or_output_parameter = True
+    groups = [
+        {"params": [fc1, table, head], "wd_mult": 1.0, "lr_mult": 2.0},
+        {"params": [bias], "wd_mult": 0.0, "lr_mult": 1.0},
+    ]
+    muon, adam = split_param_groups(groups, {id(table)}, lr_mult=10.0)
+    assert [g["params"] for g in muon] == [[fc1], []]
+    assert [g["params"] for g in adam] == [[table, head], [bias]]
+    assert [g["lr_mult"] for g in muon] == [20.0, 10.0] and [g["lr_mult"] for g in adam] == [2, 1]
+    assert [g["wd_mult"] for g in muon] == [1.0, 0.0]
 
 
 def _shards_worker(

@@ -54,6 +54,7 @@ MUON_KEYS = (
     "ns_dtype",
     "gather_bucket_mb",
     "orthogonalize",
+    "lr_mult",
 )
 MUON_ORTHOGONALIZE = ("owner", "every_rank")
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -143,6 +144,7 @@ TYPED: dict[str, str] = {
     "muon.ns_dtype": _STR,
     "muon.gather_bucket_mb": _FLOAT,
     "muon.orthogonalize": _STR,
+    "muon.lr_mult": _FLOAT,
     "checkpoint.dir": _STR,
     "checkpoint.every_n_train_steps": _INT + "+",
     "fp8.format": _STR,

@@ -66,6 +66,10 @@ class MuonConfig:
     """dtype of the Newton–Schulz iterations (bf16 as Keller Jordan's Muon; fp32 for parity)."""
     gather_bucket_mb: float = 256.0
     """Under GTP: the most gathered Muon input (whole matrices, fp32) one collective moves."""
+    lr_mult: float = 1.0
+    """Muon's lr relative to the schedule's (Adam's): its param groups' ``lr_mult`` times this
+    (NeMo and megatron's schedulers honour ``lr_mult``), e.g. Adam at 3e-4 and Muon at 2e-2 is
+    ``lr=3e-4, lr_mult=66.7``; 1 with ``adjust_lr_fn="match_rms_adamw"``, made to share Adam's."""
     orthogonalize: str = "owner"
     """Under GTP: ``"owner"``, each matrix orthogonalized by one GTP peer (1/GTP of the
     Newton–Schulz work per rank), or ``"every_rank"`` (all of it on every peer); same bits."""
@@ -77,6 +81,8 @@ class MuonConfig:
             )
         if not 0 < self.ns_steps < 100:
             raise ValueError(f"MuonConfig.ns_steps must be in 1..99, got {self.ns_steps}")
+        if self.lr_mult <= 0:
+            raise ValueError(f"MuonConfig.lr_mult must be > 0, got {self.lr_mult}")
         if self.orthogonalize not in ORTHOGONALIZE:
             raise ValueError(
                 f"MuonConfig.orthogonalize must be one of {ORTHOGONALIZE}, got "
@@ -188,13 +194,27 @@ def _muon_part(
     return wrapper
 
 
-def _split(groups: list[dict], embeddings: set[int]) -> tuple[list[dict], list[dict]]:
-    """megatron's param groups, each cut into its Muon params and the rest (every group kept,
-    maybe empty, in the same order: ranks must hold the same groups for checkpoints)."""
+def split_param_groups(
+    groups: list[dict], embeddings: set[int], lr_mult: float = 1.0
+) -> tuple[list[dict], list[dict]]:
+    """megatron's param groups, each cut into its Muon params (their ``lr_mult`` times
+    ``lr_mult``) and the rest; every group kept, maybe empty, in the same order (ranks must hold
+    the same groups for checkpoints).
+
+    Example::
+
+        muon, adam = split_param_groups(_get_param_groups(...), embedding_params(chunks))
+    """
     muon, adam = [], []
     for group in groups:
         mine = [takes_muon(p, embeddings) for p in group["params"]]
-        muon.append({**group, "params": [p for p, m in zip(group["params"], mine) if m]})
+        muon.append(
+            {
+                **group,
+                "params": [p for p, m in zip(group["params"], mine) if m],
+                "lr_mult": group.get("lr_mult", 1.0) * lr_mult,
+            }
+        )
         adam.append({**group, "params": [p for p, m in zip(group["params"], mine) if not m]})
     return muon, adam
 
@@ -244,7 +264,7 @@ def get_muon_optimizer(
         part = [g for g in groups if g["is_expert_parallel"] is expert]
         if not part:
             continue
-        muon_groups, adam_groups = _split(part, embeddings)
+        muon_groups, adam_groups = split_param_groups(part, embeddings, muon.lr_mult)
         optimizers.append(
             _get_megatron_optimizer_based_on_param_groups(
                 config,
