@@ -169,6 +169,21 @@ MEASURED_4K = {
 }
 
 
+# Muon (MuonOptimizerModule, non-distributed; local spec, 4096 tokens per GPU, default
+# coalesce_mb): each rank's allocator peak on one H200 shared by two ranks,
+# bench/results/2026-12-03_muon_1xH200.md section 5.
+MEASURED_MUON = {Layout(1, 1, 2): 30.02, Layout(1, 2, 1): 24.02}
+
+
+@pytest.mark.parametrize(("layout", "measured"), MEASURED_MUON.items(), ids=str)
+def test_muon_prediction_within_5_percent_of_measured_peak(layout: Layout, measured: float) -> None:
+    bytes_ = estimate(
+        MODEL_1B, layout, tokens_per_gpu=4096, overhead_gib=0.0, optimizer="muon", coalesce_mb=192
+    )
+    predicted = sum(bytes_.values()) / GIB
+    assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+
+
 @pytest.mark.parametrize(("key", "measured"), MEASURED.items(), ids=str)
 def test_prediction_within_10_percent_of_measured_peak(key: tuple, measured: float) -> None:
     layout, tokens, flash, coalesce_mb = key
