@@ -377,6 +377,11 @@ def cuda_graphs_among(objects: list[object]) -> list[torch.cuda.CUDAGraph]:
     """The ``torch.cuda.CUDAGraph`` objects among ``objects``, by their type alone: an
     ``isinstance`` check would also ask an object for its ``__class__``, which some lazy-import
     proxies answer by raising (NeMo's TE placeholders on a machine without TransformerEngine
-    raise ``ImportError`` for any attribute)."""
+    raise ``ImportError`` for any attribute).
+
+    Example::
+
+        cuda_graphs_among(gc.get_objects())   # every graph this process still holds
+    """
     graph = torch.cuda.CUDAGraph
     return [obj for obj in objects if issubclass(type(obj), graph)]

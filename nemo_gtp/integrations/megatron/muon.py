@@ -92,7 +92,12 @@ class MuonConfig:
 
 def embedding_params(model_chunks: list[Any]) -> set[int]:
     """ids of every embedding table's params (word, position, token type: megatron's
-    ``VocabParallelEmbedding`` and ``torch.nn.Embedding``): lookups, not matrices, for Muon."""
+    ``VocabParallelEmbedding`` and ``torch.nn.Embedding``): lookups, not matrices, for Muon.
+
+    Example::
+
+        takes_muon(model.embedding.position_embeddings.weight, embedding_params([model]))  # False
+    """
     found = set()
     for chunk in model_chunks:
         for module in chunk.modules():
@@ -118,7 +123,12 @@ def takes_muon(param: torch.Tensor, embeddings: set[int] = frozenset()) -> bool:
 
 
 def check_muon_config(config: OptimizerConfig) -> None:
-    """Refuse the optimizer settings Muon cannot run with, naming each (before any collective)."""
+    """Refuse the optimizer settings Muon cannot run with, naming each (before any collective).
+
+    Example::
+
+        check_muon_config(OptimizerConfig(use_distributed_optimizer=True))  # ValueError
+    """
     if config.use_distributed_optimizer:
         raise ValueError(
             "Muon needs whole matrices and megatron's distributed optimizer cuts params into "
