@@ -224,10 +224,7 @@ class GTPMuon(torch.optim.Optimizer):
         owned = [(index, self._orthogonalize(group, full)) for index, full in inputs.wait()]
         dealt = _FromOwners(inputs, owned, group["ns_dtype"]).wait()
         for (param, _, shard), rows in zip(inputs.members, dealt):
-            lr = group["lr"]
-            param.mul_(1 - lr * group["weight_decay"])
-            logical = shard.gtp_spec.logical_shape
-            param.add_(rows, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], logical))
+            _step_rows(group, param, rows, shard.gtp_spec.logical_shape)
 
     @staticmethod
     def _orthogonalize(group: dict[str, Any], full: torch.Tensor) -> torch.Tensor:
@@ -243,19 +240,41 @@ class GTPMuon(torch.optim.Optimizer):
         shard: GTPShardedParam | None,
     ) -> None:
         """Orthogonalize the whole ``full`` update, then step ``param`` (a shard: its rows)."""
-        lr, weight_decay = group["lr"], group["weight_decay"]
         ortho = GTPMuon._orthogonalize(group, full)
         shape = tuple(full.shape)
         if shard is not None:  # this rank's rows of the logical matrix (pad rows: none)
             spec = shard.gtp_spec
             start = spec.gtp_rank * spec.shard_dim0
             ortho = ortho[start : min(start + spec.shard_dim0, shape[0])]
-        param.mul_(1 - lr * weight_decay)
-        target = param if ortho.size(0) == param.size(0) else param[: ortho.size(0)]
-        target.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+        _step_rows(group, param, ortho, shape)
+
+
+def _step_rows(
+    group: dict[str, Any], param: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...]
+) -> None:
+    """Decoupled weight decay on ``param``, then ``rows`` (its first rows' orthogonalized
+    update, or all of them) at the lr of the logical ``shape``."""
+    lr = group["lr"]
+    param.mul_(1 - lr * group["weight_decay"])
+    target = param if rows.size(0) == param.size(0) else param[: rows.size(0)]
+    target.add_(rows, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
 
 
 _Member = tuple[torch.Tensor, torch.Tensor, GTPShardedParam]
+
+
+def _wholes(
+    per_rank: torch.Tensor, members: list[_Member], indices: list[int]
+) -> list[torch.Tensor]:
+    """The whole logical matrices of ``members[i]`` for ``i`` in ``indices`` from ``per_rank``
+    (one row per GTP rank: those members' shards, flat, in that order; pad rows dropped)."""
+    wholes, offset = [], 0
+    for index in indices:
+        spec, numel = members[index][2].gtp_spec, members[index][1].numel()
+        block = per_rank[:, offset : offset + numel]
+        offset += numel
+        wholes.append(spec.unpad(block.reshape(spec.gathered_shape)))  # rank-major rows
+    return wholes
 
 
 def _buckets(members: list[_Member], cap_bytes: int) -> list[list[_Member]]:
@@ -280,8 +299,8 @@ class _Gather:
 
     def __init__(self, members: list[_Member]) -> None:
         self.members = members
-        self.parts = [update.reshape(-1) for _, update, _ in members]
-        flat = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0].contiguous()
+        parts = [update.reshape(-1) for _, update, _ in members]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]  # one member: no copy
         self.size = members[0][2].gtp_spec.gtp_size
         self.gathered = flat.new_empty(self.size * flat.numel())
         group = members[0][2].runtime.group
@@ -290,13 +309,7 @@ class _Gather:
     def wait(self) -> list[torch.Tensor]:
         self.work.wait()
         per_rank = self.gathered.view(self.size, -1)
-        fulls, offset = [], 0
-        for (_, _, shard), part in zip(self.members, self.parts):
-            spec = shard.gtp_spec
-            block = per_rank[:, offset : offset + part.numel()]
-            offset += part.numel()
-            fulls.append(spec.unpad(block.reshape(spec.gathered_shape)))  # the padded matrix
-        return fulls
+        return _wholes(per_rank, self.members, list(range(len(self.members))))
 
 
 def _ns_cost(shape: tuple[int, ...]) -> int:
@@ -349,13 +362,7 @@ class _ToOwners:
         self.work.wait()
         owned = self.by_owner[self.rank]
         per_rank = self.recv.view(self.size, -1)
-        out, offset = [], 0
-        for index in owned:
-            spec = self.members[index][2].gtp_spec
-            block = per_rank[:, offset : offset + self.numel[index]]
-            offset += self.numel[index]
-            out.append((index, spec.unpad(block.reshape(spec.gathered_shape))))
-        return out
+        return list(zip(owned, _wholes(per_rank, self.members, owned)))
 
 
 class _FromOwners:
