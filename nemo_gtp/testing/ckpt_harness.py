@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_batch_on_this_cp_rank
@@ -35,10 +35,9 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
     shard_model,
 )
-from nemo_gtp.integrations.megatron.muon import MuonConfig, get_muon_optimizer
 from nemo_gtp.testing.cp_attention import with_context_parallel_attention
 from nemo_gtp.testing.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
-from nemo_gtp.testing.gpt_harness import Run, gtp_groups
+from nemo_gtp.testing.gpt_harness import Run, build_optimizer, gtp_groups
 from nemo_gtp.testing.spawn import DistributedJob, run_distributed, start_distributed
 
 VOCAB, SEQ, MBS, MICROBATCHES = 128, 16, 2, 2
@@ -153,13 +152,7 @@ def build(layout: Layout, seed: int = 1234) -> Built:
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=layout.distopt
     )
-    if layout.muon:
-        muon = MuonConfig(ns_dtype=torch.float32)
-        optimizer = get_muon_optimizer(optimizer_config, [ddp], muon, pg_collection=pgs)
-    else:
-        optimizer = get_megatron_optimizer(
-            optimizer_config, [ddp], use_gloo_process_groups=False, pg_collection=pgs
-        )
+    optimizer = build_optimizer(optimizer_config, ddp, pgs, muon=layout.muon)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if hasattr(opt, "data_parallel_group_gloo"):
             # megatron refuses gloo groups alongside a pg_collection, but its memory-efficient

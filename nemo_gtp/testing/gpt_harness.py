@@ -439,19 +439,23 @@ def build(run: Run) -> dict:
         bf16=run.bf16,
         use_distributed_optimizer=run.distopt,
     )
-    if run.optimizer == "muon":
-        optimizer = get_muon_optimizer(
-            optimizer_config, [ddp], MuonConfig(ns_dtype=torch.float32), pg_collection=pgs
-        )
-    else:
-        optimizer = get_megatron_optimizer(
-            optimizer_config, [ddp], use_gloo_process_groups=False, pg_collection=pgs
-        )
+    optimizer = build_optimizer(optimizer_config, ddp, pgs, muon=run.optimizer == "muon")
     if run.gtp_on:  # as GTPMegatronStrategy's optimizer setup does
         plan_optimizer_copies(optimizer)
     config.finalize_model_grads_func = make_finalize_model_grads(groups)
     config.no_sync_func = ddp.no_sync
     return dict(model=model, ddp=ddp, optimizer=optimizer, groups=groups, device=device)
+
+
+def build_optimizer(config: OptimizerConfig, ddp: object, pgs: object, *, muon: bool) -> object:
+    """megatron's optimizer for ``ddp`` with the GTP process groups ``pgs`` (no gloo groups),
+    or with ``muon`` Muon for the hidden matrices and Adam for the rest (Newton–Schulz in fp32,
+    so parity holds to fp32 rounding; design §1.6 "Muon")."""
+    if muon:
+        return get_muon_optimizer(
+            config, [ddp], MuonConfig(ns_dtype=torch.float32), pg_collection=pgs
+        )
+    return get_megatron_optimizer(config, [ddp], use_gloo_process_groups=False, pg_collection=pgs)
 
 
 def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
