@@ -209,11 +209,16 @@ def estimate(
 
 
 def candidate_layouts(
-    gpus: int, *, gpus_per_node: int = 8, max_tp: int = 8, cp: int = 1, over_gtp: bool = True
+    gpus: int,
+    *,
+    gpus_per_node: int = 8,
+    max_tp: int = 8,
+    cp: int = 1,
+    shard_replicated: bool = True,
 ) -> list[Layout]:
     """Every TP × CP × GTP × DP = ``gpus`` (CP fixed, the recipe's) with TP ≤ ``max_tp`` inside
-    a node, each with and without recompute and (GTP > 1, ``over_gtp``: the distributed
-    optimizer) with and without ``shard_replicated_params_over_gtp``."""
+    a node, each with and without recompute and (GTP > 1, ``shard_replicated``: it needs the
+    distributed optimizer) with and without ``shard_replicated_params_over_gtp``."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
     if cp < 1 or gpus % cp:
@@ -227,8 +232,8 @@ def candidate_layouts(
                 continue
             dp = ranks // (tp * gtp)
             for recompute in (False, True):
-                for shard_replicated in (False, True) if gtp > 1 and over_gtp else (False,):
-                    out.append(Layout(tp, gtp, dp, recompute, shard_replicated, cp))
+                for over_gtp in (False, True) if gtp > 1 and shard_replicated else (False,):
+                    out.append(Layout(tp, gtp, dp, recompute, over_gtp, cp))
     return out
 
 
@@ -248,8 +253,10 @@ def plan_layouts(
         raise ValueError(f"--tokens-per-gpu must be >= 1, got {tokens_per_gpu}")
     budget = gpu_memory_gib * GIB
     plans = []
-    over_gtp = estimate_kwargs.get("optimizer", "adam") != "muon"
-    for layout in candidate_layouts(gpus, gpus_per_node=gpus_per_node, cp=cp, over_gtp=over_gtp):
+    distributed = estimate_kwargs.get("optimizer", "adam") != "muon"  # Muon: non-distributed
+    for layout in candidate_layouts(
+        gpus, gpus_per_node=gpus_per_node, cp=cp, shard_replicated=distributed
+    ):
         plan = Plan(
             layout,
             estimate(model, layout, tokens_per_gpu=tokens_per_gpu, **estimate_kwargs),

@@ -73,10 +73,9 @@ class MuonOptimizerModule(MegatronOptimizerModule):
 
         def build(config: OptimizerConfig, model_chunks: list[Any], **kwargs: Any) -> Any:
             kwargs.pop("pg_collection", None)
-            optimizer = get_muon_optimizer(
+            return get_muon_optimizer(
                 config, model_chunks, muon, pg_collection=pg_collection, **kwargs
             )
-            return optimizer
 
         mcore_optimizer.get_megatron_optimizer = build
         try:
