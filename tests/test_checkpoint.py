@@ -94,12 +94,20 @@ SAVES = {
     "tp1gtp2dp2-shard-replicated": Save(Layout(gtp=2, shard_replicated=True)),
     "tp1cp2gtp2": Save(Layout(gtp=2, cp=2)),  # CP peers: replicas of the GTP shards
     "tp1gtp2dp2-muon": Save(Layout(gtp=2, distopt=False, muon=True)),  # momenta as GTP shards
+    # pipeline parallelism: one layer per stage, untied embeddings (the CPU layer's limit)
+    "pp2gtp2": Save(Layout(pp=2, gtp=2)),
 }
 CRASH_TARGET = "crash-target"  # the tp2gtp2 model again, in its own directory
 # Resume GTP4 (data-parallel size GTP x DP = 4) without GTP at DP4: same batches per data rank.
 RESUME_FROM, RESUME_AT = "tp1gtp4-nobias", Layout(bias=False)
 
 LOADS = {
+    # PP (design §3.3): a stage's layers under their global numbers, GTP offsets unchanged
+    "pp2gtp2->tp1gtp2dp2": Load("pp2gtp2", Layout(gtp=2)),
+    "pp2gtp2->nogtp-dp4": Load("pp2gtp2", Layout()),
+    "pp2gtp2->nogtp-pp2dp2": Load("pp2gtp2", Layout(pp=2)),
+    "pp2gtp2->nogtp-tp2pp2": Load("pp2gtp2", Layout(tp=2, pp=2)),
+    "tp1gtp4->pp2gtp2": Load("tp1gtp4", Layout(pp=2, gtp=2)),
     # Muon (design §1.6): each rank's momentum rows land where a run without GTP keeps them
     "muon-tp1gtp2dp2->nogtp-dp4": Load("tp1gtp2dp2-muon", Layout(distopt=False, muon=True)),
     "muon-tp1gtp2dp2->tp2gtp2": Load(
@@ -276,8 +284,9 @@ def _load_worker(rank: int, world: int, root: str) -> None:
                 "traceback": traceback.format_exc(),
             }
 
-    # same TP adjacent: megatron's parallel_state is rebuilt only when TP changes
-    for name, case in sorted(LOADS.items(), key=lambda item: item[1].layout.tp):
+    # same TP and PP adjacent: megatron's parallel_state is rebuilt only when they change
+    order = sorted(LOADS.items(), key=lambda item: (item[1].layout.tp, item[1].layout.pp))
+    for name, case in order:
         record(name, lambda case=case: _load_case(case, root))
 
     def after_crash() -> int:

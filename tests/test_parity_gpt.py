@@ -88,6 +88,34 @@ def _parity_case(rank: int, world: int, case: Run) -> float:
     return worst
 
 
+def _pipeline_case(rank: int, world: int, case: Run) -> float:
+    """``case`` (PP > 1) and its reference: parity, one runtime per model chunk, every chain
+    prefetching and drained at the end of the step, the losses on the last stage only."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    reference = train(_reference_run(case))
+    result = train(case)
+    assert "pipelining" in get_forward_backward_func().__name__
+    if case.vp > 1:
+        assert get_forward_backward_func().__name__.endswith("with_interleaving")
+    runtimes = result["runtimes"]
+    assert len(runtimes) == case.vp and len({id(r) for r in runtimes}) == case.vp
+    layers = case.layers // (case.pp * case.vp)
+    for runtime in runtimes:
+        assert len(runtime.params) == 4 * layers  # qkv, proj, fc1, fc2 of this chunk's layers
+        assert runtime.stats.prefetches > 0 and runtime.stats.fallback_allocations == 0
+        assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
+    last = parallel_state.is_pipeline_last_stage()
+    assert all(len(step) == (case.microbatches if last else 0) for step in result["losses"])
+    try:
+        worst = assert_parity(result, reference)
+    except AssertionError as err:
+        raise AssertionError(f"{case}: {err}") from None
+    print(f"[parity] rank {rank} {case}: max rel err {worst:.2e}", flush=True)
+    return worst
+
+
 def _check_replicated_state_sharded(case: Run, result: dict, reference: dict) -> None:
     """shard_replicated_params_over_gtp: each rank holds 1/(DP x GTP) of the Adam state, like
     the run without GTP at DP x GTP (bucket padding aside), not the replicated params in full."""
@@ -131,6 +159,18 @@ CASES_4 = [  # same TP adjacent: megatron's parallel_state is rebuilt only when 
     Run(gtp=2, cp=2),  # GTP2·CP2 vs CP2·DP2: DDP reduces over CP x DP, GTP over its peers
     Run(gtp=2, cp=2, per_token=True, distopt=True, coalesce_mb=0.125),
     Run(gtp=2, cp=2, distopt=True, shard_replicated=True),  # replicated params over CP x DP x GTP
+]
+# Pipeline parallelism (design §1.4 "PP"): megatron's 1F1B schedule, 4 layers over 2 stages and
+# 4 microbatches, so stage 0 runs two forwards before its first backward and alternates after;
+# with vp=2 the interleaved schedule runs two model chunks per rank, each its own runtime.
+PIPE = dict(pp=2, layers=4, microbatches=4)
+PIPELINE_CASES_4 = [  # PP2·GTP2 vs PP2·DP2
+    Run(gtp=2, **PIPE),
+    Run(gtp=2, vp=2, distopt=True, **PIPE),
+]
+PIPELINE_CASES_8 = [  # PP2·GTP2·DP2 vs PP2·DP4: DDP reduces the GTP shards' grads over DP too
+    Run(gtp=2, distopt=True, per_token=True, **PIPE),
+    Run(gtp=2, vp=2, distopt=True, coalesce_mb=0.125, **PIPE),
 ]
 
 
@@ -705,9 +745,16 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outco
     ]
     cases += [("fp8 primary", _fp8_primary_case, (FP8_PRIMARY_4,))]
     cases += [("cp attention", _cp_attention_case, ())]
+    cases += [(f"pipeline {run}", _pipeline_case, (run,)) for run in PIPELINE_CASES_4]
     root = str(tmp_path_factory.mktemp("fp8ckpt4"))
     cases += [("fp8 checkpoint", _fp8_checkpoint_case, (root, FP8_PRIMARY_4))]
     return run_cases(cases, 4, tmp_path_factory.mktemp("parity4"))
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
+    cases = [(f"pipeline {run}", _pipeline_case, (run,)) for run in PIPELINE_CASES_8]
+    return run_cases([("setup", _setup, ()), *cases], 8, tmp_path_factory.mktemp("parity8"))
 
 
 def _cp_attention_case(rank: int, world: int) -> float:
@@ -823,6 +870,21 @@ def test_context_parallel_attention_stand_in_is_causal_attention(
 
 def test_parity_four_ranks(four_ranks: dict[str, list[Outcome]]) -> None:
     _check_all(four_ranks, CASES_4)
+
+
+@pytest.mark.parametrize("run", PIPELINE_CASES_4, ids=str)
+def test_parity_pipeline_four_ranks(four_ranks: dict[str, list[Outcome]], run: Run) -> None:
+    """PP2·GTP2 vs PP2·DP2 through megatron's 1F1B schedule (and its interleaved one, two
+    model chunks per rank): the GTP chains run forwards back to back and between backwards."""
+    case_values(four_ranks[f"pipeline {run}"])
+
+
+@pytest.mark.parametrize("run", PIPELINE_CASES_8, ids=str)
+def test_parity_pipeline_eight_ranks(eight_ranks: dict[str, list[Outcome]], run: Run) -> None:
+    """PP2·GTP2·DP2 vs PP2·DP4: DDP's bucket reduction over DP waits for each GTP shard's grad
+    (its reduce-scatter finalized into ``main_grad``) in every chunk and schedule."""
+    case_values(eight_ranks["setup"])
+    case_values(eight_ranks[f"pipeline {run}"])
 
 
 def test_full_state_dict_equals_the_model_without_gtp(four_ranks: dict[str, list[Outcome]]) -> None:

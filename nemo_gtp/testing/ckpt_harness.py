@@ -64,6 +64,9 @@ class Layout:
     gtp: int = 1
     cp: int = 1
     """Context parallelism (the CPU stand-in of TE's CP attention, ``testing.cp_attention``)."""
+    pp: int = 1
+    """Pipeline parallelism: the model's two layers one per stage (megatron's 1F1B schedule)."""
+
     ffn: int = 80
     hidden: int = 64
     pad: int = 16
@@ -86,11 +89,12 @@ class Layout:
 
     def __str__(self) -> str:
         world = dist.get_world_size() if dist.is_initialized() else None
-        dp = world // (self.tp * self.cp * self.gtp) if world else "?"
+        dp = world // (self.tp * self.cp * self.gtp * self.pp) if world else "?"
         glu = ",glu" if self.glu else ""
         glu += ",shard_replicated" if self.shard_replicated else ""
         glu += ",muon" if self.muon else ""
         cp = f"·CP{self.cp}" if self.cp > 1 else ""
+        cp = f"·PP{self.pp}{cp}" if self.pp > 1 else cp
         return f"TP{self.tp}{cp}·GTP{self.gtp}·DP{dp}(ffn={self.ffn},pad={self.pad}{glu})"
 
 
@@ -109,7 +113,7 @@ def build(layout: Layout, seed: int = 1234) -> Built:
     """(Re)initialize parallel state for ``layout`` and build model, DDP and optimizer."""
     enable_cpu_compat(nemo=False)  # megatron-only: importing NeMo costs ~7 s CPU per rank
     # megatron's state and this layout's GTP groups, built once per process (gpt_harness)
-    groups = gtp_groups(Run(tp=layout.tp, gtp=layout.gtp, cp=layout.cp))
+    groups = gtp_groups(Run(tp=layout.tp, gtp=layout.gtp, cp=layout.cp, pp=layout.pp))
     model_parallel_cpu_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(
@@ -119,6 +123,8 @@ def build(layout: Layout, seed: int = 1234) -> Built:
         num_attention_heads=4,
         tensor_model_parallel_size=layout.tp,
         context_parallel_size=layout.cp,
+        pipeline_model_parallel_size=layout.pp,
+        pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         hidden_dropout=0.0,
@@ -135,7 +141,15 @@ def build(layout: Layout, seed: int = 1234) -> Built:
     spec = get_gpt_layer_local_spec()
     if layout.cp > 1:  # megatron's local attention refuses CP
         spec = with_context_parallel_attention(spec)
-    model = GPTModel(config, spec, VOCAB, SEQ)
+    model = GPTModel(
+        config,
+        spec,
+        VOCAB,
+        SEQ,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        # (GPTModel's default: untied; tied embeddings under PP are copied through CUDA)
+    )
     gtp_config = GTPConfig(
         pad_for_alignment=layout.pad, shard_replicated_params_over_gtp=layout.shard_replicated
     )
@@ -207,7 +221,8 @@ def train(built: Built, steps: int, first_step: int = 0) -> list[float]:
             forward_only=False,
         )
         built.optimizer.step()
-        losses.append(float(reduced[0]["lm loss"]))
+        # the losses live on the last pipeline stage (0.0 on the others)
+        losses.append(float(reduced[0]["lm loss"]) if reduced else 0.0)
     return losses
 
 
@@ -351,9 +366,24 @@ def gather_logical_many(
     return [tensor.clone() for tensor in tensors]
 
 
+def global_layer_names(model: torch.nn.Module) -> dict[str, str]:
+    """Param name -> the name it has at PP 1: a pipeline stage numbers its layers from 0,
+    megatron's ``layer_number`` (1-based) is the global one."""
+    renamed = {}
+    for name, _ in model.named_parameters():
+        match = re.match(r"(.*decoder\.layers\.)(\d+)(\..*)", name)
+        if match:
+            layer = model.get_submodule(match[1] + match[2])
+            renamed[name] = f"{match[1]}{layer.layer_number - 1}{match[3]}"
+        else:
+            renamed[name] = name
+    return renamed
+
+
 def full_state(built: Built, *, weights: bool = True) -> dict[str, torch.Tensor]:
     """Every weight and optimizer state as full logical tensors, keyed ``"<kind>/<param name>"``
-    (``weights=False``: the optimizer states only)."""
+    (``weights=False``: the optimizer states only). Under PP, layers by their global number and
+    every stage's tensors on every rank, so layouts of any PP size compare directly."""
     named = list(built.ddp.module.named_parameters())
     states = _assemble_many(
         [(_local_states(built, param), param, _replicate_group(built, param)) for _, param in named]
@@ -366,7 +396,17 @@ def full_state(built: Built, *, weights: bool = True) -> dict[str, torch.Tensor]
         for kind, tensor in found.items():
             keys.append(f"{kind}/{name}")
             items.append((name, param, tensor))
-    return dict(zip(keys, gather_logical_many(items, glu=built.layout.glu), strict=True))
+    full = dict(zip(keys, gather_logical_many(items, glu=built.layout.glu), strict=True))
+    if built.layout.pp == 1:
+        return full
+    renamed = global_layer_names(built.ddp.module)
+    stage = {
+        f"{key.split('/')[0]}/{renamed[key.split('/', 1)[1]]}": value.cpu()
+        for key, value in full.items()
+    }
+    stages: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, stage, group=parallel_state.get_pipeline_model_parallel_group())
+    return {key: value for part in stages for key, value in part.items()}
 
 
 def expert_key(name: str, first: int) -> str:

@@ -53,6 +53,14 @@ class Run:
 
     tp: int = 1
     gtp: int = 1
+    # pipeline parallelism: the layers split over PP stages (megatron's 1F1B schedule, PP
+    # outermost in the rank order); needs layers % pp == 0
+    pp: int = 1
+    vp: int = 1  # virtual pipeline stages (model chunks) per rank: megatron's interleaved 1F1B
+    microbatches: int = MICROBATCHES  # per step and data rank (1F1B needs >= pp to overlap)
+    # share_embeddings_and_output_weights (GPTModel's default: off); under PP a GPU path only
+    # (megatron copies the tied embedding to the last stage through CUDA)
+    tied: bool = False
     # context parallelism: each sample's sequence over CP ranks (megatron's load-balanced
     # chunks); on CPU the core attention is nemo_gtp.testing.cp_attention's stand-in
     cp: int = 1
@@ -214,6 +222,8 @@ def _megatron_matches(run: Run) -> bool:
         parallel_state.get_tensor_model_parallel_world_size() == run.tp
         and parallel_state.get_context_parallel_world_size() == run.cp
         and parallel_state.get_expert_model_parallel_world_size() == run.ep
+        and parallel_state.get_pipeline_model_parallel_world_size() == run.pp
+        and (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) == run.vp
     )
 
 
@@ -222,10 +232,11 @@ def gtp_groups(run: Run) -> GTPGroups:
 
     Process groups are never freed before the process group itself is destroyed, and every
     gloo group owns threads: rebuilding them for each of a test's runs piles up hundreds.
-    megatron's parallel_state is rebuilt only when TP, CP or EP changes.
+    megatron's parallel_state is rebuilt only when TP, CP, EP or PP changes.
     """
     world = dist.get_world_size()
-    key = (world, run.tp, run.cp, run.gtp, run.ep, run.egtp)
+    key = (world, run.tp, run.cp, run.gtp, run.ep, run.egtp, run.pp, run.vp)
+    vp = run.vp if run.vp > 1 else None
     if key not in _GROUPS:
         if parallel_state.model_parallel_is_initialized() and not _megatron_matches(run):
             parallel_state.destroy_model_parallel()
@@ -236,11 +247,14 @@ def gtp_groups(run: Run) -> GTPGroups:
             context_parallel_size=run.cp,
             expert_model_parallel_size=run.ep,
             expert_num_weight_shards=run.tp * run.egtp,
+            pipeline_model_parallel_size=run.pp,
         )
-        _GROUPS[key] = initialize_gtp_parallel(dims)
+        _GROUPS[key] = initialize_gtp_parallel(dims, virtual_pipeline_model_parallel_size=vp)
     elif not _megatron_matches(run):
         parallel_state.destroy_model_parallel()
-        initialize_gtp_parallel(_GROUPS[key].dims, _GROUPS[key])  # megatron state only
+        initialize_gtp_parallel(  # megatron state only
+            _GROUPS[key].dims, _GROUPS[key], virtual_pipeline_model_parallel_size=vp
+        )
     return _GROUPS[key]
 
 
@@ -366,6 +380,9 @@ def build(run: Run) -> dict:
         num_attention_heads=run.heads,
         tensor_model_parallel_size=run.tp,
         context_parallel_size=run.cp,
+        pipeline_model_parallel_size=run.pp,
+        virtual_pipeline_model_parallel_size=run.vp if run.vp > 1 else None,
+        pipeline_dtype=torch.bfloat16 if run.bf16 else torch.float32,
         use_cpu_initialization=True,
         params_dtype=torch.bfloat16 if run.bf16 else torch.float32,
         bf16=run.bf16,
@@ -401,28 +418,18 @@ def build(run: Run) -> dict:
         graph_wgrad_ring_size=run.graph_ring,
     )
     spec = layer_spec(run, on_gpu)
-    reference = None
-    if run.presharded and run.gtp > 1:
-        # The full twin this seed builds without GTP; the shards then start from its weights.
-        twin = GPTModel(config, spec, run.vocab, run.seq).named_parameters()
-        reference = {n: p.detach().clone() for n, p in twin}
-    if run.presharded and run.gtp_on:
-        grouped = grouped_linear_kinds(on_gpu) if run.grouped else {}
-        spec = gtp_layer_spec(spec, groups, gtp_config, grouped_kinds=grouped)
-    elif run.preshard_experts and run.egtp > 1:
-        spec = _experts_presharded(spec, run, groups, gtp_config, on_gpu)
-    model = GPTModel(config, spec, run.vocab, run.seq).to(device)
-    if reference is not None:
-        load_full_weights(model, reference)
-    if run.bf16:  # norms and inputs in bf16 too, as NeMo's precision plugin does
-        model = Float16Module(config, model)
+    chunks = [  # one model per virtual pipeline stage of this rank (one without VPP)
+        _model_chunk(run, config, spec, groups, gtp_config, device, on_gpu, vp_stage)
+        for vp_stage in ([None] if run.vp == 1 else range(run.vp))
+    ]
     if run.graph_scope and not on_gpu and not graph_stand_in.active():
         for key, value in _graph_config(run).items():
             setattr(config, key, value)
-    if run.gtp_on:
-        shard_model(model, groups, gtp_config)
-        if run.fp8_primary:
-            make_fp8_primary(model.gtp_runtime, run.fp8_scaling)
+    for chunk in chunks:
+        if run.gtp_on:  # each chunk its own runtime and chains
+            shard_model(chunk, groups, gtp_config)
+            if run.fp8_primary:
+                make_fp8_primary(chunk.gtp_runtime, run.fp8_scaling)
     pgs = gtp_process_groups(groups, gtp_config)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=run.overlap_grad_reduce,
@@ -430,7 +437,12 @@ def build(run: Run) -> dict:
         bucket_size=run.bucket_size,
         grad_reduce_in_fp32=True,
     )
-    ddp = GTPDistributedDataParallel(config, ddp_config, model, pg_collection=pgs)
+    ddps = [  # megatron buckets the first chunk only (its training loop's disable_bucketing)
+        GTPDistributedDataParallel(
+            config, ddp_config, chunk, pg_collection=pgs, disable_bucketing=index > 0
+        )
+        for index, chunk in enumerate(chunks)
+    ]
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=run.lr,
@@ -439,23 +451,65 @@ def build(run: Run) -> dict:
         bf16=run.bf16,
         use_distributed_optimizer=run.distopt,
     )
-    optimizer = build_optimizer(optimizer_config, ddp, pgs, muon=run.optimizer == "muon")
+    optimizer = build_optimizer(optimizer_config, ddps, pgs, muon=run.optimizer == "muon")
     if run.gtp_on:  # as GTPMegatronStrategy's optimizer setup does
         plan_optimizer_copies(optimizer)
     config.finalize_model_grads_func = make_finalize_model_grads(groups)
-    config.no_sync_func = ddp.no_sync
-    return dict(model=model, ddp=ddp, optimizer=optimizer, groups=groups, device=device)
+    no_sync = [ddp.no_sync for ddp in ddps]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return dict(
+        model=chunks[0], ddp=ddps[0], chunks=ddps, optimizer=optimizer, groups=groups, device=device
+    )
 
 
-def build_optimizer(config: OptimizerConfig, ddp: object, pgs: object, *, muon: bool) -> object:
-    """megatron's optimizer for ``ddp`` with the GTP process groups ``pgs`` (no gloo groups),
-    or with ``muon`` Muon for the hidden matrices and Adam for the rest (Newton–Schulz in fp32,
-    so parity holds to fp32 rounding; design §1.6 "Muon")."""
+def _model_chunk(
+    run: Run,
+    config: TransformerConfig,
+    spec: object,
+    groups: GTPGroups,
+    gtp_config: GTPConfig,
+    device: str,
+    on_gpu: bool,
+    vp_stage: int | None,
+) -> torch.nn.Module:
+    """This rank's GPTModel for pipeline stage ``vp_stage`` (``None``: no virtual pipeline),
+    built full or as GTP shards, not yet sharded by ``shard_model``."""
+    stage = dict(  # this rank's pipeline stage (the whole model at PP 1)
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        share_embeddings_and_output_weights=run.tied,
+        vp_stage=vp_stage,
+    )
+    reference = None
+    if run.presharded and run.gtp > 1:
+        # The full twin this seed builds without GTP; the shards then start from its weights.
+        twin = GPTModel(config, spec, run.vocab, run.seq, **stage).named_parameters()
+        reference = {n: p.detach().clone() for n, p in twin}
+    if run.presharded and run.gtp_on:
+        grouped = grouped_linear_kinds(on_gpu) if run.grouped else {}
+        spec = gtp_layer_spec(spec, groups, gtp_config, grouped_kinds=grouped)
+    elif run.preshard_experts and run.egtp > 1:
+        spec = _experts_presharded(spec, run, groups, gtp_config, on_gpu)
+    model = GPTModel(config, spec, run.vocab, run.seq, **stage).to(device)
+    if reference is not None:
+        load_full_weights(model, reference)
+    if run.bf16:  # norms and inputs in bf16 too, as NeMo's precision plugin does
+        model = Float16Module(config, model)
+    return model
+
+
+def build_optimizer(
+    config: OptimizerConfig, ddp: object | list, pgs: object, *, muon: bool
+) -> object:
+    """megatron's optimizer for ``ddp`` (a model chunk, or a list of them) with the GTP process
+    groups ``pgs`` (no gloo groups), or with ``muon`` Muon for the hidden matrices and Adam for
+    the rest (Newton–Schulz in fp32, so parity holds to fp32 rounding; design §1.6 "Muon")."""
+    chunks = ddp if isinstance(ddp, list) else [ddp]
     if muon:
         return get_muon_optimizer(
-            config, [ddp], MuonConfig(ns_dtype=torch.float32), pg_collection=pgs
+            config, chunks, MuonConfig(ns_dtype=torch.float32), pg_collection=pgs
         )
-    return get_megatron_optimizer(config, [ddp], use_gloo_process_groups=False, pg_collection=pgs)
+    return get_megatron_optimizer(config, chunks, use_gloo_process_groups=False, pg_collection=pgs)
 
 
 def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
@@ -464,7 +518,12 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
     model, ddp, optimizer = setup["model"], setup["ddp"], setup["optimizer"]
     groups, device = setup["groups"], setup["device"]
     data_rank = parallel_state.get_data_parallel_rank()
-    named = [(n, p) for n, p in ddp.module.named_parameters()]
+    chunks = setup.get("chunks", [ddp])
+    named = [  # a chunk's names are its own (layer numbers local): prefixed under VPP
+        (f"chunk{i}.{n}" if len(chunks) > 1 else n, p)
+        for i, chunk in enumerate(chunks)
+        for n, p in chunk.module.named_parameters()
+    ]
     out = {"losses": [], "grad_norms": [], "grads": {}, "weights": {}, "data_rank": data_rank}
     out["builds"] = []  # the runtime's chain-building count after each step
     runtime = getattr(model, "gtp_runtime", None)
@@ -475,14 +534,16 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
         masters = {n: p for n, p in named if n.endswith(FP8_PRIMARY_WEIGHTS)}
         masters = quantize_full_weights(masters, run.fp8_scaling)
     for step in range(first_step, first_step + run.steps):
-        ddp.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        data = iter([_batch(run, step, m, data_rank, device) for m in range(MICROBATCHES)])
+        batches = [_batch(run, step, m, data_rank, device) for m in range(run.microbatches)]
         reduced = forward_backward(
             forward_step_func=_forward_step,
-            data_iterator=data,
-            model=[ddp],
-            num_microbatches=MICROBATCHES,
+            # the interleaved schedule reads one iterator per chunk
+            data_iterator=iter(batches) if len(chunks) == 1 else [iter(batches) for _ in chunks],
+            model=chunks,
+            num_microbatches=run.microbatches,
             seq_length=run.seq,
             micro_batch_size=MBS,
             forward_only=False,
@@ -514,6 +575,7 @@ def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
                     param.copy_(masters[name])
     out["optimizer_state_numel"] = optimizer_state_numel(optimizer)
     out["runtime"] = getattr(model, "gtp_runtime", None)
+    out["runtimes"] = [getattr(chunk.module, "gtp_runtime", None) for chunk in chunks]
     out["expert_runtime"] = getattr(model, "gtp_expert_runtime", None)
     return out
 

@@ -44,7 +44,11 @@ def gtp_nccl_options(config: GTPConfig | None) -> object | None:
 
 
 def initialize_gtp_parallel(
-    dims: GTPParallelDims, groups: GTPGroups | None = None, gtp_pg_options: object | None = None
+    dims: GTPParallelDims,
+    groups: GTPGroups | None = None,
+    gtp_pg_options: object | None = None,
+    *,
+    virtual_pipeline_model_parallel_size: int | None = None,
 ) -> GTPGroups:
     """Initialize megatron's ``parallel_state`` (if not yet) and build the GTP groups.
 
@@ -52,6 +56,8 @@ def initialize_gtp_parallel(
     the same ``dims`` are reused instead of built again (process groups live until the default
     group is destroyed, so rebuilding them only accumulates). ``gtp_pg_options`` goes to
     :meth:`GTPParallelDims.build` (the GTP communicator's NCCL options).
+    ``virtual_pipeline_model_parallel_size``: megatron's model chunks per pipeline rank (the
+    interleaved schedule); not a rank axis, so the grid does not know it (design §1.4 "PP").
 
     Example::
 
@@ -62,6 +68,7 @@ def initialize_gtp_parallel(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=dims.tensor_model_parallel_size,
             pipeline_model_parallel_size=dims.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
             context_parallel_size=dims.context_parallel_size,
             expert_model_parallel_size=dims.expert_model_parallel_size,
             expert_tensor_parallel_size=dims.expert_tensor_parallel_size,
