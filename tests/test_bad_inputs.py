@@ -66,6 +66,20 @@ BAD_OVERRIDES = [
     (["trainer.devices=3"], "world_size=3 is not divisible"),
     (["strategy.tensor_model_parallel_size=2", "strategy.num_weight_shards=3"], "multiple of"),
     (["+strategy.context_parallel_size=2"], "context_parallel_size=2 with model.layer_spec=local"),
+    # pipeline stages (design §1.4 "PP")
+    (
+        ["+strategy.pipeline_model_parallel_size=2"],
+        "+model.share_embeddings_and_output_weights=false",
+    ),
+    (
+        [
+            "+strategy.pipeline_model_parallel_size=2",
+            "+strategy.virtual_pipeline_model_parallel_size=2",
+        ],
+        "model.num_layers=2 does not split evenly over 2 stages x 2 virtual stages",
+    ),
+    (["+strategy.virtual_pipeline_model_parallel_size=2"], "needs pipeline stages"),
+    (["+model.share_embeddings_and_output_weights=maybe"], "share_embeddings_and_output_weights"),
     (["data.global_batch_size=12"], "data.global_batch_size=12 must be a multiple of"),
     (["data.global_batch_size=8"], "data.micro_batch_size x (DP x GTP) = 4 x 4 = 16"),
     (["+strategy.save_ckpt_format=zarr"], "strategy.save_ckpt_format='zarr'"),

@@ -240,6 +240,47 @@ def test_pipeline_parallel_recipe_runs_with_gtp(
     assert out.getvalue().strip().splitlines()[-1].startswith("VERDICT: GTP matches the baseline")
 
 
+def test_pipeline_dtype_defaults_to_the_training_dtype() -> None:
+    """Under PP with no pipeline_dtype anywhere the activations between stages travel in the
+    training dtype (megatron refuses PP without one); a recipe's value wins; none without PP."""
+    import torch
+
+    from nemo_gtp.recipes.config import load_recipe
+    from nemo_gtp.recipes.loader import strategy_kwargs
+
+    pp = ["+strategy.pipeline_model_parallel_size=2"]
+    cases = [
+        (pp, {}, torch.float32),
+        (pp + ["precision=bf16-mixed"], {}, torch.bfloat16),
+        (pp, {"params_dtype": torch.bfloat16}, torch.bfloat16),
+        (pp + ["+strategy.pipeline_dtype=float16"], {}, torch.float16),
+        ([], {}, None),
+    ]
+    for overrides, model_cfg, expected in cases:
+        kwargs = strategy_kwargs(load_recipe("configs/tiny_cpu.yaml", overrides), model_cfg)
+        assert kwargs.get("pipeline_dtype") == expected, (overrides, model_cfg, kwargs)
+
+
+def test_leftover_nemo_getattr_proxies_are_dropped() -> None:
+    """NeMo's teardown under virtual pipeline parallelism leaves its attribute proxy (a copy:
+    a function with the proxy's code) on the model class; teardown_fit removes it, and the
+    class falls back to ``nn.Module.__getattr__`` again."""
+    import types
+
+    import torch
+    from nemo.lightning.megatron_parallel import getattr_proxy
+
+    from nemo_gtp.recipes.launch import drop_leftover_getattr_proxies
+
+    class Chunk(torch.nn.Module):
+        pass
+
+    Chunk.__getattr__ = types.FunctionType(getattr_proxy.__code__, getattr_proxy.__globals__)
+    assert drop_leftover_getattr_proxies() >= 1
+    assert "__getattr__" not in vars(Chunk)
+    assert Chunk.__getattr__ is torch.nn.Module.__getattr__
+
+
 def test_teardown_fit_lets_the_next_fit_choose_its_rng_tracker() -> None:
     """megatron makes its RNG tracker once per process; a fit after teardown_fit must get the
     tracker its own settings ask for (TE's capturable one for CUDA graphs), not the last fit's.

@@ -48,7 +48,7 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_gtp.testing.strategy_harness import MOE_MODEL, Fit, run_fits, shared_launch
+from nemo_gtp.testing.strategy_harness import MOE_MODEL, Fit, pipelined, run_fits, shared_launch
 
 WORLD = 4
 
@@ -59,6 +59,8 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 _MOE_STRATEGY = {"expert_model_parallel_size": 2, "expert_num_weight_shards": 2}
 _GROUPED = {"model_kwargs": MOE_MODEL, "grouped_experts": True}  # TEGroupedMLP stand-ins
+PP2 = pipelined(2)  # 4 layers over 2 stages, untied output layer
+PP1 = {"model_kwargs": PP2["model_kwargs"]}  # the same model on one stage
 
 # Launch 1 needs no fresh processes: it shares its spawn with test_strategy.py's 4-rank fits.
 # Paths are relative to the shared launch's directory.
@@ -112,6 +114,19 @@ FIRST_LAUNCH = [
         distopt=False,
         muon=True,
     ),
+    # pipeline parallelism: PP2·GTP2, uninterrupted and killed after 5 of 10 steps
+    Fit("pp_10", gtp=2, steps=10, **PP2),
+    Fit(
+        "pp_killed",
+        gtp=2,
+        steps=10,
+        stop_after=5,
+        checkpoint_every=5,
+        checkpoint_dir="pp_ckpts",
+        state_at=5,
+        state_to="pp_5.pt",
+        **PP2,
+    ),
     Fit(
         "plain_tp1",
         steps=10,
@@ -137,6 +152,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert len(moe_saved) == 1, moe_saved
     (grouped_saved,) = (root / "grouped_ckpts").glob("step=4*")  # after 5 steps
     (muon_saved,) = [p for p in (root / "muon_ckpts").iterdir() if not p.name.startswith(".")]
+    (pp_saved,) = [p for p in (root / "pp_ckpts").iterdir() if not p.name.startswith(".")]
     truncated = root / "truncated" / saved[0].name
     shutil.copytree(saved[0], truncated)
     data_files = sorted((truncated / "weights").glob("*.distcp"))
@@ -205,6 +221,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             resume_from=str(muon_saved),
             distopt=False,
             muon=True,
+        ),
+        # PP2·GTP2's checkpoint resumed on one stage at TP1·GTP2·DP2, and its weights loaded
+        # without GTP at PP2·DP2 (plain megatron cannot describe torch Adam's state, above)
+        Fit(
+            "pp_resume_pp1",
+            gtp=2,
+            steps=10,
+            resume_from=str(pp_saved),
+            state_at=5,
+            state_to=str(root / "pp_resume_pp1_5.pt"),
+            **PP1,
+        ),
+        Fit(
+            "pp_plain_from_gtp",
+            steps=6,  # one step: the state is dumped at the train start
+            resume_from=str(pp_saved),
+            state_at=5,
+            state_to=str(root / "pp_plain_from_gtp_5.pt"),
+            strategy_kwargs={**PP2["strategy_kwargs"], "ckpt_load_optimizer": False},
+            model_kwargs=PP2["model_kwargs"],
         ),
         # last: a failed fit leaves the launch going, but nothing after it is worth the risk
         Fit("gtp_truncated", gtp=2, steps=20, resume_from=str(truncated), expect_error=True),
@@ -302,6 +338,36 @@ def test_muon_resumes_at_another_gtp_size(runs: dict[str, Any]) -> None:
     for what in ("losses", "grad_norms"):
         for step, (x, y) in enumerate(zip(resumed[what], full[what][5:], strict=True)):
             assert abs(x - y) <= 1e-5 * abs(y), f"{what} step {5 + step}: {x} vs {y}"
+
+
+def test_pipeline_checkpoint_resumes_on_one_stage(runs: dict[str, Any]) -> None:
+    """NeMo's checkpoint of PP2·GTP2 (each stage's layers under their global numbers, GTP
+    shards at their global offsets) resumed on one stage at TP1·GTP2·DP2: every weight, fp32
+    master and Adam moment bit for bit after the load, the resumed steps within 1e-5 of the
+    uninterrupted PP2·GTP2 run."""
+    from nemo_gtp.testing.ckpt_harness import assert_same_state
+
+    full, resumed = runs["pp_10"], runs["pp_resume_pp1"]
+    assert runs["pp_killed"]["losses"] == full["losses"][:5]
+    saved = _full_state(runs["root"], "pp_5")
+    assert {key.split("/")[0] for key in saved} == {"weight", "fp32_param", "exp_avg", "exp_avg_sq"}
+    assert assert_same_state(_full_state(runs["root"], "pp_resume_pp1_5"), saved) == len(saved)
+    assert len(resumed["losses"]) == 5
+    for what in ("losses", "grad_norms"):
+        for step, (x, y) in enumerate(zip(resumed[what], full[what][5:], strict=True)):
+            assert abs(x - y) <= 1e-5 * abs(y), f"{what} step {5 + step}: {x} vs {y}"
+
+
+def test_pipeline_checkpoint_loads_without_gtp(runs: dict[str, Any]) -> None:
+    """The PP2·GTP2 checkpoint's weights loaded by plain ``MegatronStrategy`` at PP2·DP2:
+    every weight bit for bit (GTP shards joined at their offsets, pad rows dropped)."""
+    saved = _full_state(runs["root"], "pp_5")
+    loaded = _full_state(runs["root"], "pp_plain_from_gtp_5")
+    weights = {key: value for key, value in saved.items() if key.startswith("weight/")}
+    # 4 layers x (2 norms x 2 + qkv, proj, fc1, fc2), 2 embeddings, final norm x 2, output layer
+    assert len(weights) == 37
+    for key, value in weights.items():
+        assert torch.equal(loaded[key], value), key
 
 
 def test_model_checkpoint_writes_a_committed_torch_dist_checkpoint(runs: dict[str, Any]) -> None:

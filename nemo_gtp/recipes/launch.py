@@ -110,7 +110,9 @@ def teardown_fit() -> None:
     place, the next fit would replay the previous model's graphs. And megatron's RNG tracker:
     it is made once per process (later requests are ignored), so a fit asking for TE's
     capturable tracker after one without it would get the first fit's tracker and fail graph
-    capture ("RNG tracker does not support cudagraphs!").
+    capture ("RNG tracker does not support cudagraphs!"). And NeMo's attribute proxy, which its
+    teardown leaves on a model class under virtual pipeline parallelism
+    (:func:`drop_leftover_getattr_proxies`).
     """
     import gc
 
@@ -145,6 +147,7 @@ def teardown_fit() -> None:
     )
 
     reset_layer_graphs()
+    drop_leftover_getattr_proxies()
     # Free the fit's CUDA graphs and finish its work before the communicators go: a per-layer
     # graph holding GTP's captured NCCL collectives kept destroy_process_group waiting on
     # 2xH200, also after the references we know of were dropped; so every graph still alive
@@ -159,6 +162,39 @@ def teardown_fit() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def drop_leftover_getattr_proxies() -> int:
+    """Remove NeMo's DDP attribute proxy from every module class its teardown left it on.
+
+    ``MegatronParallel.init_ddp`` (NeMo 2.7.3) saves each chunk's ``__getattr__`` and then sets
+    the chunk's *class* ``__getattr__`` to its proxy; ``teardown_ddp`` puts the saved ones back
+    in chunk order. Under virtual pipeline parallelism the chunks share a class, so the second
+    chunk saved the proxy the first had set, and the class keeps the proxy after the fit. A
+    later fit of a subclass then recurses in it (``super(type(self), self).__getattr__`` finds
+    the parent's proxy again). The classes never define ``__getattr__`` themselves (NeMo's
+    saved one is ``nn.Module``'s), so deleting the class attribute restores them. Returns how
+    many classes were fixed.
+
+    Example::
+
+        trainer.fit(model, datamodule=data)   # virtual_pipeline_model_parallel_size=2
+        drop_leftover_getattr_proxies()       # 1: the model class
+    """
+    import torch
+    from nemo.lightning.megatron_parallel import getattr_proxy
+
+    fixed, seen, stack = 0, set(), [torch.nn.Module]
+    while stack:
+        cls = stack.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        stack.extend(cls.__subclasses__())
+        if getattr(vars(cls).get("__getattr__"), "__code__", None) is getattr_proxy.__code__:
+            delattr(cls, "__getattr__")
+            fixed += 1
+    return fixed
 
 
 def _world_size(cfg: Any) -> int:

@@ -238,7 +238,9 @@ def strategy_kwargs(cfg: DictConfig, model_cfg: dict[str, Any]) -> dict[str, Any
     NeMo copies the strategy's ``pipeline_dtype`` into the model config (``None`` unless given),
     which overwrote a recipe's ``model.pipeline_dtype`` and failed megatron's "pipeline_dtype
     must be specified" check under pipeline parallelism: the model's value is passed to the
-    strategy too (a ``strategy.pipeline_dtype`` name wins), as a ``torch.dtype``.
+    strategy too (a ``strategy.pipeline_dtype`` name wins), as a ``torch.dtype``. Under PP with
+    neither given, the activations between stages travel in the training dtype: bfloat16 for
+    ``precision: bf16-mixed``, else ``model.params_dtype`` (float32 by default).
 
     Example::
 
@@ -249,6 +251,14 @@ def strategy_kwargs(cfg: DictConfig, model_cfg: dict[str, Any]) -> dict[str, Any
         kwargs["pipeline_dtype"] = _DTYPES[kwargs["pipeline_dtype"]]
     if kwargs.get("pipeline_dtype") is None and model_cfg.get("pipeline_dtype") is not None:
         kwargs["pipeline_dtype"] = model_cfg["pipeline_dtype"]
+    if (
+        kwargs.get("pipeline_dtype") is None
+        and (kwargs.get("pipeline_model_parallel_size") or 1) > 1
+    ):
+        bf16 = str(cfg.get("precision", "32")) == "bf16-mixed"
+        kwargs["pipeline_dtype"] = (
+            torch.bfloat16 if bf16 else model_cfg.get("params_dtype", torch.float32)
+        )
     return kwargs
 
 

@@ -95,6 +95,7 @@ TYPED: dict[str, str] = {
     "strategy.num_weight_shards": _INT + "+",
     "strategy.context_parallel_size": _INT + "+",
     "strategy.pipeline_model_parallel_size": _INT + "+",
+    "strategy.virtual_pipeline_model_parallel_size": _INT + "+",
     "strategy.expert_model_parallel_size": _INT + "+",
     "strategy.expert_tensor_parallel_size": _INT + "+",
     "strategy.expert_num_weight_shards": _INT + "+",
@@ -115,6 +116,7 @@ TYPED: dict[str, str] = {
     "model.hidden_dropout": _FLOAT,
     "model.attention_dropout": _FLOAT,
     "model.gated_linear_unit": _BOOL,
+    "model.share_embeddings_and_output_weights": _BOOL,
     "model.add_bias_linear": _BOOL,
     "model.bf16": _BOOL,
     "model.num_moe_experts": _INT + "+",
@@ -363,6 +365,7 @@ def _check_sizes(raw: dict[str, Any]) -> None:
     _check_moe(raw, dims)
     _check_fp8(raw, dims)
     _check_context_parallel(raw, dims)
+    _check_pipeline(raw, dims)
     data = raw.get("data") or {}
     micro, batch = data.get("micro_batch_size"), data.get("global_batch_size")
     if micro is None or batch is None:
@@ -388,6 +391,39 @@ def _check_context_parallel(raw: dict[str, Any], dims: Any) -> None:
             f"strategy.context_parallel_size={cp} with model.layer_spec={spec}: megatron runs "
             "context parallelism in TransformerEngine's attention only; set "
             "model.layer_spec=te (GPUs) or strategy.context_parallel_size=1"
+        )
+
+
+def _check_pipeline(raw: dict[str, Any], dims: Any) -> None:
+    """Pipeline stages (design §1.4 "PP"): the layers split evenly over PP x VP model chunks;
+    on CPU an untied output layer (megatron copies a tied embedding to the last stage through
+    CUDA)."""
+    strategy, model = raw.get("strategy") or {}, raw.get("model") or {}
+    pp, vp = dims.pipeline_model_parallel_size, strategy.get("virtual_pipeline_model_parallel_size")
+    if vp is not None and pp == 1:
+        raise RecipeError(
+            f"strategy.virtual_pipeline_model_parallel_size={vp} needs pipeline stages: set "
+            "strategy.pipeline_model_parallel_size > 1 or drop the virtual size"
+        )
+    if pp == 1:
+        return
+    layers, chunks = model.get("num_layers"), pp * (vp or 1)
+    uneven = any(
+        key in model
+        for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+    )
+    if layers is not None and layers % chunks and not uneven:
+        what = f"{pp} stages" + (f" x {vp} virtual stages" if vp else "")
+        raise RecipeError(
+            f"model.num_layers={layers} does not split evenly over {what}: set model.num_layers "
+            f"to a multiple of {chunks}"
+        )
+    cpu = raw.get("cpu_compat") or (raw.get("trainer") or {}).get("accelerator") == "cpu"
+    if cpu and model.get("share_embeddings_and_output_weights", True):
+        raise RecipeError(
+            f"strategy.pipeline_model_parallel_size={pp} on CPU needs an untied output layer "
+            "(megatron copies the tied embedding to the last stage through CUDA): set "
+            "+model.share_embeddings_and_output_weights=false"
         )
 
 

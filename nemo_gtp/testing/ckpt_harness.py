@@ -438,7 +438,7 @@ def moe_full_state(
     the fp32 mains alone, e.g. after a weights-only load, before Adam has moments) of a MoE
     model as full logical tensors, keyed ``"<kind>/<name>"`` with routed experts under their
     global index (:func:`expert_key`), merged over every rank (replicas must agree bit for
-    bit): two layouts, expert kinds (``SequentialMLP`` / ``TEGroupedMLP``), EP or EGTP sizes
+    bit): two layouts, expert kinds (``SequentialMLP`` / ``TEGroupedMLP``), EP, EGTP or PP sizes
     compare directly. An FP8 primary shard (design §1.3) gives its dequantized weight as
     ``weight/``, its FP8 bytes as ``fp8/``, its ``scale`` and ``scale_inv`` as ``fp8_scale/``
     and ``fp8_scale_inv/``.
@@ -471,8 +471,9 @@ def moe_full_state(
             for (_, p), f in zip(named, found)
         ]
     local, keys, items = {}, [], []
+    at_pp1 = global_layer_names(model)  # under PP each stage's layers by their global number
     for (name, param), param_states in zip(named, states, strict=True):
-        key = expert_key(name, first)
+        key = expert_key(at_pp1[name], first)
         if is_fp8_primary(param):
             fp8 = param.gtp_state.fp8
             weight = dequantize_fp8_primary(param)

@@ -40,6 +40,22 @@ MOE_MODEL = dict(
 )
 
 
+def pipelined(pp: int = 2, vp: int | None = None) -> dict[str, Any]:
+    """``Fit`` keywords for ``pp`` pipeline stages (``vp``: model chunks per rank, megatron's
+    interleaved schedule) of a 4-layer model: fp32 activations between stages, untied output
+    layer (megatron copies a tied embedding to the last stage through CUDA).
+
+    Example::
+
+        Fit("pp2_gtp2", gtp=2, **pipelined(2))
+    """
+    strategy = {"pipeline_model_parallel_size": pp, "pipeline_dtype": torch.float32}
+    if vp is not None:
+        strategy["virtual_pipeline_model_parallel_size"] = vp
+    model = {"num_layers": 4, "share_embeddings_and_output_weights": False}
+    return {"strategy_kwargs": strategy, "model_kwargs": model}
+
+
 @dataclass(frozen=True)
 class Fit:
     """One ``trainer.fit``: layout, GTP on/off, what to record."""
@@ -425,6 +441,8 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "indices": indices,
         "banners": _banners(catcher),
         "gtp_params": sum(len(r.params) for r in runtimes),
+        "gtp_runtimes": len(runtimes),
+        "leftovers": gtp_leftovers(strategy),
         "presharded_modules": sum(
             type(m).__name__.startswith("GTP") and hasattr(m, "gtp_column")
             for m in strategy.megatron_parallel[0].modules()
