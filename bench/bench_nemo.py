@@ -159,6 +159,10 @@ TOP_LEVEL_KEYS = ("resume",)  # recipe keys a mode modifier may set without a do
 # is compared with a Muon DP2 run, design §1.6); ``muon.*`` keys too.
 LAYOUT_KEYS = (
     "strategy.context_parallel_size",
+    "strategy.pipeline_model_parallel_size",
+    "strategy.virtual_pipeline_model_parallel_size",
+    "model.share_embeddings_and_output_weights",  # PP on CPU: an untied output layer
+    "model.num_layers",
     "optim.optimizer",
     "optim.use_distributed_optimizer",
     "ddp.use_distributed_optimizer",
