@@ -163,6 +163,7 @@ LAYOUT_KEYS = (
     "strategy.virtual_pipeline_model_parallel_size",
     "model.share_embeddings_and_output_weights",  # PP on CPU: an untied output layer
     "model.num_layers",
+    "data.global_batch_size",  # PP: microbatches per step
     "optim.optimizer",
     "optim.use_distributed_optimizer",
     "ddp.use_distributed_optimizer",
@@ -306,10 +307,10 @@ def launch_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
                 "mode": mode if repeat == 0 else f"{mode}#{repeat}",
                 "tokens_per_gpu": tokens,
                 "config": config,
-                "overrides": [
+                "overrides": [  # later wins: a mode's @data.global_batch_size=N over the default
                     *shape,
-                    *overrides,
                     *_token_overrides(tokens, config),
+                    *overrides,
                     *world_overrides(args.devices, args.shared_device),
                 ],
                 "profile": tokens in profile and repeat == 0,

@@ -183,10 +183,11 @@ def fresh_tensorboard_dir(log_dir: Path) -> None:
 def check(config: str, overrides: list[str]) -> object:
     """Load and check a recipe in this process (no torch / NeMo): the config, or RecipeError."""
     from nemo_gtp.recipes.config import load_recipe
-    from nemo_gtp.recipes.validate import validate_recipe
+    from nemo_gtp.recipes.validate import check_installed, validate_recipe
 
     cfg = load_recipe(config, overrides)
     validate_recipe(cfg)
+    check_installed(cfg)
     return cfg
 
 

@@ -9,6 +9,7 @@ holds the cases it already had, this module adds the rest).
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -79,6 +80,16 @@ BAD_OVERRIDES = [
         "model.num_layers=2 does not split evenly over 2 stages x 2 virtual stages",
     ),
     (["+strategy.virtual_pipeline_model_parallel_size=2"], "needs pipeline stages"),
+    (
+        [
+            "+strategy.pipeline_model_parallel_size=2",
+            "+strategy.virtual_pipeline_model_parallel_size=2",
+            "+model.share_embeddings_and_output_weights=false",
+            "model.num_layers=4",
+            "data.global_batch_size=8",
+        ],
+        "microbatches per step, data.global_batch_size=8 gives 1",
+    ),
     (["+model.share_embeddings_and_output_weights=maybe"], "share_embeddings_and_output_weights"),
     (["data.global_batch_size=12"], "data.global_batch_size=12 must be a multiple of"),
     (["data.global_batch_size=8"], "data.micro_batch_size x (DP x GTP) = 4 x 4 = 16"),
@@ -239,6 +250,23 @@ def test_bad_recipe_files(tmp_path: Path) -> None:
 def test_shipped_recipes_pass_the_checks(path: Path) -> None:
     validate_recipe(load_recipe(str(path)))
     validate_recipe(load_recipe(str(path), ["+model.activation_func=silu"]))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed here"
+)
+def test_te_recipe_without_te_is_refused_before_launch() -> None:
+    """A TE recipe on a machine without TransformerEngine stops before any worker starts (NeMo
+    would silently build megatron's local spec instead); the local spec still runs."""
+    from nemo_gtp.recipes.validate import check_installed
+
+    te = load_recipe(str(ROOT / "configs" / "gpt_1b_te.yaml"))
+    validate_recipe(te)  # a valid recipe
+    with pytest.raises(RecipeError, match=r"model\.layer_spec=te needs TransformerEngine"):
+        check_installed(te)
+    check_installed(
+        load_recipe(str(ROOT / "configs" / "gpt_1b_te.yaml"), ["model.layer_spec=local"])
+    )
 
 
 def test_recipe_checks_need_no_torch() -> None:

@@ -125,6 +125,10 @@ def build_fit(
     layer_spec = model_cfg.pop("layer_spec", None) or default_layer_spec_name()
     if layer_spec not in ("te", "local"):
         raise ValueError(f"model.layer_spec must be 'te' or 'local', got {layer_spec!r}")
+    if layer_spec == "te" and default_layer_spec_name() != "te":
+        from nemo_gtp.recipes.validate import TE_MISSING
+
+        raise ValueError(TE_MISSING)
     if layer_spec == "local":  # else NeMo's own default: the TransformerEngine spec
         model_cfg["transformer_layer_spec"] = local_layer_spec
     gpt_config = llm.GPTConfig(vocab_size=vocab, seq_length=data_cfg["seq_length"], **model_cfg)

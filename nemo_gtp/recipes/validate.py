@@ -244,6 +244,28 @@ def validate_recipe(cfg: DictConfig) -> None:
         check_resume_path(raw["resume"])
 
 
+TE_MISSING = (
+    "model.layer_spec=te needs TransformerEngine, which is not installed here (NeMo would fall "
+    "back to megatron's local spec without a word): install it, or set model.layer_spec=local"
+)
+
+
+def check_installed(cfg: DictConfig) -> None:
+    """What a recipe asks of this machine's packages, before any worker starts (a recipe that
+    is valid can still need what is not installed here: ``validate_recipe`` checks the recipe).
+
+    ``model.layer_spec=te`` needs TransformerEngine: without it NeMo's default spec silently is
+    megatron's local one, and a run labelled TE would measure the local spec.
+
+    Example::
+
+        check_installed(load_recipe("configs/gpt_1b_te.yaml"))  # RecipeError on a CPU machine
+    """
+    spec = OmegaConf.select(cfg, "model.layer_spec", default=None)
+    if spec == "te" and importlib.util.find_spec("transformer_engine") is None:
+        raise RecipeError(TE_MISSING)
+
+
 def _check_gtp_section(gtp: dict[str, Any]) -> None:
     fields = gtp_config_fields()
     for key, value in gtp.items():
@@ -376,6 +398,15 @@ def _check_sizes(raw: dict[str, Any]) -> None:
             f"data.global_batch_size={batch} must be a multiple of data.micro_batch_size x "
             f"(DP x GTP) = {micro} x {ranks} = {micro * ranks}: set "
             f"data.global_batch_size={max(1, round(batch / (micro * ranks))) * micro * ranks}"
+        )
+    pp, vp = dims.pipeline_model_parallel_size, strategy.get("virtual_pipeline_model_parallel_size")
+    if vp is not None and pp > 1 and batch // (micro * ranks) < pp:
+        # megatron's interleaved schedule runs the microbatches in groups of PP per model chunk
+        raise RecipeError(
+            f"strategy.virtual_pipeline_model_parallel_size={vp} needs at least "
+            f"pipeline_model_parallel_size={pp} microbatches per step, data.global_batch_size="
+            f"{batch} gives {batch // (micro * ranks)} (micro {micro} x DP x GTP {ranks}): set "
+            f"data.global_batch_size={pp * micro * ranks}"
         )
 
 
