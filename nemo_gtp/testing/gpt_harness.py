@@ -337,8 +337,9 @@ def train(run: Run) -> dict:
 def build(run: Run) -> dict:
     """Model, DDP, optimizer and groups for ``run`` (see :func:`train`).
 
-    Returns ``dict(model=..., ddp=..., optimizer=..., groups=..., device=...)``; ``model`` is
-    the one GTP sharded (``Float16Module`` with ``bf16``): its ``gtp_runtime`` when GTP is on.
+    Returns ``dict(model=..., ddp=..., chunks=..., optimizer=..., groups=..., device=...)``;
+    ``model`` is the one GTP sharded (``Float16Module`` with ``bf16``): its ``gtp_runtime`` when
+    GTP is on; ``chunks``: every model chunk's DDP (``Run.vp`` of them; ``ddp`` is the first).
     Example::
 
         setup = build(Run(gtp=2, layers=4, hidden=1024, ffn=4096, heads=16, vocab=8192,
