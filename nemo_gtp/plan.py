@@ -1,5 +1,8 @@
 """Which layout fits: per-GPU memory of a GPT under TP × GTP × DP, before launching anything.
 
+``--pipeline-parallel PP`` plans TP × PP × GTP × DP layouts (each GPU its stage's layers; the
+first stage keeps PP microbatches' activations in flight under 1F1B, the last the logits).
+
 ``python -m nemo_gtp.plan configs/gpt_1b.yaml --gpus 8 --gpu-memory-gib 80 --tokens-per-gpu 4096``
 lists every candidate layout (TP × GTP × DP, activation recompute on/off,
 ``shard_replicated_params_over_gtp``) with its per-GPU bytes split into weights, gradients,
@@ -103,14 +106,18 @@ class Layout:
     cp: int = 1
     """Context parallelism: the CP peers hold the same weights and split the distributed
     optimizer's state with the DP ranks (megatron's ``dp_cp`` group, design §1.4 "CP")."""
+    pp: int = 1
+    """Pipeline stages: each GPU holds its stage's layers (design §1.4 "PP"); the estimate is
+    the fuller of the first and the last stage."""
 
     @property
     def name(self) -> str:
-        """E.g. ``TP2·GTP4·DP1 +recompute`` (``TP1·CP2·GTP4·DP1`` with context parallelism)."""
+        """E.g. ``TP2·GTP4·DP1 +recompute`` (``TP1·CP2·GTP4·DP1`` with context parallelism,
+        ``TP1·PP2·GTP2·DP1`` with pipeline stages)."""
         extra = (" +recompute" if self.recompute else "") + (
             " +shard_replicated" if self.shard_replicated else ""
         )
-        cp = f"·CP{self.cp}" if self.cp > 1 else ""
+        cp = (f"·PP{self.pp}" if self.pp > 1 else "") + (f"·CP{self.cp}" if self.cp > 1 else "")
         return f"TP{self.tp}{cp}·GTP{self.gtp}·DP{self.dp}{extra}"
 
 
@@ -159,10 +166,63 @@ def estimate(
     dropout, 2 without, 4 more with ``ModelShape.softmax_fp32``, none with flash / fused
     attention (TE's default spec).
     """
+    if layout.pp == 1:
+        return _stage_bytes(
+            model, layout, model.layers, model.embedding_params, 1, 1, True, tokens_per_gpu,
+            param_bytes=param_bytes, grad_bytes=grad_bytes, overhead_gib=overhead_gib,
+            prefetch_depth=prefetch_depth, coalesce_mb=coalesce_mb, dropout=dropout,
+            flash_attention=flash_attention, optimizer=optimizer, muon_bucket_mb=muon_bucket_mb,
+        )  # fmt: skip
+    if model.layers % layout.pp:
+        raise ValueError(
+            f"model.layers={model.layers} does not split evenly over {layout.pp} pipeline stages"
+        )
+    # Under 1F1B (with at least PP microbatches per step) the first stage keeps PP microbatches'
+    # activations of its layers in flight (its warm-up forwards), the last stage one; the first
+    # holds the input embedding, the last the output layer (its own copy when tied), the final
+    # norm and the logits.
+    stage_layers, embedding = model.layers // layout.pp, model.vocab * model.hidden
+    kwargs = dict(
+        param_bytes=param_bytes, grad_bytes=grad_bytes, overhead_gib=overhead_gib,
+        prefetch_depth=prefetch_depth, coalesce_mb=coalesce_mb, dropout=dropout,
+        flash_attention=flash_attention, optimizer=optimizer, muon_bucket_mb=muon_bucket_mb,
+    )  # fmt: skip
+    first = _stage_bytes(
+        model, layout, stage_layers, embedding, 0, layout.pp, False, tokens_per_gpu, **kwargs
+    )
+    last = _stage_bytes(
+        model, layout, stage_layers, embedding, 1, 1, True, tokens_per_gpu, **kwargs
+    )
+    return max(first, last, key=lambda part: sum(part.values()))
+
+
+def _stage_bytes(
+    model: ModelShape,
+    layout: Layout,
+    layers: int,
+    embedding: float,
+    final_norms: int,
+    in_flight: int,
+    logits: bool,
+    tokens_per_gpu: int,
+    *,
+    param_bytes: int,
+    grad_bytes: int,
+    overhead_gib: float,
+    prefetch_depth: int,
+    coalesce_mb: float,
+    dropout: bool,
+    flash_attention: bool,
+    optimizer: str,
+    muon_bucket_mb: float,
+) -> dict[str, float]:
+    """:func:`estimate` for one GPU holding ``layers`` transformer layers, ``embedding``
+    elements of embedding / output matrices, ``final_norms`` final layer norms and
+    ``in_flight`` microbatches' activations of its layers (``logits``: and the fp32 logits)."""
     tp, gtp = layout.tp, layout.gtp
     replicas = layout.dp * layout.cp  # the distributed optimizer shards over CP x DP
-    sharded = model.layers * model.linear_params_per_layer / (tp * gtp)
-    replicated = model.embedding_params / tp + (2 * model.layers + 1) * model.hidden
+    sharded = layers * model.linear_params_per_layer / (tp * gtp)
+    replicated = embedding / tp + (2 * layers + final_norms) * model.hidden
     optimizer_bytes = 12  # fp32 master + Adam m and v
     replicated_shards = replicas * gtp if layout.shard_replicated else replicas
     weights = (sharded + replicated) * param_bytes
@@ -194,10 +254,11 @@ def estimate(
     scores = 0 if flash_attention else (5 if dropout else 2) + 4 * model.softmax_fp32
     per_layer = tokens_per_gpu * ((34 if dropout else 32) * h + scores * a * s) / tp
     if layout.recompute:
-        activations = model.layers * 2 * tokens_per_gpu * h / tp + per_layer
+        activations = in_flight * layers * 2 * tokens_per_gpu * h / tp + per_layer
     else:
-        activations = model.layers * per_layer
-    activations += 2 * tokens_per_gpu * model.vocab / tp * 4  # fp32 logits and their grad
+        activations = in_flight * layers * per_layer
+    if logits:
+        activations += 2 * tokens_per_gpu * model.vocab / tp * 4  # fp32 logits and their grad
     return {
         "weights": weights,
         "grads": grads,
@@ -215,15 +276,21 @@ def candidate_layouts(
     max_tp: int = 8,
     cp: int = 1,
     shard_replicated: bool = True,
+    pp: int = 1,
 ) -> list[Layout]:
-    """Every TP × CP × GTP × DP = ``gpus`` (CP fixed, the recipe's) with TP ≤ ``max_tp`` inside
-    a node, each with and without recompute and (GTP > 1, ``shard_replicated``: it needs the
-    distributed optimizer) with and without ``shard_replicated_params_over_gtp``."""
+    """Every TP × PP × CP × GTP × DP = ``gpus`` (CP and PP fixed, the recipe's) with TP ≤
+    ``max_tp`` inside a node, each with and without recompute and (GTP > 1,
+    ``shard_replicated``: it needs the distributed optimizer) with and without
+    ``shard_replicated_params_over_gtp``."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
     if cp < 1 or gpus % cp:
         raise ValueError(f"--context-parallel {cp} must be >= 1 and divide --gpus {gpus}")
-    out, ranks = [], gpus // cp  # the TP x GTP x DP ranks of each CP slice
+    if pp < 1 or gpus % (cp * pp):
+        raise ValueError(
+            f"--pipeline-parallel {pp} must be >= 1 and divide --gpus {gpus} / CP {cp}"
+        )
+    out, ranks = [], gpus // (cp * pp)  # the TP x GTP x DP ranks of each CP slice and stage
     for tp in range(1, min(ranks, max_tp, gpus_per_node) + 1):
         if ranks % tp:
             continue
@@ -233,7 +300,7 @@ def candidate_layouts(
             dp = ranks // (tp * gtp)
             for recompute in (False, True):
                 for over_gtp in (False, True) if gtp > 1 and shard_replicated else (False,):
-                    out.append(Layout(tp, gtp, dp, recompute, over_gtp, cp))
+                    out.append(Layout(tp, gtp, dp, recompute, over_gtp, cp, pp))
     return out
 
 
@@ -245,17 +312,19 @@ def plan_layouts(
     tokens_per_gpu: int,
     gpus_per_node: int = 8,
     cp: int = 1,
+    pp: int = 1,
     **estimate_kwargs: float,
 ) -> list[Plan]:
     """A :class:`Plan` per candidate layout (context parallelism ``cp``: each GPU holds
-    ``tokens_per_gpu`` of a sample's ``seq / cp``), ordered as :func:`recommend` prefers them."""
+    ``tokens_per_gpu`` of a sample's ``seq / cp``; ``pp`` pipeline stages), ordered as
+    :func:`recommend` prefers them."""
     if tokens_per_gpu < 1:
         raise ValueError(f"--tokens-per-gpu must be >= 1, got {tokens_per_gpu}")
     budget = gpu_memory_gib * GIB
     plans = []
     distributed = estimate_kwargs.get("optimizer", "adam") != "muon"  # Muon: non-distributed
     for layout in candidate_layouts(
-        gpus, gpus_per_node=gpus_per_node, cp=cp, shard_replicated=distributed
+        gpus, gpus_per_node=gpus_per_node, cp=cp, shard_replicated=distributed, pp=pp
     ):
         plan = Plan(
             layout,
@@ -352,6 +421,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="CP",
         help="context_parallel_size (fixed; --tokens-per-gpu is then micro-batch x seq / CP)",
     )
+    parser.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=1,
+        metavar="PP",
+        help="pipeline_model_parallel_size (fixed; 1F1B with >= PP microbatches per step)",
+    )
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument(
         "--grad-dtype",
@@ -405,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_gpu=args.tokens_per_gpu,
             gpus_per_node=args.gpus_per_node,
             cp=args.context_parallel,
+            pp=args.pipeline_parallel,
             param_bytes=2 if args.precision == "bf16" else 4,
             grad_bytes=4 if args.grad_dtype == "fp32" else 2,
             overhead_gib=args.overhead_gib,

@@ -56,6 +56,31 @@ def test_context_parallel_layouts_split_optimizer_state_over_cp() -> None:
         plan_layouts(MODEL_1B, gpus=8, gpu_memory_gib=141, tokens_per_gpu=4096, cp=3)
 
 
+def test_pipeline_stages_hold_their_layers_and_the_first_keeps_pp_microbatches() -> None:
+    """With PP the candidates are TP x PP x GTP x DP (PP fixed); a GPU holds its stage's layers
+    (half the sharded weights at PP2) and the estimate is the fuller stage: under 1F1B the first
+    keeps PP microbatches of its layers' activations, as many as the whole model keeps without
+    PP, without the logits (the last stage's)."""
+    plans = plan_layouts(MODEL_1B, gpus=8, gpu_memory_gib=141, tokens_per_gpu=4096, pp=2)
+    names = {p.layout.name for p in plans}
+    assert "TP1·PP2·GTP2·DP2" in names and "TP2·PP2·GTP2·DP1 +recompute" in names
+    pp2 = estimate(MODEL_1B, Layout(1, 2, 2, pp=2), tokens_per_gpu=4096)
+    pp1 = estimate(MODEL_1B, Layout(1, 2, 2), tokens_per_gpu=4096)
+    stage = estimate(MODEL_1B.__class__(**{**vars(MODEL_1B), "layers": 12}), Layout(1, 2, 2),
+                     tokens_per_gpu=4096)  # fmt: skip
+    logits = 2 * 4096 * MODEL_1B.vocab * 4
+    assert pp2["activations"] == pytest.approx(pp1["activations"] - logits)
+    assert pp2["weights"] < pp1["weights"] and pp2["weights"] == pytest.approx(
+        stage["weights"] - MODEL_1B.vocab * MODEL_1B.hidden * 2 - MODEL_1B.hidden * 2, rel=1e-9
+    )  # the first stage: half the layers, the input embedding, no final norm
+    assert "TP1·PP2·GTP2·DP1" in {p.layout.name for p in plan_layouts(
+        MODEL_1B, gpus=4, gpu_memory_gib=80, tokens_per_gpu=4096, pp=2)}  # fmt: skip
+    with pytest.raises(ValueError, match="--pipeline-parallel 3 must be >= 1 and divide"):
+        plan_layouts(MODEL_1B, gpus=8, gpu_memory_gib=141, tokens_per_gpu=4096, pp=3)
+    with pytest.raises(ValueError, match="does not split evenly over 5 pipeline stages"):
+        estimate(MODEL_1B, Layout(1, 1, 1, pp=5), tokens_per_gpu=4096)
+
+
 def test_muon_keeps_whole_state_per_rank() -> None:
     """Muon (design §1.6): non-distributed, so DP does not divide its state; GTP does (the
     shards' masters and momenta, 8 bytes per element); no shard_replicated layouts."""
