@@ -177,6 +177,10 @@ MEASURED = {
     (Layout(1, 2, 1), 4096, True, 0): 18.62,
     (Layout(1, 1, 2), 8192, True, 0): 27.92,
     (Layout(1, 2, 1), 8192, True, 0): 25.40,
+    # PP2 (stage 0's rank, 2 microbatches per step = PP, default coalesce_mb): each rank's
+    # allocator peak on one H200 shared by four ranks, bench/results/2026-12-03_pipeline_1xH200.md
+    (Layout(1, 1, 2, pp=2), 4096, False, 192): 20.49,
+    (Layout(1, 2, 1, pp=2), 4096, False, 192): 21.06,
     # coalescing units (GTPConfig.coalesce_mb), local spec
     (Layout(1, 2, 1), 2048, False, 96): 18.86,
     (Layout(1, 2, 1), 2048, False, 192): 19.79,
