@@ -89,12 +89,13 @@ def _parity_case(rank: int, world: int, case: Run) -> float:
 
 
 def _pipeline_case(rank: int, world: int, case: Run) -> float:
-    """``case`` (PP > 1) and its reference: parity, one runtime per model chunk, every chain
-    prefetching and drained at the end of the step, the losses on the last stage only."""
+    """``case`` (PP > 1) and its reference (no GTP, no expert GTP): parity, one runtime per model
+    chunk, every chain prefetching and drained at the end of the step, the losses on the last
+    stage only."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    reference = train(_reference_run(case))
+    reference = train(dataclasses.replace(_reference_run(case), egtp=1))
     result = train(case)
     assert "pipelining" in get_forward_backward_func().__name__
     if case.vp > 1:
@@ -102,10 +103,14 @@ def _pipeline_case(rank: int, world: int, case: Run) -> float:
     runtimes = result["runtimes"]
     assert len(runtimes) == case.vp and len({id(r) for r in runtimes}) == case.vp
     layers = case.layers // (case.pp * case.vp)
-    for runtime in runtimes:
-        assert len(runtime.params) == 4 * layers  # qkv, proj, fc1, fc2 of this chunk's layers
+    for runtime in runtimes:  # qkv, proj (and fc1, fc2 of a dense MLP) of the chunk's layers
+        assert len(runtime.params) == (2 if case.experts else 4) * layers
         assert runtime.stats.prefetches > 0 and runtime.stats.fallback_allocations == 0
         assert runtime.outstanding() == {"gathers": 0, "reduce_scatters": 0}
+    if case.egtp > 1:  # the routed experts' own runtime: fc1, fc2 of each local expert
+        experts = result["expert_runtime"]
+        assert len(experts.params) == 2 * case.experts * layers
+        assert experts.outstanding() == {"gathers": 0, "reduce_scatters": 0}
     last = parallel_state.is_pipeline_last_stage()
     assert all(len(step) == (case.microbatches if last else 0) for step in result["losses"])
     try:
@@ -167,6 +172,8 @@ PIPE = dict(pp=2, layers=4, microbatches=4)
 PIPELINE_CASES_4 = [  # PP2·GTP2 vs PP2·DP2
     Run(gtp=2, **PIPE),
     Run(gtp=2, vp=2, distopt=True, **PIPE),
+    Run(gtp=2, recompute="full_uniform", distopt=True, **PIPE),  # the recompute chain too
+    Run(gtp=2, egtp=2, experts=4, distopt=True, **PIPE),  # MoE: dense GTP2 + expert GTP2
 ]
 PIPELINE_CASES_8 = [  # PP2·GTP2·DP2 vs PP2·DP4: DDP reduces the GTP shards' grads over DP too
     Run(gtp=2, distopt=True, per_token=True, **PIPE),
