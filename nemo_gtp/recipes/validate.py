@@ -399,15 +399,6 @@ def _check_sizes(raw: dict[str, Any]) -> None:
             f"(DP x GTP) = {micro} x {ranks} = {micro * ranks}: set "
             f"data.global_batch_size={max(1, round(batch / (micro * ranks))) * micro * ranks}"
         )
-    pp, vp = dims.pipeline_model_parallel_size, strategy.get("virtual_pipeline_model_parallel_size")
-    if vp is not None and pp > 1 and batch // (micro * ranks) < pp:
-        # megatron's interleaved schedule runs the microbatches in groups of PP per model chunk
-        raise RecipeError(
-            f"strategy.virtual_pipeline_model_parallel_size={vp} needs at least "
-            f"pipeline_model_parallel_size={pp} microbatches per step, data.global_batch_size="
-            f"{batch} gives {batch // (micro * ranks)} (micro {micro} x DP x GTP {ranks}): set "
-            f"data.global_batch_size={pp * micro * ranks}"
-        )
 
 
 def _check_context_parallel(raw: dict[str, Any], dims: Any) -> None:
@@ -426,9 +417,9 @@ def _check_context_parallel(raw: dict[str, Any], dims: Any) -> None:
 
 
 def _check_pipeline(raw: dict[str, Any], dims: Any) -> None:
-    """Pipeline stages (design §1.4 "PP"): the layers split evenly over PP x VP model chunks;
-    on CPU an untied output layer (megatron copies a tied embedding to the last stage through
-    CUDA)."""
+    """Pipeline stages (design §1.4 "PP"): the layers split evenly over PP x VP model chunks; a
+    virtual pipeline gets at least PP microbatches per step; on CPU an untied output layer
+    (megatron copies a tied embedding to the last stage through CUDA)."""
     strategy, model = raw.get("strategy") or {}, raw.get("model") or {}
     pp, vp = dims.pipeline_model_parallel_size, strategy.get("virtual_pipeline_model_parallel_size")
     if vp is not None and pp == 1:
@@ -448,6 +439,20 @@ def _check_pipeline(raw: dict[str, Any], dims: Any) -> None:
         raise RecipeError(
             f"model.num_layers={layers} does not split evenly over {what}: set model.num_layers "
             f"to a multiple of {chunks}"
+        )
+    data = raw.get("data") or {}
+    micro, batch, ranks = (
+        data.get("micro_batch_size"),
+        data.get("global_batch_size"),
+        dims.data_parallel_size,
+    )
+    if vp is not None and micro and batch and batch // (micro * ranks) < pp:
+        # megatron's interleaved schedule runs the microbatches in groups of PP per model chunk
+        raise RecipeError(
+            f"strategy.virtual_pipeline_model_parallel_size={vp} needs at least "
+            f"pipeline_model_parallel_size={pp} microbatches per step, data.global_batch_size="
+            f"{batch} gives {batch // (micro * ranks)} (micro {micro} x DP x GTP {ranks}): set "
+            f"data.global_batch_size={pp * micro * ranks}"
         )
     cpu = raw.get("cpu_compat") or (raw.get("trainer") or {}).get("accelerator") == "cpu"
     if cpu and model.get("share_embeddings_and_output_weights", True):
