@@ -166,13 +166,14 @@ def estimate(
     dropout, 2 without, 4 more with ``ModelShape.softmax_fp32``, none with flash / fused
     attention (TE's default spec).
     """
+    kwargs = dict(
+        param_bytes=param_bytes, grad_bytes=grad_bytes, overhead_gib=overhead_gib,
+        prefetch_depth=prefetch_depth, coalesce_mb=coalesce_mb, dropout=dropout,
+        flash_attention=flash_attention, optimizer=optimizer, muon_bucket_mb=muon_bucket_mb,
+    )  # fmt: skip
     if layout.pp == 1:
-        return _stage_bytes(
-            model, layout, model.layers, model.embedding_params, 1, 1, True, tokens_per_gpu,
-            param_bytes=param_bytes, grad_bytes=grad_bytes, overhead_gib=overhead_gib,
-            prefetch_depth=prefetch_depth, coalesce_mb=coalesce_mb, dropout=dropout,
-            flash_attention=flash_attention, optimizer=optimizer, muon_bucket_mb=muon_bucket_mb,
-        )  # fmt: skip
+        whole = (model.layers, model.embedding_params, 1, 1, True)
+        return _stage_bytes(model, layout, *whole, tokens_per_gpu, **kwargs)
     if model.layers % layout.pp:
         raise ValueError(
             f"model.layers={model.layers} does not split evenly over {layout.pp} pipeline stages"
@@ -182,11 +183,6 @@ def estimate(
     # holds the input embedding, the last the output layer (its own copy when tied), the final
     # norm and the logits.
     stage_layers, embedding = model.layers // layout.pp, model.vocab * model.hidden
-    kwargs = dict(
-        param_bytes=param_bytes, grad_bytes=grad_bytes, overhead_gib=overhead_gib,
-        prefetch_depth=prefetch_depth, coalesce_mb=coalesce_mb, dropout=dropout,
-        flash_attention=flash_attention, optimizer=optimizer, muon_bucket_mb=muon_bucket_mb,
-    )  # fmt: skip
     first = _stage_bytes(
         model, layout, stage_layers, embedding, 0, layout.pp, False, tokens_per_gpu, **kwargs
     )
