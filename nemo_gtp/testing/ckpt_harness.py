@@ -388,24 +388,21 @@ def full_state(built: Built, *, weights: bool = True) -> dict[str, torch.Tensor]
     states = _assemble_many(
         [(_local_states(built, param), param, _replicate_group(built, param)) for _, param in named]
     )
+    at_pp1 = global_layer_names(built.ddp.module)
     keys, items = [], []
     for (name, param), found in zip(named, states, strict=True):
         if weights:
-            keys.append(f"weight/{name}")
+            keys.append(f"weight/{at_pp1[name]}")
             items.append((name, param, param.data))
         for kind, tensor in found.items():
-            keys.append(f"{kind}/{name}")
+            keys.append(f"{kind}/{at_pp1[name]}")
             items.append((name, param, tensor))
     full = dict(zip(keys, gather_logical_many(items, glu=built.layout.glu), strict=True))
     if built.layout.pp == 1:
         return full
-    renamed = global_layer_names(built.ddp.module)
-    stage = {
-        f"{key.split('/')[0]}/{renamed[key.split('/', 1)[1]]}": value.cpu()
-        for key, value in full.items()
-    }
     stages: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(stages, stage, group=parallel_state.get_pipeline_model_parallel_group())
+    mine = {key: value.cpu() for key, value in full.items()}
+    dist.all_gather_object(stages, mine, group=parallel_state.get_pipeline_model_parallel_group())
     return {key: value for part in stages for key, value in part.items()}
 
 
