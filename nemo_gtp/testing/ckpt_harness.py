@@ -166,7 +166,7 @@ def build(layout: Layout, seed: int = 1234) -> Built:
     optimizer_config = OptimizerConfig(
         optimizer="adam", lr=1e-2, weight_decay=0.01, use_distributed_optimizer=layout.distopt
     )
-    optimizer = build_optimizer(optimizer_config, ddp, pgs, muon=layout.muon)
+    optimizer = build_optimizer(optimizer_config, [ddp], pgs, muon=layout.muon)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if hasattr(opt, "data_parallel_group_gloo"):
             # megatron refuses gloo groups alongside a pg_collection, but its memory-efficient

@@ -499,13 +499,10 @@ def _model_chunk(
     return model
 
 
-def build_optimizer(
-    config: OptimizerConfig, ddp: object | list, pgs: object, *, muon: bool
-) -> object:
-    """megatron's optimizer for ``ddp`` (a model chunk, or a list of them) with the GTP process
-    groups ``pgs`` (no gloo groups), or with ``muon`` Muon for the hidden matrices and Adam for
-    the rest (Newton–Schulz in fp32, so parity holds to fp32 rounding; design §1.6 "Muon")."""
-    chunks = ddp if isinstance(ddp, list) else [ddp]
+def build_optimizer(config: OptimizerConfig, chunks: list, pgs: object, *, muon: bool) -> object:
+    """megatron's optimizer for the DDP-wrapped model ``chunks`` with the GTP process groups
+    ``pgs`` (no gloo groups), or with ``muon`` Muon for the hidden matrices and Adam for the
+    rest (Newton–Schulz in fp32, so parity holds to fp32 rounding; design §1.6 "Muon")."""
     if muon:
         return get_muon_optimizer(
             config, chunks, MuonConfig(ns_dtype=torch.float32), pg_collection=pgs
@@ -516,10 +513,9 @@ def build_optimizer(
 def train_built(setup: dict, run: Run, first_step: int = 0) -> dict:
     """Run ``run.steps`` training steps on a :func:`build` result, from step ``first_step``
     (each step's batches depend on its number: a resumed run continues the same data)."""
-    model, ddp, optimizer = setup["model"], setup["ddp"], setup["optimizer"]
+    model, chunks, optimizer = setup["model"], setup["chunks"], setup["optimizer"]
     groups, device = setup["groups"], setup["device"]
     data_rank = parallel_state.get_data_parallel_rank()
-    chunks = setup.get("chunks", [ddp])
     named = [  # a chunk's names are its own (layer numbers local): prefixed under VPP
         (f"chunk{i}.{n}" if len(chunks) > 1 else n, p)
         for i, chunk in enumerate(chunks)
