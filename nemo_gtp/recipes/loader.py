@@ -37,7 +37,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_gtp.recipes.config import load_recipe  # noqa: F401  (re-exported)
-from nemo_gtp.recipes.validate import ACTIVATIONS, validate_recipe
+from nemo_gtp.recipes.validate import (
+    ACTIVATIONS,
+    TE_MISSING,
+    default_layer_spec_name,
+    validate_recipe,
+)
 
 TB_SUBDIR = "tb_logs"  # TensorBoard event files under a run's log directory
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,8 +131,6 @@ def build_fit(
     if layer_spec not in ("te", "local"):
         raise ValueError(f"model.layer_spec must be 'te' or 'local', got {layer_spec!r}")
     if layer_spec == "te" and default_layer_spec_name() != "te":
-        from nemo_gtp.recipes.validate import TE_MISSING
-
         raise ValueError(TE_MISSING)
     if layer_spec == "local":  # else NeMo's own default: the TransformerEngine spec
         model_cfg["transformer_layer_spec"] = local_layer_spec
@@ -264,13 +267,6 @@ def strategy_kwargs(cfg: DictConfig, model_cfg: dict[str, Any]) -> dict[str, Any
             torch.bfloat16 if bf16 else model_cfg.get("params_dtype", torch.float32)
         )
     return kwargs
-
-
-def default_layer_spec_name() -> str:
-    """``"te"`` when TransformerEngine imports (NeMo's default layer spec), else ``"local"``."""
-    import importlib.util
-
-    return "te" if importlib.util.find_spec("transformer_engine") is not None else "local"
 
 
 def _model_checkpoint(section: dict[str, Any]) -> Any:

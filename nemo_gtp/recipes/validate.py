@@ -262,7 +262,7 @@ def check_installed(cfg: DictConfig) -> None:
         check_installed(load_recipe("configs/gpt_1b_te.yaml"))  # RecipeError on a CPU machine
     """
     spec = OmegaConf.select(cfg, "model.layer_spec", default=None)
-    if spec == "te" and importlib.util.find_spec("transformer_engine") is None:
+    if spec == "te" and default_layer_spec_name() != "te":
         raise RecipeError(TE_MISSING)
 
 
@@ -407,7 +407,7 @@ def _check_context_parallel(raw: dict[str, Any], dims: Any) -> None:
     cp = dims.context_parallel_size
     if cp == 1:
         return
-    spec = (raw.get("model") or {}).get("layer_spec") or _default_spec()
+    spec = (raw.get("model") or {}).get("layer_spec") or default_layer_spec_name()
     if spec != "te":
         raise RecipeError(
             f"strategy.context_parallel_size={cp} with model.layer_spec={spec}: megatron runs "
@@ -463,8 +463,14 @@ def _check_pipeline(raw: dict[str, Any], dims: Any) -> None:
         )
 
 
-def _default_spec() -> str:
-    """The layer spec a recipe without ``model.layer_spec`` gets: TE's when TE is installed."""
+def default_layer_spec_name() -> str:
+    """The layer spec a recipe without ``model.layer_spec`` gets, as NeMo picks it: ``"te"``
+    when TransformerEngine is installed, else ``"local"`` (no import: a spec lookup).
+
+    Example::
+
+        default_layer_spec_name()   # "local" on a CPU machine
+    """
     return "te" if importlib.util.find_spec("transformer_engine") is not None else "local"
 
 
@@ -481,7 +487,7 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
             "strategy.expert_num_weight_shards"
         )
     if dims.egtp > 1 and model.get("moe_grouped_gemm"):
-        spec = model.get("layer_spec") or _default_spec()
+        spec = model.get("layer_spec") or default_layer_spec_name()
         if spec != "te" or model.get("moe_use_legacy_grouped_gemm"):
             if model.get("moe_use_legacy_grouped_gemm"):
                 why = "model.moe_use_legacy_grouped_gemm=true"
@@ -501,7 +507,7 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
         )
     legacy = (
         model.get("moe_use_legacy_grouped_gemm")
-        or (model.get("layer_spec") or _default_spec()) != "te"
+        or (model.get("layer_spec") or default_layer_spec_name()) != "te"
     )
     grouped = experts and model.get("moe_grouped_gemm") and legacy
     if grouped and dims.gtp_enabled and (raw.get("checkpoint") or raw.get("resume")):
