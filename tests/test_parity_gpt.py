@@ -49,6 +49,18 @@ def _setup(rank: int, world: int) -> None:
 _REFERENCES: dict[Run, dict] = {}
 
 
+def _parity_of(rank: int | None, case: Run, result: dict, reference: dict) -> float:
+    """:func:`assert_parity` of ``case``'s result, the case named in a failure; printed with
+    ``rank`` (None: quiet). Returns the largest relative error."""
+    try:
+        worst = assert_parity(result, reference)
+    except AssertionError as err:
+        raise AssertionError(f"{case}: {err}") from None
+    if rank is not None:
+        print(f"[parity] rank {rank} {case}: max rel err {worst:.2e}", flush=True)
+    return worst
+
+
 def _parity_case(rank: int, world: int, case: Run) -> float:
     """Train ``case`` and its reference (each reference once per process); check parity."""
     reference_run = _reference_run(case)
@@ -72,11 +84,7 @@ def _parity_case(rank: int, world: int, case: Run) -> float:
         chain = next(iter(runtime.chains.values()))
         assert len(chain.recompute_order) == recomputed
         assert chain.recompute_phase.value == "linked"
-    try:
-        worst = assert_parity(result, reference)
-    except AssertionError as err:
-        raise AssertionError(f"{case}: {err}") from None
-    print(f"[parity] rank {rank} {case}: max rel err {worst:.2e}", flush=True)
+    worst = _parity_of(rank, case, result, reference)
     if case.shard_replicated:
         _check_replicated_state_sharded(case, result, reference)
     # Nothing outlives the model: weights, grad buffers and optimizer state are freed once
@@ -113,11 +121,7 @@ def _pipeline_case(rank: int, world: int, case: Run) -> float:
         assert experts.outstanding() == {"gathers": 0, "reduce_scatters": 0}
     last = parallel_state.is_pipeline_last_stage()
     assert all(len(step) == (case.microbatches if last else 0) for step in result["losses"])
-    try:
-        worst = assert_parity(result, reference)
-    except AssertionError as err:
-        raise AssertionError(f"{case}: {err}") from None
-    print(f"[parity] rank {rank} {case}: max rel err {worst:.2e}", flush=True)
+    worst = _parity_of(rank, case, result, reference)
     return worst
 
 
@@ -224,10 +228,7 @@ def _fp8_primary_case(rank: int, world: int, case: Run) -> int:
     assert result["fp8_primary"] == reference["fp8_primary"]
     assert len(result["fp8_primary"]) == 8
     assert result["runtime"].stats.fp8_quantizes == 0  # the shards are FP8: no refresh cast
-    try:
-        worst = assert_parity(result, reference)
-    except AssertionError as err:
-        raise AssertionError(f"{case}: {err}") from None
+    worst = _parity_of(None, case, result, reference)
     wrong = fp8_primary_write_back_errors(setup)
     assert not wrong, wrong
     names = result["fp8_primary"]
