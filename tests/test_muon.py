@@ -193,3 +193,19 @@ def test_owners_balance_newton_schulz_work() -> None:
     assert assign_owners([(64, 64)] * 4, 2) == [0, 1, 0, 1]
     assert assign_owners([(64, 64)], 4) == [0]
     assert assign_owners([(1024, 4096), (4096, 1024)], 2) == [0, 1]  # the same cost either way
+
+
+def test_recipe_checks_know_muons_settings() -> None:
+    """The recipe checks run without torch, so they list Muon's settings themselves: the
+    ``muon`` section's keys are ``MuonConfig``'s fields (but the coefficient tuple, which a
+    recipe does not set), its names the engine's."""
+    import dataclasses
+
+    from nemo_gtp.engine.muon import ADJUST_LR_FNS, ORTHOGONALIZE
+    from nemo_gtp.integrations.megatron.muon import MuonConfig
+    from nemo_gtp.recipes import validate
+
+    fields = {f.name for f in dataclasses.fields(MuonConfig)} - {"ns_coefficients"}
+    assert set(validate.MUON_KEYS) == fields
+    assert set(validate.MUON_ORTHOGONALIZE) == set(ORTHOGONALIZE)
+    assert set(validate.MUON_ADJUST_LR_FNS) == {fn for fn in ADJUST_LR_FNS if fn is not None}
