@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nemo_gtp.recipes.validate import is_cpu_recipe
+
 # NVLink SHARP (NVLS) and symmetric-memory multicast stay off on the GPU machines the benches
 # run on; defaults only: a value already in the environment wins.
 NCCL_SINGLE_NODE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -202,10 +204,6 @@ def _world_size(cfg: Any) -> int:
     return int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
 
 
-def _is_cpu_recipe(cfg: Any) -> bool:
-    return bool(cfg.get("cpu_compat", False)) or cfg.trainer.get("accelerator") == "cpu"
-
-
 def launch_fits(
     config: str,
     runs: dict[str, list[str]],
@@ -229,7 +227,7 @@ def launch_fits(
             f"runs sharing one launch need the same trainer.devices x num_nodes, got {worlds}"
         )
     world = next(iter(worlds.values()))
-    start = _fork_rank if _is_cpu_recipe(next(iter(cfgs.values()))) else _exec_rank
+    start = _fork_rank if is_cpu_recipe(next(iter(cfgs.values()))) else _exec_rank
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
         dirs = [(log_dirs or {}).get(name) for name in runs]

@@ -454,13 +454,24 @@ def _check_pipeline(raw: dict[str, Any], dims: Any) -> None:
             f"{batch} gives {batch // (micro * ranks)} (micro {micro} x DP x GTP {ranks}): set "
             f"data.global_batch_size={pp * micro * ranks}"
         )
-    cpu = raw.get("cpu_compat") or (raw.get("trainer") or {}).get("accelerator") == "cpu"
-    if cpu and model.get("share_embeddings_and_output_weights", True):
+    if is_cpu_recipe(raw) and model.get("share_embeddings_and_output_weights", True):
         raise RecipeError(
             f"strategy.pipeline_model_parallel_size={pp} on CPU needs an untied output layer "
             "(megatron copies the tied embedding to the last stage through CUDA): set "
             "+model.share_embeddings_and_output_weights=false"
         )
+
+
+def is_cpu_recipe(cfg: Any) -> bool:
+    """Whether a recipe (its ``DictConfig`` or plain dict) runs on CPU processes: ``cpu_compat``
+    or ``trainer.accelerator: cpu``.
+
+    Example::
+
+        is_cpu_recipe(load_recipe("configs/tiny_cpu.yaml"))   # True
+    """
+    trainer = cfg.get("trainer") or {}
+    return bool(cfg.get("cpu_compat", False)) or trainer.get("accelerator") == "cpu"
 
 
 def default_layer_spec_name() -> str:
