@@ -8,6 +8,8 @@ launch 1
   ``gtp_20``      TP1·GTP2·DP2, 20 steps uninterrupted (the reference curve), then
                   ``trainer.save_checkpoint`` after the fit
   ``gtp_killed``  the same run, NeMo ``ModelCheckpoint`` every 10 steps, stopped after 10
+  (both save asynchronously, NeMo's default ``ckpt_async_save=True``; the other runs
+  synchronously)
   ``plain_tp1``   plain ``MegatronStrategy`` TP1·DP4, 10 steps, ``ModelCheckpoint`` of the
                   weights (plain megatron cannot describe torch Adam's per-param
                   ``step`` in any distributed-optimizer format; TE/Apex Adam on GPU can)
@@ -27,7 +29,8 @@ Muon (``MuonOptimizerModule``): ``muon_10`` / ``muon_killed`` (after 5 of 10 ste
 MoE (dense GTP2, experts EP2·EGTP2): ``moe_10`` / ``moe_killed`` (``SequentialMLP`` experts, killed
 after 5 steps) in launch 1, ``moe_resume`` in launch 2; ``grouped_10`` (``TEGroupedMLP`` experts of
 the CPU ``GroupedLinear`` stand-ins, built as their EGTP shards by the strategy; NeMo's
-``ModelCheckpoint`` every 5 steps) in launch 1, and in launch 2 its step-5 checkpoint resumed at the
+``ModelCheckpoint`` every 5 steps, asynchronously: the step-5 write overlaps steps 6..10)
+in launch 1, and in launch 2 its step-5 checkpoint resumed at the
 same layout (``grouped_resume``) and the ``SequentialMLP`` checkpoint resumed into ``TEGroupedMLP``
 experts at EP1·EGTP4 (``grouped_from_seq``). Full weights and optimizer state (``Fit.state_to``)
 are recorded at step 5 by the saving runs and right after each load. (Grouped checkpoints loaded
@@ -61,11 +64,19 @@ _MOE_STRATEGY = {"expert_model_parallel_size": 2, "expert_num_weight_shards": 2}
 _GROUPED = {"model_kwargs": MOE_MODEL, "grouped_experts": True}  # TEGroupedMLP stand-ins
 PP2 = pipelined(2)  # 4 layers over 2 stages, untied output layer
 PP1 = {"model_kwargs": PP2["model_kwargs"]}  # the same model on one stage
+ASYNC = {"ckpt_async_save": True}  # NeMo's default; the harness saves synchronously otherwise
 
 # Launch 1 needs no fresh processes: it shares its spawn with test_strategy.py's 4-rank fits.
 # Paths are relative to the shared launch's directory.
 FIRST_LAUNCH = [
-    Fit("gtp_20", gtp=2, steps=20, save_to="gtp_20_saved", weights_to="gtp_20.pt"),
+    Fit(
+        "gtp_20",
+        gtp=2,
+        steps=20,
+        save_to="gtp_20_saved",
+        weights_to="gtp_20.pt",
+        strategy_kwargs=ASYNC,
+    ),
     Fit(
         "gtp_killed",
         gtp=2,
@@ -74,6 +85,7 @@ FIRST_LAUNCH = [
         checkpoint_every=10,
         checkpoint_dir="gtp_ckpts",
         weights_to="gtp_killed.pt",
+        strategy_kwargs=ASYNC,
     ),
     # MoE: dense GTP2 + EP2·EGTP2 (SequentialMLP experts), killed after 5 of 10 steps
     Fit("moe_10", gtp=2, steps=10, model_kwargs=MOE_MODEL, strategy_kwargs=_MOE_STRATEGY),
@@ -97,7 +109,7 @@ FIRST_LAUNCH = [
         steps=10,
         checkpoint_every=5,
         checkpoint_dir="grouped_ckpts",
-        strategy_kwargs=_MOE_STRATEGY,
+        strategy_kwargs={**_MOE_STRATEGY, **ASYNC},
         state_at=5,
         state_to="grouped_5.pt",
         **_GROUPED,
@@ -371,9 +383,16 @@ def test_pipeline_checkpoint_loads_without_gtp(runs: dict[str, Any]) -> None:
 
 
 def test_model_checkpoint_writes_a_committed_torch_dist_checkpoint(runs: dict[str, Any]) -> None:
+    """NeMo's ``ModelCheckpoint`` saves, asynchronous ones (committed by NeMo's
+    ``AsyncFinalizerCallback`` during the fit or at its end) and synchronous ones alike, leave a
+    committed ``weights/`` and no staging directory."""
     saved: Path = runs["saved"]
-    assert (saved / "weights" / "metadata.json").is_file()
-    assert not list(saved.glob(".weights.*"))  # staging committed, nothing set aside
+    assert runs["gtp_killed"]["checkpoint_io"] == "AsyncFinalizableCheckpointIO"
+    assert runs["moe_killed"]["checkpoint_io"] == "GTPCheckpointIO"  # synchronous
+    for ckpts in ("gtp_ckpts", "grouped_ckpts", "moe_ckpts"):
+        for ckpt in (p for p in (runs["root"] / ckpts).iterdir() if not p.name.startswith(".")):
+            assert (ckpt / "weights" / "metadata.json").is_file(), ckpt
+            assert not list(ckpt.glob(".weights.*")), ckpt  # staging committed, nothing aside
     result = subprocess.run(
         [sys.executable, "-m", "nemo_gtp.checkpoint.show", str(saved / "weights")],
         capture_output=True,
@@ -403,9 +422,13 @@ def test_interop_with_plain_megatron_strategy(
 
 def test_save_checkpoint_after_fit_resumes(runs: dict[str, Any]) -> None:
     """``trainer.save_checkpoint`` after ``trainer.fit`` (NeMo's teardown has run) writes the
-    keys of the saves during the fit: weights and Adam state load back unchanged."""
+    keys of the saves during the fit: weights and Adam state load back unchanged. The save is
+    asynchronous (NeMo's default): outside the training loop no NeMo callback would ever commit
+    it, so the strategy does (it used to leave only a half-written ``.weights.saving``)."""
     root: Path = runs["root"]
+    assert runs["gtp_20"]["checkpoint_io"] == "AsyncFinalizableCheckpointIO"
     assert (root / "gtp_20_saved" / "weights" / "metadata.json").is_file()
+    assert not list((root / "gtp_20_saved").glob(".weights.*"))
     got, want = _weights(root / "gtp_from_save.pt"), _weights(root / "gtp_20.pt")
     assert got.keys() == want.keys()
     for name in want:

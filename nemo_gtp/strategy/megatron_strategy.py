@@ -212,6 +212,9 @@ class GTPMegatronStrategy(MegatronStrategy):
         self._gtp_pgs: ProcessGroupCollection | None = None
         self._gtp_world: dist.ProcessGroup | None = None  # the default group gtp_groups live in
         self._kept_shards: KeptShards | None = None
+        # True from the training loop's start until its end: NeMo's AsyncFinalizerCallback
+        # commits the asynchronous saves made in between (see save_checkpoint).
+        self._fit_commits_async_saves = False
 
     def io_transform_args(self, init_fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Arguments NeMo's IOMixin records (``__io__``, checkpoint ``context/``), flattened.
@@ -400,6 +403,7 @@ class GTPMegatronStrategy(MegatronStrategy):
         installs its ``finalize_model_grads_func``; ours wraps whatever is there.
         """
         super().on_train_start()
+        self._fit_commits_async_saves = True
         # Also without GTP: NeMo 2.7.3 builds the full-iteration graph only under
         # enable_cuda_graph, which megatron-core 0.15 rejects (design §3.5), so a DP baseline
         # asking for cuda_graph_scope="full_iteration" would silently run eager.
@@ -477,6 +481,25 @@ class GTPMegatronStrategy(MegatronStrategy):
         for runtime in self.gtp_runtimes:
             runtime.drain()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.async_save and not self._fit_commits_async_saves:
+            # NeMo's async save (its default) only schedules the write: NeMo's
+            # AsyncFinalizerCallback commits it at a later train batch or at the train end. A
+            # save outside the training loop (``trainer.save_checkpoint`` after ``fit``) has
+            # neither: the process exits with the data half-written in ``.weights.saving`` and
+            # no ``weights/`` (design §3.3 "Atomic commit"). Finish and commit it here.
+            self.checkpoint_io.maybe_finalize_save_checkpoint(blocking=True)
+
+    def on_train_end(self) -> None:
+        """NeMo's; from here on no callback commits an async save (every callback's
+        ``on_train_end``, NeMo's ``AsyncFinalizerCallback``'s blocking commit included, has
+        run before the strategy's)."""
+        super().on_train_end()
+        self._fit_commits_async_saves = False
+
+    def teardown(self) -> None:
+        """NeMo's; also after a fit that raised, where no ``on_train_end`` ran."""
+        self._fit_commits_async_saves = False
+        super().teardown()
 
     @property
     def sharded_state_dict_metadata(self) -> dict[str, Any]:

@@ -344,13 +344,13 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
 
     data.setup = recording_setup
     ddp = _ddp_config() if fit.distopt else "megatron"
-    kwargs = dict(
-        tensor_model_parallel_size=fit.tp,
-        ddp=ddp,
-        process_group_backend="gloo",
-        ckpt_async_save=False,
+    kwargs = {  # NeMo saves asynchronously by default; a Fit opts in with strategy_kwargs
+        "tensor_model_parallel_size": fit.tp,
+        "ddp": ddp,
+        "process_group_backend": "gloo",
+        "ckpt_async_save": False,
         **fit.strategy_kwargs,
-    )
+    }
     if fit.gtp > 1 or fit.gtp_strategy:
         strategy = GTPMegatronStrategy(num_weight_shards=fit.tp * fit.gtp, **kwargs)
     else:
@@ -468,6 +468,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         ),
         "sampler_kwargs": strategy.distributed_sampler_kwargs,
         "drain_callback": any(type(c).__name__ == "GTPDrainCallback" for c in trainer.callbacks),
+        "checkpoint_io": type(strategy.checkpoint_io).__name__,
         **evals.results(),
         "logged_val_loss": _logged(memory_logger, "val_loss"),
         **after,
