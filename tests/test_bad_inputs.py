@@ -269,6 +269,27 @@ def test_te_recipe_without_te_is_refused_before_launch() -> None:
     )
 
 
+def test_checkpoints_without_nvidia_resiliency_ext_are_refused_before_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``+checkpoint.dir`` needs nvidia-resiliency-ext (NeMo's logger setup imports it for every
+    checkpoint callback, after launch); where it is missing the CLI stops first, naming it."""
+    import importlib.util
+
+    from nemo_gtp.run import check
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "nvidia_resiliency_ext" else real(name, *a),
+    )
+    checkpoint = ["+checkpoint.dir=c", "+checkpoint.every_n_train_steps=5"]
+    with pytest.raises(RecipeError, match=r"checkpoint\.dir needs nvidia-resiliency-ext"):
+        check(TINY, checkpoint)
+    check(TINY, [])  # no checkpoints: nothing asked of it
+
+
 def test_recipe_checks_need_no_torch() -> None:
     """The parent-process checks stay fast: no torch, no NeMo (a fresh interpreter)."""
     code = (

@@ -123,7 +123,7 @@ def _check_report_of_main_job(logs: Path, rows: list[tuple[str, ...]], tmp_path:
     assert report.main([str(tmp_path / "nothing_here")]) == 2  # a clear error, no traceback
 
 
-def test_progress_line_times_gtp_waits_only_on_printed_steps() -> None:
+def test_progress_line_times_gtp_waits_only_on_printed_steps(tmp_path: Path) -> None:
     """One line per log_every_n_steps on rank 0: step, loss, step time, tokens/s, exposed share."""
     import contextlib
     import io
@@ -156,14 +156,19 @@ def test_progress_line_times_gtp_waits_only_on_printed_steps() -> None:
             log.on_train_batch_end(trainer)
         trainer.global_step = 7
         log.on_train_start(trainer)
-        # a ModelCheckpoint save shows as the directory NeMo wrote (not Lightning's ".ckpt")
-        saver = types.SimpleNamespace(best_k_models={"/ck/step=3.ckpt": 1.0}, last_model_path="")
+        # a ModelCheckpoint save shows as the directory NeMo wrote (not Lightning's ".ckpt"),
+        # once its weights/ are committed (an asynchronous save's commit comes later)
+        saver = types.SimpleNamespace(
+            best_k_models={f"{tmp_path}/step=3.ckpt": 1.0}, last_model_path=""
+        )
         trainer.checkpoint_callbacks = [saver]
-        log.on_train_end(trainer)
-        log.on_train_end(trainer)  # reported once
+        log.on_fit_end(trainer)  # not committed yet: nothing printed
+        (tmp_path / "step=3" / "weights").mkdir(parents=True)
+        log.on_fit_end(trainer)
+        log.on_fit_end(trainer)  # reported once
     assert enabled == [False, True, False, True] and not timer.enabled
     lines = out.getvalue().splitlines()
-    assert lines[3:] == ["saved checkpoint /ck/step=3"], lines
+    assert lines[3:] == [f"saved checkpoint {tmp_path}/step=3"], lines
     lines = lines[:3]
     assert re.fullmatch(
         r"step 2/4 \| loss 3\.50000 \| [\d.]+ ms \| [\d,]+ tokens/s \| GTP exposed comm [\d.]+%",
@@ -238,6 +243,36 @@ def test_pipeline_parallel_recipe_runs_with_gtp(
         status = main([TINY, *args, "--compare-baseline", "--plot", str(tmp_path / "pp.png")])
     assert status == 0, out.getvalue()[-4000:]
     assert out.getvalue().strip().splitlines()[-1].startswith("VERDICT: GTP matches the baseline")
+
+
+def test_checkpoint_and_resume_at_another_gtp_size_through_the_recipe(tmp_path: Path) -> None:
+    """The README's checkpoint commands as the CLI builds them (``build_fit``, NeMo's logger):
+    a GTP2 run saving every 3 steps asynchronously (NeMo's default ``ckpt_async_save``), then
+    ``+resume=`` of its step-3 checkpoint at GTP4 in fresh ranks, which continues the
+    uninterrupted curve within 1e-5. (Without nvidia-resiliency-ext the first run failed in
+    NeMo's logger setup; it is now a dependency, and refused before launch where it is missing:
+    ``tests/test_bad_inputs.py``.) Both launches fork their ranks from the preloaded server."""
+    from nemo_gtp.recipes.launch import launch_fits
+
+    ckpts = tmp_path / "ckpts"
+    steps = ["trainer.max_steps=6"]
+    save = [f"+checkpoint.dir={ckpts}", "+checkpoint.every_n_train_steps=3"]
+    full = launch_fits(
+        TINY,
+        {"save": [*steps, *save, "strategy.ckpt_async_save=true"]},
+        log_dirs={"save": str(tmp_path / "save")},
+    )["save"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step=2", "step=5"]  # nothing staged
+    assert all(
+        (ckpts / name / "weights" / "metadata.json").is_file() for name in ("step=2", "step=5")
+    )
+    resume = [*steps, f"+resume={ckpts}/step=2", "strategy.num_weight_shards=4"]
+    tail = launch_fits(TINY, {"resume": resume}, log_dirs={"resume": str(tmp_path / "resume")})
+    tail = tail["resume"]
+    assert [r["step"] for r in full] == [1, 2, 3, 4, 5, 6], full
+    assert [r["step"] for r in tail] == [4, 5, 6], tail
+    for got, want in zip(tail, full[3:], strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
 
 
 def test_pipeline_dtype_defaults_to_the_training_dtype() -> None:

@@ -404,18 +404,21 @@ class ProgressLog(pl.Callback):
             print(f"resumed at step {trainer.global_step} from {trainer.ckpt_path}", flush=True)
 
     def _report_saves(self, trainer: pl.Trainer) -> None:
-        """Print each checkpoint directory written since the last call (the checkpoint
-        callback runs after this one, so a save shows at the next step or at the end)."""
+        """Print each checkpoint directory committed since the last call (the checkpoint
+        callback runs after this one, so a save shows at the next step or at the end; an
+        asynchronous one once NeMo's finalizer has committed its ``weights/``)."""
         from nemo.lightning.ckpt_utils import ckpt_to_dir
 
         for callback in getattr(trainer, "checkpoint_callbacks", []):
             last = getattr(callback, "last_model_path", "")
             for path in [*getattr(callback, "best_k_models", {}), last]:
-                if path and path not in self._saved:
+                if path and path not in self._saved and (ckpt_to_dir(path) / "weights").is_dir():
                     self._saved.add(path)
                     print(f"saved checkpoint {ckpt_to_dir(path)}", flush=True)
 
-    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+    def on_fit_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        """The last saves: after every ``on_train_end``, NeMo's blocking commit of the
+        asynchronous saves included."""
         if trainer.global_rank == 0:
             self._report_saves(trainer)
 

@@ -250,12 +250,21 @@ TE_MISSING = (
 )
 
 
+RESILIENCY_MISSING = (
+    "checkpoint.dir needs nvidia-resiliency-ext, which is not installed here (NeMo's logger "
+    "setup imports it for every checkpoint callback and fails after launch): pip install "
+    "nvidia-resiliency-ext, or drop checkpoint.dir"
+)
+
+
 def check_installed(cfg: DictConfig) -> None:
     """What a recipe asks of this machine's packages, before any worker starts (a recipe that
     is valid can still need what is not installed here: ``validate_recipe`` checks the recipe).
 
     ``model.layer_spec=te`` needs TransformerEngine: without it NeMo's default spec silently is
-    megatron's local one, and a run labelled TE would measure the local spec.
+    megatron's local one, and a run labelled TE would measure the local spec. ``checkpoint.dir``
+    needs ``nvidia-resiliency-ext`` (NeMo's logger setup imports it once a checkpoint callback
+    exists; a dependency of this package, but not of NeMo's).
 
     Example::
 
@@ -264,6 +273,17 @@ def check_installed(cfg: DictConfig) -> None:
     spec = OmegaConf.select(cfg, "model.layer_spec", default=None)
     if spec == "te" and default_layer_spec_name() != "te":
         raise RecipeError(TE_MISSING)
+    if OmegaConf.select(cfg, "checkpoint.dir", default=None) is not None and not _importable(
+        "nvidia_resiliency_ext"
+    ):
+        raise RecipeError(RESILIENCY_MISSING)
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` is installed, without importing it (the checks stay torch-free)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _check_gtp_section(gtp: dict[str, Any]) -> None:
