@@ -267,8 +267,11 @@ def test_checkpoint_and_resume_at_another_gtp_size_through_the_recipe(tmp_path: 
         (ckpts / name / "weights" / "metadata.json").is_file() for name in ("step=2", "step=5")
     )
     resume = [*steps, f"+resume={ckpts}/step=2", "strategy.num_weight_shards=4"]
-    tail = launch_fits(TINY, {"resume": resume}, log_dirs={"resume": str(tmp_path / "resume")})
-    tail = tail["resume"]
+    tail = launch_fits(
+        TINY,
+        {"resume": resume},
+        log_dirs={"resume": str(tmp_path / "resume")},
+    )["resume"]
     assert [r["step"] for r in full] == [1, 2, 3, 4, 5, 6], full
     assert [r["step"] for r in tail] == [4, 5, 6], tail
     for got, want in zip(tail, full[3:], strict=True):

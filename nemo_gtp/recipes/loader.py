@@ -412,9 +412,12 @@ class ProgressLog(pl.Callback):
         for callback in getattr(trainer, "checkpoint_callbacks", []):
             last = getattr(callback, "last_model_path", "")
             for path in [*getattr(callback, "best_k_models", {}), last]:
-                if path and path not in self._saved and (ckpt_to_dir(path) / "weights").is_dir():
+                if not path or path in self._saved:
+                    continue
+                directory = ckpt_to_dir(path)
+                if (directory / "weights").is_dir():
                     self._saved.add(path)
-                    print(f"saved checkpoint {ckpt_to_dir(path)}", flush=True)
+                    print(f"saved checkpoint {directory}", flush=True)
 
     def on_fit_end(self, trainer: pl.Trainer, *args: Any) -> None:
         """The last saves: after every ``on_train_end``, NeMo's blocking commit of the

@@ -281,8 +281,6 @@ def check_installed(cfg: DictConfig) -> None:
 
 def _importable(module: str) -> bool:
     """Whether ``module`` is installed, without importing it (the checks stay torch-free)."""
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None
 
 
@@ -502,7 +500,7 @@ def default_layer_spec_name() -> str:
 
         default_layer_spec_name()   # "local" on a CPU machine
     """
-    return "te" if importlib.util.find_spec("transformer_engine") is not None else "local"
+    return "te" if _importable("transformer_engine") else "local"
 
 
 def _check_moe(raw: dict[str, Any], dims: Any) -> None:
