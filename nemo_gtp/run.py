@@ -42,6 +42,8 @@ YAML recipe overrides (OmegaConf dot paths, checked before anything starts):
   +checkpoint.dir=DIR +checkpoint.every_n_train_steps=N
                         save a full checkpoint every N steps, as DIR/step=K/ (torch_dist)
   +resume=DIR/step=K    continue from that checkpoint, at this recipe's layout (any TP/GTP/DP)
+  +resume=latest        continue from the newest committed checkpoint in checkpoint.dir (none
+                        yet: step 0), so a requeued job reruns the same command
   strategy.num_weight_shards=TPxGTP
                         the GTP degree is num_weight_shards / tensor_model_parallel_size;
                         data.global_batch_size must be a multiple of micro_batch_size x DP x GTP
@@ -246,6 +248,13 @@ def _compare(
         baseline.append(f"strategy.expert_num_weight_shards={etp}")
         name += f"·EGTP{int(strategy.expert_num_weight_shards) // etp}"
     check(config, baseline)  # e.g. the baseline's global batch (DP x GTP ranks are the same)
+    if cfg.get("checkpoint") or cfg.get("resume") is not None:  # type: ignore[attr-defined]
+        from nemo_gtp.recipes.config import RecipeError
+
+        raise RecipeError(  # the baseline would save over (and resume from) the GTP run's saves
+            "--compare-baseline trains two runs from step 0: drop checkpoint and resume, or run "
+            "without --compare-baseline"
+        )
     runs = {f"{name})": overrides, f"baseline (TP{tp}, no GTP)": baseline}
     root = Path(log_dir) if log_dir else default_log_dir(config)
     dirs = dict(zip(runs, (root / "gtp", root / "baseline"), strict=True))
@@ -351,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
             return 2
     from nemo_gtp.recipes.loader import LossLog, ProgressLog, build_fit
+    from nemo_gtp.recipes.resume import LATEST, resume_path
 
     data, trainer = cfg.data, cfg.trainer  # type: ignore[attr-defined]
     callbacks = [
@@ -362,8 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.loss_log:
         callbacks.append(LossLog(args.loss_log))
     log_dir = Path(args.log_dir) if args.log_dir else default_log_dir(args.config)
-    resumes = cfg.get("resume") is not None  # type: ignore[attr-defined]
+    resume = resume_path(cfg)  # resume=latest: the newest committed checkpoint, or none yet
     rank0 = os.environ.get("RANK", "0") == "0"
+    if rank0 and str(cfg.get("resume")) == LATEST:  # type: ignore[attr-defined]
+        found = f"from {resume}" if resume else "at step 0: no committed checkpoint yet"
+        print(f"resume=latest: starting {found} in {cfg.checkpoint.dir}", flush=True)  # type: ignore[attr-defined]
+    resumes = resume is not None
     if rank0 and not resumes:  # a resumed run continues its curve
         fresh_tensorboard_dir(log_dir)
     fit = build_fit(cfg, callbacks=callbacks, log_dir=str(log_dir))  # type: ignore[arg-type]

@@ -100,6 +100,7 @@ BAD_OVERRIDES = [
     (["precision=16"], "precision='16' is not supported"),
     (["data.dataset=arithmetc"], "data.dataset='arithmetc'"),
     (["+resume=/nonexistent/step=9"], "resume='/nonexistent/step=9' does not exist"),
+    (["+resume=latest"], "resume=latest continues from the newest checkpoint in checkpoint.dir"),
     (["trainer.max_step=7"], "trainer.max_step"),  # a typo without + (no such key)
     (["trainer.max_steps"], "is not key=value"),
     (["=3"], "has no key"),
@@ -228,9 +229,41 @@ def test_bad_recipe_override(overrides: list[str], message: str) -> None:
 
 def test_resume_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "step=4" / "weights").mkdir(parents=True)
+    (tmp_path / "step=4" / "weights" / "metadata.json").touch()
     with pytest.raises(RecipeError, match=r"is not a checkpoint.*\+resume=.*step=4"):
         validate_recipe(load_recipe(TINY, [f"+resume={tmp_path}"]))
     validate_recipe(load_recipe(TINY, [f"+resume={tmp_path / 'step=4'}"]))  # a checkpoint
+
+
+def test_resume_latest_picks_the_newest_committed_checkpoint(tmp_path: Path) -> None:
+    """``resume=latest`` (a requeued job's restart-from-last): the committed ``step=N`` with the
+    largest N, by number, not name; a save killed before its commit (staged weights only, or
+    NeMo's unfinished marker still beside it) is passed over; none yet: start at step 0."""
+    from nemo_gtp.recipes.resume import latest_checkpoint, resume_path
+
+    save = ["+checkpoint.dir=" + str(tmp_path), "+checkpoint.every_n_train_steps=5"]
+    cfg = load_recipe(TINY, [*save, "+resume=latest"])
+    validate_recipe(cfg)
+    assert latest_checkpoint(tmp_path / "none") is None and resume_path(cfg) is None
+
+    def save(step: int, weights: str = "weights") -> None:
+        (tmp_path / f"step={step}" / weights).mkdir(parents=True)
+        (tmp_path / f"step={step}" / weights / "metadata.json").touch()  # megatron's, last
+
+    save(4), save(9)
+    save(14, ".weights.saving")  # killed while writing
+    (tmp_path / "step=17" / "weights").mkdir(parents=True)  # no metadata.json: incomplete
+    save(19)
+    (tmp_path / "step=19-unfinished").touch()  # NeMo's marker: its finalize never ran
+    (tmp_path / "step=99.txt").touch()
+    assert resume_path(cfg) == str(tmp_path / "step=9")  # 9 < 14 < 19, and "step=9" > "step=19"
+    (tmp_path / "step=19-unfinished").unlink()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step=19"
+    save(24, ".weights.previous")  # a commit interrupted between its renames: the load's too
+    assert latest_checkpoint(tmp_path) == tmp_path / "step=24"
+    assert resume_path(load_recipe(TINY, [f"+resume={tmp_path / 'step=4'}"])).endswith("step=4")
+    with pytest.raises(RecipeError, match=r"its newest is step=24: use \+resume=.*step=24"):
+        validate_recipe(load_recipe(TINY, [f"+resume={tmp_path}"]))
 
 
 def test_bad_recipe_files(tmp_path: Path) -> None:
@@ -309,6 +342,10 @@ BAD_COMMAND_LINES = [
     ([TINY, "data.global_batch_size=12", "--compare-baseline"], "data.global_batch_size"),
     ([TINY, "+resume=nowhere/step=3"], "resume="),
     ([TINY, "+strategy.save_ckpt_format=zarr", "--compare-baseline"], "save_ckpt_format"),
+    (  # both fits would save into (and resume=latest load from) the same directory
+        [TINY, "+checkpoint.dir=c", "+checkpoint.every_n_train_steps=2", "--compare-baseline"],
+        "--compare-baseline trains two runs from step 0: drop checkpoint",
+    ),
 ]
 
 

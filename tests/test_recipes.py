@@ -245,37 +245,47 @@ def test_pipeline_parallel_recipe_runs_with_gtp(
     assert out.getvalue().strip().splitlines()[-1].startswith("VERDICT: GTP matches the baseline")
 
 
-def test_checkpoint_and_resume_at_another_gtp_size_through_the_recipe(tmp_path: Path) -> None:
-    """The README's checkpoint commands as the CLI builds them (``build_fit``, NeMo's logger):
-    a GTP2 run saving every 3 steps asynchronously (NeMo's default ``ckpt_async_save``), then
-    ``+resume=`` of its step-3 checkpoint at GTP4 in fresh ranks, which continues the
-    uninterrupted curve within 1e-5. (Without nvidia-resiliency-ext the first run failed in
-    NeMo's logger setup; it is now a dependency, and refused before launch where it is missing:
-    ``tests/test_bad_inputs.py``.) Both launches fork their ranks from the preloaded server."""
+def test_requeued_job_resumes_from_its_last_committed_checkpoint_at_another_gtp_size(
+    tmp_path: Path,
+) -> None:
+    """A preempted job rerun with the same command, as the CLI builds it (``build_fit``, NeMo's
+    logger): ``+resume=latest`` with no checkpoint yet starts at step 0; the GTP2 run saves every
+    3 steps asynchronously (NeMo's default ``ckpt_async_save``). Its step-5 save is then made to
+    look killed before its commit (weights still staged, NeMo's unfinished marker beside it).
+    The same command at GTP4 in fresh ranks resumes from step 2's checkpoint, the newest
+    committed one, continues the uninterrupted curve within 1e-5, and writes step 5 anew. (Without
+    nvidia-resiliency-ext the first run failed in NeMo's logger setup; it is now a dependency,
+    and refused before launch where it is missing: ``tests/test_bad_inputs.py``.) Both launches
+    fork their ranks from the preloaded server."""
     from nemo_gtp.recipes.launch import launch_fits
+    from nemo_gtp.recipes.resume import is_committed
 
     ckpts = tmp_path / "ckpts"
-    steps = ["trainer.max_steps=6"]
-    save = [f"+checkpoint.dir={ckpts}", "+checkpoint.every_n_train_steps=3"]
-    full = launch_fits(
-        TINY,
-        {"save": [*steps, *save, "strategy.ckpt_async_save=true"]},
-        log_dirs={"save": str(tmp_path / "save")},
-    )["save"]
+    job = [
+        "trainer.max_steps=6",
+        f"+checkpoint.dir={ckpts}",
+        "+checkpoint.every_n_train_steps=3",
+        "strategy.ckpt_async_save=true",
+        "+resume=latest",
+    ]
+    full = launch_fits(TINY, {"save": job}, log_dirs={"save": str(tmp_path / "save")})["save"]
     assert sorted(p.name for p in ckpts.iterdir()) == ["step=2", "step=5"]  # nothing staged
     assert all(
         (ckpts / name / "weights" / "metadata.json").is_file() for name in ("step=2", "step=5")
     )
-    resume = [*steps, f"+resume={ckpts}/step=2", "strategy.num_weight_shards=4"]
+    (ckpts / "step=5" / "weights").rename(ckpts / "step=5" / ".weights.saving")
+    (ckpts / "step=5-unfinished").touch()  # NeMo's marker: the save's finalize never ran
     tail = launch_fits(
         TINY,
-        {"resume": resume},
+        {"resume": [*job, "strategy.num_weight_shards=4"]},
         log_dirs={"resume": str(tmp_path / "resume")},
     )["resume"]
     assert [r["step"] for r in full] == [1, 2, 3, 4, 5, 6], full
     assert [r["step"] for r in tail] == [4, 5, 6], tail
     for got, want in zip(tail, full[3:], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step=2", "step=5"]
+    assert is_committed(ckpts / "step=5")  # NeMo removed the killed save; the rerun wrote it
 
 
 def test_pipeline_dtype_defaults_to_the_training_dtype() -> None:

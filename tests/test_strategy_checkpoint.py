@@ -17,6 +17,9 @@ launch 2
   ``gtp_resume``      ``trainer.fit(ckpt_path=<step 10>)``: steps 10..19 must equal ``gtp_20``'s
   ``gtp4_resume``     the same checkpoint resumed at TP1·GTP4 (weights and Adam state resharded):
                       steps 10..19 within 1e-5 of ``gtp_20``'s
+  ``auto_resume``     NeMo's ``AutoResume(resume_if_exists=True)`` (``llm.train``'s restart) of
+                      ``auto_killed`` (launch 1: NeMo recipes' ``save_last`` checkpoints, killed
+                      after 5 steps): steps 5..19 must equal ``gtp_20``'s
   ``gtp_from_plain``  GTP loads ``plain_tp1``'s checkpoint (weights)
   ``plain_from_gtp``  plain ``MegatronStrategy`` at TP2·DP2 loads ``gtp_killed``'s checkpoint
   ``gtp_from_save``   GTP resumes from ``gtp_20``'s ``trainer.save_checkpoint`` (weights + Adam)
@@ -85,6 +88,17 @@ FIRST_LAUNCH = [
         checkpoint_every=10,
         checkpoint_dir="gtp_ckpts",
         weights_to="gtp_killed.pt",
+        strategy_kwargs=ASYNC,
+    ),
+    # NeMo recipes' checkpointing (a -last copy of each save, asynchronous), killed after 5
+    Fit(
+        "auto_killed",
+        gtp=2,
+        steps=20,
+        stop_after=5,
+        checkpoint_every=5,
+        checkpoint_dir="auto_ckpts",
+        save_last=True,
         strategy_kwargs=ASYNC,
     ),
     # MoE: dense GTP2 + EP2·EGTP2 (SequentialMLP experts), killed after 5 of 10 steps
@@ -165,6 +179,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (grouped_saved,) = (root / "grouped_ckpts").glob("step=4*")  # after 5 steps
     (muon_saved,) = [p for p in (root / "muon_ckpts").iterdir() if not p.name.startswith(".")]
     (pp_saved,) = [p for p in (root / "pp_ckpts").iterdir() if not p.name.startswith(".")]
+    auto_saved = sorted(p.name for p in (root / "auto_ckpts").iterdir())  # before the restart
     truncated = root / "truncated" / saved[0].name
     shutil.copytree(saved[0], truncated)
     data_files = sorted((truncated / "weights").glob("*.distcp"))
@@ -174,6 +189,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     second = [  # fresh processes: the resumed job does not share the killed job's
         Fit("gtp_resume", gtp=2, steps=20, resume_from=str(saved[0])),
         Fit("gtp4_resume", gtp=4, steps=20, resume_from=str(saved[0])),
+        # restarted as llm.train restarts a requeued job: AutoResume finds the -last save
+        # (the same fit as the killed one, saving on into the same directory)
+        Fit(
+            "auto_resume",
+            gtp=2,
+            steps=20,
+            checkpoint_every=5,
+            checkpoint_dir=str(root / "auto_ckpts"),
+            save_last=True,
+            auto_resume=str(root / "auto_ckpts"),
+            strategy_kwargs=ASYNC,
+        ),
         Fit(
             "gtp_from_plain",
             gtp=2,
@@ -267,6 +294,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "saved": saved[0],
         "plain_ckpt": plain_ckpt,
         "truncated": truncated,
+        "auto_saved": auto_saved,
         "cut": cut,
         **results,
     }
@@ -281,6 +309,28 @@ def test_resume_continues_the_uninterrupted_curve_exactly(runs: dict[str, Any]) 
     assert resumed["lrs"] == full["lrs"][10:]
     assert resumed["global_step"] == 20
     assert resumed["logged_consumed_samples"] == full["logged_consumed_samples"] == 20 * 8
+
+
+def test_nemo_autoresume_restarts_from_the_last_checkpoint(runs: dict[str, Any]) -> None:
+    """NeMo's recipes save a ``last`` copy of each checkpoint (``save_last=True``, asynchronous)
+    and ``llm.train`` restarts a requeued job with ``AutoResume(resume_if_exists=True)``, which
+    loads the committed ``*last``: under GTP the restart continues the uninterrupted curve bit
+    for bit, and saves on into the same directory."""
+    full, resumed = runs["gtp_20"], runs["auto_resume"]
+    assert runs["auto_killed"]["losses"] == full["losses"][:5]
+    assert runs["auto_saved"] == ["last", "step=4"], runs["auto_saved"]  # Lightning names it
+    assert resumed["losses"] == full["losses"][5:], (resumed["losses"], full["losses"][5:])
+    assert resumed["grad_norms"] == full["grad_norms"][5:]
+    assert resumed["global_step"] == 20
+    # the restarted job saved on every 5 steps, and its "last" copy holds its newest save
+    ckpts = runs["root"] / "auto_ckpts"
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert names == ["last", "step=14", "step=19", "step=4", "step=9"], names
+    for name in names:
+        assert (ckpts / name / "weights" / "metadata.json").is_file(), name
+        assert not list((ckpts / name).glob(".weights.*")), name
+    common = torch.load(ckpts / "last" / "weights" / "common.pt", weights_only=False)
+    assert common["global_step"] == 20
 
 
 def test_moe_resume_continues_the_uninterrupted_curve_exactly(runs: dict[str, Any]) -> None:

@@ -12,7 +12,9 @@ under GTP with ``recipe: tensorwise`` the weights are gathered in FP8, and with
 ``param_gather: true`` the GTP shards are FP8 primary weights, design §1.3),
 ``checkpoint`` (``dir``, ``every_n_train_steps``: NeMo ``ModelCheckpoint`` saves, each a
 ``<dir>/step=N/`` torch_dist checkpoint) and ``resume`` (a checkpoint directory to continue
-from with ``trainer.fit(ckpt_path=...)``, at this recipe's layout, whatever layout saved it).
+from with ``trainer.fit(ckpt_path=...)``, at this recipe's layout, whatever layout saved it; or
+``latest``: the newest committed checkpoint in ``checkpoint.dir``, step 0 when there is none
+yet, the restart of a requeued job: ``nemo_gtp.recipes.resume``).
 ``build_fit(..., log_dir=DIR)`` logs through NeMo's ``nl.NeMoLogger`` with its TensorBoard
 logger into ``DIR/tb_logs`` (``TB_SUBDIR``): loss, and
 :class:`~nemo_gtp.strategy.GTPMetricsCallback`'s step time, memory and GTP metrics, which
@@ -37,6 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_gtp.recipes.config import load_recipe  # noqa: F401  (re-exported)
+from nemo_gtp.recipes.resume import resume_path
 from nemo_gtp.recipes.validate import (
     ACTIVATIONS,
     TE_MISSING,
@@ -160,7 +163,7 @@ def build_fit(
     trainer = nl.Trainer(strategy=strategy, plugins=plugins, callbacks=callbacks, **trainer_kwargs)
     if log_dir is not None:
         setup_nemo_logger(trainer, log_dir)
-    return Fit(trainer, model, data, ckpt_path=cfg.get("resume"))
+    return Fit(trainer, model, data, ckpt_path=resume_path(cfg))
 
 
 def fp8_plugin_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -278,14 +281,20 @@ def _model_checkpoint(section: dict[str, Any]) -> Any:
 
 
 def model_checkpoint(
-    directory: str, every_n_train_steps: int, log_dir: str | None = None, context: bool = False
+    directory: str,
+    every_n_train_steps: int,
+    log_dir: str | None = None,
+    context: bool = False,
+    save_last: bool = False,
 ) -> Any:
     """NeMo's ``ModelCheckpoint`` saving full (weights + optimizer) checkpoints every n steps.
 
     Each save is ``<directory>/step=N/`` (a torch_dist ``weights/``); NeMo's run logs go to
     ``log_dir`` (default: ``directory``). ``context``: each save also gets NeMo's ``context/``
     (the serialized model, config and tokenizer), which ``llm.export_ckpt`` (e.g. to Hugging
-    Face) reads to rebuild the model. Example::
+    Face) reads to rebuild the model. ``save_last``: each save also as ``step=N-last`` (NeMo's
+    recipes' default, what NeMo's ``AutoResume(resume_if_exists=True)`` looks for; the recipes
+    here resume with ``resume: latest`` instead). Example::
 
         trainer = nl.Trainer(..., callbacks=[model_checkpoint("ckpts", 10)],
                              enable_checkpointing=True)
@@ -303,7 +312,7 @@ def model_checkpoint(
         dirpath=str(path),
         every_n_train_steps=every_n_train_steps,
         save_top_k=-1,
-        save_last=False,
+        save_last=save_last,
         monitor="reduced_train_loss",
         filename="{step}",
         save_optim_on_train_end=True,  # else NeMo's train-end save is weights-only

@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_gtp.recipes.config import RecipeError
+from nemo_gtp.recipes.resume import LATEST, latest_checkpoint
 
 SECTIONS = (
     "cpu_compat",
@@ -241,7 +242,7 @@ def validate_recipe(cfg: DictConfig) -> None:
     _check_names(raw)
     _check_sizes(raw)
     if raw.get("resume") is not None:
-        check_resume_path(raw["resume"])
+        check_resume(raw["resume"], raw.get("checkpoint"))
 
 
 TE_MISSING = (
@@ -654,18 +655,30 @@ def _check_primary_tiles(raw: dict[str, Any], dims: Any) -> None:
             )
 
 
+def check_resume(resume: Any, checkpoint: Any) -> None:
+    """``resume`` is ``latest`` (the newest committed checkpoint of ``checkpoint.dir``, none yet:
+    step 0; ``nemo_gtp.recipes.resume``), which needs a ``checkpoint`` section to look in and
+    save to, or a checkpoint directory (:func:`check_resume_path`)."""
+    if str(resume) != LATEST:
+        check_resume_path(resume)
+    elif not checkpoint:
+        raise RecipeError(
+            "resume=latest continues from the newest checkpoint in checkpoint.dir, and this "
+            "recipe saves none: add +checkpoint.dir=DIR +checkpoint.every_n_train_steps=N"
+        )
+
+
 def check_resume_path(path: Any) -> None:
     """``resume`` must be a checkpoint directory (``<dir>/step=N`` with ``weights/``)."""
     where = Path(str(path))
     if (where / "weights").is_dir() or (where / "metadata.json").is_file():
         return
     hint = ""
-    if where.is_dir():
-        steps = sorted(p.name for p in where.glob("step=*") if (p / "weights").is_dir())
-        if steps:
-            hint = f" (it holds {', '.join(steps)}: use +resume={where / steps[-1]})"
+    latest = latest_checkpoint(where)
+    if latest is not None:
+        hint = f" (its newest is {latest.name}: use +resume={latest})"
     what = "does not exist" if not where.exists() else "is not a checkpoint"
     raise RecipeError(
         f"resume={str(path)!r} {what}: give a <checkpoint.dir>/step=N directory with a "
-        f"weights/ subdirectory{hint}"
+        f"weights/ subdirectory, or +resume=latest with +checkpoint.dir{hint}"
     )

@@ -77,6 +77,10 @@ class Fit:
     # its result is ``{"name", "error"}`` and the launch goes on with the next fit.
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
+    save_last: bool = False  # ModelCheckpoint's save_last (NeMo recipes: a ``-last`` copy)
+    # NeMo's AutoResume (``llm.train``'s restart-from-last): resume_if_exists from this
+    # directory's newest ``*-last`` checkpoint before ``trainer.fit(model, datamodule=data)``
+    auto_resume: str | None = None
     checkpoint_context: bool = False  # each save also gets NeMo's context/ (export_ckpt needs it)
     stop_after: int | None = None
     resume_from: str | None = None
@@ -382,6 +386,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
                 fit.checkpoint_every,
                 log_dir=memory_logger.directory,
                 context=fit.checkpoint_context,
+                save_last=fit.save_last,
             )
         )
     trainer = nl.Trainer(
@@ -408,6 +413,13 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         if fit.entry != "fit":  # a fresh trainer and model that never ran fit
             result = _evaluate_only(fit, trainer, model, data, strategy, evals, memory_logger)
             return {**result, "banners": _banners(catcher)}
+        if fit.auto_resume:  # as llm.train does: AutoResume sets trainer.ckpt_path
+            resume = nl.AutoResume(
+                resume_if_exists=True,
+                resume_ignore_no_checkpoint=True,
+                resume_from_directory=fit.auto_resume,
+            )
+            resume.setup(trainer, model)
         trainer.fit(model, datamodule=data, ckpt_path=fit.resume_from)
     finally:
         logging.getLogger("nemo_logger").removeHandler(catcher)
@@ -508,7 +520,7 @@ def _fp8_primary_state(runtimes: list, ddp: Any, optimizer: Any) -> dict[str, An
 
 def _under(fit: Fit, out_dir: str) -> Fit:
     """``fit`` with its relative checkpoint / weight paths made absolute under ``out_dir``."""
-    keys = ("checkpoint_dir", "resume_from", "weights_to", "save_to", "state_to")
+    keys = ("checkpoint_dir", "resume_from", "auto_resume", "weights_to", "save_to", "state_to")
     paths = {key: getattr(fit, key) for key in keys}
     return dataclasses.replace(
         fit,
