@@ -172,6 +172,15 @@ def default_log_dir(config: str) -> Path:
     return Path("runs", Path(config).stem)
 
 
+def is_first_process() -> bool:
+    """True in the job's global rank 0, before torch.distributed starts: torchrun sets
+    ``RANK``; Lightning's launcher re-runs this command for a node's other processes with
+    ``LOCAL_RANK=1..`` (and ``NODE_RANK``), the process that launched them being local rank 0."""
+    if "RANK" in os.environ:
+        return os.environ["RANK"] == "0"
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
 def fresh_tensorboard_dir(log_dir: Path) -> None:
     """Remove the TensorBoard event files an earlier run left in ``log_dir`` (a new run's curve
     would otherwise be merged with the old one's by step)."""
@@ -373,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         callbacks.append(LossLog(args.loss_log))
     log_dir = Path(args.log_dir) if args.log_dir else default_log_dir(args.config)
     resume = resume_path(cfg)  # resume=latest: the newest committed checkpoint, or none yet
-    rank0 = os.environ.get("RANK", "0") == "0"
+    rank0 = is_first_process()
     if rank0 and str(cfg.get("resume")) == LATEST:  # type: ignore[attr-defined]
         found = f"from {resume}" if resume else "at step 0: no committed checkpoint yet"
         print(f"resume=latest: starting {found} in {cfg.checkpoint.dir}", flush=True)  # type: ignore[attr-defined]

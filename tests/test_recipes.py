@@ -155,13 +155,15 @@ def test_progress_line_times_gtp_waits_only_on_printed_steps(tmp_path: Path) -> 
             trainer.global_step += 1
             log.on_train_batch_end(trainer)
         trainer.global_step = 7
+        # resumed: the restored ModelCheckpoint knows the earlier run's save, not reported
+        (tmp_path / "step=1" / "weights").mkdir(parents=True)
+        earlier = {f"{tmp_path}/step=1.ckpt": 1.0}
+        saver = types.SimpleNamespace(best_k_models=earlier, last_model_path="")
+        trainer.checkpoint_callbacks = [saver]
         log.on_train_start(trainer)
         # a ModelCheckpoint save shows as the directory NeMo wrote (not Lightning's ".ckpt"),
         # once its weights/ are committed (an asynchronous save's commit comes later)
-        saver = types.SimpleNamespace(
-            best_k_models={f"{tmp_path}/step=3.ckpt": 1.0}, last_model_path=""
-        )
-        trainer.checkpoint_callbacks = [saver]
+        saver.best_k_models = {**earlier, f"{tmp_path}/step=3.ckpt": 1.0}
         log.on_fit_end(trainer)  # not committed yet: nothing printed
         (tmp_path / "step=3" / "weights").mkdir(parents=True)
         log.on_fit_end(trainer)
@@ -383,3 +385,27 @@ def test_a_rank_that_dies_before_writing_is_named(monkeypatch: pytest.MonkeyPatc
     died = r"rank 0 exited with 3 before it wrote a line.*__main__"
     with pytest.raises(RuntimeError, match=died):
         launch.launch_fits(TINY, {"gtp": []})
+
+
+@pytest.mark.parametrize(
+    "env, first",
+    [
+        ({}, True),  # the command as typed: Lightning's launcher, local rank 0 of node 0
+        ({"LOCAL_RANK": "2"}, False),  # a process Lightning's launcher re-ran
+        ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, False),
+        ({"RANK": "0", "LOCAL_RANK": "0"}, True),  # torchrun
+        ({"RANK": "5", "LOCAL_RANK": "1"}, False),
+    ],
+)
+def test_first_process_before_torch_distributed(
+    env: dict[str, str], first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI's one-per-job work before launch (the resume=latest line, clearing old
+    TensorBoard logs) runs in global rank 0 alone, under torchrun and Lightning's launcher."""
+    from nemo_gtp.run import is_first_process
+
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert is_first_process() is first

@@ -409,8 +409,20 @@ class ProgressLog(pl.Callback):
         self._saved: set[str] = set()
 
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        # a resumed ModelCheckpoint restored the earlier run's saves: not this run's to report
+        self._saved.update(self._known_saves(trainer))
         if trainer.global_rank == 0 and trainer.global_step > 0:
             print(f"resumed at step {trainer.global_step} from {trainer.ckpt_path}", flush=True)
+
+    @staticmethod
+    def _known_saves(trainer: pl.Trainer) -> list[str]:
+        paths = []
+        for callback in getattr(trainer, "checkpoint_callbacks", []):
+            paths += [
+                *getattr(callback, "best_k_models", {}),
+                getattr(callback, "last_model_path", ""),
+            ]
+        return [path for path in paths if path]
 
     def _report_saves(self, trainer: pl.Trainer) -> None:
         """Print each checkpoint directory committed since the last call (the checkpoint
@@ -418,11 +430,8 @@ class ProgressLog(pl.Callback):
         asynchronous one once NeMo's finalizer has committed its ``weights/``)."""
         from nemo.lightning.ckpt_utils import ckpt_to_dir
 
-        for callback in getattr(trainer, "checkpoint_callbacks", []):
-            last = getattr(callback, "last_model_path", "")
-            for path in [*getattr(callback, "best_k_models", {}), last]:
-                if not path or path in self._saved:
-                    continue
+        for path in self._known_saves(trainer):
+            if path not in self._saved:
                 directory = ckpt_to_dir(path)
                 if (directory / "weights").is_dir():
                     self._saved.add(path)
