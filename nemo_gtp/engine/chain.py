@@ -217,13 +217,16 @@ class Chain:
             bwd_unit = tuple(q.gtp_state.bwd for q in reversed(members))
             coalesced = len(members) > 1
             fwd_work, bwd_work = (SharedWork(), SharedWork()) if coalesced else (None, None)
+            # A frozen weight (PEFT, design §1.1 "Frozen weights") gathers with its unit but
+            # has no wgrad: the unit's reduce-scatter is over its trainable members alone.
+            trained = tuple(q for q in members if q.requires_grad)
             for param in members:
                 state = param.gtp_state
                 state.fwd.unit, state.fwd.unit_work = fwd_unit, fwd_work
                 state.bwd.unit, state.bwd.unit_work = bwd_unit, bwd_work
                 state.fwd.unit_pos = fwd_unit.index(state.fwd)
                 state.bwd.unit_pos = bwd_unit.index(state.bwd)
-                state.rs_unit = members if coalesced else None
+                state.rs_unit = trained if len(trained) > 1 else None
             fwd_unit[0].ahead = tuple(
                 units[j][0].gtp_state.fwd
                 for j in range(u + 1, u + 1 + depth)

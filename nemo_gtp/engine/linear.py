@@ -115,10 +115,11 @@ class _GTPLinearFunction(torch.autograd.Function):
         else:  # keep the backward chain flowing for the weights before this one
             runtime.prefetch_neighbour(weight, Direction.BWD)
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        x_2d = total_x.reshape(-1, total_x.shape[-1])
-        scratch = runtime.wgrad_scratch(weight)
-        _wgrad_gemm(grad_2d, x_2d, weight.gtp_spec.unpad(scratch))
-        runtime.reduce_scatter_wgrad(weight, scratch)
+        if ctx.needs_input_grad[1]:  # a frozen weight (PEFT) has no wgrad: no GEMM, no RS
+            x_2d = total_x.reshape(-1, total_x.shape[-1])
+            scratch = runtime.wgrad_scratch(weight)
+            _wgrad_gemm(grad_2d, x_2d, weight.gtp_spec.unpad(scratch))
+            runtime.reduce_scatter_wgrad(weight, scratch)
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if grad_in is not None and tp.sequence_parallel:
             grad_in = _reduce_scatter_sequence(grad_in, tp.group)

@@ -215,6 +215,7 @@ class GTPMegatronStrategy(MegatronStrategy):
         # True from the training loop's start until its end: NeMo's AsyncFinalizerCallback
         # commits the asynchronous saves made in between (see save_checkpoint).
         self._fit_commits_async_saves = False
+        self._gtp_banner_due = False  # set by on_train_start: _install_gtp_finalize logs it
 
     def io_transform_args(self, init_fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Arguments NeMo's IOMixin records (``__io__``, checkpoint ``context/``), flattened.
@@ -412,7 +413,24 @@ class GTPMegatronStrategy(MegatronStrategy):
         )
         if note and self.is_global_zero:
             nemo_logging.info(note)
-        if not self.gtp_enabled:
+        self._gtp_banner_due = True  # logged once per fit, once the model is sharded
+        self._install_gtp_finalize()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Keep GTP's ``finalize_model_grads`` installed (a few attribute reads per step).
+
+        NeMo's PEFT (``llm.finetune(..., peft=...)``) shards and wraps the model only at the
+        first ``on_train_epoch_start``, after ``on_train_start``, and its
+        ``MegatronOptimizerModule.on_fit_start`` call then installs NeMo's plain finalize over
+        ours: the replicated (adapter) grads would skip their GTP all-reduce.
+        """
+        super().on_train_batch_start(batch, batch_idx)
+        self._install_gtp_finalize()
+
+    def _install_gtp_finalize(self) -> None:
+        """Wrap every chunk's ``finalize_model_grads_func`` in GTP's (design §3.2), once per
+        chunk; rank 0 logs the active configuration when the first one is wrapped."""
+        if not self.gtp_enabled or not self.gtp_runtimes:  # PEFT: not sharded yet
             return
         for chunk in self.megatron_parallel:
             config = get_model_config(chunk)
@@ -423,8 +441,10 @@ class GTPMegatronStrategy(MegatronStrategy):
                 )
                 wrapped.gtp_finalize = True
                 config.finalize_model_grads_func = wrapped
-        if self.is_global_zero and self.gtp_runtimes:
-            nemo_logging.info(gtp_banner(self.gtp_runtimes[0].config, self.gtp_dims))
+        if self._gtp_banner_due:
+            self._gtp_banner_due = False
+            if self.is_global_zero:
+                nemo_logging.info(gtp_banner(self.gtp_runtimes[0].config, self.gtp_dims))
 
     # ------------------------------------------------------------------ evaluation
     def _drain(self) -> None:

@@ -88,6 +88,10 @@ nemo_checkpoint_io (NeMo)   nemo/lightning/io/pl.py:MegatronCheckpointIO.__init_
                             ``parallel_load`` off (megatron's fully-parallel load moves
                             shards between ranks through CUDA tensors);
                             _fix_tensors_device (asserts CUDA is initialized) -> identity
+nemo_lora_without_te        nemo/collections/llm/peft/lora.py:LoRA.transform (compares each
+(NeMo)                      module's class with ``te.Linear``, which raises without TE),
+                            peft/utils.py:HAVE_TE (isinstance on non-classes) -> ``te`` a
+                            namespace whose ``Linear`` matches no module; ``HAVE_TE`` False
 cpu_gpt_data_step           nemo/collections/llm/gpt/model/base.py:gpt_data_step
 (function, not a patch)     (val.cuda()) -> :func:`cpu_gpt_data_step`
 ==========================  ===================================================================
@@ -923,6 +927,25 @@ def _patch_nemo_checkpoint_io(patcher: _Patcher) -> None:
 
     patcher.set(cls, "__init__", __init__)
     patcher.set(nemo_io, "_fix_tensors_device", lambda checkpoint: checkpoint)
+
+
+@_register("nemo/collections/llm/peft/lora.py:LoRA.transform (te.Linear without TE)", nemo=True)
+def _patch_nemo_lora_without_te(patcher: _Patcher) -> None:
+    """NeMo's LoRA compares every target module's class with ``te.Linear``, which raises
+    ``UnavailableError`` where TransformerEngine is missing -> ``te`` is a namespace whose
+    ``Linear`` no module is, and the adapter helpers' ``HAVE_TE`` is False (megatron's linears
+    get NeMo's ``LoRALinear`` adapters, as on GPUs with the local spec). Nothing changes where
+    TE imports."""
+    import types
+
+    from nemo.collections.llm.peft import lora, utils
+
+    if not lora.HAVE_TE:
+        patcher.set(lora, "te", types.SimpleNamespace(Linear=type("NoTELinear", (), {})))
+    # peft/utils.py's HAVE_TE only asks whether megatron's TE wrapper names import, and without
+    # TE some are not classes: its isinstance checks on them raise
+    if not all(isinstance(cls, type) for cls in (*utils.TECL, *utils.TERL)):
+        patcher.set(utils, "HAVE_TE", False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -276,3 +276,33 @@ class TENamedTransformerLayer(TransformerLayer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._register_state_dict_hook(_te_norm_names)
+
+
+def make_peft(kind: str) -> Any:
+    """A NeMo PEFT method for the harness's tiny GPT, set up as ``llm.finetune(..., peft=...)``
+    does (the model's ``model_transform`` and a trainer callback).
+
+    - ``"lora"``: NeMo's ``llm.peft.LoRA``, rank-4 adapters beside every linear of the attention
+      and the MLP; the rest of the model frozen.
+    - ``"freeze_attention"``: no adapters; the attention's linears frozen, everything else
+      trained (one chain, and one coalescing unit, then holds frozen and trained GTP weights).
+    """
+    from nemo.collections import llm
+    from nemo.lightning.pytorch.callbacks.peft import PEFT
+
+    if kind == "lora":
+        targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+        return llm.peft.LoRA(target_modules=targets, dim=4, alpha=8, dropout=0.0)
+    if kind != "freeze_attention":
+        raise ValueError(f"peft={kind!r}: the harness knows 'lora' and 'freeze_attention'")
+
+    class FreezeAttention(PEFT):
+        def transform(self, module: Any, name: Any = None, prefix: Any = None) -> Any:
+            return module
+
+        def freeze_model(self, model: Any) -> None:
+            for name, param in model.named_parameters():
+                if ".self_attention.linear_" in name:
+                    param.requires_grad_(False)
+
+    return FreezeAttention()

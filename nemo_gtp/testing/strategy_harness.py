@@ -115,6 +115,9 @@ class Fit:
     emulate_fp8_params: bool = False
     # Muon for the hidden matrices (MuonOptimizerModule, fp32 Newton-Schulz; needs distopt=False)
     muon: bool = False
+    # parameter-efficient fine-tuning as ``llm.finetune(..., peft=...)`` sets it up
+    # (harness_objects.make_peft: "lora", NeMo's LoRA; "freeze_attention")
+    peft: str | None = None
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -372,6 +375,12 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
 
         loads_optimizer = fit.strategy_kwargs.get("ckpt_load_optimizer", True)
         callbacks.append(StateDump(fit.state_at, fit.state_to, optimizer=loads_optimizer))
+    if fit.peft:  # as llm.finetune's _setup: the model's transform, and the PEFT callback
+        from nemo_gtp.testing.harness_objects import make_peft
+
+        peft = make_peft(fit.peft)
+        model.model_transform = peft
+        callbacks.append(peft)
     if fit.emulate_fp8_params:
         from nemo_gtp.testing.harness_objects import EmulatedFP8Params
 
@@ -460,6 +469,9 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
             for m in strategy.megatron_parallel[0].modules()
         ),
         "fallback_allocations": sum(r.stats.fallback_allocations for r in runtimes),
+        "reduce_scatters": sum(r.stats.reduce_scatters for r in runtimes),
+        "frozen_gtp_params": sum(not p.requires_grad for r in runtimes for p in r.params),
+        "gtp_params_with_grad": sum(p.grad is not None for r in runtimes for p in r.params),
         "timed_waits": sum(r.wait_timer.timed for r in runtimes),
         "shard_dtypes": sorted({str(p.dtype) for r in runtimes for p in r.params}),
         "metrics": metrics_cb.last_metrics if metrics_cb else {},

@@ -69,17 +69,31 @@ from nemo_gtp.integrations.te_fp8_backward import install_te_weight_quantize
 _MEGATRON_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 
 
+def is_peft_adapter_module(name: str) -> bool:
+    """True for a module inside a PEFT adapter: NeMo's ``AdapterWrapper`` (``LoRALinear``,
+    ``DoRALinear``, canonical LoRA) holds the wrapped linear as ``to_wrap`` and the adapter's
+    own low-rank linears under ``adapter`` (``adapter_q`` ... for canonical LoRA)."""
+    return any(part == "adapter" or part.startswith("adapter_") for part in name.split("."))
+
+
 def default_should_shard(name: str, module: torch.nn.Module) -> bool:
     """Shard megatron-local, TE parallel and torch linears and TE ``GroupedLinear``s (routed
-    experts, all ``weight0..N-1`` together), except the output layer and tied weights."""
+    experts, all ``weight0..N-1`` together), except the output layer and tied weights.
+
+    Frozen linears are sharded too (design §1.1 "Frozen weights"): a PEFT run's frozen base
+    model is where its memory is; such a shard gathers for the forward and the dgrad and
+    reduces no wgrad. A PEFT adapter's own linears stay replicated: rank-r matrices, whose
+    gathers would cost more than they save.
+    """
+    if is_peft_adapter_module(name):
+        return False
     grouped = grouped_weight_names(module)
     if grouped:
-        weight = module._parameters[grouped[0]]
-        return weight.requires_grad and not is_gtp_param(weight)
+        return not is_gtp_param(module._parameters[grouped[0]])
     if not isinstance(module, (*_MEGATRON_LINEARS, torch.nn.Linear, *te_parallel_linear_kinds())):
         return False
     weight = getattr(module, "weight", None)
-    if weight is None or not weight.requires_grad or is_gtp_param(weight):
+    if weight is None or is_gtp_param(weight):
         return False
     if name.split(".")[-1] == "output_layer" or getattr(weight, "shared_embedding", False):
         return False
