@@ -101,6 +101,15 @@ BAD_OVERRIDES = [
     (["data.dataset=arithmetc"], "data.dataset='arithmetc'"),
     (["+resume=/nonexistent/step=9"], "resume='/nonexistent/step=9' does not exist"),
     (["+resume=latest"], "resume=latest continues from the newest checkpoint in checkpoint.dir"),
+    (["+peft.dim=8"], "peft.method is missing: add +peft.method=lora"),
+    (["+peft.method=dora"], "peft.method='dora' is not supported"),
+    (["+peft.method=lora", "+peft.rank=8"], "peft.rank is not a PEFT setting"),
+    (["+peft.method=lora", "+peft.dim=eight"], "peft.dim"),
+    (["+peft.method=lora", "+peft.target_modules=[linear_q]"], "peft.target_modules='linear_q'"),
+    (
+        ["+peft.method=lora", "+checkpoint.dir=c", "+checkpoint.every_n_train_steps=2"],
+        "peft with checkpoint: the recipes here do not save or load PEFT runs",
+    ),
     (["trainer.max_step=7"], "trainer.max_step"),  # a typo without + (no such key)
     (["trainer.max_steps"], "is not key=value"),
     (["=3"], "has no key"),

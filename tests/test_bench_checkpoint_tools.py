@@ -74,3 +74,7 @@ def test_a_layout_modifier_goes_to_the_baseline_too() -> None:
     muon = "@optim.optimizer=muon@optim.use_distributed_optimizer=false@muon.ns_dtype=float32"
     _, _, baseline = resolve_mode(f"gtp2_te{muon}@coalesce_mb=64")
     assert baseline == f"dp2_te{muon}"
+    # and PEFT: a LoRA GTP2 run is compared with a LoRA DP2 run (design §1.1 "Frozen weights")
+    _, overrides, baseline = resolve_mode("gtp2_te@peft.method=lora@peft.dim=8")
+    assert overrides[-2:] == ["+peft.method=lora", "+peft.dim=8"]
+    assert baseline == "dp2_te@peft.method=lora@peft.dim=8"

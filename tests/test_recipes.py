@@ -290,6 +290,22 @@ def test_requeued_job_resumes_from_its_last_committed_checkpoint_at_another_gtp_
     assert is_committed(ckpts / "step=5")  # NeMo removed the killed save; the rerun wrote it
 
 
+def test_lora_recipe_matches_its_baseline(tmp_path: Path) -> None:
+    """``+peft.method=lora`` (NeMo's LoRA set up as ``llm.finetune`` does) at TP1·GTP2·DP2 and
+    at DP4 in one launch: the frozen base linears are the GTP shards, the adapters train, and
+    the losses agree to 1e-5 (design §1.1 "Frozen weights")."""
+    from nemo_gtp.recipes.launch import launch_fits
+
+    lora = ["trainer.max_steps=4", "+peft.method=lora", "+peft.dim=4"]
+    runs = launch_fits(
+        TINY, {"gtp": lora, "base": [*lora, "strategy.num_weight_shards=1"]}, log_dirs=None
+    )
+    assert [r["step"] for r in runs["gtp"]] == [1, 2, 3, 4]
+    for got, want in zip(runs["gtp"], runs["base"], strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+    assert runs["gtp"][-1]["loss"] != runs["gtp"][0]["loss"]  # the adapters trained
+
+
 def test_pipeline_dtype_defaults_to_the_training_dtype() -> None:
     """Under PP with no pipeline_dtype anywhere the activations between stages travel in the
     training dtype (megatron refuses PP without one); a recipe's value wins; none without PP."""

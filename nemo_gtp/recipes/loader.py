@@ -10,6 +10,8 @@ as NeMo does), ``data``, ``optim`` (megatron ``OptimizerConfig``), ``precision``
 ``MegatronMixedPrecision(fp8=..., fp8_recipe=..., fp8_param_gather=...)``, TE's FP8 GEMMs;
 under GTP with ``recipe: tensorwise`` the weights are gathered in FP8, and with
 ``param_gather: true`` the GTP shards are FP8 primary weights, design §1.3),
+``peft`` (``method: lora`` and NeMo LoRA's ``dim``, ``alpha``, ``dropout``,
+``target_modules``: fine-tuning adapters as ``llm.finetune`` sets them up),
 ``checkpoint`` (``dir``, ``every_n_train_steps``: NeMo ``ModelCheckpoint`` saves, each a
 ``<dir>/step=N/`` torch_dist checkpoint) and ``resume`` (a checkpoint directory to continue
 from with ``trainer.fit(ckpt_path=...)``, at this recipe's layout, whatever layout saved it; or
@@ -157,6 +159,10 @@ def build_fit(
     if cfg.get("checkpoint"):
         callbacks.append(_model_checkpoint(_plain(cfg.checkpoint)))
         trainer_kwargs["enable_checkpointing"] = True
+    if cfg.get("peft"):  # as llm.finetune sets it up: the model's transform and a callback
+        peft = peft_method(_plain(cfg.peft))
+        model.model_transform = peft
+        callbacks.append(peft)
     plugins = []
     if cfg.get("precision", "32") == "bf16-mixed":
         plugins.append(nl.MegatronMixedPrecision(precision="bf16-mixed", **fp8_plugin_kwargs(cfg)))
@@ -164,6 +170,22 @@ def build_fit(
     if log_dir is not None:
         setup_nemo_logger(trainer, log_dir)
     return Fit(trainer, model, data, ckpt_path=resume_path(cfg))
+
+
+def peft_method(section: dict[str, Any]) -> Any:
+    """The recipe's ``peft`` section as NeMo's PEFT method (``method: lora``: ``llm.peft.LoRA``
+    with the other keys). Under GTP the frozen base linears are the shards and the adapters stay
+    replicated (design §1.1 "Frozen weights"). Example::
+
+        peft_method({"method": "lora", "dim": 8})   # LoRA(dim=8, ...)
+    """
+    from nemo.collections import llm
+
+    section = dict(section)
+    method = section.pop("method")
+    if method != "lora":
+        raise ValueError(f"peft.method={method!r}: only 'lora'")
+    return llm.peft.LoRA(**section)
 
 
 def fp8_plugin_kwargs(cfg: DictConfig) -> dict[str, Any]:

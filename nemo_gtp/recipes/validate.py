@@ -42,6 +42,7 @@ SECTIONS = (
     "resume",
     "fp8",
     "muon",
+    "peft",
 )
 SCALAR_SECTIONS = ("cpu_compat", "precision", "resume")
 MAPPING_SECTIONS = tuple(s for s in SECTIONS if s not in SCALAR_SECTIONS)
@@ -62,6 +63,11 @@ MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("bfloat16", "float32")
 OPTIMIZERS = ("adam", "sgd", "muon")
 CHECKPOINT_KEYS = ("dir", "every_n_train_steps")
+# The peft section: NeMo's llm.peft.LoRA(dim=, alpha=, dropout=, target_modules=), set up as
+# llm.finetune does (design §1.1 "Frozen weights": the frozen base linears are the GTP shards).
+PEFT_KEYS = ("method", "dim", "alpha", "dropout", "target_modules")
+PEFT_METHODS = ("lora",)
+PEFT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # The fp8 section: NeMo's MegatronMixedPrecision(fp8=format, fp8_recipe=recipe,
 # fp8_param_gather=param_gather), megatron's names (design §1.3 "FP8 gather", "FP8 primary
 # weights").
@@ -109,6 +115,9 @@ TYPED: dict[str, str] = {
     "ddp.overlap_param_gather": _BOOL,
     "ddp.grad_reduce_in_fp32": _BOOL,
     "ddp.average_in_collective": _BOOL,
+    "peft.dim": _INT + "+",
+    "peft.alpha": _INT + "+",
+    "peft.dropout": _FLOAT,
     "model.num_layers": _INT + "+",
     "model.hidden_size": _INT + "+",
     "model.ffn_hidden_size": _INT + "+",
@@ -239,6 +248,7 @@ def validate_recipe(cfg: DictConfig) -> None:
     _check_gtp_section(raw.get("gtp") or {})
     _check_checkpoint_section(raw.get("checkpoint"))
     _check_muon(raw)
+    _check_peft(raw)
     _check_names(raw)
     _check_sizes(raw)
     if raw.get("resume") is not None:
@@ -327,6 +337,40 @@ def _check_muon(raw: dict[str, Any]) -> None:
     _one_of("muon.adjust_lr_fn", (section or {}).get("adjust_lr_fn"), MUON_ADJUST_LR_FNS)
     _one_of("muon.ns_dtype", (section or {}).get("ns_dtype"), MUON_NS_DTYPES)
     _one_of("muon.orthogonalize", (section or {}).get("orthogonalize"), MUON_ORTHOGONALIZE)
+
+
+def _check_peft(raw: dict[str, Any]) -> None:
+    """The ``peft`` section: NeMo's LoRA on a freshly initialized model. Its checkpoints (NeMo
+    saves the adapters alone) and a base model to start from (NeMo's ``RestoreConfig``) are not
+    wired here: refused with ``checkpoint`` / ``resume``, named."""
+    section = raw.get("peft")
+    if section is None:
+        return
+    for key in section:
+        if key not in PEFT_KEYS:
+            raise RecipeError(
+                f"peft.{key} is not a PEFT setting{_did_you_mean(key, PEFT_KEYS)}: known are "
+                f"{', '.join(PEFT_KEYS)}"
+            )
+    if section.get("method") is None:
+        raise RecipeError("peft.method is missing: add +peft.method=lora")
+    _one_of("peft.method", section["method"], PEFT_METHODS)
+    targets = section.get("target_modules")
+    if targets is not None:
+        if not isinstance(targets, list) or not targets:
+            raise RecipeError(
+                f"peft.target_modules={targets!r} must be a non-empty list of "
+                f"{', '.join(PEFT_TARGETS)}"
+            )
+        for target in targets:
+            _one_of("peft.target_modules", target, PEFT_TARGETS)
+    for other in ("checkpoint", "resume"):
+        if raw.get(other) is not None:
+            raise RecipeError(
+                f"peft with {other}: the recipes here do not save or load PEFT runs (NeMo saves "
+                f"the adapters alone; a base model comes through NeMo's RestoreConfig): drop "
+                f"{other}, or use NeMo's llm.finetune"
+            )
 
 
 def _check_checkpoint_section(section: Any) -> None:
