@@ -64,7 +64,9 @@ def resume_path(cfg: Any) -> str | None:
         Fit(trainer, model, data, ckpt_path=resume_path(cfg))
     """
     resume = cfg.get("resume")
-    if resume is None or str(resume) != LATEST:
-        return None if resume is None else str(resume)
-    latest = latest_checkpoint((cfg.get("checkpoint") or {})["dir"])
+    if resume is None:
+        return None
+    if str(resume) != LATEST:
+        return str(resume)
+    latest = latest_checkpoint(cfg["checkpoint"]["dir"])  # validate_recipe: it has one
     return None if latest is None else str(latest)

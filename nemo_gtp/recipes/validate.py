@@ -328,12 +328,7 @@ def _check_muon(raw: dict[str, Any]) -> None:
             "cuts into ranges: set optim.use_distributed_optimizer=false (under GTP each rank "
             "still keeps only its shards' optimizer state)"
         )
-    for key in section or {}:
-        if key not in MUON_KEYS:
-            raise RecipeError(
-                f"muon.{key} is not a Muon setting{_did_you_mean(key, MUON_KEYS)}: known are "
-                f"{', '.join(MUON_KEYS)}"
-            )
+    _check_keys("muon", section or {}, MUON_KEYS, "a Muon setting")
     _one_of("muon.adjust_lr_fn", (section or {}).get("adjust_lr_fn"), MUON_ADJUST_LR_FNS)
     _one_of("muon.ns_dtype", (section or {}).get("ns_dtype"), MUON_NS_DTYPES)
     _one_of("muon.orthogonalize", (section or {}).get("orthogonalize"), MUON_ORTHOGONALIZE)
@@ -346,12 +341,7 @@ def _check_peft(raw: dict[str, Any]) -> None:
     section = raw.get("peft")
     if section is None:
         return
-    for key in section:
-        if key not in PEFT_KEYS:
-            raise RecipeError(
-                f"peft.{key} is not a PEFT setting{_did_you_mean(key, PEFT_KEYS)}: known are "
-                f"{', '.join(PEFT_KEYS)}"
-            )
+    _check_keys("peft", section, PEFT_KEYS, "a PEFT setting")
     if section.get("method") is None:
         raise RecipeError("peft.method is missing: add +peft.method=lora")
     _one_of("peft.method", section["method"], PEFT_METHODS)
@@ -381,15 +371,19 @@ def _check_checkpoint_section(section: Any) -> None:
             f"checkpoint={section!r} must be a mapping: use +checkpoint.dir=DIR "
             "+checkpoint.every_n_train_steps=N"
         )
-    for key in section:
-        if key not in CHECKPOINT_KEYS:
-            raise RecipeError(
-                f"checkpoint.{key} is not a checkpoint setting{_did_you_mean(key, CHECKPOINT_KEYS)}"
-                f": known are {', '.join(CHECKPOINT_KEYS)}"
-            )
+    _check_keys("checkpoint", section, CHECKPOINT_KEYS, "a checkpoint setting")
     for key in CHECKPOINT_KEYS:
         if key not in section:
             raise RecipeError(f"checkpoint.{key} is missing: add +checkpoint.{key}=...")
+
+
+def _check_keys(name: str, section: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
+    """Every key of the ``name`` section is one of ``keys`` (``what`` names such a key)."""
+    for key in section:
+        if key not in keys:
+            raise RecipeError(
+                f"{name}.{key} is not {what}{_did_you_mean(key, keys)}: known are {', '.join(keys)}"
+            )
 
 
 def _one_of(key: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
@@ -601,12 +595,7 @@ def _check_fp8(raw: dict[str, Any], dims: Any) -> None:
     section = raw.get("fp8")
     if section is None:
         return
-    for key in section:
-        if key not in FP8_KEYS:
-            raise RecipeError(
-                f"fp8.{key} is not an fp8 setting{_did_you_mean(key, FP8_KEYS)}: known are "
-                f"{', '.join(FP8_KEYS)}"
-            )
+    _check_keys("fp8", section, FP8_KEYS, "an fp8 setting")
     if section.get("format") is None:
         raise RecipeError("fp8.format is missing: add fp8.format=hybrid (or drop the fp8 section)")
     _one_of("fp8.format", section["format"], FP8_FORMATS)

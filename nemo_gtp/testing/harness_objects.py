@@ -287,12 +287,14 @@ def make_peft(kind: str) -> Any:
     - ``"freeze_attention"``: no adapters; the attention's linears frozen, everything else
       trained (one chain, and one coalescing unit, then holds frozen and trained GTP weights).
     """
-    from nemo.collections import llm
     from nemo.lightning.pytorch.callbacks.peft import PEFT
+
+    from nemo_gtp.recipes.loader import peft_method
 
     if kind == "lora":
         targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-        return llm.peft.LoRA(target_modules=targets, dim=4, alpha=8, dropout=0.0)
+        lora = {"method": "lora", "target_modules": targets, "dim": 4, "alpha": 8, "dropout": 0.0}
+        return peft_method(lora)
     if kind != "freeze_attention":
         raise ValueError(f"peft={kind!r}: the harness knows 'lora' and 'freeze_attention'")
 
