@@ -45,6 +45,7 @@ weights are exactly what was loaded.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,17 @@ _GROUPED = {"model_kwargs": MOE_MODEL, "grouped_experts": True}  # TEGroupedMLP 
 PP2 = pipelined(2)  # 4 layers over 2 stages, untied output layer
 PP1 = {"model_kwargs": PP2["model_kwargs"]}  # the same model on one stage
 ASYNC = {"ckpt_async_save": True}  # NeMo's default; the harness saves synchronously otherwise
+PLAIN_BASE = "plain_ckpts/step=9"  # plain_tp1's save after its 10 steps: LoRA's pretrained model
+# a LoRA fine-tune as a requeued job runs it: restarted from its newest adapter checkpoint
+LORA_RESTARTS: dict[str, Any] = dict(
+    peft="lora",
+    restore_from=PLAIN_BASE,
+    checkpoint_every=5,
+    checkpoint_dir="lora_ckpts",
+    save_last=True,
+    auto_resume="lora_ckpts",
+    strategy_kwargs=ASYNC,
+)
 
 # Launch 1 needs no fresh processes: it shares its spawn with test_strategy.py's 4-rank fits.
 # Paths are relative to the shared launch's directory.
@@ -161,6 +173,18 @@ FIRST_LAUNCH = [
         weights_to="plain.pt",
         strategy_kwargs={"ckpt_save_optimizer": False},
     ),
+    # llm.finetune's LoRA, started from plain_tp1's checkpoint as the pretrained model (NeMo's
+    # AutoResume(restore_config=...)): plain DP4, GTP2, and GTP2 killed after 5 of 10 steps,
+    # saving adapter checkpoints asynchronously with a -last copy through NeMo's PEFT IO
+    Fit("lora_base_dp4", peft="lora", restore_from=PLAIN_BASE, weights_to="lora_base_dp4.pt"),
+    Fit(
+        "lora_base_gtp2",
+        gtp=2,
+        peft="lora",
+        restore_from=PLAIN_BASE,
+        weights_to="lora_base_gtp2.pt",
+    ),
+    Fit("lora_base_killed", gtp=2, stop_after=5, **LORA_RESTARTS),
 ]
 shared_launch(WORLD).add(FIRST_LAUNCH)
 
@@ -180,6 +204,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (muon_saved,) = [p for p in (root / "muon_ckpts").iterdir() if not p.name.startswith(".")]
     (pp_saved,) = [p for p in (root / "pp_ckpts").iterdir() if not p.name.startswith(".")]
     auto_saved = sorted(p.name for p in (root / "auto_ckpts").iterdir())  # before the restart
+    lora_saved = sorted(p.name for p in (root / "lora_ckpts").iterdir())  # before the restarts
+    base, lora_ckpts = str(root / PLAIN_BASE), str(root / "lora_ckpts")
     truncated = root / "truncated" / saved[0].name
     shutil.copytree(saved[0], truncated)
     data_files = sorted((truncated / "weights").glob("*.distcp"))
@@ -281,6 +307,37 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             strategy_kwargs={**PP2["strategy_kwargs"], "ckpt_load_optimizer": False},
             model_kwargs=PP2["model_kwargs"],
         ),
+        # LoRA's adapter checkpoint (GTP2, step 5) restarted at GTP4 and without GTP (weights
+        # only: plain megatron cannot describe torch Adam's state, above), then at GTP2 as the
+        # same job again (saving on into lora_ckpts: it runs after the two that read step 5)
+        Fit(
+            "lora_base_gtp4_resume",
+            gtp=4,
+            peft="lora",
+            restore_from=base,
+            auto_resume=lora_ckpts,
+            checkpoint_every=100,  # AutoResume needs a checkpoint callback; it never saves
+            checkpoint_dir=str(root / "launch2" / "lora_gtp4_ckpts"),
+        ),
+        Fit(
+            "lora_base_plain_resume",
+            peft="lora",
+            restore_from=base,
+            auto_resume=lora_ckpts,
+            checkpoint_every=100,
+            checkpoint_dir=str(root / "launch2" / "lora_plain_ckpts"),
+            strategy_kwargs={"ckpt_load_optimizer": False},
+        ),
+        Fit(
+            "lora_base_resume",
+            gtp=2,
+            **{
+                **LORA_RESTARTS,  # the same job, its paths absolute (this launch's own dir)
+                "restore_from": base,
+                "checkpoint_dir": lora_ckpts,
+                "auto_resume": lora_ckpts,
+            },
+        ),
         # last: a failed fit leaves the launch going, but nothing after it is worth the risk
         Fit("gtp_truncated", gtp=2, steps=20, resume_from=str(truncated), expect_error=True),
     ]
@@ -295,6 +352,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "plain_ckpt": plain_ckpt,
         "truncated": truncated,
         "auto_saved": auto_saved,
+        "lora_saved": lora_saved,
         "cut": cut,
         **results,
     }
@@ -492,3 +550,66 @@ def test_truncated_checkpoint_names_the_damaged_file(runs: dict[str, Any]) -> No
         assert error.startswith("CheckpointIncompleteError"), f"rank {rank}: {error[:2000]}"
         assert str(runs["truncated"] / "weights") in error and "incomplete" in error
         assert f"{cut.name}: {cut.stat().st_size} bytes" in error, error
+
+
+def _close(got: list[float], want: list[float], what: str, tol: float = 1e-5) -> None:
+    assert len(got) == len(want), (what, got, want)
+    for step, (x, y) in enumerate(zip(got, want, strict=True)):
+        assert abs(x - y) <= tol * abs(y), f"{what} step {step}: {x} vs {y}"
+
+
+def test_lora_from_a_pretrained_checkpoint(runs: dict[str, Any]) -> None:
+    """``llm.finetune``'s LoRA started from a plain (no-GTP) checkpoint: at TP1·GTP2·DP2 it
+    matches plain DP4 (losses, grad norms within 1e-5; adapters within 1e-5 at the end), and the
+    frozen base model, loaded into GTP shards, ends as the checkpoint holds it, bit for bit."""
+    root: Path = runs["root"]
+    assert runs["plain_ckpt"] == root / PLAIN_BASE
+    gtp, plain = runs["lora_base_gtp2"], runs["lora_base_dp4"]
+    assert gtp["frozen_gtp_params"] == 8 and gtp["checkpoint_io"] == "GTPAdapterIO"
+    for what in ("losses", "grad_norms"):
+        _close(gtp[what], plain[what], what)
+    pretrained = _weights(root / "plain.pt")  # plain_tp1's weights after its 10 steps
+    got, want = _weights(root / "lora_base_gtp2.pt"), _weights(root / "lora_base_dp4.pt")
+    assert got.keys() == want.keys()
+    adapters = [name for name in got if ".adapter." in name]
+    assert len(adapters) == 16  # 2 layers x 4 linears x (linear_in, linear_out)
+    for name in got:
+        if name in adapters:
+            scale = want[name].abs().max()
+            assert (got[name] - want[name]).abs().max() <= 1e-5 * scale, name
+        else:
+            assert torch.equal(got[name], pretrained[name]), f"base weight {name} changed"
+
+
+def test_lora_adapter_checkpoints_commit_atomically_and_resume(runs: dict[str, Any]) -> None:
+    """NeMo's PEFT saves only the adapters (and their optimizer state) with an
+    ``adapter_metadata.json`` naming the pretrained checkpoint. Under GTP they go through GTP's
+    atomic commit, the metadata inside the committed ``weights/`` (NeMo's asynchronous save
+    would otherwise write it into a directory the commit replaces). The restarted job
+    (``AutoResume``: base first, then adapters) continues the uninterrupted curve bit for bit;
+    the same checkpoint resumed at GTP4 stays within 1e-5, and without GTP (weights only) its
+    first loss is the GTP run's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root: Path = runs["root"]
+    full = runs["lora_base_gtp2"]
+    assert runs["lora_base_killed"]["losses"] == full["losses"][:5]
+    assert runs["lora_saved"] == ["last", "step=4"], runs["lora_saved"]
+    step4 = root / "lora_ckpts" / "step=4"
+    meta = json.loads((step4 / "weights" / "adapter_metadata.json").read_text())
+    assert meta == {"model_ckpt_path": str(root / PLAIN_BASE)}
+    keys = FileSystemReader(str(step4 / "weights")).read_metadata().state_dict_metadata
+    model_keys = [key for key in keys if not key.startswith("optimizer")]
+    assert model_keys and all(".adapter." in key for key in model_keys), model_keys
+    assert any(key.startswith("optimizer") for key in keys)
+    resumed = runs["lora_base_resume"]
+    assert resumed["losses"] == full["losses"][5:], (resumed["losses"], full["losses"][5:])
+    assert resumed["grad_norms"] == full["grad_norms"][5:]
+    for ckpt in (root / "lora_ckpts").iterdir():  # the restarted job saved on (steps 9, last)
+        assert (ckpt / "weights" / "adapter_metadata.json").is_file(), ckpt
+        assert not list(ckpt.glob(".weights.*")), ckpt
+    for what in ("losses", "grad_norms"):
+        _close(runs["lora_base_gtp4_resume"][what], full[what][5:], f"GTP4 {what}")
+    plain = runs["lora_base_plain_resume"]
+    assert len(plain["losses"]) == 5
+    _close(plain["losses"][:1], full["losses"][5:6], "plain first loss", tol=1e-6)

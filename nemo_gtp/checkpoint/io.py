@@ -142,13 +142,16 @@ def save_checkpoint(
     validate_access_integrity: bool = True,
     async_save: bool = False,
     content_metadata: dict | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> AsyncRequest | None:
     """Save a sharded state dict in megatron's ``torch_dist`` format, committed atomically.
 
     Collective over the default process group. ``layout`` is stored in the common state under
     :data:`~nemo_gtp.checkpoint.layout.LAYOUT_KEY` (``state_dict`` is modified: megatron's save
     also applies its factories in place). ``content_metadata`` is megatron's (NeMo stores its
-    ``sharded_state_dict_metadata`` there and reads it back before loading). With
+    ``sharded_state_dict_metadata`` there and reads it back before loading). ``extra_files``
+    (``{name: text}``) are written by rank 0 into the staged directory before the commit, so
+    they appear together with the weights or not at all (NeMo's PEFT adapter metadata). With
     ``async_save`` megatron's ``AsyncRequest`` is returned with the commit appended to its
     finalize functions (they run on every rank once the writes finished); schedule it as
     megatron's async queue or NeMo would.
@@ -175,19 +178,22 @@ def save_checkpoint(
         async_sharded_save=async_save,
         content_metadata=content_metadata,
     )
+    extra = dict(extra_files or {})
     if async_save:
-        request.add_finalize_fn(lambda: _commit_everywhere(staging, final))
+        request.add_finalize_fn(lambda: _commit_everywhere(staging, final, extra))
         return request
-    _commit_everywhere(staging, final)
+    _commit_everywhere(staging, final, extra)
     return None
 
 
-def _commit_everywhere(staging: Path, final: Path) -> None:
+def _commit_everywhere(staging: Path, final: Path, extra_files: dict[str, str]) -> None:
     """Rank 0 commits once every rank is done; every rank learns the outcome."""
     dist.barrier()  # megatron's save ends with rank 0's marker; now every rank's files exist
     error = None
     if dist.get_rank() == 0:
         try:
+            for name, text in extra_files.items():
+                (staging / name).write_text(text)
             _commit(staging, final)
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below
             error = f"{type(err).__name__}: {err}"

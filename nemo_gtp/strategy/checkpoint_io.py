@@ -238,9 +238,14 @@ class GTPCheckpointIO(MegatronCheckpointIO):
         self._groups = groups
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+        self,
+        checkpoint: dict[str, Any],
+        path: Any,
+        storage_options: Any = None,
+        extra_files: dict[str, str] | None = None,
     ) -> Any:
-        """Save into ``<path>/weights`` through a staging directory, then commit (collective)."""
+        """Save into ``<path>/weights`` through a staging directory, then commit (collective);
+        ``extra_files`` (``{name: text}``) are committed inside ``weights/`` with the data."""
         if self.save_ckpt_format != "torch_dist":
             raise ValueError(
                 f"GTP checkpoints use save_ckpt_format='torch_dist', got "
@@ -258,6 +263,7 @@ class GTPCheckpointIO(MegatronCheckpointIO):
             validate_access_integrity=validate,
             async_save=self.async_save,
             content_metadata=(storage_options or {}).get("content_metadata"),
+            extra_files=extra_files,
         )
 
     def load_checkpoint(

@@ -85,6 +85,7 @@ from nemo_gtp.strategy.ddp import gtp_ddp_class, nemo_ddp_class
 from nemo_gtp.strategy.evaluation import KeptShards, keep_shards
 from nemo_gtp.strategy.model_transform import convert_then_shard, shard_model_chunk
 from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
+from nemo_gtp.strategy.peft import install_gtp_adapter_io
 from nemo_gtp.strategy.validation import (
     validate_ddp_config,
     validate_fp8_primary,
@@ -345,6 +346,8 @@ class GTPMegatronStrategy(MegatronStrategy):
             configure_nemo_telemetry(trainer)
         if self.gtp_enabled and not any(isinstance(c, GTPDrainCallback) for c in trainer.callbacks):
             trainer.callbacks.append(GTPDrainCallback())
+        if self.gtp_enabled:  # NeMo's PEFT callback set its adapter IO up: GTP's beneath it
+            install_gtp_adapter_io(self, self.gtp_checkpoint_io)
         super().setup(trainer)
         kept, self._kept_shards = self._kept_shards, None
         if kept is not None:  # kept by init_model_parallel, when not fitting
@@ -472,19 +475,24 @@ class GTPMegatronStrategy(MegatronStrategy):
         """NeMo's checkpoint IO; under GTP a :class:`GTPCheckpointIO` (atomic commit, layout)."""
         dims = getattr(self, "gtp_dims", None)  # MegatronStrategy.__init__ runs before ours
         if self._checkpoint_io is None and dims is not None and dims.gtp_enabled:
-            io = GTPCheckpointIO(
-                lambda: self.gtp_groups,
-                save_ckpt_format=self.save_ckpt_format,
-                async_save=self.async_save,
-                torch_dist_multiproc=self.torch_dist_multiproc,
-                assume_constant_structure=self.assume_constant_structure,
-                parallel_save=self.parallel_save,
-                parallel_save_within_dp=self.parallel_save_within_dp,
-                parallel_load=self.parallel_load,
-                load_directly_on_device=self.load_directly_on_device,
-            )
+            io = self.gtp_checkpoint_io()
             self._checkpoint_io = AsyncFinalizableCheckpointIO(io) if self.async_save else io
         return MegatronStrategy.checkpoint_io.fget(self)
+
+    def gtp_checkpoint_io(self) -> GTPCheckpointIO:
+        """A new :class:`GTPCheckpointIO` with this strategy's checkpoint settings (synchronous;
+        NeMo's async wrapper goes around it)."""
+        return GTPCheckpointIO(
+            lambda: self.gtp_groups,
+            save_ckpt_format=self.save_ckpt_format,
+            async_save=self.async_save,
+            torch_dist_multiproc=self.torch_dist_multiproc,
+            assume_constant_structure=self.assume_constant_structure,
+            parallel_save=self.parallel_save,
+            parallel_save_within_dp=self.parallel_save_within_dp,
+            parallel_load=self.parallel_load,
+            load_directly_on_device=self.load_directly_on_device,
+        )
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
@@ -608,6 +616,10 @@ class GTPMegatronStrategy(MegatronStrategy):
         scales as the saving run's (``gtp_load_optimizer_states``, design §3.3)."""
         if not self.gtp_enabled:
             super().load_optimizer_state_dict(checkpoint, selective_restore=selective_restore)
+            return
+        if not self.optimizers and not self._setup_optimizers:
+            # NeMo's PEFT resume: Lightning restores before the optimizers exist (PEFT builds
+            # them in its apply_transform, then loads the adapter checkpoint's state itself).
             return
         if self.should_restore_optimizer_states(selective_restore=selective_restore):
             gtp_load_optimizer_states(self.optimizers, checkpoint["optimizer"])

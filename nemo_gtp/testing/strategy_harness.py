@@ -81,6 +81,10 @@ class Fit:
     # NeMo's AutoResume (``llm.train``'s restart-from-last): resume_if_exists from this
     # directory's newest ``*-last`` checkpoint before ``trainer.fit(model, datamodule=data)``
     auto_resume: str | None = None
+    # ``llm.finetune``'s start from a pretrained checkpoint: NeMo's AutoResume with
+    # ``RestoreConfig(path=restore_from)`` (weights only); with ``auto_resume`` too, a restart
+    # resumes from the newest checkpoint there when one exists (PEFT: an adapter checkpoint)
+    restore_from: str | None = None
     checkpoint_context: bool = False  # each save also gets NeMo's context/ (export_ckpt needs it)
     stop_after: int | None = None
     resume_from: str | None = None
@@ -422,9 +426,13 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         if fit.entry != "fit":  # a fresh trainer and model that never ran fit
             result = _evaluate_only(fit, trainer, model, data, strategy, evals, memory_logger)
             return {**result, "banners": _banners(catcher)}
-        if fit.auto_resume:  # as llm.train does: AutoResume sets trainer.ckpt_path
+        if fit.auto_resume or fit.restore_from:  # as llm.train / llm.finetune do
+            restore = None
+            if fit.restore_from:
+                restore = nl.RestoreConfig(path=fit.restore_from, load_artifacts=False)
             resume = nl.AutoResume(
-                resume_if_exists=True,
+                restore_config=restore,
+                resume_if_exists=bool(fit.auto_resume),
                 resume_ignore_no_checkpoint=True,
                 resume_from_directory=fit.auto_resume,
             )
@@ -532,7 +540,15 @@ def _fp8_primary_state(runtimes: list, ddp: Any, optimizer: Any) -> dict[str, An
 
 def _under(fit: Fit, out_dir: str) -> Fit:
     """``fit`` with its relative checkpoint / weight paths made absolute under ``out_dir``."""
-    keys = ("checkpoint_dir", "resume_from", "auto_resume", "weights_to", "save_to", "state_to")
+    keys = (
+        "checkpoint_dir",
+        "resume_from",
+        "auto_resume",
+        "restore_from",
+        "weights_to",
+        "save_to",
+        "state_to",
+    )
     paths = {key: getattr(fit, key) for key in keys}
     return dataclasses.replace(
         fit,
