@@ -106,10 +106,7 @@ BAD_OVERRIDES = [
     (["+peft.method=lora", "+peft.rank=8"], "peft.rank is not a PEFT setting"),
     (["+peft.method=lora", "+peft.dim=eight"], "peft.dim"),
     (["+peft.method=lora", "+peft.target_modules=[linear_q]"], "peft.target_modules='linear_q'"),
-    (
-        ["+peft.method=lora", "+checkpoint.dir=c", "+checkpoint.every_n_train_steps=2"],
-        "peft with checkpoint: the recipes here do not save or load PEFT runs",
-    ),
+    (["+restore=/nonexistent/step=9"], "restore='/nonexistent/step=9' does not exist"),
     (["trainer.max_step=7"], "trainer.max_step"),  # a typo without + (no such key)
     (["trainer.max_steps"], "is not key=value"),
     (["=3"], "has no key"),

@@ -290,20 +290,39 @@ def test_requeued_job_resumes_from_its_last_committed_checkpoint_at_another_gtp_
     assert is_committed(ckpts / "step=5")  # NeMo removed the killed save; the rerun wrote it
 
 
-def test_lora_recipe_matches_its_baseline(tmp_path: Path) -> None:
-    """``+peft.method=lora`` (NeMo's LoRA set up as ``llm.finetune`` does) at TP1·GTP2·DP2 and
-    at DP4 in one launch: the frozen base linears are the GTP shards, the adapters train, and
-    the losses agree to 1e-5 (design §1.1 "Frozen weights")."""
+def test_lora_recipe_from_a_pretrained_checkpoint_matches_its_baseline_and_restarts(
+    tmp_path: Path,
+) -> None:
+    """Fine-tuning as a NeMo user runs it: a pretraining job saves a checkpoint; ``+peft.method=
+    lora +restore=<it>`` (NeMo's LoRA on that checkpoint's weights, as ``llm.finetune`` with a
+    ``RestoreConfig``) at TP1·GTP2·DP2 saving adapter checkpoints with ``+resume=latest``, and
+    the same at DP4 without checkpoints in the same launch. The GTP run is stopped after 2 steps
+    and rerun as the same job with 4 at GTP4 (it resumes from its adapter checkpoint, the base
+    from the pretrained one): the 4 steps match DP4's to 1e-5 (design §1.1 "Frozen weights")."""
     from nemo_gtp.recipes.launch import launch_fits
 
-    lora = ["trainer.max_steps=4", "+peft.method=lora", "+peft.dim=4"]
+    pretrained, adapters = tmp_path / "pretrain", tmp_path / "lora"
+    pretrain = ["trainer.max_steps=3", f"+checkpoint.dir={pretrained}"]
+    pre = launch_fits(TINY, {"pretrain": [*pretrain, "+checkpoint.every_n_train_steps=3"]})
+    lora = ["+peft.method=lora", "+peft.dim=4", f"+restore={pretrained / 'step=2'}"]
+    job = [*lora, f"+checkpoint.dir={adapters}", "+checkpoint.every_n_train_steps=2"]
+    gtp4 = "strategy.num_weight_shards=4"
     runs = launch_fits(
-        TINY, {"gtp": lora, "base": [*lora, "strategy.num_weight_shards=1"]}, log_dirs=None
+        TINY,
+        {
+            "first": [*job, "+resume=latest", "trainer.max_steps=2"],
+            "again": [*job, "+resume=latest", "trainer.max_steps=4", gtp4],
+            "base": [*lora, "trainer.max_steps=4", "strategy.num_weight_shards=1"],
+        },
     )
-    assert [r["step"] for r in runs["gtp"]] == [1, 2, 3, 4]
-    for got, want in zip(runs["gtp"], runs["base"], strict=True):
+    assert [r["step"] for r in runs["first"]] == [1, 2]
+    assert [r["step"] for r in runs["again"]] == [3, 4]
+    assert (adapters / "step=1" / "weights" / "adapter_metadata.json").is_file()
+    for got, want in zip(runs["first"] + runs["again"], runs["base"], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
-    assert runs["gtp"][-1]["loss"] != runs["gtp"][0]["loss"]  # the adapters trained
+    assert runs["base"][-1]["loss"] != runs["base"][0]["loss"]  # the adapters trained
+    # same first batch: a LoRA (zero adapter output) on fresh weights would repeat this loss
+    assert runs["first"][0]["loss"] < pre["pretrain"][0]["loss"], (runs["first"], pre)
 
 
 def test_pipeline_dtype_defaults_to_the_training_dtype() -> None:

@@ -16,7 +16,10 @@ under GTP with ``recipe: tensorwise`` the weights are gathered in FP8, and with
 ``<dir>/step=N/`` torch_dist checkpoint) and ``resume`` (a checkpoint directory to continue
 from with ``trainer.fit(ckpt_path=...)``, at this recipe's layout, whatever layout saved it; or
 ``latest``: the newest committed checkpoint in ``checkpoint.dir``, step 0 when there is none
-yet, the restart of a requeued job: ``nemo_gtp.recipes.resume``).
+yet, the restart of a requeued job: ``nemo_gtp.recipes.resume``; a PEFT run's adapter
+checkpoint is resumed as NeMo's ``AdapterPath``: the base it names first), and ``restore`` (a
+checkpoint whose weights a run that resumes nothing starts from, NeMo's ``RestoreConfig``: the
+pretrained model of a fine-tuning run).
 ``build_fit(..., log_dir=DIR)`` logs through NeMo's ``nl.NeMoLogger`` with its TensorBoard
 logger into ``DIR/tb_logs`` (``TB_SUBDIR``): loss, and
 :class:`~nemo_gtp.strategy.GTPMetricsCallback`'s step time, memory and GTP metrics, which
@@ -34,6 +37,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -60,11 +64,38 @@ class Fit:
     trainer: Any
     model: Any
     data: Any
-    ckpt_path: str | None = None  # resume from here (``trainer.fit(..., ckpt_path=...)``)
+    ckpt_path: Any = None  # resume from here (``trainer.fit(..., ckpt_path=...)``)
+    restore: str | None = None  # start from this checkpoint's weights when not resuming
 
     def run(self) -> None:
-        """``trainer.fit`` with the recipe's model, data and resume checkpoint."""
+        """``trainer.fit`` with the recipe's model, data and resume checkpoint; a fit that
+        resumes nothing starts from the ``restore`` checkpoint's weights (NeMo's
+        ``RestoreConfig``: weights only, as ``llm.finetune`` starts from a pretrained model)."""
+        if self.restore is not None and self.ckpt_path is None:
+            from nemo.lightning.pytorch.strategies.utils import RestoreConfig
+
+            restore = RestoreConfig(path=self.restore, load_artifacts=False)
+            self.trainer.strategy.restore_config = restore
         self.trainer.fit(self.model, datamodule=self.data, ckpt_path=self.ckpt_path)
+
+
+def resume_target(path: str | None) -> Any:
+    """What ``trainer.fit(ckpt_path=...)`` resumes from: ``path``, or for a PEFT adapter
+    checkpoint (``weights/adapter_metadata.json``) NeMo's ``AdapterPath``, which loads the base
+    model it names before the adapters, as NeMo's ``AutoResume`` hands it over.
+
+    Example: ``resume_target("lora/step=9")`` -> ``AdapterPath("lora/step=9", base_model_path=...)``
+    """
+    if path is None:
+        return None
+    from nemo.lightning.ckpt_utils import ADAPTER_META_FILENAME
+    from nemo.lightning.resume import AdapterPath
+
+    metadata = Path(path) / "weights" / ADAPTER_META_FILENAME
+    if not metadata.is_file():
+        return path
+    base = json.loads(metadata.read_text())["model_ckpt_path"]
+    return AdapterPath(Path(path), base_model_path=Path(base))
 
 
 def _plain(section: Any) -> dict[str, Any]:
@@ -169,7 +200,8 @@ def build_fit(
     trainer = nl.Trainer(strategy=strategy, plugins=plugins, callbacks=callbacks, **trainer_kwargs)
     if log_dir is not None:
         setup_nemo_logger(trainer, log_dir)
-    return Fit(trainer, model, data, ckpt_path=resume_path(cfg))
+    ckpt_path = resume_target(resume_path(cfg))
+    return Fit(trainer, model, data, ckpt_path=ckpt_path, restore=cfg.get("restore"))
 
 
 def peft_method(section: dict[str, Any]) -> Any:

@@ -40,11 +40,12 @@ SECTIONS = (
     "optim",
     "checkpoint",
     "resume",
+    "restore",
     "fp8",
     "muon",
     "peft",
 )
-SCALAR_SECTIONS = ("cpu_compat", "precision", "resume")
+SCALAR_SECTIONS = ("cpu_compat", "precision", "resume", "restore")
 MAPPING_SECTIONS = tuple(s for s in SECTIONS if s not in SCALAR_SECTIONS)
 # The muon section (optim.optimizer=muon): MuonConfig's fields (design §1.6 "Muon").
 MUON_KEYS = (
@@ -253,6 +254,8 @@ def validate_recipe(cfg: DictConfig) -> None:
     _check_sizes(raw)
     if raw.get("resume") is not None:
         check_resume(raw["resume"], raw.get("checkpoint"))
+    if raw.get("restore") is not None:
+        check_resume_path(raw["restore"], key="restore")
 
 
 TE_MISSING = (
@@ -335,9 +338,9 @@ def _check_muon(raw: dict[str, Any]) -> None:
 
 
 def _check_peft(raw: dict[str, Any]) -> None:
-    """The ``peft`` section: NeMo's LoRA on a freshly initialized model. Its checkpoints (NeMo
-    saves the adapters alone) and a base model to start from (NeMo's ``RestoreConfig``) are not
-    wired here: refused with ``checkpoint`` / ``resume``, named."""
+    """The ``peft`` section: NeMo's LoRA, set up as ``llm.finetune`` does; ``restore`` names the
+    pretrained checkpoint it starts from, ``checkpoint`` saves the adapters alone (NeMo's PEFT
+    checkpoints) and ``resume`` restarts from them."""
     section = raw.get("peft")
     if section is None:
         return
@@ -354,13 +357,6 @@ def _check_peft(raw: dict[str, Any]) -> None:
             )
         for target in targets:
             _one_of("peft.target_modules", target, PEFT_TARGETS)
-    for other in ("checkpoint", "resume"):
-        if raw.get(other) is not None:
-            raise RecipeError(
-                f"peft with {other}: the recipes here do not save or load PEFT runs (NeMo saves "
-                f"the adapters alone; a base model comes through NeMo's RestoreConfig): drop "
-                f"{other}, or use NeMo's llm.finetune"
-            )
 
 
 def _check_checkpoint_section(section: Any) -> None:
@@ -701,17 +697,19 @@ def check_resume(resume: Any, checkpoint: Any) -> None:
         )
 
 
-def check_resume_path(path: Any) -> None:
-    """``resume`` must be a checkpoint directory (``<dir>/step=N`` with ``weights/``)."""
+def check_resume_path(path: Any, key: str = "resume") -> None:
+    """``resume`` (or ``restore``, the weights a run starts from) must be a checkpoint
+    directory (``<dir>/step=N`` with ``weights/``)."""
     where = Path(str(path))
     if (where / "weights").is_dir() or (where / "metadata.json").is_file():
         return
     hint = ""
     latest = latest_checkpoint(where)
     if latest is not None:
-        hint = f" (its newest is {latest.name}: use +resume={latest})"
+        hint = f" (its newest is {latest.name}: use +{key}={latest})"
     what = "does not exist" if not where.exists() else "is not a checkpoint"
+    latest_too = ", or +resume=latest with +checkpoint.dir" if key == "resume" else ""
     raise RecipeError(
-        f"resume={str(path)!r} {what}: give a <checkpoint.dir>/step=N directory with a "
-        f"weights/ subdirectory, or +resume=latest with +checkpoint.dir{hint}"
+        f"{key}={str(path)!r} {what}: give a <checkpoint.dir>/step=N directory with a "
+        f"weights/ subdirectory{latest_too}{hint}"
     )
