@@ -154,10 +154,11 @@ SHARED_DEVICE_SHAPE = (  # --shared-device: numerics need no 1B model, the stage
 )
 
 
-TOP_LEVEL_KEYS = ("resume",)  # recipe keys a mode modifier may set without a dot
+TOP_LEVEL_KEYS = ("resume", "restore")  # recipe keys a mode modifier may set without a dot
 # Modifiers a mode's baseline shares: the layout beside GTP, and the optimizer (a Muon GTP2 run
 # is compared with a Muon DP2 run, design §1.6); ``muon.*`` and ``peft.*`` keys too (a LoRA
-# GTP2 run is compared with a LoRA DP2 run, design §1.1 "Frozen weights").
+# GTP2 run is compared with a LoRA DP2 run, design §1.1 "Frozen weights"), and ``restore`` (both
+# fine-tune the same pretrained checkpoint).
 LAYOUT_KEYS = (
     "strategy.context_parallel_size",
     "strategy.pipeline_model_parallel_size",
@@ -175,7 +176,9 @@ def layout_modifiers(knobs: list[str]) -> str:
     """The ``@key=value`` modifiers among ``knobs`` that a mode's baselines share
     (:data:`LAYOUT_KEYS`), joined in their order: ``"@strategy.context_parallel_size=2"``."""
     shared = [
-        k for k in knobs if k.split("=", 1)[0] in LAYOUT_KEYS or k.startswith(("muon.", "peft."))
+        k
+        for k in knobs
+        if k.split("=", 1)[0] in LAYOUT_KEYS or k.startswith(("muon.", "peft.", "restore="))
     ]
     return "".join(f"@{k}" for k in shared)
 

@@ -55,6 +55,7 @@ from typing import Any
 import pytest
 import torch
 
+from nemo_gtp.engine import GTPConfig
 from nemo_gtp.testing.strategy_harness import MOE_MODEL, Fit, pipelined, run_fits, shared_launch
 
 WORLD = 4
@@ -69,6 +70,7 @@ _GROUPED = {"model_kwargs": MOE_MODEL, "grouped_experts": True}  # TEGroupedMLP 
 PP2 = pipelined(2)  # 4 layers over 2 stages, untied output layer
 PP1 = {"model_kwargs": PP2["model_kwargs"]}  # the same model on one stage
 ASYNC = {"ckpt_async_save": True}  # NeMo's default; the harness saves synchronously otherwise
+PRESHARD = {"gtp_config": GTPConfig(preshard_linears="all")}  # megatron-local linears too
 PLAIN_BASE = "plain_ckpts/step=9"  # plain_tp1's save after its 10 steps: LoRA's pretrained model
 # a LoRA fine-tune as a requeued job runs it: restarted from its newest adapter checkpoint
 LORA_RESTARTS: dict[str, Any] = dict(
@@ -185,6 +187,16 @@ FIRST_LAUNCH = [
         weights_to="lora_base_gtp2.pt",
     ),
     Fit("lora_base_killed", gtp=2, stop_after=5, **LORA_RESTARTS),
+    # the same LoRA with the linears built as their GTP shards (TE's default on GPUs): the
+    # pretrained weights load into shards that exist before NeMo's PEFT runs the model transform
+    Fit(
+        "lora_base_preshard",
+        gtp=2,
+        peft="lora",
+        restore_from=PLAIN_BASE,
+        weights_to="lora_base_preshard.pt",
+        strategy_kwargs=PRESHARD,
+    ),
 ]
 shared_launch(WORLD).add(FIRST_LAUNCH)
 
@@ -327,6 +339,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             checkpoint_every=100,
             checkpoint_dir=str(root / "launch2" / "lora_plain_ckpts"),
             strategy_kwargs={"ckpt_load_optimizer": False},
+        ),
+        Fit(
+            "lora_base_preshard_resume",
+            gtp=2,
+            peft="lora",
+            restore_from=base,
+            auto_resume=lora_ckpts,
+            checkpoint_every=100,
+            checkpoint_dir=str(root / "launch2" / "lora_preshard_ckpts"),
+            strategy_kwargs=PRESHARD,
         ),
         Fit(
             "lora_base_resume",
@@ -613,3 +635,23 @@ def test_lora_adapter_checkpoints_commit_atomically_and_resume(runs: dict[str, A
     plain = runs["lora_base_plain_resume"]
     assert len(plain["losses"]) == 5
     _close(plain["losses"][:1], full["losses"][5:6], "plain first loss", tol=1e-6)
+
+
+def test_lora_restores_and_resumes_into_linears_built_as_shards(runs: dict[str, Any]) -> None:
+    """Linears built as their GTP shard (``preshard_linears``; TE's default on GPUs) are GTP
+    shards before NeMo's PEFT runs the model transform, when the pretrained weights and, on a
+    restart, the base and adapters load: both loads see GTP's description of them (the base
+    used to fail on every global shape). The frozen base ends as the checkpoint holds it, the
+    first loss is the sliced model's (adapters add zero then; their own initial values differ,
+    drawn after the per-peer shards), and the adapter checkpoint of the sliced run resumes into
+    it continuing that run bit for bit."""
+    root: Path = runs["root"]
+    pre, sliced = runs["lora_base_preshard"], runs["lora_base_gtp2"]
+    assert pre["presharded_modules"] > 0 and pre["frozen_gtp_params"] == 8
+    assert pre["losses"][0] == sliced["losses"][0]
+    pretrained = _weights(root / "plain.pt")
+    got = _weights(root / "lora_base_preshard.pt")
+    for name in pretrained:
+        assert torch.equal(got[name], pretrained[name]), f"base weight {name}"
+    resumed = runs["lora_base_preshard_resume"]
+    assert resumed["losses"] == sliced["losses"][5:], (resumed["losses"], sliced["losses"][5:])

@@ -353,6 +353,15 @@ class GTPMegatronStrategy(MegatronStrategy):
         if kept is not None:  # kept by init_model_parallel, when not fitting
             kept.restore(self.gtp_groups.replicate)
 
+    def setup_megatron_parallel(self, trainer: pl.Trainer) -> None:
+        """NeMo's; under GTP the checkpoint description is GTP-aware from here on, also while
+        NeMo's PEFT defers the model transform: linears built as their shard are GTP shards from
+        ``configure_model`` on, and the pretrained (or PEFT base) weights load before the
+        transform (design §3.3 "PEFT checkpoints")."""
+        super().setup_megatron_parallel(trainer)
+        if self.gtp_enabled:
+            install_gtp_sharded_state_dict(self.megatron_parallel, self.gtp_groups)
+
     def init_model_parallel(self) -> None:
         """Precision conversion -> GTP sharding -> GTP-aware megatron DDP (NeMo's own wrap)."""
         if not self.gtp_enabled:

@@ -223,11 +223,15 @@ def _expert_module_keys(sharded_state_dict: dict) -> set[str]:
 
 
 def _replicated_params_over_gtp(sharded_state_dict: dict) -> bool:
-    """Whether the model's GTP runtime has ``shard_replicated_params_over_gtp`` on."""
+    """Whether the model's GTP runtime has ``shard_replicated_params_over_gtp`` on (False while
+    no weight is registered yet: linears built as their shard before the model transform, whose
+    pretrained weights NeMo's PEFT loads first; a load reads no replica id)."""
     for value in nested_values(sharded_state_dict):
         data = getattr(value, "data", None)
-        if is_gtp_param(data):  # one runtime per model: its first GTP weight answers
-            return data.runtime.config.shard_replicated_params_over_gtp
+        ref = data.gtp_state.runtime if is_gtp_param(data) else None
+        runtime = ref() if ref is not None else None
+        if runtime is not None:  # one runtime per model: its first registered weight answers
+            return runtime.config.shard_replicated_params_over_gtp
     return False
 
 
