@@ -432,6 +432,7 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
             self.trace_path: str | None = None  # --chrome-trace: where rank 0 writes it
             self.pstats_path: str | None = None  # rank 0: the host profile, every function
             self.dump_prefix: str | None = None  # --dump-weights: <out>/weights_<mode>_<tokens>
+            self.dumped_start = False
             self.split: list[dict[str, float]] = []
             self.gtp_stats: dict[str, int] = {}  # CommStats of the last split-window step
             # (of the last timed step without those windows)
@@ -470,10 +471,6 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
         def total_steps(self) -> int:
             return self.warmup + self.timed + 2 * self.extra + (6 if self.profile else 0)
 
-        def on_train_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
-            if self.dump_prefix:  # after a checkpoint load: what was loaded
-                dump_weights(trainer.strategy, f"{self.dump_prefix}_start.pt")
-
         def on_train_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
             if self.dump_prefix:
                 dump_weights(trainer.strategy, f"{self.dump_prefix}_end.pt")
@@ -501,6 +498,11 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
 
             from nemo_gtp.strategy import gtp_runtimes
 
+            # the first batch: after a checkpoint load, what was loaded; after NeMo's PEFT
+            # transform too (at the epoch start: the adapters, and the GTP shards registered)
+            if self.dump_prefix and not self.dumped_start:
+                self.dumped_start = True
+                dump_weights(trainer.strategy, f"{self.dump_prefix}_start.pt")
             step, w = trainer.global_step, self.windows
             if step == w["timed"].start:  # which threads burn CPU during the timed steps
                 self._threads, self._timed_wall = thread_cpu_seconds(), time.perf_counter()

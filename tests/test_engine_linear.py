@@ -520,3 +520,17 @@ def test_coalescing_units_segment_heads() -> None:
     assert units[0] == tuple(eager)
     assert units[1:4] == [(layers[0][0],), tuple(layers[0][1:3]), (layers[0][3],)]
     assert coalescing_units(layers[0], 0) == [(p,) for p in layers[0]]  # no coalescing at all
+
+
+def test_full_state_dict_of_an_unregistered_shard_names_it() -> None:
+    """A linear built as its GTP shard is not registered until the model transform (NeMo's
+    PEFT defers it to the first train epoch start): ``full_state_dict`` then names the weight
+    and when to call it, before any collective, instead of failing inside a gather."""
+    from nemo_gtp import full_state_dict
+    from nemo_gtp.engine.param import GTPShardedParam, ShardSpec
+
+    linear = torch.nn.Linear(4, 8, bias=False)
+    spec = ShardSpec.for_weight((8, 4), gtp_size=2, gtp_rank=0, pad_for_alignment=1)
+    linear.weight = GTPShardedParam(torch.zeros(spec.shard_shape), spec=spec)
+    with pytest.raises(ValueError, match="weight is a GTP shard built before the model transform"):
+        full_state_dict(linear)

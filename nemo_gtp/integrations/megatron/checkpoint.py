@@ -63,6 +63,7 @@ from nemo_gtp.engine.fp8_primary import (
 from nemo_gtp.engine.grid import GTPGroups
 from nemo_gtp.engine.param import is_gtp_param
 from nemo_gtp.integrations.megatron.fp8_primary import quantize_fp8_primary_from_main_params
+from nemo_gtp.integrations.megatron.sharding.built import is_presharded
 from nemo_gtp.integrations.megatron.sharding.experts import is_expert_param
 
 
@@ -228,10 +229,9 @@ def _replicated_params_over_gtp(sharded_state_dict: dict) -> bool:
     pretrained weights NeMo's PEFT loads first; a load reads no replica id)."""
     for value in nested_values(sharded_state_dict):
         data = getattr(value, "data", None)
-        ref = data.gtp_state.runtime if is_gtp_param(data) else None
-        runtime = ref() if ref is not None else None
-        if runtime is not None:  # one runtime per model: its first registered weight answers
-            return runtime.config.shard_replicated_params_over_gtp
+        if is_gtp_param(data) and not is_presharded(data):
+            # one runtime per model: its first registered weight answers
+            return data.runtime.config.shard_replicated_params_over_gtp
     return False
 
 

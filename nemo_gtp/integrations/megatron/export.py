@@ -19,6 +19,7 @@ from megatron.core.utils import unwrap_model
 
 from nemo_gtp.engine import is_gtp_param
 from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary
+from nemo_gtp.integrations.megatron.sharding.built import is_presharded
 
 
 def unwrapped_module(model: Any) -> torch.nn.Module:
@@ -82,8 +83,16 @@ def full_state_dict(model: Any) -> dict[str, Any]:
             torch.save(weights, "weights_tp_rank0.pt")
     """
     module = unwrapped_module(model)
+    state = module.state_dict(keep_vars=True)
+    for key, value in state.items():  # before any collective: every rank raises alike
+        if is_presharded(value):
+            raise ValueError(
+                f"full_state_dict: {key} is a GTP shard built before the model transform and "
+                "not registered yet (NeMo's PEFT defers the transform to the first train epoch "
+                "start): call it after the model is sharded, e.g. at a train batch start"
+            )
     out: dict[str, Any] = {}
-    for key, value in module.state_dict(keep_vars=True).items():
+    for key, value in state.items():
         if is_gtp_param(value):
             spec = value.gtp_spec
             # one scale per weight on every GTP peer: the gathered dequantized shards are the
