@@ -25,7 +25,7 @@ ONE_GPU=${ONE_GPU:-0}
 SHARED=""; [ "$ONE_GPU" = 1 ] && SHARED="--shared-device"
 want() {
   [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]] || return 1
-  if [ "$ONE_GPU" = 1 ] && [[ " grouped fp8 fp8param host moe " != *" $1 "* ]]; then
+  if [ "$ONE_GPU" = 1 ] && [[ " grouped fp8 fp8param host moe peft " != *" $1 "* ]]; then
     echo "$1 skipped: ONE_GPU=1 (needs 2 GPUs)"; return 1
   fi
 }
@@ -149,6 +149,13 @@ if want muon; then
   timeout 260 python3 bench/bench_nemo.py --modes "dp2_te$M,gtp2_te$M@preshard_linears=none" --tokens 2048,4096 \
     --warmup 5 --timed 15 --fit-timeout 100 --out "$OUT/muon" | tail -10
   pack muon
+fi
+# 7d. NeMo's LoRA on TE linears built as their GTP shards (TE's default), from a pretrained
+#    checkpoint: GTP2 vs DP2, adapter checkpoints saved asynchronously and restarted at GTP2 (end
+#    bit for bit) and DP2 (first-batch weights bit for bit). One GPU is enough (ranks share it).
+if want peft; then
+  timeout 560 bash bench/results/2026-12-05_peft_te_1xH100/commands/r3_peft_te.sh 2>&1 | tail -12
+  pack r1
 fi
 # 8. Host time inside GTP's entry points and the optimizer, per step (gtp_host_timer), eager
 #    and per-layer graphs, without communication (one device; the fake 2-rank world).
