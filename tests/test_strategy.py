@@ -119,6 +119,10 @@ FOUR_RANK_FITS = [
     Fit("lora_gtp2", gtp=2, peft="lora", weights_to="lora_gtp2.pt"),
     Fit("base_frozen_attention_dp4", peft="freeze_attention"),
     Fit("frozen_attention_gtp2", gtp=2, peft="freeze_attention"),
+    # NeMo's canonical LoRA (adapters per q / k / v projection); DoRA, refused under GTP
+    Fit("base_canonical_lora_dp4", peft="canonical_lora"),
+    Fit("canonical_lora_gtp2", gtp=2, peft="canonical_lora"),
+    Fit("dora_gtp2", gtp=2, peft="dora", expect_error=True),
 ]
 shared_launch(4).add(FOUR_RANK_FITS)  # one 4-rank spawn with test_strategy_checkpoint's first
 
@@ -288,6 +292,20 @@ def test_parity_partly_frozen_model(four_ranks: dict) -> None:
         assert rank["gtp_params"] == 8 and rank["frozen_gtp_params"] == 4
         assert rank["reduce_scatters"] == 4 * steps_and_microbatches  # fc1, fc2 of 2 layers
         assert rank["gtp_params_with_grad"] == 0
+
+
+def test_parity_canonical_lora_and_dora_refused(four_ranks: dict) -> None:
+    """NeMo's canonical LoRA (one adapter per q, k and v inside the fused qkv linear, which
+    stays one frozen GTP shard) at TP1·GTP2·DP2 reproduces DP4. NeMo's DoRA reads each wrapped
+    linear's whole weight in every forward, a shard under GTP (it failed on a shape mismatch in
+    the forward): refused at the model transform on every rank, naming what to use instead."""
+    gtp, base = four_ranks["canonical_lora_gtp2"], four_ranks["base_canonical_lora_dp4"]
+    _assert_parity(gtp, base, clips=False)
+    for rank in gtp:
+        assert rank["gtp_params"] == rank["frozen_gtp_params"] == 8
+    for rank in four_ranks["dora_gtp2"]:
+        assert rank["error"].startswith("ValueError: NeMo's DoRA"), rank["error"]
+        assert "llm.peft.LoRA()" in rank["error"]
 
 
 # ------------------------------------------------------------------------------ evaluation

@@ -36,6 +36,7 @@ def shard_model_chunk(
     existing = runtimes_of(module)
     if existing:
         return existing[0]
+    refuse_dora(module)
     # The strategy owns both configs, so the model's per-token-loss setting wins (the user need
     # not repeat it in GTPConfig); plain shard_model refuses a mismatch instead.
     config = mirror_per_token_loss(config, getattr(module, "config", None), adopt=True)
@@ -43,6 +44,28 @@ def shard_model_chunk(
     if any(r.fp8_primary is not None for r in runtimes_of(module)):
         install_fp8_primary_hooks()
     return runtime
+
+
+def refuse_dora(module: torch.nn.Module) -> None:
+    """Refuse NeMo's DoRA (``llm.peft.DoRA``) under GTP, naming what to use instead: its
+    ``DoRALinear`` reads the wrapped linear's whole weight in every forward (the row norms of
+    ``W + BA``), and under GTP that weight is a shard (it failed on a shape mismatch inside the
+    forward). NeMo's LoRA and canonical LoRA only call the wrapped linear, and run.
+
+    Example: ``refuse_dora(model)`` raises ``ValueError`` if any module is a ``DoRALinear``.
+    """
+    try:
+        from nemo.collections.llm.peft.dora import DoRALinear
+    except ImportError:  # a NeMo without DoRA
+        return
+    for name, sub in module.named_modules():
+        if isinstance(sub, DoRALinear):
+            raise ValueError(
+                f"NeMo's DoRA ({name}) needs each wrapped linear's whole weight in every forward, "
+                "and GTP shards it: fine-tune with peft=llm.peft.LoRA() or "
+                "llm.peft.CanonicalLoRA(), or without GTP (num_weight_shards = "
+                "tensor_model_parallel_size)"
+            )
 
 
 def convert_then_shard(
