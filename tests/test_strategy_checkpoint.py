@@ -61,6 +61,15 @@ from nemo_gtp.testing.strategy_harness import MOE_MODEL, Fit, pipelined, run_fit
 WORLD = 4
 
 
+def _close(
+    got: list[float], want: list[float], what: str, *, first: int = 0, tol: float = 1e-5
+) -> None:
+    """Each of ``got`` within ``tol`` (relative) of ``want``'s; ``first``: the step number of
+    their first entry, for the message."""
+    for step, (x, y) in enumerate(zip(got, want, strict=True)):
+        assert abs(x - y) <= tol * abs(y), f"{what} step {first + step}: {x} vs {y}"
+
+
 def _weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
@@ -460,16 +469,14 @@ def test_moe_resume_into_another_expert_kind_and_layout(runs: dict[str, Any]) ->
     full, resumed = runs["moe_10"], runs["grouped_from_seq"]
     assert resumed["presharded_modules"] == 4 and len(resumed["losses"]) == 5
     for what in ("losses", "grad_norms"):
-        for step, (x, y) in enumerate(zip(resumed[what], full[what][5:], strict=True)):
-            assert abs(x - y) <= 1e-5 * abs(y), f"{what} step {5 + step}: {x} vs {y}"
+        _close(resumed[what], full[what][5:], what, first=5)
 
 
 def test_resume_at_another_gtp_size(runs: dict[str, Any]) -> None:
     full, resumed = runs["gtp_20"], runs["gtp4_resume"]
     assert len(resumed["losses"]) == 10
     for what in ("losses", "grad_norms"):
-        for step, (x, y) in enumerate(zip(resumed[what], full[what][10:], strict=True)):
-            assert abs(x - y) <= 1e-5 * abs(y), f"{what} step {10 + step}: {x} vs {y}"
+        _close(resumed[what], full[what][10:], what, first=10)
 
 
 def test_muon_resumes_at_another_gtp_size(runs: dict[str, Any]) -> None:
@@ -478,8 +485,7 @@ def test_muon_resumes_at_another_gtp_size(runs: dict[str, Any]) -> None:
     full, resumed = runs["muon_10"], runs["muon_gtp4_resume"]
     assert len(resumed["losses"]) == 5
     for what in ("losses", "grad_norms"):
-        for step, (x, y) in enumerate(zip(resumed[what], full[what][5:], strict=True)):
-            assert abs(x - y) <= 1e-5 * abs(y), f"{what} step {5 + step}: {x} vs {y}"
+        _close(resumed[what], full[what][5:], what, first=5)
 
 
 def test_pipeline_checkpoint_resumes_on_one_stage(runs: dict[str, Any]) -> None:
@@ -496,8 +502,7 @@ def test_pipeline_checkpoint_resumes_on_one_stage(runs: dict[str, Any]) -> None:
     assert assert_same_state(_full_state(runs["root"], "pp_resume_pp1_5"), saved) == len(saved)
     assert len(resumed["losses"]) == 5
     for what in ("losses", "grad_norms"):
-        for step, (x, y) in enumerate(zip(resumed[what], full[what][5:], strict=True)):
-            assert abs(x - y) <= 1e-5 * abs(y), f"{what} step {5 + step}: {x} vs {y}"
+        _close(resumed[what], full[what][5:], what, first=5)
 
 
 def test_pipeline_checkpoint_loads_without_gtp(runs: dict[str, Any]) -> None:
@@ -574,12 +579,6 @@ def test_truncated_checkpoint_names_the_damaged_file(runs: dict[str, Any]) -> No
         assert f"{cut.name}: {cut.stat().st_size} bytes" in error, error
 
 
-def _close(got: list[float], want: list[float], what: str, tol: float = 1e-5) -> None:
-    assert len(got) == len(want), (what, got, want)
-    for step, (x, y) in enumerate(zip(got, want, strict=True)):
-        assert abs(x - y) <= tol * abs(y), f"{what} step {step}: {x} vs {y}"
-
-
 def test_lora_from_a_pretrained_checkpoint(runs: dict[str, Any]) -> None:
     """``llm.finetune``'s LoRA started from a plain (no-GTP) checkpoint: at TP1·GTP2·DP2 it
     matches plain DP4 (losses, grad norms within 1e-5; adapters within 1e-5 at the end), and the
@@ -631,10 +630,10 @@ def test_lora_adapter_checkpoints_commit_atomically_and_resume(runs: dict[str, A
         assert (ckpt / "weights" / "adapter_metadata.json").is_file(), ckpt
         assert not list(ckpt.glob(".weights.*")), ckpt
     for what in ("losses", "grad_norms"):
-        _close(runs["lora_base_gtp4_resume"][what], full[what][5:], f"GTP4 {what}")
+        _close(runs["lora_base_gtp4_resume"][what], full[what][5:], f"GTP4 {what}", first=5)
     plain = runs["lora_base_plain_resume"]
     assert len(plain["losses"]) == 5
-    _close(plain["losses"][:1], full["losses"][5:6], "plain first loss", tol=1e-6)
+    _close(plain["losses"][:1], full["losses"][5:6], "plain first loss", first=5, tol=1e-6)
 
 
 def test_lora_restores_and_resumes_into_linears_built_as_shards(runs: dict[str, Any]) -> None:
