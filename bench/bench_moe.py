@@ -20,7 +20,7 @@ rank (EP2), ``*_egtp2``: half of every expert's rows per rank (EP1 · EGTP2). On
 its own (``--devices`` defaults to them; one launch runs modes of one size); the global batch is
 micro-batch x ranks. The loss of an ``egtp2`` mode is compared with its ``dp2`` twin of the same
 EP (the same initial weights: EP changes megatron's expert init seeds, and expert linears built
-as EGTP shards start from the unsharded build's rows, design §3.1 "Exact expert init"), its step
+as EGTP shards start from the unsharded build's rows, design §3.1 "Exact init"), its step
 time and memory with the twin that shards the experts by EP instead (the issue's baseline). A
 mode takes modifiers as in ``bench_nemo.py``: ``seq_egtp2@prefetch_depth=2`` (a ``GTPConfig``
 field) or ``@model.key=v``. ``cpu_*`` (``configs/moe_tiny_cpu.yaml``, fp32, ``SequentialMLP``,
@@ -314,33 +314,20 @@ def _rank_main(spec_path: str) -> None:
 # ----------------------------------------------------------------------------- parent
 def _parity(records: list[dict]) -> str:
     """Each mode against its loss baseline in this launch: ``bench_nemo.py``'s parity table and
-    ``PARITY ...`` verdict lines, with a note on which start from the same weights."""
+    ``PARITY ...`` verdict lines."""
     by = {r["mode"]: r for r in records if "error" not in r}
-    pairs, own_init = [], []
+    pairs = []
     for mode, r in by.items():
         loss_base = baselines(mode)[0]
         if loss_base in by:
             tokens = r.get("tokens_per_gpu", 4096)  # older records: the recipe's 4096
             pairs.append((mode, loss_base, tokens, r, by[loss_base]))
-            entry = MODES[mode.split("@")[0]]
-            dense_gtp = not set(_DENSE_DP) <= set(entry.overrides)
-            if (
-                dense_gtp
-                and "model.layer_spec=te" in entry.overrides
-                and ("@preshard_linears=none" not in mode)
-            ):
-                own_init.append(mode)
     notes = [
-        "Expert linears built as their EGTP shards start from the unsharded build's rows "
-        '(design §3.1 "Exact expert init"): an EGTP mode starts from its baseline\'s weights '
-        "(step-0 loss identical) and tracks it within the precision's tolerance."
+        "Linears built as their (E)GTP shards, dense and expert, start from the unsharded "
+        'build\'s rows (design §3.1 "Exact init"): a GTP or EGTP mode starts from its '
+        "baseline's weights (step-0 loss identical) and tracks it within the precision's "
+        "tolerance."
     ]
-    if own_init:
-        notes.append(
-            f"{', '.join(own_init)}: its dense TE linears (dense GTP2) draw their own initial "
-            'weights (design §3.1 "Per-GTP-rank init"), so the curves agree statistically, not '
-            "step for step; `@preshard_linears=none` builds them full and slices."
-        )
     return parity_section(pairs, notes)
 
 

@@ -893,27 +893,16 @@ def parity(record: dict, base: dict) -> dict:
 def _parity_summary(records: list[dict]) -> str:
     """Each mode against its baseline in this launch (same size): :func:`parity_section`."""
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
-    pairs, own_init = [], []
+    pairs = []
     for (mode, tokens), r in by.items():
         config, overrides, base_mode = resolve_mode(mode)
         base = by.get((base_mode or "", tokens))
         if base is None or resolve_mode(base_mode)[0] != config:
             continue  # no baseline here, or another recipe's (dp2_local's is dp2_te: speed only)
-        if (
-            mode.startswith("gtp")
-            and "layer_spec: te" in (ROOT / config).read_text()
-            and "+gtp.preshard_linears=none" not in overrides
-        ):
-            own_init.append(mode)
         pairs.append((mode, base_mode, tokens, r, base))
-    notes = []
-    if own_init:
-        notes = [
-            f"{', '.join(sorted(set(own_init)))}: TE linears built as their GTP shards draw "
-            'their own initial weights (design §3.1 "Per-GTP-rank init"), so the curves agree '
-            "statistically, not step for step; `@preshard_linears=none` builds them full and "
-            "slices (the baseline's weights: step-0 loss identical)."
-        ]
+    # Linears built as their GTP shards start from the unsharded build's rows (design §3.1
+    # "Exact init"), sliced ones are cut from it: every pair starts from the same weights.
+    notes: list[str] = []
     return parity_section(pairs, notes)
 
 

@@ -6,7 +6,7 @@ Checks, each recorded on its own (a failing one does not stop the next):
 - ``init_memory``: two ``TEGroupedMLP`` blocks (megatron's TE wrappers, built on the GPU from
   megatron's CUDA RNG tracker) built full and built pre-sharded at EGTP2 (``gtp_layer_spec``)
   from the same seed: every shard equals its rows of the full weights bit for bit (design §3.1
-  "Exact expert init"), the pre-sharded build keeps half the expert bytes and peaks at that plus
+  "Exact init"), the pre-sharded build keeps half the expert bytes and peaks at that plus
   one expert's weight (``torch.cuda.max_memory_allocated`` around each build), the full build
   at every expert's full weight;
 - ``parity``: megatron's MoE GPT (``gpt_harness``, TEGroupedMLP experts) at EP1·EGTP2 built

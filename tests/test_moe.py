@@ -5,7 +5,7 @@ dispatcher) with its routed-expert linears sharded over EGTP (and its dense line
 reproduces the same model without GTP at the same EP and global batch — losses, grad norms,
 every gradient (gathered back to full) and the weights after the steps, within 1e-5 relative
 in fp32. The experts are built as their EGTP shards from the reference's seed (nothing copied
-in: design §3.1 "Exact expert init"), or built full and sliced. One 4-rank spawn runs every
+in: design §3.1 "Exact init"), or built full and sliced. One 4-rank spawn runs every
 megatron-level case; the NeMo Trainer fits share the 4-rank launch of ``tests/test_strategy.py``.
 """
 
@@ -147,7 +147,7 @@ def _parity_case(rank: int, world: int, case: Run) -> float:
 
 # SequentialMLP experts built as their EGTP shards from the reference's seed through the
 # strategy's route (dense linears built full and sliced): nothing copied in, parity from the exact
-# init alone (design §3.1 "Exact expert init"); built full and sliced (the route of
+# init alone (design §3.1 "Exact init"); built full and sliced (the route of
 # preshard_linears="none") at EGTP4 and in the zero-token and full_state_dict cases
 _SEQ = dict(preshard_experts=True)
 CASES = [
@@ -377,7 +377,7 @@ def _grouped_experts_case(rank: int, world: int, presharded: bool) -> float:
     it (``nemo_gtp.testing.te_grouped``: TE cannot run on CPU), through GTP DDP and finalize.
 
     ``presharded``: the experts are built as their shards (``gtp_layer_spec``, design §3.1
-    "Exact expert init") from the seed of the unsharded module, and must hold exactly its rows
+    "Exact init") from the seed of the unsharded module, and must hold exactly its rows
     without any copy; else they are built full, loaded with its weights and sliced.
 
     Each block's fc1 experts are one weight group that ``weight0`` materializes (its followers
@@ -482,7 +482,7 @@ def _grouped_experts_case(rank: int, world: int, presharded: bool) -> float:
 
 def _grouped_build_memory_case(rank: int, world: int) -> tuple[int, int, int]:
     """Building ``TEGroupedMLP`` experts as their EGTP2 shards never holds the experts' full
-    weights (design §3.1 "Exact expert init"), by the allocator's byte counts (CPU profiler):
+    weights (design §3.1 "Exact init"), by the allocator's byte counts (CPU profiler):
     the build keeps exactly 1/EGTP of the full build's expert bytes, and its peak is that plus
     one expert's full weight (the scratch its exact init draws into, one expert at a time),
     where the full build peaks at every expert's full weight. Returns (full, kept, peak) bytes."""
@@ -515,7 +515,7 @@ def _grouped_build_memory_case(rank: int, world: int) -> tuple[int, int, int]:
 
 def _sequential_build_case(rank: int, world: int) -> dict[str, tuple[int, ...]]:
     """``SequentialMLP`` experts built as their EGTP2 shards (``gtp_layer_spec``, design §3.1
-    "Exact expert init") at EP2, through both of megatron's init paths (``use_cpu_initialization``
+    "Exact init") at EP2, through both of megatron's init paths (``use_cpu_initialization``
     True: a TP-global master weight on the default generator; False: the weight itself, in the
     expert RNG tracker's stream, as on GPUs): every shard equals its rows of the full build from
     the same seed bit for bit, and every RNG stream (default generator, megatron's tracker) ends
@@ -589,7 +589,7 @@ def _full_state_dict_case(rank: int, world: int) -> int:
     """``full_state_dict`` of a GTP2·EGTP2·EP2 MoE GPT equals the state dict of the model
     built without GTP (bit for bit after the build): expert shards gather over EGTP. With its
     ``SequentialMLP`` experts built sliced, and built as their EGTP shards (the strategy's
-    route, from the same seed, nothing copied in: design §3.1 "Exact expert init")."""
+    route, from the same seed, nothing copied in: design §3.1 "Exact init")."""
     import torch
 
     from nemo_gtp import full_state_dict

@@ -2,8 +2,9 @@
 
 The pre-sharding mixin and the spec rewrite are the same for TE's wrappers (GPU only, see
 ``bench/te_gpt_nccl.py``) and megatron's local linears, so the local classes exercise them here
-on CPU/gloo: shapes, padding, per-peer init, bias width, registration by ``shard_model``, and a
-GPT trained from a rewritten spec matching the non-GTP run.
+on CPU/gloo: shapes, padding, exact init (design §3.1 "Exact init"), bias width, registration by
+``shard_model``, and a GPT built from a rewritten spec, nothing copied in, matching the non-GTP
+run.
 """
 
 from __future__ import annotations
@@ -97,29 +98,48 @@ def _gather(param: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def _unit_checks(groups) -> None:  # noqa: ANN001
-    config = _config()
-    plan = GTPShardPlan.from_groups(groups, pad_for_alignment=16)
-    column = presharded_class(ColumnParallelLinear, column=True)(
+def _linears(config: TransformerConfig, plan: GTPShardPlan | None) -> tuple:
+    """fc1 (column-parallel, 16 -> 72) and fc2 (row-parallel, 72 -> 40), built as shards of
+    ``plan`` or, without one, full."""
+    kinds = [(ColumnParallelLinear, True), (RowParallelLinear, False)]
+    if plan is not None:
+        kinds = [(presharded_class(cls, column=col), col) for cls, col in kinds]
+    extra = {} if plan is None else {"gtp": plan}
+    (col_cls, _), (row_cls, _) = kinds
+    column = col_cls(
         16,
         72,
-        gtp=plan,
         config=config,
         init_method=torch.nn.init.normal_,
         bias=True,
         gather_output=False,
         skip_bias_add=False,
+        **extra,
     )
-    row = presharded_class(RowParallelLinear, column=False)(
+    row = row_cls(
         72,
         40,
-        gtp=plan,
         config=config,
         init_method=torch.nn.init.normal_,
         bias=True,
         input_is_parallel=True,
         skip_bias_add=False,
+        **extra,
     )
+    return column, row
+
+
+def _unit_checks(groups) -> None:  # noqa: ANN001
+    config = _config()
+    plan = GTPShardPlan.from_groups(groups, pad_for_alignment=16)
+    torch.manual_seed(11)
+    full_column, full_row = _linears(config, None)
+    after = torch.randn(3)
+    torch.manual_seed(11)
+    column, row = _linears(config, plan)
+    # exact init: the shards tile the unsharded build's weights, and the RNG stream is left
+    # where the unsharded build leaves it (every later draw matches the run without GTP too)
+    assert torch.equal(torch.randn(3), after)
     # 72 rows padded to a multiple of 16 x 2 = 96: shards of 48, rank 1 holds 24 zero pad rows
     assert column.weight.shape == (48, 16) and column.weight.gtp_spec.logical_shape == (72, 16)
     assert column.bias.shape == (72,) and not column.bias.any()
@@ -127,7 +147,8 @@ def _unit_checks(groups) -> None:  # noqa: ANN001
     assert row.weight.shape == (32, 72) and row.bias.shape == (40,)
     full_col = _gather(column.weight, groups.gtp)
     assert not full_col[72:].any()
-    assert not torch.equal(full_col[:24], full_col[48:72])  # each peer drew its own shard
+    assert torch.equal(full_col[:72], full_column.weight.detach())
+    assert torch.equal(_gather(row.weight, groups.gtp)[:40], full_row.weight.detach())
     # shard_model registers the pre-built shards (no slicing) and drives them like its own
     model = torch.nn.ModuleDict({"fc1": column, "fc2": row})
     runtime = shard_model(model, groups, GTPConfig(pad_for_alignment=16))
@@ -250,7 +271,7 @@ def test_grouped_expert_spec_rewrite() -> None:
     """Under expert GTP, ``TEGroupedMLP``'s grouped-expert linears are swapped for their
     pre-sharded subclasses with the *expert* plan (TE's wrappers by default, the CPU stand-ins
     here); dense linears only under GTP > 1; ``preshard_linears="none"`` keeps the default
-    classes (design §3.1 "Exact expert init")."""
+    classes (design §3.1 "Exact init")."""
     from types import SimpleNamespace
 
     from nemo_gtp.engine import GTPGroups, GTPParallelDims
@@ -317,7 +338,7 @@ def test_sequential_expert_spec_rewrite() -> None:
     experts', not the dense MLP's) are swapped for their expert pre-sharded subclasses with the
     *expert* plan, by ``gtp_layer_spec`` and by the strategy's ``preshard_config_layer_spec``
     (default ``preshard_linears``; ``"none"`` swaps nothing); dense linears with the dense plan
-    only under GTP > 1 (design §3.1 "Exact expert init")."""
+    only under GTP > 1 (design §3.1 "Exact init")."""
     from types import SimpleNamespace
 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec

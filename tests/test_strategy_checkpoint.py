@@ -640,17 +640,20 @@ def test_lora_restores_and_resumes_into_linears_built_as_shards(runs: dict[str, 
     """Linears built as their GTP shard (``preshard_linears``; TE's default on GPUs) are GTP
     shards before NeMo's PEFT runs the model transform, when the pretrained weights and, on a
     restart, the base and adapters load: both loads see GTP's description of them (the base
-    used to fail on every global shape). The frozen base ends as the checkpoint holds it, the
-    first loss is the sliced model's (adapters add zero then; their own initial values differ,
-    drawn after the per-peer shards), and the adapter checkpoint of the sliced run resumes into
-    it continuing that run bit for bit."""
+    used to fail on every global shape). Built with the unsharded model's rows (design §3.1
+    "Exact init"), they leave the RNG where the sliced build does, so NeMo's LoRA adapters start
+    from the same values: the fit is the sliced one's bit for bit, its frozen base ends as the
+    checkpoint holds it, and the adapter checkpoint of the sliced run resumes into it
+    continuing that run bit for bit."""
     root: Path = runs["root"]
     pre, sliced = runs["lora_base_preshard"], runs["lora_base_gtp2"]
     assert pre["presharded_modules"] > 0 and pre["frozen_gtp_params"] == 8
-    assert pre["losses"][0] == sliced["losses"][0]
+    assert (pre["losses"], pre["grad_norms"]) == (sliced["losses"], sliced["grad_norms"])
     pretrained = _weights(root / "plain.pt")
     got = _weights(root / "lora_base_preshard.pt")
     for name in pretrained:
         assert torch.equal(got[name], pretrained[name]), f"base weight {name}"
+    for name, value in _weights(root / "lora_base_gtp2.pt").items():
+        assert torch.equal(got[name], value), f"{name}: not the sliced fit's"
     resumed = runs["lora_base_preshard_resume"]
     assert resumed["losses"] == sliced["losses"][5:], (resumed["losses"], sliced["losses"][5:])

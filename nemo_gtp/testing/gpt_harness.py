@@ -77,8 +77,8 @@ class Run:
     separate_rs: bool = False  # GTPConfig.separate_reduce_scatter_group
     coalesce_mb: float = 0.0  # GTPConfig.coalesce_mb (0.125: one unit per layer at 64/128)
     bf16: bool = False  # bf16 params + megatron's mixed-precision optimizer (fp32 main params)
-    presharded: bool = False  # build the linears as shards (gtp_layer_spec): dense ones get the
-    # weights of a full twin copied in; grouped experts (EGTP > 1) start exact by construction
+    presharded: bool = False  # build the linears as shards (gtp_layer_spec): nothing copied in,
+    # every shard starts with the unsharded build's rows (design §3.1 "Exact init")
     # Build only the routed experts (EGTP > 1; SequentialMLP, or grouped) as their expert GTP
     # shards, through the strategy's route (preshard_config_layer_spec, dense linears built full
     # and sliced): nothing is copied in, their exact init gives them the unsharded rows.
@@ -481,19 +481,12 @@ def _model_chunk(
         share_embeddings_and_output_weights=run.tied,
         vp_stage=vp_stage,
     )
-    reference = None
-    if run.presharded and run.gtp > 1:
-        # The full twin this seed builds without GTP; the shards then start from its weights.
-        twin = GPTModel(config, spec, run.vocab, run.seq, **stage).named_parameters()
-        reference = {n: p.detach().clone() for n, p in twin}
     if run.presharded and run.gtp_on:
         grouped = grouped_linear_kinds(on_gpu) if run.grouped else {}
         spec = gtp_layer_spec(spec, groups, gtp_config, grouped_kinds=grouped)
     elif run.preshard_experts and run.egtp > 1:
         spec = _experts_presharded(spec, run, groups, gtp_config, on_gpu)
     model = GPTModel(config, spec, run.vocab, run.seq, **stage).to(device)
-    if reference is not None:
-        load_full_weights(model, reference)
     if run.bf16:  # norms and inputs in bf16 too, as NeMo's precision plugin does
         model = Float16Module(config, model)
     return model

@@ -2,7 +2,7 @@
 
 :func:`allocation_peak` answers "how many bytes were live at most while ``fn`` ran, above what
 was live before", which is what a build that should never hold a full weight is judged by
-(design §3.1 "Exact expert init"): on CUDA from the caching allocator's counters
+(design §3.1 "Exact init"): on CUDA from the caching allocator's counters
 (``torch.cuda.max_memory_allocated``), on CPU from the profiler's memory events (every CPU
 allocation and free with its size, replayed in order). Sizes, never timings.
 

@@ -7,8 +7,8 @@ module                 what
                        built full, registers linears built as shards, one runtime per model
 ``built``              linears built as their shard: the pre-sharding mixins
                        (:func:`presharded_class`, :func:`presharded_grouped_class` for
-                       ``TEGroupedMLP``'s experts), :class:`GTPShardPlan`, per-GTP-peer init,
-                       exact expert init (:func:`rows_of_full_init`)
+                       ``TEGroupedMLP``'s experts), :class:`GTPShardPlan`, the exact init
+                       of every shard (:func:`rows_of_full_init`)
 ``spec``               the layer-spec rewrite that selects the ``built`` classes
                        (:func:`gtp_layer_spec`, :func:`preshard_config_layer_spec`)
 ``te``                 TransformerEngine specifics (which wrappers opt in, grouped ones too,

@@ -9,8 +9,9 @@ rank's ``padded_dim0 / GTP`` rows, and no full weight ever exists. The built wei
 model's runtime, exactly as it registers the weights it slices itself. The layer spec that
 selects these classes is :mod:`~nemo_gtp.integrations.megatron.sharding.spec`.
 
-Routed experts are built the same way over the expert GTP axis, but initialized exactly as the
-unsharded model initializes them (:func:`rows_of_full_init`, design §3.1 "Exact expert init"):
+Every shard is initialized exactly as the unsharded model initializes its rows
+(:func:`rows_of_full_init`, design §3.1 "Exact init"), so a run built pre-sharded starts from the
+numbers of the run without GTP. Routed experts are built the same way over the expert GTP axis:
 ``SequentialMLP``'s expert linears by the expert subclasses of :class:`PreShardedLinearMixin`
 (``presharded_class(base, column, expert=True)``), ``TEGroupedMLP``'s (a TE ``GroupedLinear``,
 one weight per local expert) by :class:`PreShardedGroupedLinearMixin`
@@ -68,39 +69,9 @@ class GTPShardPlan:
         return ShardSpec.for_weight(shape, self.gtp_size, self.gtp_rank, self.pad_for_alignment)
 
 
-def _generator(device: torch.device) -> torch.Generator:
-    if device.type == "cuda":
-        return torch.cuda.default_generators[
-            device.index if device.index is not None else torch.cuda.current_device()
-        ]
-    return torch.default_generator
-
-
-def per_peer_init(init_method: Callable[[torch.Tensor], Any], gtp_rank: int) -> Callable:
-    """``init_method`` drawing from a stream of its own on each GTP peer (design §3.1).
-
-    Every GTP peer builds its own shard, with the same (TP-rank dependent) RNG state; without
-    this the gathered weight would be GTP identical blocks. The peer seed is drawn from the
-    shared stream (so the run stays deterministic and the shared stream advances alike on every
-    peer), offset by the GTP rank; the outer stream is restored afterwards.
-    """
-
-    @functools.wraps(init_method)
-    def init(weight: torch.Tensor) -> Any:
-        if weight.device.type == "meta":
-            return init_method(weight)
-        seed = int(torch.randint(0, 2**62, (1,), device=weight.device))
-        devices = [] if weight.device.type != "cuda" else [_generator(weight.device).device]
-        with torch.random.fork_rng(devices=devices):
-            _generator(weight.device).manual_seed(seed + gtp_rank)
-            return init_method(weight)
-
-    return init
-
-
 def rows_of_full_init(init_method: Callable[[torch.Tensor], Any], spec: ShardSpec) -> Callable:
     """``init_method`` giving a shard exactly its rows of the unsharded weight (design §3.1
-    "Exact expert init").
+    "Exact init").
 
     Called on this rank's shard, it initializes a scratch of the full TP-local weight
     (``spec.logical_shape``, the shard's dtype and device) with ``init_method`` — the same call,
@@ -164,12 +135,11 @@ class PreShardedLinearMixin:
     :func:`~nemo_gtp.integrations.megatron.sharding.spec.gtp_layer_spec`). With GTP size 1 the class
     builds exactly what its base builds.
 
-    Dense linears (``gtp_expert=False``) draw their shard from a stream of their own per GTP peer
-    (:func:`per_peer_init`); a routed expert's linear reaching such a class (``is_expert=True``)
-    is built full, for ``shard_model`` to slice. The expert classes (``gtp_expert=True``, for
+    Every shard gets exactly the unsharded model's rows (:func:`rows_of_full_init`, design §3.1
+    "Exact init"). A routed expert's linear reaching a dense class (``is_expert=True``) is
+    built full, for ``shard_model`` to slice. The expert classes (``gtp_expert=True``, for
     ``SequentialMLP``'s experts, with the *expert* plan :meth:`GTPShardPlan.for_experts`) build
-    each expert linear over the expert GTP axis with exactly the unsharded model's rows
-    (:func:`rows_of_full_init`, design §3.1 "Exact expert init").
+    each expert linear over the expert GTP axis.
     """
 
     gtp_column: bool = True
@@ -204,10 +174,10 @@ class PreShardedLinearMixin:
         validate_model_config_for_gtp(config)
         if expert:
             refuse_fp8_primary_experts(config, type(self).__name__)
-        if expert and kwargs.get("stride", 1) != 1:
+        if kwargs.get("stride", 1) != 1:
             raise ValueError(
                 f"{type(self).__name__}: stride={kwargs['stride']} interleaves the TP split, which "
-                "the exact expert init does not follow: set GTPConfig.preshard_linears='none' "
+                "the exact init does not follow: set GTPConfig.preshard_linears='none' "
                 "(built full, then sliced)"
             )
         tp = _tp_size(kwargs.get("tp_group"), expert=expert)
@@ -215,11 +185,7 @@ class PreShardedLinearMixin:
         in_local = input_size if self.gtp_column else input_size // tp
         spec = gtp.spec_for((logical_out, in_local))
         built_out = spec.shard_dim0 * tp if self.gtp_column else spec.shard_dim0
-        init = (
-            rows_of_full_init(init_method, spec)
-            if expert
-            else per_peer_init(init_method, gtp.gtp_rank)
-        )
+        init = rows_of_full_init(init_method, spec)
         # Under megatron's fp8_param the weight stays plain: shard_model makes it a GTP FP8
         # primary shard (design §1.3 "FP8 primary weights"), not TE's Float8Tensor.
         with plain_weight_init():
@@ -386,7 +352,7 @@ def presharded_class(base: type, column: bool, expert: bool = False) -> type:
     """The pre-sharded subclass of megatron linear class ``base`` (one class per base and kind).
 
     ``expert=True``: the class for a routed expert's linear (``SequentialMLP``), built over the
-    expert GTP axis with the unsharded model's exact init (design §3.1 "Exact expert init"); give
+    expert GTP axis with the unsharded model's exact init (design §3.1 "Exact init"); give
     it :meth:`GTPShardPlan.for_experts`.
 
     Example::
@@ -395,7 +361,7 @@ def presharded_class(base: type, column: bool, expert: bool = False) -> type:
         layer = cls(1024, 4096, gtp=plan, config=config, init_method=init, bias=False,
                     gather_output=False)
     """
-    section = "'Exact expert init'" if expert else "'One init path'"
+    section = "'Exact init'" if expert else "'One init path'"
     axis = "expert GTP shard" if expert else "GTP shard"
     return type(
         f"GTP{'Expert' if expert else ''}{base.__name__}",
@@ -426,7 +392,7 @@ def presharded_grouped_class(base: type, column: bool) -> type:
             "gtp_column": column,
             "__module__": __name__,
             "__doc__": (
-                f"{base.__name__} built as its expert GTP shards (design §3.1 'Exact expert init')."
+                f"{base.__name__} built as its expert GTP shards (design §3.1 'Exact init')."
             ),
         },
     )

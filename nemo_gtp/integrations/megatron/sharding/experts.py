@@ -151,10 +151,10 @@ def register_expert_groups(model: torch.nn.Module, runtime: GTPRuntime) -> list[
     Every local expert's ``linear_fc1`` weight (and, a second group, every ``linear_fc2``) that
     ``runtime`` owns: consumed one by one (``together=False``), gathered and reduce-scattered as
     one collective, a block ahead on its role's chain (design §3.4); built as their expert GTP
-    shards (``gtp_layer_spec``, design §3.1 "Exact expert init") or sliced by ``shard_model``,
+    shards (``gtp_layer_spec``, design §3.1 "Exact init") or sliced by ``shard_model``,
     alike. ``TEGroupedMLP``'s
     ``GroupedLinear`` weights are grouped when ``shard_model`` slices or (built as their shards,
-    design §3.1 "Exact expert init") registers them (``together=True``).
+    design §3.1 "Exact init") registers them (``together=True``).
 
     Example::
 

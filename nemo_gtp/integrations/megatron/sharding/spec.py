@@ -117,7 +117,7 @@ def presharded_classes(kinds: Mapping[type, bool] | None = None) -> dict[type, t
 def presharded_grouped_classes(kinds: Mapping[type, bool] | None = None) -> dict[type, type]:
     """Grouped-expert linear classes (``kinds``: class -> "expert TP splits out_features";
     default megatron's TE wrappers, when TE is importable) mapped to their pre-sharded
-    subclasses (design §3.1 "Exact expert init").
+    subclasses (design §3.1 "Exact init").
 
     Example::
 
@@ -167,7 +167,7 @@ def presharded_expert_classes(kinds: Mapping[type, bool] | None = None) -> dict[
     """``SequentialMLP``'s expert linear classes (``kinds``: class -> "expert TP splits
     out_features"; default megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear`` and,
     when TE is importable, its TE wrappers) mapped to their expert pre-sharded subclasses, built
-    over expert GTP with the unsharded model's exact init (design §3.1 "Exact expert init").
+    over expert GTP with the unsharded model's exact init (design §3.1 "Exact init").
 
     Example::
 
@@ -226,7 +226,7 @@ def gtp_layer_spec(
     registers the pre-built shards with the model's runtimes and shards whatever else is
     eligible). Dense linears are swapped when GTP > 1; with expert GTP > 1 the routed experts'
     linears too, over the expert GTP axis and with exactly the unsharded model's initial values
-    (§3.1 "Exact expert init"): ``SequentialMLP``'s (megatron's local and TE linears inside its
+    (§3.1 "Exact init"): ``SequentialMLP``'s (megatron's local and TE linears inside its
     spec) and ``TEGroupedMLP``'s grouped linears (``grouped_kinds``, default megatron's TE
     wrappers and whatever grouped linears the spec's ``TEGroupedMLP``s name,
     :func:`grouped_expert_linear_kinds`). With both sizes 1 ``spec`` is returned unchanged.

@@ -75,7 +75,7 @@ def te_parallel_linear_kinds(*, import_te: bool = False) -> dict[type, bool]:
 def te_grouped_linear_kinds(*, import_te: bool = False) -> dict[type, bool]:
     """megatron's TE grouped-expert wrappers (``TEGroupedMLP``'s ``linear_fc1`` / ``linear_fc2``)
     mapped to "expert TP splits out_features"; built pre-sharded over expert GTP (design §3.1
-    "Exact expert init"). Empty without TE, as :func:`te_parallel_linear_kinds`.
+    "Exact init"). Empty without TE, as :func:`te_parallel_linear_kinds`.
     """
     if not te_parallel_linear_kinds(import_te=import_te):
         return {}
