@@ -40,13 +40,15 @@ YAML recipe overrides (OmegaConf dot paths, checked before anything starts):
   key=value             change a key the recipe has, e.g. trainer.max_steps=50
   +key=value            add a key, e.g. +trainer.seed=3 or +model.activation_func=silu
   +checkpoint.dir=DIR +checkpoint.every_n_train_steps=N
-                        save a full checkpoint every N steps, as DIR/step=K/ (torch_dist)
+                        save a full checkpoint every N steps, as DIR/step=K/ (torch_dist
+                        weights/, and NeMo's context/ unless +checkpoint.context=false)
   +resume=DIR/step=K    continue from that checkpoint, at this recipe's layout (any TP/GTP/DP)
   +resume=latest        continue from the newest committed checkpoint in checkpoint.dir (none
                         yet: step 0), so a requeued job reruns the same command
   +restore=DIR/step=K   start from that checkpoint's weights (step 0, a new optimizer): fine-
                         tuning, e.g. with +peft.method=lora (NeMo's LoRA; its checkpoints
-                        hold the adapters and name this base, +resume restarts from them)
+                        hold the adapters and name this base, +resume restarts from them,
+                        NeMo's llm.peft.merge_lora merges them into the base)
   strategy.num_weight_shards=TPxGTP
                         the GTP degree is num_weight_shards / tensor_model_parallel_size;
                         data.global_batch_size must be a multiple of micro_batch_size x DP x GTP

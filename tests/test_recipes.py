@@ -318,6 +318,13 @@ def test_lora_recipe_from_a_pretrained_checkpoint_matches_its_baseline_and_resta
     assert [r["step"] for r in runs["first"]] == [1, 2]
     assert [r["step"] for r in runs["again"]] == [3, 4]
     assert (adapters / "step=1" / "weights" / "adapter_metadata.json").is_file()
+    # NeMo's context/ names the LoRA, as llm.peft.merge_lora / export_lora read it (the merge
+    # itself: tests/test_strategy_checkpoint.py)
+    from nemo.collections import llm
+    from nemo.lightning import io
+
+    transform = io.load_context(adapters / "step=3" / "context", "model.model_transform")
+    assert isinstance(transform, llm.peft.LoRA) and transform.dim == 4, transform
     for got, want in zip(runs["first"] + runs["again"], runs["base"], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
     assert runs["base"][-1]["loss"] != runs["base"][0]["loss"]  # the adapters trained

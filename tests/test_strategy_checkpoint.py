@@ -90,6 +90,7 @@ LORA_RESTARTS: dict[str, Any] = dict(
     save_last=True,
     auto_resume="lora_ckpts",
     strategy_kwargs=ASYNC,
+    checkpoint_context=True,  # NeMo's context/: what llm.peft.merge_lora rebuilds the model from
 )
 
 # Launch 1 needs no fresh processes: it shares its spawn with test_strategy.py's 4-rank fits.
@@ -657,3 +658,53 @@ def test_lora_restores_and_resumes_into_linears_built_as_shards(runs: dict[str, 
         assert torch.equal(got[name], value), f"{name}: not the sliced fit's"
     resumed = runs["lora_base_preshard_resume"]
     assert resumed["losses"] == sliced["losses"][5:], (resumed["losses"], sliced["losses"][5:])
+
+
+def _merge_lora(rank: int, checkpoint: str, out: str) -> None:
+    """NeMo's ``llm.peft.merge_lora`` in a process of its own (no GTP state, no process group of
+    the fits), as a user runs it after fine-tuning."""
+    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    from nemo.collections import llm
+
+    llm.peft.merge_lora(lora_checkpoint_path=checkpoint, output_path=out)
+
+
+def test_lora_adapter_checkpoint_merges_with_nemo(runs: dict[str, Any]) -> None:
+    """A GTP fine-tune's adapter checkpoint is what NeMo's ``llm.peft.merge_lora`` expects: its
+    ``context/`` names the LoRA (set up as ``llm.finetune`` does, ``strategy.peft.set_peft``),
+    and the merge (a plain single-process load of the base, then the adapters) writes each
+    linear as base + alpha/dim · B·A, bit for bit the same bf16 arithmetic on the weights the
+    GTP run trained (the restarted job's last save continues ``lora_base_gtp2`` bit for bit)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from nemo_gtp.testing.harness_objects import make_peft
+    from nemo_gtp.testing.spawn import start_ranks
+
+    root: Path = runs["root"]
+    saved = root / "lora_ckpts" / "step=9"
+    assert (saved / "context").is_dir()
+    out = root / "lora_merged"
+    start_ranks(_merge_lora, (str(saved), str(out)), 1, join=True)
+    reader = FileSystemReader(str(out / "weights"))
+    sizes = reader.read_metadata().state_dict_metadata
+    linears = ("self_attention.linear_qkv", "self_attention.linear_proj")
+    linears += ("mlp.linear_fc1", "mlp.linear_fc2")
+    merged = {}
+    for name in linears:
+        key = f"module.decoder.layers.{name}.weight"  # the layers stacked along dim 0
+        merged[key] = torch.empty(tuple(sizes[key].size), dtype=torch.bfloat16)
+    dcp.load(merged, storage_reader=reader, no_dist=True)
+    assert not any(".adapter." in key for key in sizes)
+    trained, lora = _weights(root / "lora_base_gtp2.pt"), make_peft("lora")
+    for name in linears:
+        for layer, got in enumerate(merged[f"module.decoder.layers.{name}.weight"]):
+            prefix = f"decoder.layers.{layer}.{name}"
+            base, a, b = (
+                trained[prefix + suffix].bfloat16()
+                for suffix in (".weight", ".adapter.linear_in.weight", ".adapter.linear_out.weight")
+            )
+            assert torch.equal(got, base + (lora.alpha / lora.dim * b) @ a), prefix
+            assert not torch.equal(got, base), f"{prefix}: the adapters added nothing"

@@ -14,6 +14,10 @@
     checkpoint saw other samples than the same weights validated in the fit); the subclass's
     loaders say ``validation`` / ``test``, as NeMo's pre-training data module's do, so every
     evaluation starts at sample 0 of its split. Everything else is ``MockDataModule``'s.
+``ExportableNullTokenizer``
+    NeMo's ``NullTokenizer`` (no vocabulary: the data are token ids) recorded in a checkpoint's
+    ``context/``, which NeMo's ``llm.export_ckpt`` and ``llm.peft.merge_lora`` rebuild the model
+    from (NeMo's own is not serializable, so the dump failed with a warning).
 ``ArithmeticGPTDataModule``
     A learnable synthetic dataset, so a demo's loss visibly goes down (random tokens cannot).
     Sample ``i`` is an arithmetic token sequence ``(start + stride * t) mod V`` with ``start``
@@ -27,11 +31,27 @@ from typing import Any
 
 import numpy as np
 import torch
+from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
 from nemo.collections.llm.gpt.data.mock import MockDataModule, _MockGPTDataset
 from nemo.collections.llm.gpt.data.pre_training import PreTrainingDataModule
 from nemo.lightning.data import WrappedDataLoader
+from nemo.lightning.io import track_io
 
-__all__ = ["ArithmeticGPTDataModule", "SyntheticGPTDataModule"]
+__all__ = ["ArithmeticGPTDataModule", "ExportableNullTokenizer", "SyntheticGPTDataModule"]
+
+
+@track_io
+class ExportableNullTokenizer(NullTokenizer):
+    """NeMo's ``NullTokenizer`` with the ``bos_id`` / ``eos_id`` NeMo's Hugging Face exporters read
+    (none; the end-of-document id), recorded in a checkpoint's ``context/`` (``track_io``)."""
+
+    @property
+    def bos_id(self) -> int | None:
+        return None
+
+    @property
+    def eos_id(self) -> int:
+        return self.eod
 
 
 class SyntheticGPTDataModule(MockDataModule):

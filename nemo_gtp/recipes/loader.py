@@ -142,11 +142,14 @@ def build_fit(
     from megatron.core.distributed import DistributedDataParallelConfig
     from nemo import lightning as nl
     from nemo.collections import llm
-    from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
     from nemo_gtp.engine import GTPConfig
-    from nemo_gtp.recipes.data import ArithmeticGPTDataModule, SyntheticGPTDataModule
+    from nemo_gtp.recipes.data import (
+        ArithmeticGPTDataModule,
+        ExportableNullTokenizer,
+        SyntheticGPTDataModule,
+    )
     from nemo_gtp.strategy import GTPDrainCallback, GTPMegatronStrategy, GTPMetricsCallback
 
     data_cfg = _plain(cfg.data)
@@ -171,7 +174,8 @@ def build_fit(
     if layer_spec == "local":  # else NeMo's own default: the TransformerEngine spec
         model_cfg["transformer_layer_spec"] = local_layer_spec
     gpt_config = llm.GPTConfig(vocab_size=vocab, seq_length=data_cfg["seq_length"], **model_cfg)
-    tokenizer = NullTokenizer(vocab - 1)  # NullTokenizer(n) has vocab_size n + 1
+    # NullTokenizer(n) has vocab_size n + 1; this one is recorded in checkpoints' context/
+    tokenizer = ExportableNullTokenizer(vocab - 1)
     optim = optimizer_module(cfg)
     model = llm.GPTModel(gpt_config, tokenizer=tokenizer, optim=optim)
     data_class = ArithmeticGPTDataModule if kind == "arithmetic" else SyntheticGPTDataModule
@@ -191,9 +195,9 @@ def build_fit(
         callbacks.append(_model_checkpoint(_plain(cfg.checkpoint)))
         trainer_kwargs["enable_checkpointing"] = True
     if cfg.get("peft"):  # as llm.finetune sets it up: the model's transform and a callback
-        peft = peft_method(_plain(cfg.peft))
-        model.model_transform = peft
-        callbacks.append(peft)
+        from nemo_gtp.strategy.peft import set_peft
+
+        callbacks.append(set_peft(model, peft_method(_plain(cfg.peft))))
     plugins = []
     if cfg.get("precision", "32") == "bf16-mixed":
         plugins.append(nl.MegatronMixedPrecision(precision="bf16-mixed", **fp8_plugin_kwargs(cfg)))
@@ -329,9 +333,12 @@ def strategy_kwargs(cfg: DictConfig, model_cfg: dict[str, Any]) -> dict[str, Any
 def _model_checkpoint(section: dict[str, Any]) -> Any:
     directory = section.pop("dir")
     every = int(section.pop("every_n_train_steps"))
+    context = bool(section.pop("context", True))  # NeMo's ModelCheckpoint default
     if section:
-        raise ValueError(f"checkpoint: unknown keys {sorted(section)} (dir, every_n_train_steps)")
-    return model_checkpoint(directory, every)
+        raise ValueError(
+            f"checkpoint: unknown keys {sorted(section)} (dir, every_n_train_steps, context)"
+        )
+    return model_checkpoint(directory, every, context=context)
 
 
 def model_checkpoint(

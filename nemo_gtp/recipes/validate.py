@@ -63,7 +63,9 @@ MUON_ORTHOGONALIZE = ("owner", "every_rank")
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("bfloat16", "float32")
 OPTIMIZERS = ("adam", "sgd", "muon")
-CHECKPOINT_KEYS = ("dir", "every_n_train_steps")
+CHECKPOINT_KEYS = ("dir", "every_n_train_steps", "context")
+# context: NeMo's context/ beside each save (what llm.export_ckpt and llm.peft.merge_lora read)
+CHECKPOINT_REQUIRED = ("dir", "every_n_train_steps")
 # The peft section: NeMo's llm.peft.LoRA(dim=, alpha=, dropout=, target_modules=), set up as
 # llm.finetune does (design §1.1 "Frozen weights": the frozen base linears are the GTP shards).
 PEFT_KEYS = ("method", "dim", "alpha", "dropout", "target_modules")
@@ -160,6 +162,7 @@ TYPED: dict[str, str] = {
     "muon.lr_mult": _FLOAT,
     "checkpoint.dir": _STR,
     "checkpoint.every_n_train_steps": _INT + "+",
+    "checkpoint.context": _BOOL,
     "fp8.format": _STR,
     "fp8.recipe": _STR,
     "fp8.param_gather": _BOOL,
@@ -368,7 +371,7 @@ def _check_checkpoint_section(section: Any) -> None:
             "+checkpoint.every_n_train_steps=N"
         )
     _check_keys("checkpoint", section, CHECKPOINT_KEYS, "a checkpoint setting")
-    for key in CHECKPOINT_KEYS:
+    for key in CHECKPOINT_REQUIRED:
         if key not in section:
             raise RecipeError(f"checkpoint.{key} is missing: add +checkpoint.{key}=...")
 

@@ -10,13 +10,16 @@ whole model. :func:`install_gtp_adapter_io` puts GTP's IO back beneath PEFT's:
 :class:`GTPAdapterIO` filters as NeMo's does and hands the metadata to
 :class:`~nemo_gtp.strategy.checkpoint_io.GTPCheckpointIO`, which writes it into the staged
 directory, so the adapter weights and their metadata are committed together or not at all.
-Loading (base weights, then adapters) is NeMo's own, unchanged.
+Loading (base weights, then adapters) is NeMo's own, unchanged. :func:`set_peft` sets the
+method up on a model as ``llm.finetune`` does, its IO record included, so a checkpoint's
+``context/`` names the adapters that NeMo's ``llm.peft.merge_lora`` / ``export_lora`` rebuild.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from copy import deepcopy
 from typing import Any
 
 from nemo.lightning.ckpt_utils import ADAPTER_META_FILENAME
@@ -74,3 +77,18 @@ def install_gtp_adapter_io(strategy: Any, make_io: Callable[[], Any]) -> bool:
     )
     peft.wrapped_io = replacement  # PEFT.apply_transform loads the adapters through it
     return True
+
+
+def set_peft(model: Any, peft: Any) -> Any:
+    """Make NeMo PEFT method ``peft`` (e.g. ``llm.peft.LoRA()``) ``model``'s transform as
+    ``llm.finetune`` does: the attribute, and the model's IO record when both have one, which a
+    checkpoint's ``context/`` serializes (NeMo's ``llm.peft.merge_lora`` and ``export_lora``
+    read the adapters' settings from it and refuse a checkpoint without them). Returns ``peft``,
+    the callback the trainer needs too. Example::
+
+        trainer = nl.Trainer(..., callbacks=[set_peft(model, llm.peft.LoRA(dim=8))])
+    """
+    model.model_transform = peft
+    if hasattr(model, "__io__") and hasattr(peft, "__io__"):
+        model.__io__.model_transform = deepcopy(peft.__io__)
+    return peft

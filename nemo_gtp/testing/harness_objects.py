@@ -1,4 +1,4 @@
-"""The strategy harness's Lightning callbacks, logger and tokenizer, at module level.
+"""The strategy harness's Lightning callbacks and logger, at module level.
 
 A fit that saves NeMo's checkpoint ``context/`` serializes the trainer's arguments, callbacks
 and logger included, as importable class references: classes defined inside a function cannot
@@ -12,9 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers.logger import Logger
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from nemo.collections.common.tokenizers.null_tokenizer import NullTokenizer
 from nemo.collections.llm import GPTModel
-from nemo.lightning.io import track_io
 
 
 class Recorder(pl.Callback):
@@ -222,20 +220,6 @@ class StateDump(pl.Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
         self._dump(trainer)
-
-
-@track_io
-class ExportableNullTokenizer(NullTokenizer):
-    """NeMo's ``NullTokenizer`` with the ``bos_id`` / ``eos_id`` NeMo's Hugging Face exporters read
-    (none; the end-of-document id), recorded in a checkpoint's ``context/`` (``track_io``)."""
-
-    @property
-    def bos_id(self) -> int | None:
-        return None
-
-    @property
-    def eos_id(self) -> int:
-        return self.eod
 
 
 # Transformer Engine's fused norm+linear names, the ones NeMo's Hugging Face exporters map from;

@@ -309,7 +309,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
 
     tokenizer_class = NullTokenizer
     if fit.checkpoint_context:  # serializable in context/, and what the HF exporters read
-        from nemo_gtp.testing.harness_objects import ExportableNullTokenizer as tokenizer_class
+        from nemo_gtp.recipes.data import ExportableNullTokenizer as tokenizer_class
     tokenizer = tokenizer_class(VOCAB - 1)
     optim_config = OptimizerConfig(
         optimizer="adam",
@@ -380,11 +380,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         loads_optimizer = fit.strategy_kwargs.get("ckpt_load_optimizer", True)
         callbacks.append(StateDump(fit.state_at, fit.state_to, optimizer=loads_optimizer))
     if fit.peft:  # as llm.finetune's _setup: the model's transform, and the PEFT callback
+        from nemo_gtp.strategy.peft import set_peft
         from nemo_gtp.testing.harness_objects import make_peft
 
-        peft = make_peft(fit.peft)
-        model.model_transform = peft
-        callbacks.append(peft)
+        callbacks.append(set_peft(model, make_peft(fit.peft)))
     if fit.emulate_fp8_params:
         from nemo_gtp.testing.harness_objects import EmulatedFP8Params
 
