@@ -9,6 +9,11 @@ exporter: q/k/v out of megatron's per-query-group interleaved ``linear_qkv``, ga
 ``linear_fc1``.
 Exact: the model trains and exports in fp32.
 
+Then fine-tuning: NeMo's LoRA on that checkpoint (``RestoreConfig``, as ``llm.finetune``
+starts) at TP1·GTP2, its adapter checkpoint exported by NeMo's ``llm.peft.export_lora`` to
+Hugging Face PEFT's format (``HFLlamaPEFTExporter``): every adapter matrix must equal the
+trained one, the fused ``linear_qkv`` / ``linear_fc1`` adapters un-fused here independently.
+
 On CPU the model uses megatron's local layer spec (no Transformer Engine) under
 ``harness_objects.te_named_local_layer_spec``, whose ``state_dict()`` names the norms as the
 Transformer Engine spec does, the names NeMo's exporter maps from.
@@ -16,6 +21,7 @@ Transformer Engine spec does, the names NeMo's exporter maps from.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +42,34 @@ FIT = Fit(
     checkpoint_context=True,
     weights_to="llama_gtp2.pt",
 )
-shared_launch(2).add([FIT])
+LORA_FIT = Fit(
+    "llama_gtp2_lora",
+    llama=True,
+    gtp=2,
+    steps=4,
+    peft="lora",
+    restore_from="llama_ckpts/step=3",  # FIT's save, earlier in the same launch
+    checkpoint_every=4,
+    checkpoint_dir="llama_lora_ckpts",
+    checkpoint_context=True,
+    weights_to="llama_gtp2_lora.pt",
+)
+shared_launch(2).add([FIT, LORA_FIT])
 
 
-def _export(rank: int, checkpoint: str, out: str) -> None:
+def _export(rank: int, checkpoint: str, out: str, lora: bool = False) -> None:
     """NeMo's exporter in a process of its own (forked from the preloaded fork server: no GTP
-    state, no process group of the fit), as a user's ``llm.export_ckpt`` would run."""
+    state, no process group of the fit), as a user's ``llm.export_ckpt`` (``lora``:
+    ``llm.peft.export_lora``) would run."""
     from nemo_gtp.testing.cpu_compat import enable_cpu_compat
 
     enable_cpu_compat()
     from nemo.collections import llm
 
-    llm.export_ckpt(path=checkpoint, target="hf", output_path=out)
+    if lora:
+        llm.peft.export_lora(lora_checkpoint_path=checkpoint, output_path=out)
+    else:
+        llm.export_ckpt(path=checkpoint, target="hf", output_path=out)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +80,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     saved = sorted(p for p in (root / "llama_ckpts").iterdir() if not p.name.startswith("."))
     assert len(saved) == 1, saved
     assert (saved[0] / "context").is_dir()
-    out = root / "llama_hf"
+    out, lora_out = root / "llama_hf", root / "llama_hf_lora"
     start_ranks(_export, (str(saved[0]), str(out)), 1, join=True)
+    lora_saved = root / "llama_lora_ckpts" / "step=3"
+    start_ranks(_export, (str(lora_saved), str(lora_out), True), 1, join=True)
     from safetensors.torch import load_file
 
     return {
@@ -67,6 +91,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "trained": torch.load(root / FIT.weights_to, weights_only=True),
         "hf": load_file(out / "model.safetensors"),
         "config": (out / "config.json").read_text(),
+        "lora_trained": torch.load(root / LORA_FIT.weights_to, weights_only=True),
+        "lora_hf": load_file(lora_out / "adapter_model.safetensors"),
+        "lora_config": json.loads((lora_out / "adapter_config.json").read_text()),
     }
 
 
@@ -114,3 +141,49 @@ def test_exported_hf_weights_equal_trained(exported: dict[str, Any]) -> None:
         assert hf[name].dtype == torch.float32, name
         assert torch.equal(hf[name], tensor), name
     assert '"num_key_value_heads": 2' in exported["config"]
+
+
+def _qkv_rows(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v rows of megatron's ``linear_qkv`` rows (per query group: its query heads, then
+    one key and one value head); the trailing dims as they are."""
+    head_dim, per_group = HIDDEN // HEADS, HEADS // GROUPS
+    grouped = fused.reshape(GROUPS, per_group + 2, head_dim, -1)
+    cols = fused.shape[-1]
+    q = grouped[:, :per_group].reshape(-1, cols)
+    return q, grouped[:, per_group].reshape(-1, cols), grouped[:, per_group + 1].reshape(-1, cols)
+
+
+def test_exported_lora_adapters_equal_trained(exported: dict[str, Any]) -> None:
+    """``llm.peft.export_lora`` of the GTP2 LoRA fine-tune's adapter checkpoint: Hugging Face
+    PEFT's A (``lora_A``) and B (``lora_B``) of each projection equal the trained adapters; the
+    fused ones un-fused as megatron lays them out (one A shared by q/k/v and by gate/up)."""
+    trained, hf = exported["lora_trained"], exported["lora_hf"]
+    expected = {}
+    for i in range(LAYERS):
+        src, dst = f"decoder.layers.{i}.", f"base_model.model.model.layers.{i}."
+
+        def adapter(name: str, side: str, src: str = src) -> torch.Tensor:
+            return trained[f"{src}{name}.adapter.linear_{side}.weight"]
+
+        qkv_a, fc1_a = adapter("self_attention.linear_qkv", "in"), adapter("mlp.linear_fc1", "in")
+        proj = [adapter("self_attention.linear_proj", side) for side in ("in", "out")]
+        fc2 = [adapter("mlp.linear_fc2", side) for side in ("in", "out")]
+        q, k, v = _qkv_rows(adapter("self_attention.linear_qkv", "out"))
+        gate, up = adapter("mlp.linear_fc1", "out").chunk(2, dim=0)
+        for name, a, b in (
+            ("self_attn.q_proj", qkv_a, q),
+            ("self_attn.k_proj", qkv_a, k),
+            ("self_attn.v_proj", qkv_a, v),
+            ("self_attn.o_proj", *proj),
+            ("mlp.gate_proj", fc1_a, gate),
+            ("mlp.up_proj", fc1_a, up),
+            ("mlp.down_proj", *fc2),
+        ):
+            expected[f"{dst}{name}.lora_A.weight"] = a
+            expected[f"{dst}{name}.lora_B.weight"] = b
+    assert sorted(hf) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(hf[name], tensor), name
+    assert any(tensor.any() for name, tensor in hf.items() if "lora_B" in name)  # trained
+    config = exported["lora_config"]
+    assert (config["r"], config["lora_alpha"]) == (4, 8), config
