@@ -25,7 +25,7 @@ ONE_GPU=${ONE_GPU:-0}
 SHARED=""; [ "$ONE_GPU" = 1 ] && SHARED="--shared-device"
 want() {
   [ -z "$STAGES" ] || [[ " $STAGES " == *" $1 "* ]] || return 1
-  if [ "$ONE_GPU" = 1 ] && [[ " grouped fp8 fp8param host moe peft " != *" $1 "* ]]; then
+  if [ "$ONE_GPU" = 1 ] && [[ " grouped fp8 fp8param host moe peft exact " != *" $1 "* ]]; then
     echo "$1 skipped: ONE_GPU=1 (needs 2 GPUs)"; return 1
   fi
 }
@@ -156,6 +156,15 @@ fi
 if want peft; then
   timeout 560 bash bench/results/2026-12-05_peft_te_1xH100/commands/r3_peft_te.sh 2>&1 | tail -12
   pack r1
+fi
+# 7e. Exact init of TE linears built as their GTP shards (design §3.1 "Exact init", 2026-12-05;
+#    CPU twin with megatron-local linears: start weights 20 of 20 keys bit for bit): GTP2 must
+#    start from DP2's weights bit for bit, first loss identical; the FP8 primary pair too
+#    (dequantized start weights). One GPU is enough (ranks share it).
+if want exact; then
+  timeout 450 bash bench/results/2026-12-05_exact_init_1xH100/commands/r1_exact_init.sh 2>&1 \
+    | tail -10
+  pack exact
 fi
 # 8. Host time inside GTP's entry points and the optimizer, per step (gtp_host_timer), eager
 #    and per-layer graphs, without communication (one device; the fake 2-rank world).
