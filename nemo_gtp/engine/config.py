@@ -69,10 +69,11 @@ class GTPConfig:
             optimizer and a model without MoE experts; build DDP and the optimizer with
             ``gtp_process_groups(groups, config)``.
         preshard_linears: which linears a trainer that builds the model from a config
-            (``GTPMegatronStrategy``) builds directly as their shard, so no full weight is ever
-            materialized (design §3.1 "One init path"): ``"te"`` (default) the
-            TransformerEngine parallel linears only, and under expert GTP the routed experts'
-            linears (``SequentialMLP``'s, local or TE, and ``TEGroupedMLP``'s grouped ones);
+            (``GTPMegatronStrategy``) builds directly as their shard, so the model's full
+            weights are never resident together (design §3.1 "One init path"): ``"te"``
+            (default) the TransformerEngine parallel linears only, and under expert GTP the
+            routed experts' linears (``SequentialMLP``'s, local or TE, and ``TEGroupedMLP``'s
+            grouped ones);
             ``"all"`` also megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear``,
             whose weights are otherwise built full and sliced; ``"none"``: every linear built
             full and sliced, TE's too (each weight materialized in full once, at build). Either

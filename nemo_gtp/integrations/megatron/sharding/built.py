@@ -1,8 +1,9 @@
 """Linears built directly as their GTP shard: design §3.1 "One init path", §1.5.
 
 A megatron linear class (TE wrapper or megatron-local) is subclassed so that its constructor is
-handed a pre-sharded ``output_size``: the base class then allocates and initializes only this
-rank's ``padded_dim0 / GTP`` rows, and no full weight ever exists. The built weight becomes an
+handed a pre-sharded ``output_size``: the base class then allocates only this rank's
+``padded_dim0 / GTP`` rows (the exact init draws one linear's full weight into a scratch at a
+time, below), so the model's full weights never exist together. The built weight becomes an
 (unregistered) :class:`GTPShardedParam` whose :class:`ShardSpec` (made by the layer's
 :class:`GTPShardPlan`) describes the full padded TP-local weight;
 :func:`~nemo_gtp.integrations.megatron.sharding.sliced.shard_model` later registers it with the
