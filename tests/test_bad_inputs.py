@@ -55,6 +55,10 @@ BAD_OVERRIDES = [
     (["+checkpoint.dir=c", "+checkpoint.every=3"], "checkpoint.every is not a checkpoint"),
     (["+checkpoint.dir=c"], "checkpoint.every_n_train_steps is missing"),
     (["+checkpoint.dir=c", "+checkpoint.every_n_train_steps=0"], "every_n_train_steps=0"),
+    (
+        ["+checkpoint.dir=c", "+checkpoint.every_n_train_steps=2", "+checkpoint.context=maybe"],
+        "checkpoint.context='maybe' must be true or false",
+    ),
     (["trainer.max_steps=abc"], "trainer.max_steps='abc' must be an integer"),
     (["trainer.devices=four"], "trainer.devices='four' must be an integer"),
     (["trainer.devices=0"], "trainer.devices=0 must be >= 1"),
