@@ -73,12 +73,12 @@ class GTPConfig:
             weights are never resident together (design §3.1 "One init path"): ``"te"``
             (default) the TransformerEngine parallel linears only, and under expert GTP the
             routed experts' linears (``SequentialMLP``'s, local or TE, and ``TEGroupedMLP``'s
-            grouped ones);
-            ``"all"`` also megatron's local ``ColumnParallelLinear`` / ``RowParallelLinear``,
-            whose weights are otherwise built full and sliced; ``"none"``: every linear built
-            full and sliced, TE's too (each weight materialized in full once, at build). Either
-            way a model starts with exactly the non-GTP model's values (design §3.1 "Exact
-            init": a pre-sharded linear draws its full weight into a scratch, one at a time).
+            grouped ones); ``"all"`` also megatron's local ``ColumnParallelLinear`` /
+            ``RowParallelLinear``, whose weights are otherwise built full and sliced;
+            ``"none"``: every linear built full and sliced, TE's too (each weight materialized
+            in full once, at build). Either way a model starts with exactly the non-GTP
+            model's values (design §3.1 "Exact init": a pre-sharded linear draws its full
+            weight into a scratch, one linear at a time).
         te_fuse_wgrad: TransformerEngine linears whose weight is a GTP shard write their wgrad
             GEMM straight into the runtime's reduce-scatter scratch (TE's
             ``fuse_wgrad_accumulation`` through the DistributedWeight protocol's
