@@ -14,12 +14,8 @@ T0=$(date +%s); PY=python3; D=dp2_te; G=gtp2_te; PRE=""
 PAIRS="dp2_te,gtp2_te dp2_fp8param,gtp2_fp8param"
 if [ "${MODE:-gpu}" = cpu ]; then
   PY=.venv/bin/python; PAIRS="dp2_cpu,gtp2_cpu@preshard_linears=all"; export PYTHONPATH=$PWD
-else  # the wheels (.whl carried, or staged in /root/whl) and TE, unless already there
-  W=/root/whl; [ -d .whl ] && W=.whl
-  [ -d /tmp/site/nemo ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target /tmp/site $W/*.whl $W/*.tar.gz $W/*.zip
-  [ -d /tmp/te/transformer_engine ] || bash bench/te_build.sh 2>&1 | tail -1
-  export PYTHONPATH=/tmp/te:/tmp/site:$PWD
+else  # the wheels and TE, unless already there
+  source bench/device_env.sh
 fi
 echo "setup $(( $(date +%s) - T0 )) s"
 O=$OUT/exact; mkdir -p $O

@@ -12,12 +12,8 @@ export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0
 T0=$(date +%s); PY=python3; D=dp2_te; G=gtp2_te; PRE=""  # TE linears: built as shards
 if [ "${MODE:-gpu}" = cpu ]; then  # megatron-local linears built as shards too
   PY=.venv/bin/python; D=dp2_cpu; G=gtp2_cpu; PRE="@preshard_linears=all"; export PYTHONPATH=$PWD
-else  # the wheels (.whl carried, or staged in /root/whl) and TE, unless already there
-  W=/root/whl; [ -d .whl ] && W=.whl
-  [ -d /tmp/site/nemo ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target /tmp/site $W/*.whl $W/*.tar.gz $W/*.zip
-  [ -d /tmp/te/transformer_engine ] || bash bench/te_build.sh 2>&1 | tail -1
-  export PYTHONPATH=/tmp/te:/tmp/site:$PWD
+else  # the wheels and TE, unless already there
+  source bench/device_env.sh
 fi
 echo "setup $(( $(date +%s) - T0 )) s"
 O=$OUT/r1; T=/tmp/r1; rm -rf $T; mkdir -p $O $T
