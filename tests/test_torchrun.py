@@ -1,6 +1,7 @@
 """The README's NeMo pattern under torchrun (an external launcher sets ``RANK`` before NeMo is
-imported, which turns NeMo's telemetry on for rank 0): train with a ``ModelCheckpoint``, then
-resume from it (``nemo_gtp.testing.torchrun_fit``, 2 CPU/gloo ranks: TP1·GTP2; the DP layouts
+imported, which turns NeMo's telemetry on for rank 0): a fit without checkpoints, then one
+with a ``ModelCheckpoint`` in the same process (the telemetry keeps the first fit's config),
+then resume from it (``nemo_gtp.testing.torchrun_fit``, 2 CPU/gloo ranks: TP1·GTP2; the DP layouts
 of checkpoints and resumes are ``test_strategy_checkpoint``'s)."""
 
 from __future__ import annotations
@@ -35,5 +36,6 @@ def test_model_checkpoint_and_resume_under_torchrun(tmp_path: Path) -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["checkpoints"] == ["step=1", "step=3"]  # ModelCheckpoint every 2 steps
+    assert result["plain"]["global_step"] == 2  # no checkpoints: the telemetry config's fit
     assert result["first"]["global_step"] == 4 and len(result["first"]["losses"]) == 4
     assert result["resume"]["global_step"] == 6 and len(result["resume"]["losses"]) == 2

@@ -30,6 +30,10 @@ LOG_MESSAGES: dict[str, tuple[str, ...]] = {
         r"DEPRECATED: Passing 'checkpoint_dir' as a Path",
     ),
     "nv_one_logger.api.config": (r"OneLogger: Setting error_handling_strategy",),
+    # telemetry switched off for a later fit of the process (configure_nemo_telemetry)
+    "nv_one_logger.core.internal.safe_execution": (
+        r"Skipping execution of \w+ because OneLogger is not enabled",
+    ),
     "nv_one_logger.training_telemetry.api.training_telemetry_provider": (
         r"No exporters were provided",
     ),

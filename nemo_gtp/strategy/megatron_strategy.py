@@ -123,17 +123,43 @@ def configure_nemo_telemetry(trainer: pl.Trainer) -> None:
     pattern) then died at that save with ``OneLoggerError: Training telemetry config must be
     set before the start of training`` on rank 0, the other ranks with ``Connection closed by
     peer``. Sets it the way ``llm.train`` does (NeMo's ``CallbackGroup.update_config``, which
-    also attaches NeMo's telemetry callback to the trainer); a no-op once it is set.
+    also attaches NeMo's telemetry callback to the trainer).
+
+    The telemetry keeps one training config per process (a second one is refused). A later fit
+    in the same process that checkpoints, validates or saves asynchronously where the first did
+    not then failed at its first such step (``OneLoggerError: Timer for span
+    checkpoint_save_sync is not active``): for such a fit the telemetry is switched off for the
+    rest of the process, with a note, since it would record the fit wrongly anyway.
     """
     from nemo.lightning.callback_group import CallbackGroup
+    from nemo.lightning.one_logger_callback import get_nemo_v2_callback_config
     from nv_one_logger.training_telemetry.api.training_telemetry_provider import (
         TrainingTelemetryProvider,
     )
 
     group = CallbackGroup.get_instance()  # first: it configures the telemetry provider
-    if TrainingTelemetryProvider.instance().config.telemetry_config is not None:
+    provider = TrainingTelemetryProvider.instance()
+    current = provider.config.telemetry_config
+    if current is None:
+        group.update_config(nemo_version="v2", trainer=trainer, data=trainer.datamodule)
         return
-    group.update_config(nemo_version="v2", trainer=trainer, data=trainer.datamodule)
+    wanted = get_nemo_v2_callback_config(trainer=trainer, data=trainer.datamodule)
+    differs = [
+        name
+        for name, have in (
+            ("is_save_checkpoint_enabled", current.is_save_checkpoint_enabled),
+            ("is_validation_iterations_enabled", current.is_validation_iterations_enabled),
+        )
+        if bool(wanted[f"{name}_or_fn"]) != bool(have)
+    ]
+    if str(wanted["save_checkpoint_strategy"]) != str(current.save_checkpoint_strategy):
+        differs.append("save_checkpoint_strategy")
+    if differs:
+        nemo_logging.info(
+            "NeMo's telemetry keeps the training config of this process's first fit; this fit "
+            f"differs in {', '.join(differs)}: telemetry off for the rest of the process"
+        )
+        provider.force_disable_logging()
 
 
 class GTPMegatronStrategy(MegatronStrategy):

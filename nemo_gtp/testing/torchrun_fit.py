@@ -3,12 +3,14 @@
 An external launcher sets ``RANK`` before NeMo is imported, which switches NeMo's one-logger
 telemetry on for rank 0; a plain ``trainer.fit`` then needs ``GTPMegatronStrategy`` to give it
 its training config (``configure_nemo_telemetry``) before the first ``ModelCheckpoint`` save.
-Each rank runs two fits of ``strategy_harness``'s tiny GPT at TP1·GTP2·DP(world/2): 4 steps
-with a ``ModelCheckpoint`` every 2 steps (rendezvous through torchrun's ``env://``), then, after
-``teardown_fit``, a resume from the last checkpoint to step 6. The resume meets through a
-``FileStore``: a second ``init_process_group`` in one process on torchrun's agent store fails
-(gloo's full-mesh connect finds the first group's stale addresses), so two fits in one process
-under torchrun need a store of their own. Rank 0 writes ``<out_dir>/result.json``.
+Each rank runs three fits of ``strategy_harness``'s tiny GPT at TP1·GTP2·DP(world/2): 2 steps
+without checkpoints (rendezvous through torchrun's ``env://``), then 4 steps with a
+``ModelCheckpoint`` every 2 steps (the telemetry config is the first fit's, which saved
+nothing), then, after ``teardown_fit``, a resume from the last checkpoint to step 6. The later
+fits meet through a ``FileStore`` each: a second ``init_process_group`` in one process on
+torchrun's agent store fails (gloo's full-mesh connect finds the first group's stale
+addresses), so further fits in one process under torchrun need a store of their own. Rank 0
+writes ``<out_dir>/result.json``.
 
 Example::
 
@@ -35,8 +37,12 @@ def main(out_dir: str) -> None:
     enable_cpu_compat()
     freeze_imports()
     world, out = int(os.environ["WORLD_SIZE"]), Path(out_dir)
+    # a fit without checkpoints first: NeMo's telemetry keeps its config, and the checkpointing
+    # fit after it used to fail at its first save (configure_nemo_telemetry)
+    results = [_fit(Fit("plain", gtp=2, steps=2), world, None)]
+    teardown_fit()
     first = Fit("first", gtp=2, steps=4, checkpoint_every=2, checkpoint_dir=str(out / "ckpts"))
-    results = [_fit(first, world, None)]
+    results.append(_fit(first, world, str(out / "first_store")))
     teardown_fit()
     saved = sorted(
         (p for p in (out / "ckpts").iterdir() if p.name.startswith("step=")),

@@ -26,8 +26,8 @@ P=$(ls -d $T/pre/step=* | sort -t= -k2 -n | tail -1); echo "pretrained: $P"
 echo "step1 $(( $(date +%s) - T0 )) s"
 L="@peft.method=lora@restore=$P$PS"
 A="@checkpoint.dir=$T/ad@checkpoint.every_n_train_steps=5@strategy.ckpt_async_save=true"
-# One launch: GTP2 saving adapter checkpoints first (NeMo's telemetry refuses a checkpointing
-# fit after other fits in a process), then its DP2 baseline.
+# One launch: GTP2 saving adapter checkpoints first (NeMo's telemetry failed a checkpointing
+# fit after other fits in a process, before configure_nemo_telemetry handled it), then DP2.
 timeout 250 $PY bench/bench_nemo.py $B --warmup 2 --timed 13 --fit-timeout 120 --dump-weights \
   --modes "$G$L$PRE$A,$D$L" --out $T/save 2>&1 | grep -E "PARITY|failed" | cut -c1-600 \
   | tee $O/parity.txt
