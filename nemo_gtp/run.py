@@ -46,9 +46,9 @@ YAML recipe overrides (OmegaConf dot paths, checked before anything starts):
   +resume=latest        continue from the newest committed checkpoint in checkpoint.dir (none
                         yet: step 0), so a requeued job reruns the same command
   +restore=DIR/step=K   start from that checkpoint's weights (step 0, a new optimizer): fine-
-                        tuning, e.g. with +peft.method=lora (NeMo's LoRA; its checkpoints
-                        hold the adapters and name this base, +resume restarts from them,
-                        NeMo's llm.peft.merge_lora merges them into the base)
+                        tuning, e.g. with +peft.method=lora (NeMo's LoRA, or canonical_lora;
+                        its checkpoints hold the adapters and name this base, +resume restarts
+                        from them, NeMo's llm.peft.merge_lora merges them into the base)
   strategy.num_weight_shards=TPxGTP
                         the GTP degree is num_weight_shards / tensor_model_parallel_size;
                         data.global_batch_size must be a multiple of micro_batch_size x DP x GTP

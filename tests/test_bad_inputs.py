@@ -106,7 +106,12 @@ BAD_OVERRIDES = [
     (["+resume=/nonexistent/step=9"], "resume='/nonexistent/step=9' does not exist"),
     (["+resume=latest"], "resume=latest continues from the newest checkpoint in checkpoint.dir"),
     (["+peft.dim=8"], "peft.method is missing: add +peft.method=lora"),
-    (["+peft.method=dora"], "peft.method='dora' is not supported"),
+    (["+peft.method=dora"], "peft.method='dora' is not supported: NeMo's DoRA reads each"),
+    (["+peft.method=canonical_lora", "+peft.target_modules=[linear_qkv]"], "use one of linear_q"),
+    (
+        ["+peft.method=canonical_lora", "+peft.target_modules=[linear_q,linear_fc1_gate]"],
+        "linear_fc1_gate: the halves of a gated MLP's linear_fc1",
+    ),
     (["+peft.method=lora", "+peft.rank=8"], "peft.rank is not a PEFT setting"),
     (["+peft.method=lora", "+peft.dim=eight"], "peft.dim"),
     (["+peft.method=lora", "+peft.target_modules=[linear_q]"], "peft.target_modules='linear_q'"),

@@ -298,13 +298,16 @@ def test_lora_recipe_from_a_pretrained_checkpoint_matches_its_baseline_and_resta
     ``RestoreConfig``) at TP1·GTP2·DP2 saving adapter checkpoints with ``+resume=latest``, and
     the same at DP4 without checkpoints in the same launch. The GTP run is stopped after 2 steps
     and rerun as the same job with 4 at GTP4 (it resumes from its adapter checkpoint, the base
-    from the pretrained one): the 4 steps match DP4's to 1e-5 (design §1.1 "Frozen weights")."""
+    from the pretrained one): the 4 steps match DP4's to 1e-5 (design §1.1 "Frozen weights").
+    NeMo's canonical LoRA (``+peft.method=canonical_lora``) from the same checkpoint matches DP4
+    too."""
     from nemo_gtp.recipes.launch import launch_fits
 
     pretrained, adapters = tmp_path / "pretrain", tmp_path / "lora"
     pretrain = ["trainer.max_steps=3", f"+checkpoint.dir={pretrained}"]
     pre = launch_fits(TINY, {"pretrain": [*pretrain, "+checkpoint.every_n_train_steps=3"]})
     lora = ["+peft.method=lora", "+peft.dim=4", f"+restore={pretrained / 'step=2'}"]
+    canonical = ["+peft.method=canonical_lora", "+peft.dim=4", f"+restore={pretrained / 'step=2'}"]
     job = [*lora, f"+checkpoint.dir={adapters}", "+checkpoint.every_n_train_steps=2"]
     gtp4 = "strategy.num_weight_shards=4"
     runs = launch_fits(
@@ -313,6 +316,9 @@ def test_lora_recipe_from_a_pretrained_checkpoint_matches_its_baseline_and_resta
             "first": [*job, "+resume=latest", "trainer.max_steps=2"],
             "again": [*job, "+resume=latest", "trainer.max_steps=4", gtp4],
             "base": [*lora, "trainer.max_steps=4", "strategy.num_weight_shards=1"],
+            # NeMo's canonical LoRA (separate q / k / v adapters), GTP2 and DP4
+            "canonical": [*canonical, "trainer.max_steps=3"],
+            "canonical_base": [*canonical, "trainer.max_steps=3", "strategy.num_weight_shards=1"],
         },
     )
     assert [r["step"] for r in runs["first"]] == [1, 2]
@@ -328,6 +334,9 @@ def test_lora_recipe_from_a_pretrained_checkpoint_matches_its_baseline_and_resta
     for got, want in zip(runs["first"] + runs["again"], runs["base"], strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
     assert runs["base"][-1]["loss"] != runs["base"][0]["loss"]  # the adapters trained
+    for got, want in zip(runs["canonical"], runs["canonical_base"], strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got, want)
+    assert runs["canonical"][-1]["loss"] != runs["canonical"][0]["loss"]
     # same first batch: a LoRA (zero adapter output) on fresh weights would repeat this loss
     assert runs["first"][0]["loss"] < pre["pretrain"][0]["loss"], (runs["first"], pre)
 

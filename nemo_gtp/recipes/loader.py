@@ -197,7 +197,8 @@ def build_fit(
     if cfg.get("peft"):  # as llm.finetune sets it up: the model's transform and a callback
         from nemo_gtp.strategy.peft import set_peft
 
-        callbacks.append(set_peft(model, peft_method(_plain(cfg.peft))))
+        gated = bool(gpt_config.gated_linear_unit)
+        callbacks.append(set_peft(model, peft_method(_plain(cfg.peft), gated_mlp=gated)))
     plugins = []
     if cfg.get("precision", "32") == "bf16-mixed":
         plugins.append(nl.MegatronMixedPrecision(precision="bf16-mixed", **fp8_plugin_kwargs(cfg)))
@@ -208,20 +209,29 @@ def build_fit(
     return Fit(trainer, model, data, ckpt_path=ckpt_path, restore=cfg.get("restore"))
 
 
-def peft_method(section: dict[str, Any]) -> Any:
-    """The recipe's ``peft`` section as NeMo's PEFT method (``method: lora``: ``llm.peft.LoRA``
-    with the other keys). Under GTP the frozen base linears are the shards and the adapters stay
+def peft_method(section: dict[str, Any], gated_mlp: bool = False) -> Any:
+    """The recipe's ``peft`` section as NeMo's PEFT method, with the other keys: ``method:
+    lora`` is ``llm.peft.LoRA``, ``canonical_lora`` is ``llm.peft.CanonicalLoRA`` (its default
+    targets without a gated MLP's ``linear_fc1_up`` / ``linear_fc1_gate`` unless
+    ``gated_mlp``). Under GTP the frozen base linears are the shards and the adapters stay
     replicated (design §1.1 "Frozen weights"). Example::
 
         peft_method({"method": "lora", "dim": 8})   # LoRA(dim=8, ...)
     """
     from nemo.collections import llm
 
+    from nemo_gtp.recipes.validate import GATED_MLP_TARGETS, PEFT_TARGETS
+
     section = dict(section)
     method = section.pop("method")
-    if method != "lora":
-        raise ValueError(f"peft.method={method!r}: only 'lora'")
-    return llm.peft.LoRA(**section)
+    if method == "lora":
+        return llm.peft.LoRA(**section)
+    if method != "canonical_lora":
+        raise ValueError(f"peft.method={method!r}: one of {', '.join(PEFT_TARGETS)}")
+    if "target_modules" not in section and not gated_mlp:
+        targets = [t for t in PEFT_TARGETS[method] if t not in GATED_MLP_TARGETS]
+        section["target_modules"] = targets
+    return llm.peft.CanonicalLoRA(**section)
 
 
 def fp8_plugin_kwargs(cfg: DictConfig) -> dict[str, Any]:

@@ -66,11 +66,29 @@ OPTIMIZERS = ("adam", "sgd", "muon")
 CHECKPOINT_KEYS = ("dir", "every_n_train_steps", "context")
 # context: NeMo's context/ beside each save (what llm.export_ckpt and llm.peft.merge_lora read)
 CHECKPOINT_REQUIRED = ("dir", "every_n_train_steps")
-# The peft section: NeMo's llm.peft.LoRA(dim=, alpha=, dropout=, target_modules=), set up as
-# llm.finetune does (design §1.1 "Frozen weights": the frozen base linears are the GTP shards).
+# The peft section: NeMo's llm.peft.LoRA / CanonicalLoRA(dim=, alpha=, dropout=,
+# target_modules=), set up as llm.finetune does (design §1.1 "Frozen weights": the frozen base
+# linears are the GTP shards). LoRA adapts each fused linear; canonical LoRA gives q, k, v (and
+# a gated MLP's up and gate halves) adapters of their own, as Hugging Face models have them.
 PEFT_KEYS = ("method", "dim", "alpha", "dropout", "target_modules")
-PEFT_METHODS = ("lora",)
-PEFT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+PEFT_TARGETS = {
+    "lora": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+    "canonical_lora": (
+        "linear_q",
+        "linear_k",
+        "linear_v",
+        "linear_proj",
+        "linear_fc1_up",
+        "linear_fc1_gate",
+        "linear_fc2",
+    ),
+}
+PEFT_METHODS = tuple(PEFT_TARGETS)
+GATED_MLP_TARGETS = ("linear_fc1_up", "linear_fc1_gate")  # halves of a gated MLP's linear_fc1
+PEFT_REFUSED = {
+    "dora": "NeMo's DoRA reads each wrapped linear's whole weight in every forward, which under "
+    "GTP is a shard: use peft.method=lora or canonical_lora",
+}
 # The fp8 section: NeMo's MegatronMixedPrecision(fp8=format, fp8_recipe=recipe,
 # fp8_param_gather=param_gather), megatron's names (design §1.3 "FP8 gather", "FP8 primary
 # weights").
@@ -348,18 +366,29 @@ def _check_peft(raw: dict[str, Any]) -> None:
     if section is None:
         return
     _check_keys("peft", section, PEFT_KEYS, "a PEFT setting")
-    if section.get("method") is None:
+    method = section.get("method")
+    if method is None:
         raise RecipeError("peft.method is missing: add +peft.method=lora")
-    _one_of("peft.method", section["method"], PEFT_METHODS)
+    if method in PEFT_REFUSED:
+        raise RecipeError(f"peft.method={method!r} is not supported: {PEFT_REFUSED[method]}")
+    _one_of("peft.method", method, PEFT_METHODS)
+    allowed = PEFT_TARGETS[method]
     targets = section.get("target_modules")
     if targets is not None:
         if not isinstance(targets, list) or not targets:
             raise RecipeError(
-                f"peft.target_modules={targets!r} must be a non-empty list of "
-                f"{', '.join(PEFT_TARGETS)}"
+                f"peft.target_modules={targets!r} must be a non-empty list of {', '.join(allowed)}"
             )
         for target in targets:
-            _one_of("peft.target_modules", target, PEFT_TARGETS)
+            _one_of("peft.target_modules", target, allowed)
+        gated = bool((raw.get("model") or {}).get("gated_linear_unit", False))
+        halves = [target for target in targets if target in GATED_MLP_TARGETS]
+        if halves and not gated:
+            raise RecipeError(
+                f"peft.target_modules has {', '.join(halves)}: the halves of a gated MLP's "
+                "linear_fc1, and this model's MLP is not gated (model.gated_linear_unit=false); "
+                "drop them"
+            )
 
 
 def _check_checkpoint_section(section: Any) -> None:
