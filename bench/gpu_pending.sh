@@ -12,8 +12,8 @@
 # One GPU (ONE_GPU=1): the numerics stages (grouped, fp8, fp8param, moe) with --shared-device, both ranks on
 # cuda:0 through the staged backend (nemo_gtp.testing.staged_gloo; step times mean nothing);
 # the timing, graph and Megatron-FSDP stages need 2 GPUs and are skipped:
-#   ONE_GPU=1 bash bench/gpu_pending.sh   # ~4 minutes, then the two never run on a GPU:
-#   ONE_GPU=1 bash bench/gpu_pending.sh exact peft   # ~9 minutes (2026-12-05: not run yet)
+#   ONE_GPU=1 bash bench/gpu_pending.sh exact peft   # ~9 minutes: never run on a GPU yet
+#   ONE_GPU=1 bash bench/gpu_pending.sh grouped fp8 fp8param moe host   # ~4 minutes (re-runs)
 # Record what ran in bench/results/<date>_*.md (command, device, numbers) and point
 # bench/README.md at it.
 set -u
