@@ -9,18 +9,16 @@ exporter: q/k/v out of megatron's per-query-group interleaved ``linear_qkv``, ga
 ``linear_fc1``.
 Exact: the model trains and exports in fp32.
 
-Then fine-tuning: NeMo's LoRA on that checkpoint (``RestoreConfig``, as ``llm.finetune``
-starts) at TP1·GTP2, its adapter checkpoint exported by NeMo's ``llm.peft.export_lora`` to
-Hugging Face PEFT's format (``HFLlamaPEFTExporter``): every adapter matrix must equal the
-trained one, the fused ``linear_qkv`` / ``linear_fc1`` adapters un-fused here independently.
-
-On CPU the model uses megatron's local layer spec (no Transformer Engine) under
-``harness_objects.te_named_local_layer_spec``, whose ``state_dict()`` names the norms as the
-Transformer Engine spec does, the names NeMo's exporter maps from.
+Then fine-tuning: NeMo's LoRA and its canonical LoRA on that checkpoint (``RestoreConfig``, as
+``llm.finetune`` starts) at TP1·GTP2, each adapter checkpoint exported by NeMo's
+``llm.peft.export_lora`` to Hugging Face PEFT's format (``HFLlamaPEFTExporter``): every adapter
+matrix must equal the trained one, the fused ``linear_qkv`` / ``linear_fc1`` adapters of LoRA
+un-fused here independently.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -54,7 +52,15 @@ LORA_FIT = Fit(
     checkpoint_context=True,
     weights_to="llama_gtp2_lora.pt",
 )
-shared_launch(2).add([FIT, LORA_FIT])
+# NeMo's canonical LoRA (q, k, v adapters of their own; the harness's targets leave linear_fc1 out)
+CANONICAL_FIT = dataclasses.replace(
+    LORA_FIT,
+    name="llama_gtp2_canonical",
+    peft="canonical_lora",
+    checkpoint_dir="llama_canonical_ckpts",
+    weights_to="llama_gtp2_canonical.pt",
+)
+shared_launch(2).add([FIT, LORA_FIT, CANONICAL_FIT])
 
 
 def _export(rank: int, checkpoint: str, out: str, lora: bool = False) -> None:
@@ -84,6 +90,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     start_ranks(_export, (str(saved[0]), str(out)), 1, join=True)
     lora_saved = root / "llama_lora_ckpts" / "step=3"
     start_ranks(_export, (str(lora_saved), str(lora_out), True), 1, join=True)
+    canonical_out = root / "llama_hf_canonical"
+    canonical_saved = root / "llama_canonical_ckpts" / "step=3"
+    start_ranks(_export, (str(canonical_saved), str(canonical_out), True), 1, join=True)
     from safetensors.torch import load_file
 
     return {
@@ -94,6 +103,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "lora_trained": torch.load(root / LORA_FIT.weights_to, weights_only=True),
         "lora_hf": load_file(lora_out / "adapter_model.safetensors"),
         "lora_config": json.loads((lora_out / "adapter_config.json").read_text()),
+        "canonical_trained": torch.load(root / CANONICAL_FIT.weights_to, weights_only=True),
+        "canonical_hf": load_file(canonical_out / "adapter_model.safetensors"),
     }
 
 
@@ -187,3 +198,27 @@ def test_exported_lora_adapters_equal_trained(exported: dict[str, Any]) -> None:
     assert any(tensor.any() for name, tensor in hf.items() if "lora_B" in name)  # trained
     config = exported["lora_config"]
     assert (config["r"], config["lora_alpha"]) == (4, 8), config
+
+
+def test_exported_canonical_lora_adapters_equal_trained(exported: dict[str, Any]) -> None:
+    """``llm.peft.export_lora`` of a GTP2 canonical LoRA fine-tune: q, k and v have adapters of
+    their own, which are Hugging Face PEFT's q_proj / k_proj / v_proj A and B as trained."""
+    trained, hf = exported["canonical_trained"], exported["canonical_hf"]
+    expected = {}
+    for i in range(LAYERS):
+        src, dst = f"decoder.layers.{i}.", f"base_model.model.model.layers.{i}."
+        for name, hf_name in (
+            ("self_attention.linear_qkv.adapter.adapter_q", "self_attn.q_proj"),
+            ("self_attention.linear_qkv.adapter.adapter_k", "self_attn.k_proj"),
+            ("self_attention.linear_qkv.adapter.adapter_v", "self_attn.v_proj"),
+            ("self_attention.linear_proj.adapter", "self_attn.o_proj"),
+            ("mlp.linear_fc2.adapter", "mlp.down_proj"),
+        ):
+            for side, lora in (("in", "A"), ("out", "B")):
+                expected[f"{dst}{hf_name}.lora_{lora}.weight"] = trained[
+                    f"{src}{name}.linear_{side}.weight"
+                ]
+    assert sorted(hf) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(hf[name], tensor), name
+    assert any(tensor.any() for name, tensor in hf.items() if "lora_B" in name)  # trained
