@@ -45,6 +45,7 @@ FP8_BLOCK_PARAM_FIT = dict(
     ),
     optim_kwargs=dict(fp8_recipe="blockwise"),
 )
+PRESHARD_ALL = {"gtp_config": GTPConfig(preshard_linears="all")}  # megatron-local linears too
 TWO_RANK_FITS = [
     Fit("base_tp1_dp2"),
     Fit("tp1_gtp2", gtp=2, metrics=True),
@@ -64,7 +65,7 @@ TWO_RANK_FITS = [
     Fit(
         "tp1_gtp2_presharded",
         gtp=2,
-        strategy_kwargs={"gtp_config": GTPConfig(preshard_linears="all")},
+        strategy_kwargs=PRESHARD_ALL,
     ),
     # megatron's fp8_param (design §1.3 "FP8 primary weights"): GTP2 with FP8 primary shards vs
     # DP2 whose linear weights are megatron's FP8 params emulated on full weights
@@ -99,6 +100,9 @@ FOUR_RANK_FITS = [
     Fit("tp1_gtp2_dp2", gtp=2, save_to="tp1_gtp2_dp2_saved", **EVAL),
     Fit("base_tp2_dp2", tp=2),
     Fit("tp2_gtp2", tp=2, gtp=2),
+    # megatron-local linears built as their shards at TP2 (CPU initialization: a TP-global
+    # master per layer, design §3.1 "Exact init")
+    Fit("tp2_gtp2_presharded", tp=2, gtp=2, strategy_kwargs=PRESHARD_ALL),
     Fit("base_cp2_dp2", **CP2),
     Fit("tp1_cp2_gtp2", gtp=2, **CP2),
     # pipeline parallelism (design §1.4 "PP"): NeMo's 1F1B and interleaved schedules
@@ -239,6 +243,15 @@ def test_parity_tp1_gtp2_dp2(four_ranks: dict) -> None:
 
 def test_parity_tp2_gtp2(four_ranks: dict) -> None:
     _assert_parity(four_ranks["tp2_gtp2"], four_ranks["base_tp2_dp2"])
+
+
+def test_parity_tp2_gtp2_linears_built_as_shards(four_ranks: dict) -> None:
+    """At TP2 the pre-sharded linears' exact init runs on megatron's TP-global CPU master:
+    the fit starts from the non-GTP run's weights (first loss identical) and matches it."""
+    presharded, base = four_ranks["tp2_gtp2_presharded"], four_ranks["base_tp2_dp2"]
+    assert all(rank["presharded_modules"] == 8 for rank in presharded)
+    assert [r["losses"][0] for r in presharded] == [r["losses"][0] for r in base]
+    _assert_parity(presharded, base)
 
 
 def test_parity_cp2_gtp2(four_ranks: dict) -> None:
