@@ -223,6 +223,21 @@ def test_optim_muon_builds_the_muon_module() -> None:
     assert not isinstance(plain, MuonOptimizerModule) and plain.config.optimizer == "adam"
 
 
+def test_checkpoint_section_saves_nemo_context_unless_told_not_to(tmp_path: Path) -> None:
+    """Recipe checkpoints carry NeMo's ``context/`` as NeMo's ``ModelCheckpoint`` does by default
+    (``llm.export_ckpt`` and ``llm.peft.merge_lora`` read it); ``checkpoint.context=false`` leaves
+    it out. The recipes' tokenizer is recorded for it (NeMo's ``NullTokenizer`` is not)."""
+    from nemo_gtp.recipes.data import ExportableNullTokenizer
+    from nemo_gtp.recipes.loader import _model_checkpoint
+
+    section = {"dir": str(tmp_path), "every_n_train_steps": 2}
+    default = _model_checkpoint(dict(section))
+    off = _model_checkpoint({**section, "context": False})
+    assert (default.always_save_context, default.save_context_on_train_end) == (True, True)
+    assert (off.always_save_context, off.save_context_on_train_end) == (False, False)
+    assert hasattr(ExportableNullTokenizer(7), "__io__")
+
+
 def test_pipeline_parallel_recipe_runs_with_gtp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
