@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from copy import deepcopy
 from typing import Any
 
 from nemo.lightning.ckpt_utils import ADAPTER_META_FILENAME
@@ -88,7 +87,7 @@ def set_peft(model: Any, peft: Any) -> Any:
 
         trainer = nl.Trainer(..., callbacks=[set_peft(model, llm.peft.LoRA(dim=8))])
     """
-    model.model_transform = peft
-    if hasattr(model, "__io__") and hasattr(peft, "__io__"):
-        model.__io__.model_transform = deepcopy(peft.__io__)
+    from nemo.collections.llm.api import _set_with_io  # what llm.finetune calls
+
+    _set_with_io(model, "model_transform", peft)
     return peft

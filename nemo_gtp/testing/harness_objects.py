@@ -279,13 +279,12 @@ def make_peft(kind: str) -> Any:
         targets = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
         lora = {"method": "lora", "target_modules": targets, "dim": 4, "alpha": 8, "dropout": 0.0}
         return peft_method(lora)
-    if kind in ("canonical_lora", "dora"):
+    if kind == "canonical_lora":  # the recipes' default targets: no gated-MLP halves
+        return peft_method({"method": kind, "dim": 4, "alpha": 8, "dropout": 0.0})
+    if kind == "dora":
         from nemo.collections import llm
 
-        if kind == "dora":
-            return llm.peft.DoRA(dim=4, alpha=8, dropout=0.0)
-        targets = ["linear_q", "linear_k", "linear_v", "linear_proj", "linear_fc2"]
-        return llm.peft.CanonicalLoRA(target_modules=targets, dim=4, alpha=8, dropout=0.0)
+        return llm.peft.DoRA(dim=4, alpha=8, dropout=0.0)
     if kind != "freeze_attention":
         raise ValueError(
             f"peft={kind!r}: the harness knows 'lora', 'canonical_lora', 'dora' and "
