@@ -116,7 +116,10 @@ BAD_OVERRIDES = [
     (["+peft.method=lora", "+peft.dim=eight"], "peft.dim"),
     (["+peft.method=lora", "+peft.target_modules=[linear_q]"], "peft.target_modules='linear_q'"),
     (["+restore=/nonexistent/step=9"], "restore='/nonexistent/step=9' does not exist"),
-    (["trainer.max_step=7"], "trainer.max_step"),  # a typo without + (no such key)
+    (["trainer.max_step=7"], "(did you mean 'trainer.max_steps'?)"),  # a typo without +
+    (["strategy.num_weight_shard=2"], "(did you mean 'strategy.num_weight_shards'?)"),
+    (["tranier.max_steps=2"], "(did you mean 'trainer.max_steps'?)"),
+    (["trainer.zzz=2"], "no such key in"),  # nothing close: no guess
     (["trainer.max_steps"], "is not key=value"),
     (["=3"], "has no key"),
     (["trainer.max_steps=[1"], "override 'trainer.max_steps=[1'"),

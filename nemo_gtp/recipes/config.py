@@ -7,6 +7,7 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -46,7 +47,10 @@ def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = ()) -> DictC
         if not key:
             raise RecipeError(f"override {item!r} has no key (e.g. trainer.max_steps=10)")
         if not add and OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
-            raise RecipeError(f"override {key!r}: no such key in {path} (use +{key}=... to add)")
+            raise RecipeError(
+                f"override {key!r}: no such key in {path}{_close_key(cfg, key)} "
+                f"(use +{key}=... to add it)"
+            )
         try:
             parsed = OmegaConf.from_dotlist([f"x={value}"]).x
             with _open_dict(cfg):
@@ -56,6 +60,22 @@ def load_recipe(path: str, overrides: list[str] | tuple[str, ...] = ()) -> DictC
         except Exception as err:
             raise RecipeError(f"override {item!r}: {err}".splitlines()[0]) from None
     return cfg
+
+
+def _close_key(cfg: DictConfig, key: str) -> str:
+    """``" (did you mean 'trainer.max_steps'?)"`` when close names make ``key`` one that exists."""
+    guess, node = [], cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig):
+            return ""
+        if part not in node:
+            close = difflib.get_close_matches(part, [str(k) for k in node.keys()], n=1)
+            if not close:
+                return ""
+            part = close[0]
+        guess.append(part)
+        node = node[part]
+    return f" (did you mean {'.'.join(guess)!r}?)"
 
 
 class _open_dict:
