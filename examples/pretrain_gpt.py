@@ -5,6 +5,9 @@
     python examples/pretrain_gpt.py --devices 2 --num-weight-shards 2
     # 4 CPU processes (gloo), TP1 · GTP2 · DP2:
     python examples/pretrain_gpt.py --cpu --devices 4 --num-weight-shards 2
+
+On GPUs the model takes NeMo's default layer spec (TransformerEngine's linears, built as their
+GTP shards); on CPU megatron's local one (TE needs CUDA).
 """
 
 from __future__ import annotations
@@ -45,7 +48,11 @@ def main() -> None:
     if args.cpu:
         from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
 
-        extra = dict(use_cpu_initialization=True, data_step_fn=cpu_gpt_data_step)
+        extra = dict(
+            use_cpu_initialization=True,
+            data_step_fn=cpu_gpt_data_step,
+            transformer_layer_spec=local_layer_spec,
+        )
     config = llm.GPTConfig(
         num_layers=4,
         hidden_size=256,
@@ -53,7 +60,6 @@ def main() -> None:
         num_attention_heads=8,
         seq_length=seq,
         vocab_size=vocab,
-        transformer_layer_spec=local_layer_spec,
         params_dtype=torch.float32,
         add_bias_linear=False,
         masked_softmax_fusion=False,
