@@ -448,6 +448,33 @@ def test_bad_strategy_arguments(strategy_class: Any, kwargs: dict[str, Any], mat
     assert match in str(err.value)
 
 
+IGNORED_KEYWORDS = [
+    (dict(num_weight_shard=2), "'num_weight_shard' (did you mean 'num_weight_shards'?)"),
+    (dict(tensor_model_parralel_size=2), "(did you mean 'tensor_model_parallel_size'?)"),
+    (dict(num_weight_shards=2, stattic_graph=True), "'stattic_graph' (did you mean 'static_graph'"),
+    (dict(num_weight_shards=2, zzz=1), "'zzz': neither MegatronStrategy"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", IGNORED_KEYWORDS, ids=lambda x: str(x))
+def test_keywords_no_layer_takes_are_refused(
+    strategy_class: Any, kwargs: dict[str, Any], match: str
+) -> None:
+    """MegatronStrategy passes unknown keywords on to torch's DDP, which megatron DDP never
+    builds: a typo of a GTP argument would otherwise train without GTP and say nothing."""
+    with pytest.raises(TypeError) as err:
+        strategy_class(**kwargs)
+    assert match in str(err.value)
+
+
+def test_keywords_for_lightning_or_torch_ddp_still_pass(strategy_class: Any) -> None:
+    strategy = strategy_class(num_weight_shards=2, process_group_backend="gloo")  # Lightning's
+    assert strategy._process_group_backend == "gloo"
+    strategy_class(ddp="pytorch", static_graph=True)  # torch DDP's
+    # as NeMo's recipes pass them (a torch DDP keyword; one MegatronStrategy drops)
+    strategy_class(num_weight_shards=2, gradient_as_bucket_view=True, ckpt_include_optimizer=True)
+
+
 def test_zarr_accepted_with_gtp_off(strategy_class: Any) -> None:
     """GTP off is plain MegatronStrategy: its formats are its own business."""
     assert strategy_class(save_ckpt_format="zarr").save_ckpt_format == "zarr"

@@ -87,6 +87,7 @@ from nemo_gtp.strategy.model_transform import convert_then_shard, shard_model_ch
 from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
 from nemo_gtp.strategy.peft import install_gtp_adapter_io
 from nemo_gtp.strategy.validation import (
+    refuse_unknown_arguments,
     validate_ddp_config,
     validate_fp8_primary,
     validate_gtp_config,
@@ -210,6 +211,7 @@ class GTPMegatronStrategy(MegatronStrategy):
         bound = _MEGATRON_SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         margs = dict(bound.arguments)
+        refuse_unknown_arguments(margs["kwargs"], [*margs, *_GTP_ARGS])
         # Every size is derived and checked by the grid, statically: no world exists yet.
         # setup_distributed completes it with the world size.
         dims = GTPParallelDims(

@@ -2,7 +2,9 @@
 
 Every check raises ``ValueError`` naming the setting to change. The checks only apply when GTP is
 active (``num_weight_shards > tensor_model_parallel_size``): with GTP off the strategy is plain
-``MegatronStrategy`` and accepts whatever it accepts. Sizes (``num_weight_shards`` vs TP, CP with
+``MegatronStrategy`` and accepts whatever it accepts — except a keyword nothing under it takes
+(:func:`refuse_unknown_arguments`, a ``TypeError``), which is refused either way, since a typo of
+a GTP argument is what turns GTP off. Sizes (``num_weight_shards`` vs TP, CP with
 GTP, distributed-optimizer instances, the world size) are not checked here but by
 :class:`~nemo_gtp.engine.grid.GTPParallelDims`, the one place that derives them; this module
 checks the other ``MegatronStrategy`` arguments and the ``GTPConfig``.
@@ -10,14 +12,61 @@ checks the other ``MegatronStrategy`` arguments and the ``GTPConfig``.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
+import inspect
+from collections.abc import Iterable
 from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 from nemo_gtp.engine.fp8 import FP8Scaling
 from nemo_gtp.integrations.megatron.ddp import validate_ddp_config_for_gtp
 from nemo_gtp.integrations.megatron.fp8_primary import check_fp8_primary_ddp
 from nemo_gtp.integrations.megatron.model_config import fp8_primary_scaling
 from nemo_gtp.integrations.megatron.sharding.built import refuse_fp8_primary_experts
+
+# Keywords NeMo 2.7.3's own code passes to MegatronStrategy that no layer under it takes (it drops
+# them): ckpt_include_optimizer (ten llm recipes, e.g. mistral_7b), always_save_context (the
+# io connector), gradient_accumulation_fusion (the flux recipe). Accepted, so those recipes
+# convert to GTP unchanged.
+NEMO_DROPPED_KEYWORDS = frozenset(
+    {"ckpt_include_optimizer", "always_save_context", "gradient_accumulation_fusion"}
+)
+
+
+def refuse_unknown_arguments(extra: dict[str, Any], known: Iterable[str]) -> None:
+    """Refuse keyword arguments no layer under ``MegatronStrategy`` takes.
+
+    ``MegatronStrategy`` hands keywords it does not name to Lightning's ``DDPStrategy``, which
+    keeps the ones it does not name for torch's ``DistributedDataParallel``; that wrapper exists
+    only with ``ddp="pytorch"``, so with megatron DDP (GTP's only DDP) they vanish and a typo
+    such as ``num_weight_shard=2`` would train without GTP and say nothing. Keywords torch's
+    wrapper takes stay accepted (NeMo's own recipes pass ``gradient_as_bucket_view=True``), as
+    do :data:`NEMO_DROPPED_KEYWORDS`. Applies with GTP off too.
+
+    Example::
+
+        refuse_unknown_arguments({"num_weight_shard": 2}, ["num_weight_shards"])
+        # TypeError: ... 'num_weight_shard' (did you mean 'num_weight_shards'?) ...
+    """
+    passed_on = {
+        *inspect.signature(DDPStrategy.__init__).parameters,
+        *inspect.signature(DistributedDataParallel.__init__).parameters,
+        *NEMO_DROPPED_KEYWORDS,
+    }
+    unknown = [k for k in extra if k not in passed_on]
+    if not unknown:
+        return
+    choices = sorted({*known, *passed_on} - {"self", "args", "kwargs", "module"})
+    close = difflib.get_close_matches(unknown[0], choices, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise TypeError(
+        f"GTPMegatronStrategy got an unexpected keyword argument {unknown[0]!r}{hint}: neither "
+        "MegatronStrategy, Lightning's DDPStrategy nor torch's DistributedDataParallel takes "
+        "it (with megatron DDP, MegatronStrategy would drop it without a word)"
+    )
 
 
 def validate_ddp_config(ddp_config: Any) -> None:
