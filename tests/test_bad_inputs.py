@@ -119,6 +119,15 @@ BAD_OVERRIDES = [
     (["trainer.max_step=7"], "(did you mean 'trainer.max_steps'?)"),  # a typo without +
     (["strategy.num_weight_shard=2"], "(did you mean 'strategy.num_weight_shards'?)"),
     (["tranier.max_steps=2"], "(did you mean 'trainer.max_steps'?)"),
+    # +key adds a key: one no class under the section takes is refused before launch
+    (["+trainer.max_stepz=3"], "trainer.max_stepz is not an argument of nl.Trainer (did you"),
+    (["+strategy.num_weight_shard=2"], "(did you mean strategy.num_weight_shards?)"),
+    (["+ddp.overlap_grad_reduc=true"], "(did you mean ddp.overlap_grad_reduce?)"),
+    (["+optim.weight_decai=0.1"], "(did you mean optim.weight_decay?)"),
+    (["+model.hiden_size=8"], "model.hiden_size is not an argument of llm.GPTConfig"),
+    (["+data.seq_lenght=8"], "(did you mean data.seq_length?)"),
+    (["+model.seq_length=8"], "model.seq_length comes from data.seq_length"),
+    (["+strategy.ddp=pytorch"], "strategy.ddp comes from the ddp section"),
     (["trainer.zzz=2"], "no such key in"),  # nothing close: no guess
     (["trainer.max_steps"], "is not key=value"),
     (["=3"], "has no key"),
@@ -446,6 +455,37 @@ def test_bad_strategy_arguments(strategy_class: Any, kwargs: dict[str, Any], mat
     with pytest.raises(ValueError) as err:
         strategy_class(**kwargs)
     assert match in str(err.value)
+
+
+def test_section_keywords_read_from_source_equal_the_imported_classes() -> None:
+    """The CLI reads what each section's class takes from the installed source (no import);
+    the imported classes (their ``__init__`` along the MRO, or their dataclass fields) agree."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    from nemo_gtp.recipes.signatures import (
+        LOADER_ADDS,
+        LOADER_PASSES,
+        SECTION_CLASSES,
+        section_keywords,
+    )
+
+    for section, (module, name) in SECTION_CLASSES.items():
+        cls = getattr(importlib.import_module(module), name)
+        if dataclasses.is_dataclass(cls):
+            keys = {f.name for f in dataclasses.fields(cls)}
+        else:
+            keys = set()
+            for base in cls.__mro__[:-1]:  # not object
+                if "__init__" in vars(base):
+                    keys |= set(inspect.signature(base.__init__).parameters)
+            keys -= {"self", "args", "kwargs"}
+        keys = (keys | LOADER_ADDS.get(section, set())) - set(LOADER_PASSES.get(section, {}))
+        assert section_keywords(section) == keys, section
+    from nemo import lightning as nl
+
+    assert "__init__" not in vars(nl.Trainer)  # NeMo's Trainer takes Lightning's arguments
 
 
 IGNORED_KEYWORDS = [

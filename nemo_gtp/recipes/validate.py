@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_gtp.recipes.config import RecipeError
 from nemo_gtp.recipes.resume import LATEST, latest_checkpoint
+from nemo_gtp.recipes.signatures import LOADER_PASSES, SECTION_TARGETS, section_keywords
 
 SECTIONS = (
     "cpu_compat",
@@ -264,6 +265,7 @@ def validate_recipe(cfg: DictConfig) -> None:
     for section in MAPPING_SECTIONS:
         if section in raw and not isinstance(raw[section], dict | type(None)):
             raise RecipeError(f"{section} must be a mapping of keys, got {raw[section]!r}")
+    _check_section_keys(raw)
     for key, kind in TYPED.items():
         value = OmegaConf.select(cfg, key, default=None)
         _check_type(key, value, kind)
@@ -403,6 +405,23 @@ def _check_checkpoint_section(section: Any) -> None:
     for key in CHECKPOINT_REQUIRED:
         if key not in section:
             raise RecipeError(f"checkpoint.{key} is missing: add +checkpoint.{key}=...")
+
+
+def _check_section_keys(raw: dict[str, Any]) -> None:
+    """Every key of a section the loader passes to a class is one that class takes (read from
+    the installed source, :mod:`nemo_gtp.recipes.signatures`): a typo'd ``+key`` is refused here,
+    not by a traceback after NeMo's import."""
+    for section, target in SECTION_TARGETS.items():
+        values = raw.get(section)
+        keys = section_keywords(section) if isinstance(values, dict) else None
+        for key in values if keys is not None else ():
+            source = LOADER_PASSES.get(section, {}).get(key)
+            if source is not None:
+                raise RecipeError(f"{section}.{key} comes from {source}: drop {section}.{key}")
+            if key not in keys:
+                close = difflib.get_close_matches(key, sorted(keys), n=1)
+                hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+                raise RecipeError(f"{section}.{key} is not an argument of {target}{hint}")
 
 
 def _check_keys(name: str, section: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
