@@ -38,7 +38,7 @@ PROG = "python -m nemo_gtp.run"
 EPILOG = f"""\
 YAML recipe overrides (OmegaConf dot paths, checked before anything starts):
   key=value             change a key the recipe has, e.g. trainer.max_steps=50
-  +key=value            add a key, e.g. +trainer.seed=3 or +model.activation_func=silu
+  +key=value            add a key, e.g. +data.seed=3 or +model.activation_func=silu
   +checkpoint.dir=DIR +checkpoint.every_n_train_steps=N
                         save a full checkpoint every N steps, as DIR/step=K/ (torch_dist
                         weights/, and NeMo's context/ unless +checkpoint.context=false)

@@ -20,10 +20,10 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 def test_overrides_apply_and_typos_are_errors() -> None:
     cfg = load_recipe(
-        TINY, ["trainer.max_steps=7", "strategy.num_weight_shards=4", "+trainer.seed=3"]
+        TINY, ["trainer.max_steps=7", "strategy.num_weight_shards=4", "+data.seed=3"]
     )
     assert cfg.trainer.max_steps == 7 and cfg.strategy.num_weight_shards == 4
-    assert cfg.trainer.seed == 3
+    assert cfg.data.seed == 3
     with pytest.raises(ValueError, match=r"trainer.max_step.*use \+trainer.max_step"):
         load_recipe(TINY, ["trainer.max_step=7"])
     with pytest.raises(ValueError, match="is not key=value"):

@@ -2,7 +2,7 @@
 
 Example::
 
-    cfg = load_recipe("configs/tiny_cpu.yaml", ["trainer.max_steps=50", "+trainer.seed=1"])
+    cfg = load_recipe("configs/tiny_cpu.yaml", ["trainer.max_steps=50", "+data.seed=1"])
 """
 
 from __future__ import annotations
