@@ -19,9 +19,7 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 
 
 def test_overrides_apply_and_typos_are_errors() -> None:
-    cfg = load_recipe(
-        TINY, ["trainer.max_steps=7", "strategy.num_weight_shards=4", "+data.seed=3"]
-    )
+    cfg = load_recipe(TINY, ["trainer.max_steps=7", "strategy.num_weight_shards=4", "+data.seed=3"])
     assert cfg.trainer.max_steps == 7 and cfg.strategy.num_weight_shards == 4
     assert cfg.data.seed == 3
     with pytest.raises(ValueError, match=r"trainer.max_step.*use \+trainer.max_step"):
