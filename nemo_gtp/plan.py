@@ -316,6 +316,10 @@ def plan_layouts(
     :func:`recommend` prefers them."""
     if tokens_per_gpu < 1:
         raise ValueError(f"--tokens-per-gpu must be >= 1, got {tokens_per_gpu}")
+    if not gpu_memory_gib > 0:
+        raise ValueError(f"--gpu-memory-gib must be > 0, got {gpu_memory_gib:g}")
+    if gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
     budget = gpu_memory_gib * GIB
     plans = []
     distributed = estimate_kwargs.get("optimizer", "adam") != "muon"  # Muon: non-distributed
@@ -376,9 +380,9 @@ def _table(plans: list[Plan], best: Plan | None) -> str:
 
 def model_from_recipe(path: str) -> tuple[ModelShape, int]:
     """The :class:`ModelShape` and sequence length of a recipe YAML's ``model``/``data``."""
-    from omegaconf import OmegaConf
+    from nemo_gtp.recipes.config import load_recipe
 
-    cfg = OmegaConf.load(path)
+    cfg = load_recipe(path)  # a missing or malformed file: RecipeError naming it
     m, d = cfg.get("model", {}), cfg.get("data", {})
     vocab = int(d.get("vocab_size", m.get("vocab_size", 0)) or 0)
     return ModelShape(
@@ -494,13 +498,13 @@ def main(argv: list[str] | None = None) -> int:
             best = recommend(plans)
         except ValueError as err:
             print(_table(plans, None))
-            print(f"error: {err}", file=sys.stderr)
+            print(f"{parser.prog}: error: {err}", file=sys.stderr)
             return 1
         print(_table(plans, best))
         print(f"recommended: {best.layout.name} ({best.total / GIB:.1f} GiB per GPU)")
         return 0
     except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
 
 

@@ -119,6 +119,11 @@ def test_recommendation_prefers_no_recompute_then_fewest_shards_then_tp() -> Non
     [
         (dict(gpus=0, gpu_memory_gib=80, tokens_per_gpu=1), "--gpus must be >= 1"),
         (dict(gpus=2, gpu_memory_gib=80, tokens_per_gpu=0), "--tokens-per-gpu must be >= 1"),
+        (dict(gpus=2, gpu_memory_gib=-1, tokens_per_gpu=1), "--gpu-memory-gib must be > 0"),
+        (
+            dict(gpus=2, gpu_memory_gib=80, tokens_per_gpu=1, gpus_per_node=0),
+            "--gpus-per-node must be >= 1",
+        ),
     ],
 )
 def test_bad_planner_inputs(kwargs: dict, message: str) -> None:
@@ -140,6 +145,12 @@ def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
         == 2
     )
     assert "--hidden --heads --vocab --seq" in capsys.readouterr().err
+    assert (
+        main(["configs/nope.yaml", "--gpus", "2", "--gpu-memory-gib", "8", "--tokens-per-gpu", "1"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "python -m nemo_gtp.plan: error: recipe file 'configs/nope.yaml' not found" in err
     too_big = [
         "--layers",
         "200",
