@@ -471,7 +471,7 @@ def test_section_keywords_read_from_source_equal_the_imported_classes() -> None:
         section_keywords,
     )
 
-    for section, (module, name) in SECTION_CLASSES.items():
+    for section, (module, name, _) in SECTION_CLASSES.items():
         cls = getattr(importlib.import_module(module), name)
         if dataclasses.is_dataclass(cls):
             keys = {f.name for f in dataclasses.fields(cls)}

@@ -19,25 +19,30 @@ import functools
 import importlib.util
 from pathlib import Path
 
-# section -> (module, class) it is passed to; the name errors give it.
-SECTION_CLASSES: dict[str, tuple[str, str]] = {
-    "trainer": ("lightning.pytorch.trainer.trainer", "Trainer"),
-    "strategy": ("nemo.lightning.pytorch.strategies.megatron_strategy", "MegatronStrategy"),
+# section -> (module, class) it is passed to, and the name errors give that class.
+SECTION_CLASSES: dict[str, tuple[str, str, str]] = {
+    "trainer": ("lightning.pytorch.trainer.trainer", "Trainer", "nl.Trainer"),
+    "strategy": (
+        "nemo.lightning.pytorch.strategies.megatron_strategy",
+        "MegatronStrategy",
+        "GTPMegatronStrategy",
+    ),
     "ddp": (
         "megatron.core.distributed.distributed_data_parallel_config",
         "DistributedDataParallelConfig",
+        "megatron's DistributedDataParallelConfig",
     ),
-    "optim": ("megatron.core.optimizer.optimizer_config", "OptimizerConfig"),
-    "model": ("nemo.collections.llm.gpt.model.base", "GPTConfig"),
-    "data": ("nemo_gtp.recipes.data", "ArithmeticGPTDataModule"),
-}
-SECTION_TARGETS = {
-    "trainer": "nl.Trainer",
-    "strategy": "GTPMegatronStrategy",
-    "ddp": "megatron's DistributedDataParallelConfig",
-    "optim": "megatron's OptimizerConfig",
-    "model": "llm.GPTConfig",
-    "data": "the recipes' data module (NeMo's MockDataModule)",
+    "optim": (
+        "megatron.core.optimizer.optimizer_config",
+        "OptimizerConfig",
+        "megatron's OptimizerConfig",
+    ),
+    "model": ("nemo.collections.llm.gpt.model.base", "GPTConfig", "llm.GPTConfig"),
+    "data": (
+        "nemo_gtp.recipes.data",
+        "ArithmeticGPTDataModule",
+        "the recipes' data module (NeMo's MockDataModule)",
+    ),
 }
 # Keys the loader takes itself (added), and keys it fills from elsewhere (removed: a recipe
 # key for them would collide with the loader's own argument), with where they come from.
@@ -65,7 +70,7 @@ LOADER_PASSES: dict[str, dict[str, str]] = {
 
 def section_keywords(section: str) -> frozenset[str] | None:
     """The keys a recipe's ``section`` may hold; None when its class's source is not found."""
-    module, name = SECTION_CLASSES[section]
+    module, name, _ = SECTION_CLASSES[section]
     keys = _class_keywords(module, name)
     if keys is None:
         return None
@@ -94,10 +99,9 @@ def _parsed(module: str) -> ast.Module | None:
 @functools.cache
 def _class_keywords(module: str, name: str) -> frozenset[str] | None:
     tree = _parsed(module)
-    cls = next(
-        (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name) if tree else (),
-        None,
-    )
+    if tree is None:
+        return None
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
     if cls is None:
         return None
     init = next(

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_gtp.recipes.config import RecipeError
 from nemo_gtp.recipes.resume import LATEST, latest_checkpoint
-from nemo_gtp.recipes.signatures import LOADER_PASSES, SECTION_TARGETS, section_keywords
+from nemo_gtp.recipes.signatures import LOADER_PASSES, SECTION_CLASSES, section_keywords
 
 SECTIONS = (
     "cpu_compat",
@@ -411,10 +411,12 @@ def _check_section_keys(raw: dict[str, Any]) -> None:
     """Every key of a section the loader passes to a class is one that class takes (read from
     the installed source, :mod:`nemo_gtp.recipes.signatures`): a typo'd ``+key`` is refused here,
     not by a traceback after NeMo's import."""
-    for section, target in SECTION_TARGETS.items():
+    for section, (_, _, target) in SECTION_CLASSES.items():
         values = raw.get(section)
         keys = section_keywords(section) if isinstance(values, dict) else None
-        for key in values if keys is not None else ():
+        if keys is None:  # no such section, or its class's source is not installed here
+            continue
+        for key in values:
             source = LOADER_PASSES.get(section, {}).get(key)
             if source is not None:
                 raise RecipeError(f"{section}.{key} comes from {source}: drop {section}.{key}")
