@@ -145,7 +145,7 @@ def seed_model_parallel(device: str, seed: int = 1234) -> None:
     if device == "cuda":
         model_parallel_cuda_manual_seed(seed)
     else:
-        from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
+        from nemo_gtp.cpu.compat import model_parallel_cpu_manual_seed
 
         model_parallel_cpu_manual_seed(seed)
 
@@ -155,7 +155,7 @@ def build(
 ):
     """Model, optimizer and a train-step closure for ``mode``.
 
-    ``device="cpu"`` (gloo, after ``nemo_gtp.testing.cpu_compat.enable_cpu_compat``) is for the
+    ``device="cpu"`` (gloo, after ``nemo_gtp.cpu.compat.enable_cpu_compat``) is for the
     CPU smoke runs of ``bench_max_model.py``; ``recompute`` turns on megatron's full activation
     recompute (:data:`FULL_RECOMPUTE`).
     """

@@ -137,7 +137,7 @@ def probe_main(args: argparse.Namespace) -> None:
         import bench_gpt
 
         if device == "cpu":
-            from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+            from nemo_gtp.cpu.compat import enable_cpu_compat
 
             enable_cpu_compat(nemo=False)  # megatron only: NeMo's patches are not needed
         hidden, ffn, heads, vocab, seq, mbs = model_shape(args)

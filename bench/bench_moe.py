@@ -28,7 +28,7 @@ allgather dispatcher) run the same launch on CPU.
 
 One GPU (numerics only): ``--shared-device`` runs the ranks all on ``cuda:0`` (each the local
 rank 0 of its own Lightning "node"), their CUDA collectives staged through host memory over gloo
-(``nemo_gtp.testing.staged_gloo``), as ``bench_nemo.py --shared-device`` does (its helpers), on a
+(``nemo_gtp.cpu.staged_gloo``), as ``bench_nemo.py --shared-device`` does (its helpers), on a
 cut of the recipe (:data:`SHARED_DEVICE_SHAPE`: 2 layers, hidden 512, 4 experts top-2,
 sequence 512, vocabulary 1024, so the host-staged collectives stay small; ``--full-size``
 keeps the recipe's shape). Step times, tokens/s, exposed communication and memory of such a run
@@ -282,7 +282,7 @@ def _rank_main(spec_path: str) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     shared = spec.get("shared_device", False)
     if shared:  # registers "staged_gloo", the recipes' process-group backend
-        import nemo_gtp.testing.staged_gloo  # noqa: F401
+        import nemo_gtp.cpu.staged_gloo  # noqa: F401
     out = []
     for i, run in enumerate(spec["runs"]):
         record: dict = {"mode": run["mode"], "tokens_per_gpu": run["tokens_per_gpu"]}

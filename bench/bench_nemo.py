@@ -33,7 +33,7 @@ from an idle GPU and what the GPU still had to do after it (a GPU tail near 0: h
 Two ranks on one GPU (numerics only): ``--shared-device`` runs the ``--devices`` ranks all on
 ``cuda:0`` (each the local rank 0 of its own Lightning "node": ``trainer.devices=1``,
 ``trainer.num_nodes=<ranks>``), their CUDA collectives staged through host memory over gloo
-(``nemo_gtp.testing.staged_gloo``, backend ``cpu:gloo,cuda:staged_gloo``), on a 4-layer,
+(``nemo_gtp.cpu.staged_gloo``, backend ``cpu:gloo,cuda:staged_gloo``), on a 4-layer,
 hidden-1024 cut of the recipe (``--full-size`` keeps the recipe's shape). Step times, tokens/s,
 exposed communication and memory of such a run mean nothing; its losses and grad norms do:
 the report adds each mode's parity against its baseline (max |loss diff|, relative loss and
@@ -255,7 +255,7 @@ def world_overrides(world: int, shared_device: bool) -> list[str]:
     "nodes" (every rank is local rank 0: ``cuda:0``) on the staged backend."""
     if not shared_device:
         return [f"trainer.devices={world}"]
-    from nemo_gtp.testing.staged_gloo import BACKEND
+    from nemo_gtp.cpu.staged_gloo import BACKEND
 
     return [
         "trainer.devices=1",
@@ -684,7 +684,7 @@ def _rank_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if spec.get("shared_device"):  # registers "staged_gloo", the recipes' process-group backend
-        import nemo_gtp.testing.staged_gloo  # noqa: F401
+        import nemo_gtp.cpu.staged_gloo  # noqa: F401
     global _HOST_TIMER
     if spec.get("host_timer") and _HOST_TIMER is None:  # before any model is built (TE's
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # pre-hooks bind at build)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from nemo_gtp.integrations.megatron import load_gtp_checkpoint, save_gtp_checkpoint
-from nemo_gtp.testing.gpt_harness import Run, build, full_tensor, train_built
+from tests.harness.gpt import Run, build, full_tensor, train_built
 
 
 def full_weights(setup: dict) -> dict[str, torch.Tensor]:

@@ -84,7 +84,7 @@ line whose modes did not run says "not measured"). Writes ``fp8_check.json`` and
 it).
 
 One GPU: ``--shared-device`` (same torchrun line, ``--nproc-per-node 2``) puts every local rank
-on ``cuda:0`` and the process group on ``nemo_gtp.testing.staged_gloo`` (collectives staged
+on ``cuda:0`` and the process group on ``nemo_gtp.cpu.staged_gloo`` (collectives staged
 through host memory over gloo; megatron's and GTP's groups inherit it). Losses, bytes, bit
 checks, refresh and allocation counts keep their meaning (peak GiB is each rank's own
 allocator); step times do not, and GTP sees a non-NCCL group (MEAN as a 1/2 pre-scale, no
@@ -260,7 +260,7 @@ def run_mode(
 
     from nemo_gtp.engine import GTPConfig
     from nemo_gtp.integrations.megatron import gtp_layer_spec, shard_model
-    from nemo_gtp.testing.gpt_harness import Run, gtp_groups, load_full_weights
+    from tests.harness.gpt import Run, gtp_groups, load_full_weights
 
     kind = "te" if CUDA else "local"
     groups = gtp_groups(Run(gtp=gtp))
@@ -392,7 +392,7 @@ def fp8_primary_state(runtime: object, ddp: object, optimizer: object) -> dict:
     and the shards that are not exactly their fp32 main slices (rounded to the training dtype)
     quantized with the whole master's scale (collective)."""
     from nemo_gtp.engine.fp8_primary import is_fp8_primary
-    from nemo_gtp.testing.gpt_harness import fp8_primary_write_back_errors
+    from tests.harness.gpt import fp8_primary_write_back_errors
 
     params = runtime.params
     return {
@@ -756,7 +756,7 @@ def megatron_fp8_primary_check() -> dict:
     3 steps, the reference's linear weights megatron's FP8 params emulated on full weights. On
     GPUs the real path: TE installed (megatron's own ``is_float8tensor``), NCCL's coalesced
     param all-gather of the ``uint8`` and fp32 buckets, the shards' ``type()`` on CUDA."""
-    from nemo_gtp.testing.gpt_harness import (
+    from tests.harness.gpt import (
         Run,
         build,
         fp8_primary_write_back_errors,
@@ -786,12 +786,12 @@ def megatron_fp8_primary_check() -> dict:
 
 def cpu_backward_quantize_check() -> dict:
     """The bf16-gather FP8 backward through GTP's TE consumer on stand-ins of TE's FP8
-    ``LayerNormLinear`` (no TE, ``nemo_gtp.testing.te_fp8_stand_in``): two steps of a current-
+    ``LayerNormLinear`` (no TE, ``tests.harness.te_fp8_stand_in``): two steps of a current-
     and a delayed-scaling linear at GTP2 vs the same linears unsharded (outputs and dgrads
     bit for bit), then :func:`te_backward_bit_checks` on the GTP runtime."""
     from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
     from nemo_gtp.integrations.te_fp8_backward import TEWeightQuantize, attach_te_weight_states
-    from nemo_gtp.testing.te_fp8_stand_in import (
+    from tests.harness.te_fp8_stand_in import (
         StandInCurrentQuantizer,
         StandInDelayedQuantizer,
         StandInTELinear,
@@ -1064,7 +1064,7 @@ def world_plan(shared_device: bool, local_rank: int, cuda: bool = CUDA) -> tuple
 
         world_plan(True, 1, cuda=True)  # ("cpu:gloo,cuda:staged_gloo", 0)
     """
-    from nemo_gtp.testing.staged_gloo import rank_backend  # importing registers the backend
+    from nemo_gtp.cpu.staged_gloo import rank_backend  # importing registers the backend
 
     return rank_backend(shared_device, cuda, local_rank)
 
@@ -1104,7 +1104,7 @@ def main() -> None:
     if CUDA:
         torch.cuda.set_device(device_index)
     else:
-        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+        from nemo_gtp.cpu.compat import enable_cpu_compat
 
         enable_cpu_compat()
         args.layers, args.hidden, args.heads, args.vocab, args.seq = 2, 64, 4, 256, 32

@@ -34,7 +34,7 @@ itself and ends them after ``--timeout`` seconds)::
         --timeout 110 --out /tmp/gpu_grouped_experts
 
 On a machine with ONE GPU, ``--shared-device`` runs both ranks on ``cuda:0``, their
-collectives staged through host memory over gloo (``nemo_gtp.testing.staged_gloo``, backend
+collectives staged through host memory over gloo (``nemo_gtp.cpu.staged_gloo``, backend
 ``cpu:gloo,cuda:staged_gloo``; every megatron / GTP sub-group inherits it)::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TORCH_FR_BUFFER_SIZE=0
@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _seed(device: str) -> None:
     torch.manual_seed(1234)
     if device == "cpu":
-        from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
+        from nemo_gtp.cpu.compat import model_parallel_cpu_manual_seed
 
         model_parallel_cpu_manual_seed(1234)
     else:
@@ -183,8 +183,8 @@ def check_init_memory(args: argparse.Namespace, device: str) -> dict:
 
     from nemo_gtp.engine import GTPConfig
     from nemo_gtp.integrations.megatron import gtp_layer_spec, gtp_process_groups
-    from nemo_gtp.testing.gpt_harness import Run, grouped_linear_kinds, gtp_groups
-    from nemo_gtp.testing.memory import allocation_peak
+    from tests.harness.gpt import Run, grouped_linear_kinds, gtp_groups
+    from tests.harness.memory import allocation_peak
 
     on_gpu = device != "cpu"
     groups = gtp_groups(Run(egtp=2))
@@ -233,8 +233,8 @@ def check_seq_init_memory(args: argparse.Namespace, device: str) -> dict:
     from nemo_gtp.engine import GTPConfig
     from nemo_gtp.integrations.megatron import gtp_layer_spec, gtp_process_groups
     from nemo_gtp.integrations.megatron.sharding import te_parallel_linear_kinds
-    from nemo_gtp.testing.gpt_harness import Run, gtp_groups
-    from nemo_gtp.testing.memory import allocation_peak
+    from tests.harness.gpt import Run, gtp_groups
+    from tests.harness.memory import allocation_peak
 
     on_gpu = device != "cpu"
     groups = gtp_groups(Run(egtp=2))
@@ -280,7 +280,7 @@ def check_seq_init_memory(args: argparse.Namespace, device: str) -> dict:
 def check_seq_parity(args: argparse.Namespace, device: str) -> dict:
     """GPT with SequentialMLP experts (TE linears on GPUs): EP1·EGTP2, experts built
     pre-sharded, vs the run without GTP."""
-    from nemo_gtp.testing.gpt_harness import Run, build, train, train_built
+    from tests.harness.gpt import Run, build, train, train_built
 
     fields = {**RUN_FIELDS, "grouped": False, "spec": "local" if device == "cpu" else "te"}
     base = Run(steps=4, **fields)
@@ -306,7 +306,7 @@ def judged_parity(result: dict, reference: dict, repeat: dict | None) -> dict:
     """GTP vs the reference at fp32's 1e-5, or within twice the reference's own run-to-run
     spread where a second reference run differs (TE's fp32 LayerNorm backward and grouped GEMM
     are not bit-deterministic on GPUs; on CPU the runs repeat exactly)."""
-    from nemo_gtp.testing.gpt_harness import assert_parity
+    from tests.harness.gpt import assert_parity
 
     worst = assert_parity(result, reference, tol=float("inf"))
     floor = 0.0 if repeat is None else assert_parity(repeat, reference, tol=float("inf"))
@@ -316,7 +316,7 @@ def judged_parity(result: dict, reference: dict, repeat: dict | None) -> dict:
 
 def check_parity(args: argparse.Namespace, device: str) -> dict:
     """GPT with TEGroupedMLP experts: EP1·EGTP2 built pre-sharded vs the run without GTP."""
-    from nemo_gtp.testing.gpt_harness import Run, train
+    from tests.harness.gpt import Run, train
 
     base = Run(steps=4, **RUN_FIELDS)
     reference = train(base)
@@ -328,8 +328,8 @@ def check_parity(args: argparse.Namespace, device: str) -> dict:
 def check_checkpoint(args: argparse.Namespace, device: str, root: str) -> dict:
     """EP1·EGTP2 -> no GTP -> EP1·EGTP2, weights and optimizer state bit for bit."""
     from nemo_gtp.integrations.megatron import load_gtp_checkpoint, save_gtp_checkpoint
-    from nemo_gtp.testing.ckpt_harness import moe_full_state
-    from nemo_gtp.testing.gpt_harness import Run, build, train_built
+    from tests.harness.checkpoint import moe_full_state
+    from tests.harness.gpt import Run, build, train_built
 
     saved = Run(steps=2, distopt=True, egtp=2, presharded=True, **RUN_FIELDS)
     setup = build(saved)
@@ -397,7 +397,7 @@ def world_plan(rank: int, args: argparse.Namespace) -> tuple[str, str]:
         world_plan(1, parse_args(["--out", "o", "--shared-device"]))
         # ("cpu:gloo,cuda:staged_gloo", "cuda:0")
     """
-    from nemo_gtp.testing.staged_gloo import rank_backend  # importing registers the backend
+    from nemo_gtp.cpu.staged_gloo import rank_backend  # importing registers the backend
 
     backend, index = rank_backend(args.shared_device, not args.cpu_smoke, rank)
     return backend, "cpu" if index is None else f"cuda:{index}"
@@ -430,7 +430,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, store_path: str, roo
     cpu = args.cpu_smoke
     if cpu:
         torch.set_num_threads(1)
-        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+        from nemo_gtp.cpu.compat import enable_cpu_compat
 
         enable_cpu_compat(nemo=False)
     device = init_world(rank, world, args, store_path)
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     # GPT parity read 9.9e-5 / 4.2e-5 (2xH200) against fp32's 1e-5; without it 3.1e-7 / 3.5e-7
     # (1xH200, --shared-device): the gap was TF32 rounding, not GTP.
     os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
-    from nemo_gtp.testing.spawn import spawn_bounded  # after ROOT went first on sys.path
+    from tests.harness.spawn import spawn_bounded  # after ROOT went first on sys.path
 
     work = tempfile.mkdtemp(prefix="gpu_grouped_experts_")
     failed = spawn_bounded(

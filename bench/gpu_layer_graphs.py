@@ -1,7 +1,7 @@
 """Per-layer CUDA graphs under GTP on 2 GPUs: graphed GTP2 vs eager GTP2 vs DP2 (design §3.5).
 
 Trains megatron-core's GPTModel (local layer spec; same init and data in every mode; built by
-``nemo_gtp.testing.gpt_harness.build``) with megatron's own schedule
+``tests.harness.gpt.build``) with megatron's own schedule
 (``forward_backward_no_pipelining``: the step-1 recording, the per-layer capture after its
 ``finalize_model_grads``, replays from step 2), megatron DDP with overlapped bucket reductions
 and the distributed optimizer, in these modes:
@@ -51,10 +51,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # this checkout's nemo_gtp, not an installed copy
     sys.path.insert(0, str(ROOT))
 
-from nemo_gtp.testing.spawn import spawn_bounded  # noqa: E402 (after the path fix)
+from tests.harness.spawn import spawn_bounded  # noqa: E402 (after the path fix)
 
 if TYPE_CHECKING:
-    from nemo_gtp.testing.gpt_harness import Run
+    from tests.harness.gpt import Run
 
 MODES = {  # name -> (GTP size, cuda_graph_scope or "" for eager, graph_wgrad_ring_size)
     "dp2_eager": (1, "", 0),
@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def harness_run(args: argparse.Namespace, gtp: int, scope: str, ring: int) -> Run:
     """One mode as the GPT harness's :class:`Run`: this benchmark's sizes, megatron DDP with
     overlapped reductions in megatron's default buckets and the distributed optimizer."""
-    from nemo_gtp.testing.gpt_harness import Run  # megatron: imported by the ranks only
+    from tests.harness.gpt import Run  # megatron: imported by the ranks only
 
     return Run(
         gtp=gtp,
@@ -141,9 +141,9 @@ def harness_run(args: argparse.Namespace, gtp: int, scope: str, ring: int) -> Ru
 
 def build(args: argparse.Namespace, gtp: int, scope: str, ring: int) -> dict:
     """GPT, GTP (if ``gtp`` > 1), DDP and optimizer for one mode, on this rank (the harness's
-    :func:`~nemo_gtp.testing.gpt_harness.build`; the same initial weights in every mode)."""
+    :func:`~tests.harness.gpt.build`; the same initial weights in every mode)."""
     from nemo_gtp.integrations.megatron.layer_graphs import reset_layer_graphs
-    from nemo_gtp.testing.gpt_harness import build as build_gpt
+    from tests.harness.gpt import build as build_gpt
 
     reset_layer_graphs()  # the previous mode's graphs are process-global in megatron
     setup = build_gpt(harness_run(args, gtp, scope, ring))
@@ -345,7 +345,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, store_path: str) -> 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if cpu:
         torch.set_num_threads(1)
-        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+        from nemo_gtp.cpu.compat import enable_cpu_compat
 
         enable_cpu_compat(nemo=False)
         device = "cpu"

@@ -10,7 +10,7 @@
 #   export TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_TRACE_BUFFER_SIZE=0 PYTHONPATH=/tmp/te:/tmp/site:$PWD
 #   bash bench/gpu_pending.sh            # or: bash bench/gpu_pending.sh nemo_threads fp8
 # One GPU (ONE_GPU=1): the numerics stages (grouped, fp8, fp8param, moe) with --shared-device, both ranks on
-# cuda:0 through the staged backend (nemo_gtp.testing.staged_gloo; step times mean nothing);
+# cuda:0 through the staged backend (nemo_gtp.cpu.staged_gloo; step times mean nothing);
 # the timing, graph and Megatron-FSDP stages need 2 GPUs and are skipped:
 #   ONE_GPU=1 bash bench/gpu_pending.sh exact peft   # ~9 minutes: never run on a GPU yet
 #   ONE_GPU=1 bash bench/gpu_pending.sh grouped fp8 fp8param moe host   # ~4 minutes (re-runs)

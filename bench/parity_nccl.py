@@ -1,6 +1,6 @@
 """The parity oracle on GPUs with NCCL (issue: engine "Done when").
 
-Runs the CPU test suite's GPT parity cases (``nemo_gtp.testing.gpt_harness``) on CUDA devices
+Runs the CPU test suite's GPT parity cases (``tests.harness.gpt``) on CUDA devices
 with NCCL, fp32, TF32 off, and writes one JSON line per case with the largest relative error.
 
     torchrun --nproc-per-node 2 bench/parity_nccl.py --out parity_nccl.json
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nemo_gtp.testing.gpt_harness import Run, assert_parity, train
+from tests.harness.gpt import Run, assert_parity, train
 
 CASES = {
     2: [

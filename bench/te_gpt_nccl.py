@@ -63,7 +63,7 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
     shard_model,
 )
-from nemo_gtp.testing.gpt_harness import Run, gtp_groups, load_full_weights
+from tests.harness.gpt import Run, gtp_groups, load_full_weights
 
 # mode -> (spec, gtp, pre-sharded, fused wgrad, bias)
 MODES = {
@@ -111,7 +111,7 @@ def _seed(seed: int) -> None:
     if CUDA:
         model_parallel_cuda_manual_seed(seed)
     else:  # the CPU smoke test only: a GPU run never imports the CPU compatibility layer
-        from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
+        from nemo_gtp.cpu.compat import model_parallel_cpu_manual_seed
 
         model_parallel_cpu_manual_seed(seed)
 
@@ -461,7 +461,7 @@ def main() -> None:
     if CUDA:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:  # CPU smoke test of the local modes
-        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+        from nemo_gtp.cpu.compat import enable_cpu_compat
 
         enable_cpu_compat()
     dist.init_process_group("nccl" if CUDA else "gloo")

@@ -23,12 +23,10 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--num-weight-shards", type=int, default=2, help="TP x GTP")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument(
-        "--cpu", action="store_true", help="CPU/gloo via nemo_gtp.testing.cpu_compat"
-    )
+    parser.add_argument("--cpu", action="store_true", help="CPU/gloo via nemo_gtp.cpu.compat")
     args = parser.parse_args()
     if args.cpu:
-        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+        from nemo_gtp.cpu.compat import enable_cpu_compat
 
         enable_cpu_compat(nemo=True)
 
@@ -46,7 +44,7 @@ def main() -> None:
     vocab, seq = 1024, 128
     extra = {}
     if args.cpu:
-        from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
+        from nemo_gtp.cpu.compat import cpu_gpt_data_step
 
         extra = dict(
             use_cpu_initialization=True,

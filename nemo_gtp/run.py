@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     nemo.add_argument(
         "--cpu",
         action="store_true",
-        help="run the recipe on CPU processes with gloo (tests; nemo_gtp.testing.nemo_cpu)",
+        help="run the recipe on CPU processes with gloo (tests; nemo_gtp.cpu.recipe)",
     )
     return parser
 

@@ -38,7 +38,7 @@ from nemo_gtp.checkpoint.boxes import flat_range_boxes
 from nemo_gtp.checkpoint.io import previous_dir, staging_dir
 from nemo_gtp.checkpoint.pieces import RowMap, RowSegment
 from nemo_gtp.checkpoint.show import main as inspect_main
-from nemo_gtp.testing.ckpt_harness import (
+from tests.harness.checkpoint import (
     Layout,
     assert_same_state,
     build,

@@ -1,4 +1,4 @@
-"""Tests for nemo_gtp.testing.cpu_compat: patch bookkeeping, the CPU RNG tracker, and real
+"""Tests for nemo_gtp.cpu.compat: patch bookkeeping, the CPU RNG tracker, and real
 2-process gloo training of a tiny megatron GPTModel (DDP + distributed optimizer + schedule)."""
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_gtp.testing import cpu_compat
-from nemo_gtp.testing.cpu_compat import (
+from nemo_gtp.cpu import compat as cpu_compat
+from nemo_gtp.cpu.compat import (
     CpuRNGStatesTracker,
     disable_cpu_compat,
     enable_cpu_compat,
     enabled_patches,
     model_parallel_cpu_manual_seed,
 )
-from nemo_gtp.testing.cpu_compat import (
+from nemo_gtp.cpu.compat import (
     cpu_compat as cpu_compat_ctx,
 )
-from nemo_gtp.testing.spawn import start_ranks
+from tests.harness.spawn import start_ranks
 
 VOCAB = 128
 SEQ = 16

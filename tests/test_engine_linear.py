@@ -18,7 +18,7 @@ from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
 from nemo_gtp.engine.copy_engine import decide_copy_engine
 from nemo_gtp.engine.runtime import ChainId, GatherBackend
 from nemo_gtp.engine.timing import ExposedWaitTimer
-from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
+from tests.harness.spawn import Outcome, case_values, run_cases
 
 
 def _mlp(seed: int) -> torch.nn.Sequential:

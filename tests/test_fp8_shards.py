@@ -35,7 +35,7 @@ from nemo_gtp.engine.fp8 import (
 )
 from nemo_gtp.engine.fp8_gather import FP8Gathered
 from nemo_gtp.engine.param import Direction, GTPShardedParam, ShardSpec
-from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
+from tests.harness.spawn import Outcome, case_values, run_cases
 
 PAD_GARBAGE = 1.0e4  # written into master pad rows: must reach neither amax nor data
 

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_gtp.testing.spawn import start_ranks
-from nemo_gtp.testing.strategy_harness import Fit, shared_launch
+from tests.harness.spawn import start_ranks
+from tests.harness.strategy import Fit, shared_launch
 
 HEADS, GROUPS, HIDDEN, LAYERS = 4, 2, 64, 2
 FIT = Fit(
@@ -67,7 +67,7 @@ def _export(rank: int, checkpoint: str, out: str, lora: bool = False) -> None:
     """NeMo's exporter in a process of its own (forked from the preloaded fork server: no GTP
     state, no process group of the fit), as a user's ``llm.export_ckpt`` (``lora``:
     ``llm.peft.export_lora``) would run."""
-    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+    from nemo_gtp.cpu.compat import enable_cpu_compat
 
     enable_cpu_compat()
     from nemo.collections import llm

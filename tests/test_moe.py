@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from nemo_gtp.engine import GTPParallelDims
-from nemo_gtp.testing.gpt_harness import Run, assert_parity, gtp_groups, rel_err, train
-from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
-from nemo_gtp.testing.strategy_harness import MOE_MODEL, Fit, shared_launch
+from tests.harness.gpt import Run, assert_parity, gtp_groups, rel_err, train
+from tests.harness.spawn import Outcome, case_values, run_cases
+from tests.harness.strategy import MOE_MODEL, Fit, shared_launch
 
 MOE = Run(experts=4, topk=2, hidden=32, ffn=64, moe_ffn=48, steps=6)
 
@@ -94,7 +94,7 @@ def test_strategy_refuses_expert_gtp_on_legacy_grouped_experts() -> None:
 
 # ------------------------------------------------------------------------------ megatron level
 def _setup(rank: int, world: int) -> None:
-    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+    from nemo_gtp.cpu.compat import enable_cpu_compat
 
     enable_cpu_compat(nemo=False)
 
@@ -198,7 +198,7 @@ def _expert_step_parity(
     import torch
     import torch.distributed as dist
 
-    from nemo_gtp.testing.gpt_harness import full_tensor
+    from tests.harness.gpt import full_tensor
 
     gen = torch.Generator().manual_seed(100 * step + rank)
     tokens = torch.randn(sum(counts), 16, generator=gen)
@@ -355,7 +355,7 @@ def _grouped_submodules(groups: Any = None, pad: int = 1) -> Any:
 
     from nemo_gtp.engine import GTPConfig
     from nemo_gtp.integrations.megatron import gtp_layer_spec
-    from nemo_gtp.testing.te_grouped import (
+    from tests.harness.te_grouped import (
         CPUColumnParallelGroupedLinear,
         CPURowParallelGroupedLinear,
         grouped_kinds,
@@ -374,7 +374,7 @@ def _grouped_submodules(groups: Any = None, pad: int = 1) -> Any:
 def _grouped_experts_case(rank: int, world: int, presharded: bool) -> float:
     """megatron's ``TEGroupedMLP`` (one weight per expert in a ``GroupedLinear``) under EGTP2,
     two MoE blocks at EP2, driven through TE's weight protocol as TE's ``GroupedLinear`` drives
-    it (``nemo_gtp.testing.te_grouped``: TE cannot run on CPU), through GTP DDP and finalize.
+    it (``tests.harness.te_grouped``: TE cannot run on CPU), through GTP DDP and finalize.
 
     ``presharded``: the experts are built as their shards (``gtp_layer_spec``, design §3.1
     "Exact init") from the seed of the unsharded module, and must hold exactly its rows
@@ -489,7 +489,7 @@ def _grouped_build_memory_case(rank: int, world: int) -> tuple[int, int, int]:
     import torch
 
     from nemo_gtp.integrations.megatron import gtp_process_groups
-    from nemo_gtp.testing.memory import allocation_peak
+    from tests.harness.memory import allocation_peak
 
     run = dataclasses.replace(MOE, ep=2, egtp=2)
     groups = gtp_groups(run)
@@ -531,10 +531,10 @@ def _sequential_build_case(rank: int, world: int) -> dict[str, tuple[int, ...]]:
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from nemo_gtp.cpu.compat import model_parallel_cpu_manual_seed
     from nemo_gtp.engine import GTPConfig, is_gtp_param
     from nemo_gtp.integrations.megatron import gtp_layer_spec, gtp_process_groups, shard_model
-    from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
-    from nemo_gtp.testing.memory import allocation_peak
+    from tests.harness.memory import allocation_peak
 
     run = dataclasses.replace(MOE, ep=2, egtp=2)
     groups = gtp_groups(run)
@@ -594,7 +594,7 @@ def _full_state_dict_case(rank: int, world: int) -> int:
 
     from nemo_gtp import full_state_dict
     from nemo_gtp.integrations.megatron import unwrapped_module
-    from nemo_gtp.testing.gpt_harness import build
+    from tests.harness.gpt import build
 
     case = dataclasses.replace(MOE, ep=2, egtp=2, gtp=2)
     want = unwrapped_module(build(_reference_run(case))["ddp"]).state_dict()
@@ -617,7 +617,7 @@ def _refusals_case(rank: int, world: int) -> list[str]:
     experts. (Checkpoints of SequentialMLP experts work: tests/test_moe_checkpoint.py.)"""
     import pytest
 
-    from nemo_gtp.testing.gpt_harness import build
+    from tests.harness.gpt import build
 
     messages = []
     refused = [

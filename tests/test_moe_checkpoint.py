@@ -10,7 +10,7 @@ losses: bitwise at the same layout, within the 1e-5 parity tolerance at the othe
 another order).
 
 The same for ``TEGroupedMLP`` experts (one TE ``GroupedLinear`` weight per expert; on CPU its
-stand-in, ``nemo_gtp.testing.te_grouped``; gated fc1), built as their EGTP shards: saved at
+stand-in, ``tests.harness.te_grouped``; gated fc1), built as their EGTP shards: saved at
 EP1·EGTP2, loaded without any GTP (EP1, expert DP4), that model saved again and loaded back at
 EP1·EGTP2 (bitwise resume of the uninterrupted run), loaded at EP2·EGTP2 with dense GTP2, and the
 ``SequentialMLP`` checkpoint loaded into a ``TEGroupedMLP`` model (megatron gives both the same
@@ -23,8 +23,8 @@ import dataclasses
 
 import pytest
 
-from nemo_gtp.testing.gpt_harness import Run
-from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
+from tests.harness.gpt import Run
+from tests.harness.spawn import Outcome, case_values, run_cases
 
 # SequentialMLP experts built as their EGTP shards (the strategy's route: design §3.1 "Exact
 # expert init"); one load builds them full and slices them (preshard_linears="none"'s route)
@@ -59,15 +59,15 @@ GROUPED_LOADS = {
 
 def _state(setup: dict) -> dict:
     """Every weight and optimizer state, full, experts by global id (``moe_full_state``)."""
-    from nemo_gtp.testing.ckpt_harness import moe_full_state
+    from tests.harness.checkpoint import moe_full_state
 
     return moe_full_state(setup["ddp"], setup["optimizer"])
 
 
 def _save_case(rank: int, world: int, root: str, run: Run = SAVED, key: str = "seq") -> int:
+    from nemo_gtp.cpu.compat import enable_cpu_compat
     from nemo_gtp.integrations.megatron.checkpoint import save_gtp_checkpoint
-    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
-    from nemo_gtp.testing.gpt_harness import build, train_built
+    from tests.harness.gpt import build, train_built
 
     enable_cpu_compat(nemo=False)
     setup = build(run)
@@ -93,8 +93,8 @@ def _load_case(
     import torch
 
     from nemo_gtp.integrations.megatron.checkpoint import load_gtp_checkpoint, save_gtp_checkpoint
-    from nemo_gtp.testing.ckpt_harness import assert_same_state
-    from nemo_gtp.testing.gpt_harness import build, rel_err, train_built
+    from tests.harness.checkpoint import assert_same_state
+    from tests.harness.gpt import build, rel_err, train_built
 
     setup = build(run)
     load_gtp_checkpoint(root, setup["ddp"], setup["optimizer"], setup["groups"])

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime
 from nemo_gtp.engine.muon import GTPMuon, adjusted_lr, assign_owners, newton_schulz
-from nemo_gtp.testing.spawn import case_values, run_cases
+from tests.harness.spawn import case_values, run_cases
 
 SHAPES = [(40, 16), (24, 48), (32, 32)]  # tall (padded under GTP2 at pad 16), wide, square
 

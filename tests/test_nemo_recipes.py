@@ -346,7 +346,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A SentencePiece tokenizer and indexed data built from installed packages' READMEs,
     through ``python -m nemo_gtp.data``'s entry point."""
     from nemo_gtp.data.__main__ import main
-    from nemo_gtp.testing.corpus import write_package_corpus
+    from tests.harness.corpus import write_package_corpus
 
     where = tmp_path_factory.mktemp("corpus")
     jsonl = where / "corpus.jsonl"
@@ -520,7 +520,7 @@ def test_two_node_launch_matches_one_node(slurm_dryrun: dict, one_node: dict) ->
     """The Slurm script's per-node torchrun command run as two agents here (2 x 2 processes,
     ``--nnodes 2 --node-rank i``): the same losses as the one-node launch."""
     from nemo_gtp.recipes.executors import DEFAULT_ENV
-    from nemo_gtp.testing.slurm_nodes import node_commands, run_nodes, sbatch_exports
+    from tests.harness.slurm_nodes import node_commands, run_nodes, sbatch_exports
 
     script, where = slurm_dryrun["script"], slurm_dryrun["where"]
     env = {**DEFAULT_ENV, **sbatch_exports(script), "PYTHONPATH": str(ROOT)}

@@ -18,9 +18,9 @@ import weakref
 
 import pytest
 
-from nemo_gtp.testing.cpu_compat import enable_cpu_compat
-from nemo_gtp.testing.gpt_harness import Run, assert_parity, gtp_groups, rel_err, train
-from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
+from nemo_gtp.cpu.compat import enable_cpu_compat
+from tests.harness.gpt import Run, assert_parity, gtp_groups, rel_err, train
+from tests.harness.spawn import Outcome, case_values, run_cases
 
 # GTPConfig knobs that only act on GTP shards: a run without GTP (the reference) ignores them.
 _GTP_ONLY = {
@@ -217,7 +217,7 @@ def _fp8_primary_case(rank: int, world: int, case: Run) -> int:
     replicate x GTP). Returns how many FP8 weights differ in any bit from the reference."""
     import torch
 
-    from nemo_gtp.testing.gpt_harness import build, fp8_primary_write_back_errors, train_built
+    from tests.harness.gpt import build, fp8_primary_write_back_errors, train_built
 
     reference_run = _reference_run(case)
     if reference_run not in _REFERENCES:
@@ -253,8 +253,8 @@ def _fp8_checkpoint_case(rank: int, world: int, root: str, case: Run | None = No
 
     from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary
     from nemo_gtp.integrations.megatron.checkpoint import load_gtp_checkpoint, save_gtp_checkpoint
-    from nemo_gtp.testing.ckpt_harness import Built, Layout, full_state
-    from nemo_gtp.testing.gpt_harness import (
+    from tests.harness.checkpoint import Built, Layout, full_state
+    from tests.harness.gpt import (
         build,
         load_emulated_fp8_checkpoint,
         save_emulated_fp8_checkpoint,
@@ -366,7 +366,7 @@ def _full_state_dict_case(rank: int, world: int, case: Run) -> int:
 
     from nemo_gtp import full_state_dict
     from nemo_gtp.integrations.megatron import unwrapped_module
-    from nemo_gtp.testing.gpt_harness import build, train_built
+    from tests.harness.gpt import build, train_built
 
     reference_run = _reference_run(case)
     reference, sharded = build(reference_run), build(case)
@@ -427,7 +427,7 @@ def _layer_warmup(layer, gen, *, grad_scale: float = 1.0) -> None:  # noqa: ANN0
     (``forward``, as megatron calls it) and ``autograd.grad`` to its input and parameters."""
     import torch
 
-    from nemo_gtp.testing.gpt_harness import MBS, SEQ
+    from tests.harness.gpt import MBS, SEQ
 
     hidden = torch.randn(SEQ, MBS, layer.config.hidden_size, generator=gen, requires_grad=True)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
@@ -443,7 +443,7 @@ def _layer_graph_case(rank: int, world: int, case: Run) -> float:
     import torch
 
     from nemo_gtp.engine import ChainId, GTPStateError, is_gtp_param
-    from nemo_gtp.testing.gpt_harness import build, train_built
+    from tests.harness.gpt import build, train_built
 
     reference_run = _reference_run(dataclasses.replace(case, graph_scope=""))
     if reference_run not in _REFERENCES:
@@ -575,8 +575,8 @@ def _megatron_graph_flow_case(rank: int, world: int, ring: int) -> None:
         GTPCudaGraphRunner,
         reset_layer_graphs,
     )
-    from nemo_gtp.testing.gpt_harness import MICROBATCHES, build, train_built
-    from nemo_gtp.testing.graph_stand_in import eager_cuda_graphs
+    from tests.harness.gpt import MICROBATCHES, build, train_built
+    from tests.harness.graph_stand_in import eager_cuda_graphs
 
     case = Run(gtp=2, graph_scope="full", steps=1, graph_ring=ring)
     eager = dataclasses.replace(LAYER_GRAPH_CASES_2[0], graph_scope="")
@@ -620,7 +620,7 @@ def _grad_guard_case(rank: int, world: int) -> None:
     a reduce-scatter pending on entry (training's) keeps its contribution."""
     import torch
 
-    from nemo_gtp.testing.gpt_harness import build, train_built
+    from tests.harness.gpt import build, train_built
 
     case = Run(gtp=2, steps=1)
     setup = build(case)
@@ -670,7 +670,7 @@ def _optimizer_copies_case(rank: int, world: int) -> int:
     import torch
 
     from nemo_gtp.integrations.megatron.optimizer_copies import megatron_method
-    from nemo_gtp.testing.gpt_harness import build, train_built
+    from tests.harness.gpt import build, train_built
 
     case = Run(gtp=2, steps=2, distopt=True, bf16=True)
     setup = build(case)
@@ -708,7 +708,7 @@ def _muon_bf16_case(rank: int, world: int) -> float:
     every GPU run): the inner optimizer resolves each master to its GTP shard (else it would
     orthogonalize the shard alone), and GTP2 tracks DP2 to bf16 rounding over 3 steps."""
     from nemo_gtp.engine import is_gtp_param
-    from nemo_gtp.testing.gpt_harness import build, train_built
+    from tests.harness.gpt import build, train_built
 
     case = Run(gtp=2, steps=3, bf16=True, optimizer="muon")
     setup = build(case)
@@ -766,13 +766,13 @@ def eight_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outc
 
 
 def _cp_attention_case(rank: int, world: int) -> float:
-    """The CPU stand-in of context-parallel attention (``nemo_gtp.testing.cp_attention``) on
+    """The CPU stand-in of context-parallel attention (``tests.harness.cp_attention``) on
     megatron's CP group equals plain causal attention over the whole sequence: outputs and the
     gradients of queries, keys and values at this rank's positions. Returns the largest error."""
     import torch
     from megatron.core import parallel_state
 
-    from nemo_gtp.testing.cp_attention import ContextParallelAttention, chunk_positions
+    from tests.harness.cp_attention import ContextParallelAttention, chunk_positions
 
     gtp_groups(Run(gtp=2, cp=2))  # megatron's parallel_state with CP2
     cp_rank = parallel_state.get_context_parallel_rank()

@@ -20,6 +20,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from nemo_gtp.cpu.compat import enable_cpu_compat
 from nemo_gtp.engine import GTPConfig
 from nemo_gtp.integrations.megatron import (
     GTPShardPlan,
@@ -29,9 +30,8 @@ from nemo_gtp.integrations.megatron import (
 )
 from nemo_gtp.integrations.megatron.sharding.built import PreShardedLinearMixin, presharded_class
 from nemo_gtp.integrations.megatron.sharding.spec import presharded_classes
-from nemo_gtp.testing.cpu_compat import enable_cpu_compat
-from nemo_gtp.testing.gpt_harness import Run, assert_parity, build, gtp_groups, train, train_built
-from nemo_gtp.testing.spawn import run_distributed
+from tests.harness.gpt import Run, assert_parity, build, gtp_groups, train, train_built
+from tests.harness.spawn import run_distributed
 
 
 def _config(**overrides: object) -> TransformerConfig:
@@ -281,8 +281,8 @@ def test_grouped_expert_spec_rewrite() -> None:
         presharded_grouped_class,
         presharded_grouped_classes,
     )
-    from nemo_gtp.testing.gpt_harness import layer_spec
-    from nemo_gtp.testing.te_grouped import (
+    from tests.harness.gpt import layer_spec
+    from tests.harness.te_grouped import (
         CPUColumnParallelGroupedLinear,
         CPURowParallelGroupedLinear,
         grouped_kinds,

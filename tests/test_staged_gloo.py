@@ -1,4 +1,4 @@
-"""``staged_gloo`` (``nemo_gtp.testing.staged_gloo``): every collective through the wrapper.
+"""``staged_gloo`` (``nemo_gtp.cpu.staged_gloo``): every collective through the wrapper.
 
 One 2-rank gloo spawn (module fixture ``two_ranks``) runs every case. On CPU the group takes
 the same path as for CUDA tensors, less the stream synchronization: each input is copied to a
@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_gtp.testing.spawn import Outcome, case_values, run_cases
+from tests.harness.spawn import Outcome, case_values, run_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def _groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(staged group, plain gloo group) over both ranks, built from a gloo world."""
-    from nemo_gtp.testing.staged_gloo import BACKEND, StagedGlooGroup
+    from nemo_gtp.cpu.staged_gloo import BACKEND, StagedGlooGroup
 
     staged = dist.new_group([0, 1], backend=BACKEND)
     assert isinstance(staged, StagedGlooGroup), type(staged)
@@ -252,7 +252,7 @@ def _movement(rank: int, world: int) -> bool:
 
 
 def _single_rank_groups(rank: int, world: int) -> bool:
-    from nemo_gtp.testing.staged_gloo import BACKEND
+    from nemo_gtp.cpu.staged_gloo import BACKEND
 
     mine = [dist.new_group([r], backend=BACKEND) for r in range(world)][rank]
     value = _data(rank, (4,))
@@ -269,7 +269,7 @@ def _staged_world(rank: int, world: int, store_dir: str) -> dict:
     inherits it, and a ``torch.distributed.checkpoint`` round trip runs through it."""
     import torch.distributed.checkpoint as dcp
 
-    from nemo_gtp.testing.staged_gloo import BACKEND, StagedGlooGroup
+    from nemo_gtp.cpu.staged_gloo import BACKEND, StagedGlooGroup
 
     dist.destroy_process_group()  # the spawn's gloo world
     store = dist.FileStore(os.path.join(store_dir, "staged_world"), world)
@@ -293,7 +293,7 @@ def _grouped_experts_world(rank: int, world: int, store_dir: str) -> dict:
     staged world through the script's own ``init_world`` (the CPU form of its one-GPU path)."""
     from gpu_grouped_experts import init_world, parse_args
 
-    from nemo_gtp.testing.staged_gloo import StagedGlooGroup, world_on_gpu
+    from nemo_gtp.cpu.staged_gloo import StagedGlooGroup, world_on_gpu
 
     dist.destroy_process_group()  # the world of the case before
     args = parse_args(["--out", store_dir, "--cpu-smoke", "--shared-device", "--timeout", "60"])
@@ -378,7 +378,7 @@ def test_one_gpu_launch_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     from gpu_fp8_check import world_plan as fp8_plan
     from gpu_grouped_experts import main, parse_args, world_plan
 
-    from nemo_gtp.testing.staged_gloo import BACKEND, world_on_gpu
+    from nemo_gtp.cpu.staged_gloo import BACKEND, world_on_gpu
 
     def plan(rank: int, *flags: str) -> tuple[str, str]:
         return world_plan(rank, parse_args(["--out", "o", *flags]))
@@ -402,7 +402,7 @@ def test_one_gpu_launch_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_registered_and_idempotent() -> None:
-    from nemo_gtp.testing import staged_gloo
+    from nemo_gtp.cpu import staged_gloo
 
     assert staged_gloo.register() == staged_gloo.register() == "cpu:gloo,cuda:staged_gloo"
     assert "STAGED_GLOO" in dist.Backend._plugins

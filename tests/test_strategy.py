@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from nemo_gtp.engine import GTPConfig
-from nemo_gtp.testing.cp_attention import cp_local_layer_spec
-from nemo_gtp.testing.strategy_harness import (
+from tests.harness.cp_attention import cp_local_layer_spec
+from tests.harness.strategy import (
     BANNER_PREFIX,
     GBS,
     MBS,
@@ -90,7 +90,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
 VAL_EVERY = 4
 EVAL = dict(val_every=VAL_EVERY, sanity_val_steps=1, evaluate_after=True)
 # context parallelism through NeMo (design §1.4 "CP"): megatron's CP attention is TE's, so on
-# CPU its stand-in (testing.cp_attention); NeMo's data step cuts each sample for its CP rank
+# CPU its stand-in (tests.harness.cp_attention); NeMo's data step cuts each sample for its CP rank
 CP2 = dict(
     strategy_kwargs={"context_parallel_size": 2},
     model_kwargs={"transformer_layer_spec": cp_local_layer_spec},

@@ -56,7 +56,7 @@ import pytest
 import torch
 
 from nemo_gtp.engine import GTPConfig
-from nemo_gtp.testing.strategy_harness import MOE_MODEL, Fit, pipelined, run_fits, shared_launch
+from tests.harness.strategy import MOE_MODEL, Fit, pipelined, run_fits, shared_launch
 
 WORLD = 4
 
@@ -444,7 +444,7 @@ def test_grouped_moe_resume_continues_the_uninterrupted_curve_exactly(
     by the strategy, resumed by NeMo from its step-5 checkpoint at dense GTP2 + EP2·EGTP2: every
     weight and optimizer state (fp32 master, both Adam moments) equals the saving run's bit for
     bit right after the load, and the resumed curve is the uninterrupted one bit for bit."""
-    from nemo_gtp.testing.ckpt_harness import assert_same_state
+    from tests.harness.checkpoint import assert_same_state
 
     full, resumed = runs["grouped_10"], runs["grouped_resume"]
     for fit in (full, resumed):  # fc1, fc2 of 2 layers built pre-sharded; 2 dense + 2x2 grouped
@@ -462,7 +462,7 @@ def test_moe_resume_into_another_expert_kind_and_layout(runs: dict[str, Any]) ->
     """NeMo's checkpoint of ``SequentialMLP`` experts at EP2·EGTP2 resumed into ``TEGroupedMLP``
     experts at EP1·EGTP4: weights and optimizer state bit for bit after the load, the curve within
     1e-5 of the uninterrupted ``SequentialMLP`` run's."""
-    from nemo_gtp.testing.ckpt_harness import assert_same_state
+    from tests.harness.checkpoint import assert_same_state
 
     root: Path = runs["root"]
     saved = _full_state(root, "moe_5")
@@ -494,7 +494,7 @@ def test_pipeline_checkpoint_resumes_on_one_stage(runs: dict[str, Any]) -> None:
     shards at their global offsets) resumed on one stage at TP1·GTP2·DP2: every weight, fp32
     master and Adam moment bit for bit after the load, the resumed steps within 1e-5 of the
     uninterrupted PP2·GTP2 run."""
-    from nemo_gtp.testing.ckpt_harness import assert_same_state
+    from tests.harness.checkpoint import assert_same_state
 
     full, resumed = runs["pp_10"], runs["pp_resume_pp1"]
     assert runs["pp_killed"]["losses"] == full["losses"][:5]
@@ -663,7 +663,7 @@ def test_lora_restores_and_resumes_into_linears_built_as_shards(runs: dict[str, 
 def _merge_lora(rank: int, checkpoint: str, out: str) -> None:
     """NeMo's ``llm.peft.merge_lora`` in a process of its own (no GTP state, no process group of
     the fits), as a user runs it after fine-tuning."""
-    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+    from nemo_gtp.cpu.compat import enable_cpu_compat
 
     enable_cpu_compat()
     from nemo.collections import llm
@@ -680,8 +680,8 @@ def test_lora_adapter_checkpoint_merges_with_nemo(runs: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from nemo_gtp.testing.harness_objects import make_peft
-    from nemo_gtp.testing.spawn import start_ranks
+    from tests.harness.objects import make_peft
+    from tests.harness.spawn import start_ranks
 
     root: Path = runs["root"]
     saved = root / "lora_ckpts" / "step=9"

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_gtp.testing.strategy_harness import Fit, shared_launch
+from tests.harness.strategy import Fit, shared_launch
 
 FP8_PARAM_FIT = dict(  # NeMo's precision plugin puts fp8_recipe into the OptimizerConfig too
     model_kwargs=dict(fp8="hybrid", fp8_recipe="tensorwise", fp8_param=True),
@@ -117,7 +117,7 @@ def test_resume_is_bitwise(runs: dict[str, Any]) -> None:
     """Right after NeMo's load the FP8 bytes, scales, dequantized weights, fp32 mains and Adam
     moments equal the saving run's bit for bit (the shards re-quantized from the loaded mains,
     not cast), and the resumed steps' losses and grad norms equal the uninterrupted run's."""
-    from nemo_gtp.testing.ckpt_harness import assert_same_state
+    from tests.harness.checkpoint import assert_same_state
 
     saved, resumed = runs["state"]["fp8_full"], runs["state"]["fp8_resume"]
     assert _kinds(saved) == {

@@ -1,7 +1,7 @@
 """GTPShardedParam's TransformerEngine DistributedWeight protocol, driven as TE's dispatchers do.
 
 TE cannot run on CPU, so its dispatchers are mirrored from TE's documented contract
-(``nemo_gtp.testing.te_grouped``): list-shaped, leader = ``weights[0]``, a plain tensor passes
+(``tests.harness.te_grouped``): list-shaped, leader = ``weights[0]``, a plain tensor passes
 through. Collectives are real (gloo). Weight groups (TE ``GroupedLinear`` experts) are driven
 through megatron's ``TEGroupedMLP`` in ``tests/test_moe.py``.
 """
@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from nemo_gtp.engine import GTPConfig, GTPParallelDims, GTPRuntime, shard_linear
 from nemo_gtp.integrations.te_grad_mode import record_grad_mode
-from nemo_gtp.testing.spawn import run_distributed
-from nemo_gtp.testing.te_grouped import (
+from tests.harness.spawn import run_distributed
+from tests.harness.te_grouped import (
     finalize_weight_grads,
     materialize_weight_for_backward,
     materialize_weight_for_forward,
@@ -120,7 +120,7 @@ def _fp8_backward_of_training_dtype_gathers(groups: object, rank: int) -> None:
         TEWeightQuantize,
         attach_te_weight_states,
     )
-    from nemo_gtp.testing.te_fp8_stand_in import (
+    from tests.harness.te_fp8_stand_in import (
         StandInCurrentQuantizer,
         StandInDelayedQuantizer,
         StandInFP8Tensor,

@@ -1,7 +1,7 @@
 """The README's NeMo pattern under torchrun (an external launcher sets ``RANK`` before NeMo is
 imported, which turns NeMo's telemetry on for rank 0): a fit without checkpoints, then one
 with a ``ModelCheckpoint`` in the same process (the telemetry keeps the first fit's config),
-then resume from it (``nemo_gtp.testing.torchrun_fit``, 2 CPU/gloo ranks: TP1·GTP2; the DP layouts
+then resume from it (``tests.harness.torchrun_fit``, 2 CPU/gloo ranks: TP1·GTP2; the DP layouts
 of checkpoints and resumes are ``test_strategy_checkpoint``'s)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def test_model_checkpoint_and_resume_under_torchrun(tmp_path: Path) -> None:
     command = [
         *(sys.executable, "-m", "torch.distributed.run"),
         *("--nproc-per-node", "2", "--master-port", str(_free_port())),
-        *("-m", "nemo_gtp.testing.torchrun_fit", str(tmp_path)),
+        *("-m", "tests.harness.torchrun_fit", str(tmp_path)),
     ]
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)

@@ -126,7 +126,7 @@ def teardown_fit() -> None:
 
     parallel_state.destroy_model_parallel()
     unset_num_microbatches_calculator()
-    from nemo_gtp.testing.cpu_compat import CpuRNGStatesTracker
+    from nemo_gtp.cpu.compat import CpuRNGStatesTracker
 
     # The next fit's strategy makes the tracker its settings ask for (module globals); the CPU
     # stand-in tracker of cpu_compat (no graphs on CPU) stays for the life of the process.

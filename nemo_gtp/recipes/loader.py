@@ -136,7 +136,7 @@ def build_fit(
     """
     validate_recipe(cfg)  # raises RecipeError naming the key; cheap, no collective
     if cfg.get("cpu_compat", False):
-        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+        from nemo_gtp.cpu.compat import enable_cpu_compat
 
         enable_cpu_compat(nemo=True)
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -162,7 +162,7 @@ def build_fit(
     if isinstance(model_cfg.get("activation_func"), str):  # YAML holds names, GPTConfig callables
         model_cfg["activation_func"] = resolve_activation(model_cfg["activation_func"])
     if cfg.get("cpu_compat", False):
-        from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
+        from nemo_gtp.cpu.compat import cpu_gpt_data_step
 
         model_cfg.setdefault("use_cpu_initialization", True)
         model_cfg["data_step_fn"] = cpu_gpt_data_step

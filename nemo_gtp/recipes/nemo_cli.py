@@ -273,7 +273,7 @@ def _build_recipes(args: Any) -> tuple[Any, Any | None, dict[str, Path]]:
         except ValueError as err:
             raise RecipeError(str(err)) from None
     if args.cpu:
-        from nemo_gtp.testing.nemo_cpu import on_cpu
+        from nemo_gtp.cpu.recipe import on_cpu
 
         on_cpu(recipe)
     apply_overrides(recipe, args.overrides)

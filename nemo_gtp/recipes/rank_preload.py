@@ -18,5 +18,5 @@ quiet_known_warnings()
 import nemo.collections.llm  # noqa: E402, F401
 import nemo.lightning  # noqa: E402, F401
 
+import nemo_gtp.cpu.compat  # noqa: E402, F401
 import nemo_gtp.recipes.loader  # noqa: E402, F401
-import nemo_gtp.testing.cpu_compat  # noqa: E402, F401

@@ -40,8 +40,8 @@ def serialize(recipe: Any) -> str:
 def run_recipes(recipes: list[str], store_dir: str = "", cpu_compat: bool = False) -> None:
     """Build and run each serialized recipe in order, tearing down between them (every rank).
 
-    ``cpu_compat``: enable :mod:`nemo_gtp.testing.cpu_compat` first (recipes adapted with
-    :func:`nemo_gtp.testing.nemo_cpu.on_cpu`). ``store_dir`` is required with more than one
+    ``cpu_compat``: enable :mod:`nemo_gtp.cpu.compat` first (recipes adapted with
+    :func:`nemo_gtp.cpu.recipe.on_cpu`). ``store_dir`` is required with more than one
     recipe (see the module docstring). Example: the module docstring.
     """
     import fiddle as fdl
@@ -57,7 +57,7 @@ def run_recipes(recipes: list[str], store_dir: str = "", cpu_compat: bool = Fals
     if cpu_compat:
         import torch
 
-        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+        from nemo_gtp.cpu.compat import enable_cpu_compat
 
         torch.set_num_threads(1)
         enable_cpu_compat(nemo=True)

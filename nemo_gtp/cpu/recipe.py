@@ -45,8 +45,8 @@ def on_cpu(recipe: Any) -> Any:
     import torch
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
+    from nemo_gtp.cpu.compat import cpu_gpt_data_step
     from nemo_gtp.recipes.nemo_cli import FUSIONS
-    from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
 
     trainer = recipe.trainer
     trainer.accelerator = "cpu"

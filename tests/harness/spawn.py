@@ -10,7 +10,7 @@ Every spawn here forks its ranks from one *preloaded fork server* (:func:`start_
 process started once per test session that imports torch, megatron-core and NeMo (~28 s of CPU
 per process on two cores) and then forks each rank already imported. The ranks get the
 parent's environment and working directory as they are at the call, as with ``spawn``, and
-build their gloo groups on one TCP device each (:mod:`nemo_gtp.testing.gloo_device`), with
+build their gloo groups on one TCP device each (:mod:`nemo_gtp.cpu.gloo_device`), with
 the preloaded objects frozen out of the garbage collector's scans (``gc.freeze``).
 """
 
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nemo_gtp.testing.gloo_device import share_gloo_device
+from nemo_gtp.cpu.gloo_device import share_gloo_device
 
 COLLECTIVE_TIMEOUT_S = 300
 """Default bound on every collective: a rank stuck in one fails the spawn instead of hanging the
@@ -48,8 +48,8 @@ PRELOAD = (
     "megatron.core",
     "nemo.collections.llm",
     "nemo.lightning",
-    "nemo_gtp.testing.cpu_compat",
-    "nemo_gtp.testing.strategy_harness",
+    "nemo_gtp.cpu.compat",
+    "tests.harness.strategy",
 )
 """What the fork server imports once, before it forks any rank (an import error there only
 means that module is imported by each rank instead)."""

@@ -71,7 +71,7 @@ moe_router_gemm             megatron/core/transformer/moe/moe_utils.py:
 gloo_shared_device          torch/distributed/distributed_c10d.py:
                             _new_process_group_helper (a TCP device and its polling
                             thread per gloo group) -> one device per process
-                            (``nemo_gtp.testing.gloo_device``; time, not results)
+                            (``nemo_gtp.cpu.gloo_device``; time, not results)
 checkpoint_results_queue    megatron/core/dist_checkpointing/strategies/filesystem_async.py:
                             _get_write_results_queue (a spawned manager process, which
                             imports torch at the first save) -> a forked one (time, not
@@ -469,7 +469,7 @@ def model_parallel_cpu_manual_seed(
     if "cpu_rng_tracker" not in _State.active or not isinstance(tracker, CpuRNGStatesTracker):
         raise RuntimeError(
             "model_parallel_cpu_manual_seed needs the CPU RNG tracker: call "
-            "nemo_gtp.testing.cpu_compat.enable_cpu_compat() first"
+            "nemo_gtp.cpu.compat.enable_cpu_compat() first"
         )
     if tp_rank is None:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -577,11 +577,11 @@ def _patch_cuda_stream_shims(patcher: _Patcher) -> None:
 @_register("torch/distributed/distributed_c10d.py:_new_process_group_helper (gloo devices)")
 def _patch_gloo_shared_device(patcher: _Patcher) -> None:
     """Every gloo group made while enabled shares the process's one TCP device
-    (:class:`~nemo_gtp.testing.gloo_device.SharedDeviceGloo`): megatron's dozens of groups per
+    (:class:`~nemo_gtp.cpu.gloo_device.SharedDeviceGloo`): megatron's dozens of groups per
     layout otherwise keep a polling thread each, which ate half of a 2-core machine's CPU."""
     import torch.distributed.distributed_c10d as c10d
 
-    from nemo_gtp.testing.gloo_device import SharedDeviceGloo
+    from nemo_gtp.cpu.gloo_device import SharedDeviceGloo
 
     patcher.set(c10d, "ProcessGroupGloo", SharedDeviceGloo)
 
@@ -976,7 +976,7 @@ def _nemo_usable() -> bool:
         importlib.import_module("nemo.lightning")
     except ImportError as exc:
         warnings.warn(
-            f"nemo_gtp.testing.cpu_compat: NeMo is installed but nemo.lightning does not import "
+            f"nemo_gtp.cpu.compat: NeMo is installed but nemo.lightning does not import "
             f"({exc}); skipping the NeMo patches",
             RuntimeWarning,
             stacklevel=3,
@@ -1002,7 +1002,7 @@ def enable_cpu_compat(*, nemo: bool | None = None) -> None:
     """
     if torch.cuda.is_available():
         raise RuntimeError(
-            "nemo_gtp.testing.cpu_compat is for CPU-only runs (tests, CPU demo), but "
+            "nemo_gtp.cpu.compat is for CPU-only runs (tests, CPU demo), but "
             "torch.cuda.is_available() is True; refusing to patch CUDA code paths"
         )
     pending = [info for info in _REGISTRY.values() if info.name not in _State.active]

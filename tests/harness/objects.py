@@ -52,7 +52,7 @@ class EmulatedFP8Params(pl.Callback):
     hold their masters quantized on one rank (in the recipe the model config asks for, as GTP's
     shards would get it: ``fp8_primary_scaling``; the engine's formula) and dequantized, and the
     optimizer steps on the masters
-    (:func:`~nemo_gtp.testing.gpt_harness.quantize_full_weights`, as the megatron-level
+    (:func:`~tests.harness.gpt.quantize_full_weights`, as the megatron-level
     harness does around its own steps).
     """
 
@@ -62,13 +62,13 @@ class EmulatedFP8Params(pl.Callback):
 
     @staticmethod
     def _weights(pl_module: pl.LightningModule) -> dict[str, Any]:
-        from nemo_gtp.testing.gpt_harness import FP8_PRIMARY_WEIGHTS
+        from tests.harness.gpt import FP8_PRIMARY_WEIGHTS
 
         return {n: p for n, p in pl_module.named_parameters() if n.endswith(FP8_PRIMARY_WEIGHTS)}
 
     def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
         from nemo_gtp.integrations.megatron.model_config import fp8_primary_scaling
-        from nemo_gtp.testing.gpt_harness import quantize_full_weights
+        from tests.harness.gpt import quantize_full_weights
 
         self.scaling = fp8_primary_scaling(pl_module.config)
         self.masters = quantize_full_weights(self._weights(pl_module), self.scaling)
@@ -81,7 +81,7 @@ class EmulatedFP8Params(pl.Callback):
                 param.copy_(self.masters[name])
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # noqa: ANN001, ANN002
-        from nemo_gtp.testing.gpt_harness import quantize_full_weights
+        from tests.harness.gpt import quantize_full_weights
 
         self.masters = quantize_full_weights(self._weights(pl_module), self.scaling)
 
@@ -190,7 +190,7 @@ class StopAfter(pl.Callback):
 class StateDump(pl.Callback):
     """Rank 0 saves the model's full state, weights and optimizer state (``optimizer=False``:
     the fp32 mains alone, as after a weights-only load)
-    (:func:`nemo_gtp.testing.ckpt_harness.moe_full_state`: layout and expert-kind independent
+    (:func:`tests.harness.checkpoint.moe_full_state`: layout and expert-kind independent
     keys), to ``path`` once the global step is ``step``: at the train start (a fit resumed at that
     step: the state right after the checkpoint load) or after that training step. Every rank
     takes part (the state is gathered)."""
@@ -202,7 +202,7 @@ class StateDump(pl.Callback):
         import torch
         import torch.distributed as dist
 
-        from nemo_gtp.testing.ckpt_harness import moe_full_state
+        from tests.harness.checkpoint import moe_full_state
 
         if self.done or trainer.global_step != self.step:
             return

@@ -14,7 +14,7 @@ writes ``<out_dir>/result.json``.
 
 Example::
 
-    torchrun --nproc-per-node 4 --master-port 29511 -m nemo_gtp.testing.torchrun_fit /tmp/out
+    torchrun --nproc-per-node 4 --master-port 29511 -m tests.harness.torchrun_fit /tmp/out
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ def main(out_dir: str) -> None:
     """Train, checkpoint, resume (see the module docstring); rank 0 writes ``result.json``."""
     import torch
 
+    from nemo_gtp.cpu.compat import enable_cpu_compat
     from nemo_gtp.recipes.launch import freeze_imports, teardown_fit
-    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
-    from nemo_gtp.testing.strategy_harness import Fit, _fit
+    from tests.harness.strategy import Fit, _fit
 
     torch.set_num_threads(1)
     enable_cpu_compat()

@@ -27,6 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from nemo_gtp.cpu.compat import enable_cpu_compat, model_parallel_cpu_manual_seed
 from nemo_gtp.engine import GTPConfig, GTPGroups, is_gtp_param
 from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary
 from nemo_gtp.integrations.megatron import (
@@ -35,10 +36,9 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
     shard_model,
 )
-from nemo_gtp.testing.cp_attention import with_context_parallel_attention
-from nemo_gtp.testing.cpu_compat import enable_cpu_compat, model_parallel_cpu_manual_seed
-from nemo_gtp.testing.gpt_harness import Run, build_optimizer, gtp_groups
-from nemo_gtp.testing.spawn import DistributedJob, run_distributed, start_distributed
+from tests.harness.cp_attention import with_context_parallel_attention
+from tests.harness.gpt import Run, build_optimizer, gtp_groups
+from tests.harness.spawn import DistributedJob, run_distributed, start_distributed
 
 VOCAB, SEQ, MBS, MICROBATCHES = 128, 16, 2, 2
 STATE_KINDS = ("fp32_param", "exp_avg", "exp_avg_sq", "momentum_buffer")  # Adam, Muon
@@ -63,7 +63,7 @@ class Layout:
     tp: int = 1
     gtp: int = 1
     cp: int = 1
-    """Context parallelism (the CPU stand-in of TE's CP attention, ``testing.cp_attention``)."""
+    """Context parallelism (the CPU stand-in of TE's CP attention, ``cp_attention``)."""
     pp: int = 1
     """Pipeline parallelism: the model's two layers one per stage (megatron's 1F1B schedule)."""
 

@@ -11,7 +11,7 @@ several (step times are not).
 
 Register it once per process (importing this module does), then name it for CUDA tensors:
 
-    import nemo_gtp.testing.staged_gloo as staged_gloo
+    import nemo_gtp.cpu.staged_gloo as staged_gloo
 
     dist.init_process_group(staged_gloo.BACKEND, store=store, rank=rank, world_size=2)
     # BACKEND == "cpu:gloo,cuda:staged_gloo"; dist.new_group(ranks) inherits it, so megatron's,

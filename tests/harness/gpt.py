@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
+from nemo_gtp.cpu.staged_gloo import world_on_gpu
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, is_gtp_param
 from nemo_gtp.engine.fp8 import FP8Scaling, ScalingKind, _cast, quantize_shard, scale_from_amax
 from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary, make_fp8_primary
@@ -41,8 +42,7 @@ from nemo_gtp.integrations.megatron import (
     shard_model,
 )
 from nemo_gtp.integrations.megatron.muon import MuonConfig, get_muon_optimizer
-from nemo_gtp.testing import graph_stand_in
-from nemo_gtp.testing.staged_gloo import world_on_gpu
+from tests.harness import graph_stand_in
 
 VOCAB, SEQ, MBS, MICROBATCHES = 128, 16, 2, 2
 
@@ -62,7 +62,7 @@ class Run:
     # (megatron copies the tied embedding to the last stage through CUDA)
     tied: bool = False
     # context parallelism: each sample's sequence over CP ranks (megatron's load-balanced
-    # chunks); on CPU the core attention is nemo_gtp.testing.cp_attention's stand-in
+    # chunks); on CPU the core attention is tests.harness.cp_attention's stand-in
     cp: int = 1
     steps: int = 10
     per_token: bool = False
@@ -99,7 +99,7 @@ class Run:
     # megatron's per-layer CUDA graphs (cuda_graph_impl="local"): "" off, "full" or "attn".
     # On CUDA the layers are captured; on CPU (no graphs) the model is built with graphs off and
     # the config switched after, so GTP runs the segmented schedule a captured model runs (or,
-    # inside nemo_gtp.testing.graph_stand_in.eager_cuda_graphs, megatron's graph managers run
+    # inside tests.harness.graph_stand_in.eager_cuda_graphs, megatron's graph managers run
     # their capture and replay flow with an eager stand-in for CUDA graphs).
     graph_scope: str = ""
     graph_ring: int = 0  # GTPConfig.graph_wgrad_ring_size (the cross-graph wgrad ring)
@@ -298,9 +298,9 @@ def _graph_config(run: Run) -> dict:
 
 def grouped_linear_kinds(on_gpu: bool) -> dict[type, bool]:
     """``TEGroupedMLP``'s linear classes (class -> "expert TP splits out_features"): megatron's TE
-    wrappers on GPUs with TE, else the CPU stand-ins of ``nemo_gtp.testing.te_grouped``."""
+    wrappers on GPUs with TE, else the CPU stand-ins of ``tests.harness.te_grouped``."""
     from nemo_gtp.integrations.megatron.sharding import te_grouped_linear_kinds
-    from nemo_gtp.testing.te_grouped import grouped_kinds
+    from tests.harness.te_grouped import grouped_kinds
 
     return (on_gpu and te_grouped_linear_kinds(import_te=True)) or grouped_kinds()
 
@@ -309,7 +309,7 @@ def layer_spec(run: Run, on_gpu: bool = False) -> object:
     """megatron's GPT layer spec for ``run`` (local, or TransformerEngine's with
     ``run.spec == "te"``); MoE experts as ``SequentialMLP``, or with ``run.grouped`` as
     ``TEGroupedMLP`` around :func:`grouped_linear_kinds`."""
-    from nemo_gtp.testing.te_grouped import with_grouped_experts
+    from tests.harness.te_grouped import with_grouped_experts
 
     make_spec = (
         get_gpt_layer_with_transformer_engine_spec if run.spec == "te" else get_gpt_layer_local_spec
@@ -318,7 +318,7 @@ def layer_spec(run: Run, on_gpu: bool = False) -> object:
     if run.experts and run.grouped:
         spec = with_grouped_experts(spec, grouped_linear_kinds(on_gpu))
     if run.cp > 1 and run.spec == "local":  # megatron's local attention refuses CP
-        from nemo_gtp.testing.cp_attention import with_context_parallel_attention
+        from tests.harness.cp_attention import with_context_parallel_attention
 
         spec = with_context_parallel_attention(spec)
     return spec
@@ -356,7 +356,7 @@ def build(run: Run) -> dict:
     if not on_gpu:
         # Imported here: GPU runs (the NCCL benchmarks) never load the CPU patches. megatron
         # only: importing NeMo for its patches would cost ~7 s CPU per rank.
-        from nemo_gtp.testing.cpu_compat import enable_cpu_compat
+        from nemo_gtp.cpu.compat import enable_cpu_compat
 
         enable_cpu_compat(nemo=False)
     groups = gtp_groups(run)
@@ -370,7 +370,7 @@ def build(run: Run) -> dict:
             force_reset_rng=True,
         )
     else:
-        from nemo_gtp.testing.cpu_compat import model_parallel_cpu_manual_seed
+        from nemo_gtp.cpu.compat import model_parallel_cpu_manual_seed
 
         model_parallel_cpu_manual_seed(1234)
     torch.manual_seed(1234)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nemo_gtp.testing.spawn import COLLECTIVE_TIMEOUT_S, start_ranks
+from tests.harness.spawn import COLLECTIVE_TIMEOUT_S, start_ranks
 
 VOCAB, SEQ, MBS, GBS, STEPS = 128, 16, 2, 8, 10
 VAL_BATCHES = 2  # validation / test steps per evaluation (each a global batch of GBS samples)
@@ -102,7 +102,7 @@ class Fit:
     # otherwise ``llm.GPTModel``
     llama: bool = False
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # more GPTConfig fields (MoE)
-    # MoE experts as TEGroupedMLP of the CPU GroupedLinear stand-ins (testing.te_grouped)
+    # MoE experts as TEGroupedMLP of the CPU GroupedLinear stand-ins (tests.harness.te_grouped)
     # instead of NeMo's local spec's SequentialMLP
     grouped_experts: bool = False
     # evaluation: validate every ``val_every`` training steps (``VAL_BATCHES`` steps each), after
@@ -152,13 +152,13 @@ class _LineCatcher(logging.Handler):
 
 
 def _make_callbacks() -> tuple[Any, Any]:
-    from nemo_gtp.testing.harness_objects import MemoryLogger, Recorder
+    from tests.harness.objects import MemoryLogger, Recorder
 
     return Recorder(), MemoryLogger()
 
 
 def _eval_recorder() -> Any:
-    from nemo_gtp.testing.harness_objects import EvalRecorder
+    from tests.harness.objects import EvalRecorder
 
     return EvalRecorder()
 
@@ -200,7 +200,7 @@ def _evaluate_only(
 
 
 def _stopper(steps: int) -> Any:
-    from nemo_gtp.testing.harness_objects import StopAfter
+    from tests.harness.objects import StopAfter
 
     return StopAfter(steps)
 
@@ -256,18 +256,18 @@ def _gpt_config(
     from nemo.collections import llm
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
-    from nemo_gtp.testing.cpu_compat import cpu_gpt_data_step
+    from nemo_gtp.cpu.compat import cpu_gpt_data_step
 
     config_class, extra, layer_spec = llm.GPTConfig, {}, local_layer_spec
     if llama:
         from nemo.collections.llm.gpt.model.llama import Llama3Config
 
-        from nemo_gtp.testing.harness_objects import te_named_local_layer_spec
+        from tests.harness.objects import te_named_local_layer_spec
 
         config_class, extra = Llama3Config, {"num_query_groups": 2}
         layer_spec = te_named_local_layer_spec
     if grouped_experts:
-        from nemo_gtp.testing.te_grouped import grouped_local_layer_spec as layer_spec
+        from tests.harness.te_grouped import grouped_local_layer_spec as layer_spec
     settings = dict(
         num_layers=2,
         hidden_size=64,
@@ -332,7 +332,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         optim = nl.MegatronOptimizerModule(optim_config, lr_scheduler=scheduler)
     from nemo.collections.llm.gpt.model.llama import LlamaModel
 
-    from nemo_gtp.testing.harness_objects import TestableGPTModel
+    from tests.harness.objects import TestableGPTModel
 
     evaluates = bool(fit.val_every or fit.evaluate_after or fit.entry != "fit")
     model_class = LlamaModel if fit.llama else TestableGPTModel if evaluates else llm.GPTModel
@@ -375,17 +375,17 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     if fit.stop_after:
         callbacks.append(_stopper(fit.stop_after))
     if fit.state_to:  # before the FP8 emulation: its train start re-quantizes the weights
-        from nemo_gtp.testing.harness_objects import StateDump
+        from tests.harness.objects import StateDump
 
         loads_optimizer = fit.strategy_kwargs.get("ckpt_load_optimizer", True)
         callbacks.append(StateDump(fit.state_at, fit.state_to, optimizer=loads_optimizer))
     if fit.peft:  # as llm.finetune's _setup: the model's transform, and the PEFT callback
         from nemo_gtp.strategy.peft import set_peft
-        from nemo_gtp.testing.harness_objects import make_peft
+        from tests.harness.objects import make_peft
 
         callbacks.append(set_peft(model, make_peft(fit.peft)))
     if fit.emulate_fp8_params:
-        from nemo_gtp.testing.harness_objects import EmulatedFP8Params
+        from tests.harness.objects import EmulatedFP8Params
 
         callbacks.append(EmulatedFP8Params())
     if fit.checkpoint_every:
@@ -520,7 +520,7 @@ def _fp8_primary_state(runtimes: list, ddp: Any, optimizer: Any) -> dict[str, An
     shards that are not exactly their fp32 main slices quantized with the whole master's
     scale (collective)."""
     from nemo_gtp.integrations.megatron.fp8_primary import fp8_primary_hooks_installed
-    from nemo_gtp.testing.gpt_harness import fp8_primary_write_back_errors
+    from tests.harness.gpt import fp8_primary_write_back_errors
 
     params = [p for r in runtimes for p in r.params]
     return {
@@ -567,8 +567,8 @@ def _report(fit: Fit, rank: int, out_dir: str) -> None:
 
 
 def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
+    from nemo_gtp.cpu.compat import enable_cpu_compat
     from nemo_gtp.recipes.launch import teardown_fit
-    from nemo_gtp.testing.cpu_compat import enable_cpu_compat
 
     torch.set_num_threads(1)
     # NeMo's MegatronStrategy reads its process-group timeout from this variable (whatever the

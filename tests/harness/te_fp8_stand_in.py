@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from nemo_gtp.testing.te_grouped import (
+from tests.harness.te_grouped import (
     finalize_weight_grads,
     materialize_weight_for_backward,
     materialize_weight_for_forward,
