@@ -10,12 +10,9 @@ Example::
     weights = nemo_gtp.full_state_dict(trainer.strategy)  # GTP shards gathered (collective)
 """
 
-from __future__ import annotations
+from nemo_gtp.lazy import lazy_exports
 
-import importlib
-from typing import Any
-
-_LAZY = {
+_EXPORTS = {
     "GTPMegatronStrategy": "nemo_gtp.strategy",
     "GTPDrainCallback": "nemo_gtp.strategy",
     "GTPMetricsCallback": "nemo_gtp.strategy",
@@ -27,17 +24,5 @@ _LAZY = {
     "full_state_dict": "nemo_gtp.integrations.megatron.export",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nemo_gtp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -6,38 +6,29 @@ knobs (:class:`GTPConfig`) and the autograd path for plain linears (:func:`gtp_l
 :func:`shard_linear`).
 """
 
-from nemo_gtp.engine.config import GTPConfig
-from nemo_gtp.engine.grid import GTPGroups, GTPParallelDims, WeightAxis
-from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
-from nemo_gtp.engine.param import (
-    Direction,
-    GatherState,
-    GTPShardedParam,
-    GTPStateError,
-    ReduceScatterState,
-    ShardSpec,
-    is_gtp_param,
-)
-from nemo_gtp.engine.runtime import ChainId, ChainPhase, CommStats, GTPRuntime, runtimes_of
+from nemo_gtp.lazy import lazy_exports
 
-__all__ = [
-    "ChainId",
-    "ChainPhase",
-    "CommStats",
-    "Direction",
-    "GTPConfig",
-    "GTPGroups",
-    "GTPParallelDims",
-    "GTPRuntime",
-    "GTPShardedParam",
-    "GTPStateError",
-    "GatherState",
-    "ReduceScatterState",
-    "ShardSpec",
-    "TPComm",
-    "WeightAxis",
-    "gtp_linear",
-    "is_gtp_param",
-    "runtimes_of",
-    "shard_linear",
-]
+_EXPORTS = {
+    "GTPConfig": "nemo_gtp.engine.config",
+    "GTPGroups": "nemo_gtp.engine.grid",
+    "GTPParallelDims": "nemo_gtp.engine.grid",
+    "WeightAxis": "nemo_gtp.engine.grid",
+    "TPComm": "nemo_gtp.engine.linear",
+    "gtp_linear": "nemo_gtp.engine.linear",
+    "shard_linear": "nemo_gtp.engine.linear",
+    "Direction": "nemo_gtp.engine.param",
+    "GatherState": "nemo_gtp.engine.param",
+    "GTPShardedParam": "nemo_gtp.engine.param",
+    "GTPStateError": "nemo_gtp.engine.param",
+    "ReduceScatterState": "nemo_gtp.engine.param",
+    "ShardSpec": "nemo_gtp.engine.param",
+    "is_gtp_param": "nemo_gtp.engine.param",
+    "ChainId": "nemo_gtp.engine.runtime",
+    "ChainPhase": "nemo_gtp.engine.runtime",
+    "CommStats": "nemo_gtp.engine.runtime",
+    "GTPRuntime": "nemo_gtp.engine.runtime",
+    "runtimes_of": "nemo_gtp.engine.runtime",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

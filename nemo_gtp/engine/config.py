@@ -43,7 +43,7 @@ class GTPConfig:
         reduce_scatter_with_fp32_accumulation: replace the wgrad reduce-scatter by an all-to-all
             plus one local FP32 sum (§2.5); bypassed automatically when the GTP axis is <= 2.
         gather_backend: ``"process_group"`` (the GTP process group's all-gather: NCCL kernels
-            on CUDA, gloo on CPU; ``"nccl"`` is accepted as an alias), ``"copy_engine"`` (SM-free
+            on CUDA, gloo on CPU), ``"copy_engine"`` (SM-free
             pulls of peers' shards from symmetric memory, CUDA only, every GTP peer on one host;
             costs one extra shard-sized copy of the weights) or ``"auto"``: the copy engine
             where it is faster, i.e. when it is available and the GEMMs see at least
@@ -79,21 +79,6 @@ class GTPConfig:
             in full once, at build). Either way a model starts with exactly the non-GTP
             model's values (design §3.1 "Exact init": a pre-sharded linear draws its full
             weight into a scratch, one linear at a time).
-        te_fuse_wgrad: TransformerEngine linears whose weight is a GTP shard write their wgrad
-            GEMM straight into the runtime's reduce-scatter scratch (TE's
-            ``fuse_wgrad_accumulation`` through the DistributedWeight protocol's
-            ``grad_buffer()``), in ``main_grad``'s dtype, even when the model config leaves
-            ``gradient_accumulation_fusion`` off (NeMo's recipes must: megatron's local output
-            layer needs apex for it). Saves each weight a wgrad allocation and a copy per step;
-            the wgrad is then produced in FP32 with ``grad_reduce_in_fp32`` instead of rounded
-            to BF16 first. Off: TE hands over a wgrad it allocated, which is copied.
-        nccl_max_ctas: on NCCL, at most this many CTAs (SM blocks) per collective of the GTP
-            communicators (``ProcessGroupNCCL.Options.config.max_ctas``; 0: NCCL's choice).
-            A gather that starts before its peer spins on its CTAs; fewer of them leave more SMs
-            to the GEMMs it overlaps (§2.2).
-        nccl_high_priority_stream: run the GTP communicators' NCCL kernels on a high-priority
-            stream, so the block scheduler starts the next weight's gather ahead of queued GEMM
-            blocks.
         fp8_gather: when a TransformerEngine linear runs its GEMM in FP8 with per-tensor
             current scaling (megatron ``fp8_recipe="tensorwise"``), gather the FP8 copy of its
             shard (quantized once per step with the scale agreed over GTP, design §1.3 "FP8
@@ -123,9 +108,6 @@ class GTPConfig:
     separate_reduce_scatter_group: bool = False
     shard_replicated_params_over_gtp: bool = False
     preshard_linears: str = "te"
-    te_fuse_wgrad: bool = True
-    nccl_max_ctas: int = 0
-    nccl_high_priority_stream: bool = False
     fp8_gather: bool = True
     graph_wgrad_ring_size: int = 0
 
@@ -135,8 +117,6 @@ class GTPConfig:
         return self.calculate_per_token_loss or self.shard_replicated_params_over_gtp
 
     def __post_init__(self) -> None:
-        if self.gather_backend == "nccl":  # the name before gloo shared the path
-            object.__setattr__(self, "gather_backend", "process_group")
         if self.gather_backend not in ("process_group", "copy_engine", "auto"):
             raise ValueError(
                 f"GTPConfig.gather_backend must be 'process_group', 'copy_engine' or 'auto', "
@@ -151,8 +131,6 @@ class GTPConfig:
             raise ValueError(
                 f"GTPConfig.copy_engine_min_tokens must be >= 0, got {self.copy_engine_min_tokens}"
             )
-        if self.nccl_max_ctas < 0:
-            raise ValueError(f"GTPConfig.nccl_max_ctas must be >= 0, got {self.nccl_max_ctas}")
         if self.prefetch_depth < 1:
             raise ValueError(f"GTPConfig.prefetch_depth must be >= 1, got {self.prefetch_depth}")
         if not self.coalesce_mb >= 0:
