@@ -119,7 +119,7 @@ def _te_chain(
         param = runtime.shard_parameter(layer, "weight", f"{i}.weight")
         param.main_grad = torch.zeros_like(param, dtype=torch.float32)
         param.register_grad_accum_hook(lambda: None)
-        adopt_te_linear(layer, config)
+        adopt_te_linear(layer)
     model.gtp_runtime = runtime
     return model, runtime
 

@@ -249,7 +249,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     groups = gtp_groups(Run(gtp=gtp))
     config = model_config(args, bias=bias)
     reference = reference_weights(args, kind, bias)
-    gtp_config = GTPConfig(te_fuse_wgrad=fused)
+    gtp_config = GTPConfig()
     spec = layer_spec(kind)
     if presharded:
         spec = gtp_layer_spec(spec, groups, gtp_config)

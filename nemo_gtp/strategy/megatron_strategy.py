@@ -59,7 +59,6 @@ from nemo_gtp.checkpoint.optimizer import DEFAULT_SHARDING_TYPE
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, GTPRuntime, runtimes_of
 from nemo_gtp.engine.collectives import quiet_flight_recorder
 from nemo_gtp.integrations.megatron import (
-    gtp_nccl_options,
     gtp_process_groups,
     initialize_gtp_parallel,
     make_finalize_model_grads,
@@ -347,9 +346,7 @@ class GTPMegatronStrategy(MegatronStrategy):
             nemo_init_model_parallel(self.model)
         self.gtp_dims = dims
         # also checks megatron's DP == DP x GTP
-        self.gtp_groups = initialize_gtp_parallel(
-            dims, gtp_pg_options=gtp_nccl_options(self.gtp_config)
-        )
+        self.gtp_groups = initialize_gtp_parallel(dims)
         self._gtp_world = dist.group.WORLD
         self._gtp_pgs = gtp_process_groups(self.gtp_groups, self.gtp_config)
         app_state = AppState()

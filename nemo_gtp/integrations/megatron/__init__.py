@@ -35,7 +35,6 @@ from nemo_gtp.integrations.megatron.model_config import (
 )
 from nemo_gtp.integrations.megatron.optimizer_copies import plan_optimizer_copies
 from nemo_gtp.integrations.megatron.parallel import (
-    gtp_nccl_options,
     gtp_process_groups,
     initialize_gtp_parallel,
 )
@@ -63,7 +62,6 @@ __all__ = [
     "gtp_layer_spec",
     "gtp_process_groups",
     "gtp_sharded_state_dict",
-    "gtp_nccl_options",
     "initialize_gtp_parallel",
     "load_gtp_checkpoint",
     "make_finalize_model_grads",

@@ -18,31 +18,6 @@ from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.grid import GTPGroups, GTPParallelDims
 
 
-def gtp_nccl_options(config: GTPConfig | None) -> object | None:
-    """The GTP communicators' NCCL options from ``config`` (design §2.2), for
-    :func:`initialize_gtp_parallel`'s ``gtp_pg_options``.
-
-    ``None`` (the defaults) unless ``config`` sets ``nccl_max_ctas`` or
-    ``nccl_high_priority_stream`` and the default process group is NCCL (gloo has no such
-    options: CPU runs ignore the knobs).
-
-    Example::
-
-        options = gtp_nccl_options(GTPConfig(nccl_max_ctas=8))
-        groups = initialize_gtp_parallel(dims, gtp_pg_options=options)
-    """
-    if config is None or not (config.nccl_max_ctas or config.nccl_high_priority_stream):
-        return None
-    if not dist.is_initialized() or dist.get_backend() != "nccl":
-        return None
-    options = dist.ProcessGroupNCCL.Options(
-        is_high_priority_stream=config.nccl_high_priority_stream
-    )
-    if config.nccl_max_ctas:
-        options.config.max_ctas = config.nccl_max_ctas
-    return options
-
-
 def initialize_gtp_parallel(
     dims: GTPParallelDims,
     groups: GTPGroups | None = None,

@@ -247,7 +247,7 @@ def shard_model(
                     sliced_te += [module_name] if isinstance(module, te_grouped) else []
                 params.append(param)
             runtime.register_group(params, together=True)
-            adopt_te_linear(module, config)
+            adopt_te_linear(module)
             te_quantize_runtimes[id(runtime)] = runtime
             continue
         if is_presharded(weight):  # built as its shard from a gtp_layer_spec: register only
@@ -271,7 +271,7 @@ def shard_model(
         if isinstance(module, _MEGATRON_LINEARS):
             module._forward_impl = types.MethodType(_gtp_forward_impl, module)
         elif isinstance(module, te_linears):
-            adopt_te_linear(module, config)  # TE drives the weight through the protocol
+            adopt_te_linear(module)  # TE drives the weight through the protocol
             te_runtimes[id(runtime)] = te_quantize_runtimes[id(runtime)] = runtime
     if config.fp8_gather or fp8_primary is not None:
         # TE's FP8 GEMMs get FP8 gathers (design §1.3 "FP8 gather"); FP8 primary shards are FP8

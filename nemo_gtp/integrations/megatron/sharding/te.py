@@ -33,7 +33,6 @@ from collections.abc import Iterator
 
 import torch
 
-from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.integrations.te_fp8_backward import attach_te_weight_states
 from nemo_gtp.integrations.te_grad_mode import drop_grad_mode_hooks, record_grad_mode
 
@@ -182,20 +181,20 @@ def warn_unsharded_te_modules(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def adopt_te_linear(module: torch.nn.Module, config: GTPConfig) -> None:
+def adopt_te_linear(module: torch.nn.Module) -> None:
     """Prepare a TE linear whose weight is now a GTP shard for the protocol (design §3.1 "The
     bridge"): record its grad mode per call, keep what its FP8 backward needs on its weights
-    (:func:`attach_te_weight_states`), and with ``config.te_fuse_wgrad`` switch on TE's
-    fused wgrad accumulation, so its wgrad GEMM writes into the runtime's reduce-scatter scratch
-    (``grad_buffer()``) instead of a tensor that ``finalize_group_grads`` then copies.
+    (:func:`attach_te_weight_states`), and switch on TE's fused wgrad accumulation, so its wgrad
+    GEMM writes into the runtime's reduce-scatter scratch (``grad_buffer()``) instead of a tensor
+    that ``finalize_group_grads`` then copies.
 
     TE reads ``fuse_wgrad_accumulation`` from the module at each forward; for a distributed
     weight it never accumulates into the buffer (it overwrites), so the pooled scratch needs no
     zeroing. Example::
 
-        adopt_te_linear(layer.self_attention.linear_qkv, GTPConfig())
+        adopt_te_linear(layer.self_attention.linear_qkv)
     """
     record_grad_mode(module)
     attach_te_weight_states(module)  # its FP8 backward (design §1.3 "Consumer-quantized ...")
-    if config.te_fuse_wgrad and hasattr(module, "fuse_wgrad_accumulation"):
+    if hasattr(module, "fuse_wgrad_accumulation"):
         module.fuse_wgrad_accumulation = True
