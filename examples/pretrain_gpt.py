@@ -38,8 +38,8 @@ def main() -> None:
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
     from nemo_gtp import GTPMegatronStrategy
+    from nemo_gtp.data.synthetic import ArithmeticGPTDataModule
     from nemo_gtp.engine import GTPConfig
-    from nemo_gtp.recipes.data import ArithmeticGPTDataModule
 
     vocab, seq = 1024, 128
     extra = {}

@@ -34,6 +34,12 @@ import sys
 import time
 from pathlib import Path
 
+# The comparison's tolerance, VERDICT line and report are nemo_gtp.report's (the NeMo-recipe CLI
+# prints them too); re-exported here, the command they serve.
+from nemo_gtp.report import TOLERANCE, report_comparison, verdict
+
+__all__ = ["TOLERANCE", "build_parser", "check", "main", "report_comparison", "verdict"]
+
 PROG = "python -m nemo_gtp.run"
 EPILOG = f"""\
 YAML recipe overrides (OmegaConf dot paths, checked before anything starts):
@@ -75,9 +81,6 @@ examples:
   {PROG} configs/gpt_125m.yaml trainer.max_steps=50 --loss-log losses.jsonl   # 2 GPUs
   python -m nemo_gtp.report runs/tiny_cpu/gtp runs/tiny_cpu/baseline -o plot.png
 """
-# Relative loss difference under which GTP "matches" its baseline: fp32 runs agree to rounding
-# (≤ 2.2e-7 measured on the tiny recipe); bf16 runs differ by bf16 rounding of reduction orders.
-TOLERANCE = {"32": 1e-5, "bf16-mixed": 2e-2}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     nemo.add_argument(
         "--cpu",
         action="store_true",
-        help="run the recipe on CPU processes with gloo (tests; nemo_gtp.cpu.recipe)",
+        help="run the recipe on CPU processes with gloo (tests; nemo_gtp.recipes.cpu)",
     )
     return parser
 
@@ -205,42 +208,6 @@ def check(config: str, overrides: list[str]) -> object:
     validate_recipe(cfg)
     check_installed(cfg)
     return cfg
-
-
-def verdict(gtp: list[dict], baseline: list[dict], precision: str = "32") -> tuple[bool, str]:
-    """Whether GTP's loss curve matches the baseline's, and the one-line ``VERDICT:`` text.
-
-    The step-time ratio is of the median step times past the warm-up steps, counted as the
-    report (``python -m nemo_gtp.report``) counts them
-    (:func:`nemo_gtp.report.median_after_warmup`).
-    Example::
-
-        ok, line = verdict(logs["GTP"], logs["baseline"], precision="32")
-    """
-    tol = TOLERANCE.get(str(precision), TOLERANCE["32"])
-    base = {r["step"]: r["loss"] for r in baseline}
-    diffs = [
-        abs(r["loss"] - base[r["step"]]) / abs(base[r["step"]]) for r in gtp if r["step"] in base
-    ]
-    if not diffs or len(diffs) != len(baseline) or len(gtp) != len(baseline):
-        return False, (
-            f"VERDICT: GTP did not match the baseline (steps logged: GTP {len(gtp)}, "
-            f"baseline {len(baseline)})"
-        )
-    worst = max(diffs)
-    ok = worst <= tol
-    ratio = _median_ms(gtp) / _median_ms(baseline)
-    what = "matches" if ok else "did not match"
-    return ok, (
-        f"VERDICT: GTP {what} the baseline (max rel loss diff {worst:.1e} over {len(diffs)} "
-        f"steps, tolerance {tol:.0e}); step time GTP/baseline {ratio:.2f}"
-    )
-
-
-def _median_ms(log: list[dict]) -> float:
-    from nemo_gtp.report import median_after_warmup
-
-    return median_after_warmup([(r["step"], r["ms"]) for r in log])
 
 
 def _compare(
@@ -285,61 +252,6 @@ def _compare(
         return 1
     precision = str(cfg.get("precision", "32"))  # type: ignore[attr-defined]
     return report_comparison(logs, precision, plot, Path(config).stem, start, log_dirs=dirs)
-
-
-def report_comparison(
-    logs: dict[str, list[dict]],
-    precision: str,
-    plot: str | None,
-    stem: str,
-    start: float | None = None,
-    log_dirs: dict[str, Path] | None = None,
-) -> int:
-    """Print both loss curves side by side and the ``VERDICT:`` line; 0 when they match.
-
-    ``logs`` maps the GTP run's name, then the baseline's, to rank 0's per-step records. With
-    ``log_dirs`` (the same names to each run's TensorBoard directory) the report of both runs is
-    drawn to ``plot`` (default ``<GTP run's log dir>/../gtp_vs_baseline.png``). Example::
-
-        report_comparison({"GTP": gtp_log, "baseline": base_log}, "32", None, "tiny_cpu")
-    """
-    names = list(logs)
-    print(f"\n{'step':>5} | {names[0]:>22} | {names[1]:>22} | rel diff")
-    by_step = [{r["step"]: r["loss"] for r in logs[n]} for n in names]
-    for step in sorted(by_step[0]):
-        a, b = by_step[0][step], by_step[1].get(step, float("nan"))
-        print(f"{step:>5} | {a:>22.5f} | {b:>22.5f} | {abs(a - b) / abs(b):.1e}")
-    for name in names:
-        peak = max((r.get("peak_gib", 0.0) for r in logs[name]), default=0.0)
-        print(
-            f"{name}: median step {_median_ms(logs[name]):.1f} ms"
-            + (f", peak memory {peak:.2f} GiB" if peak else "")
-        )
-    if logs[names[0]]:
-        first, last = logs[names[0]][0]["loss"], logs[names[0]][-1]["loss"]
-        took = f"; both runs took {time.perf_counter() - start:.0f} s" if start else ""
-        print(f"\nGTP loss {first:.3f} -> {last:.3f} over {len(logs[names[0]])} steps{took}")
-    ok, line = verdict(logs[names[0]], logs[names[1]], precision)
-    if not log_dirs:
-        print(line + "; plot skipped (no TensorBoard logs given)", flush=True)
-        return 0 if ok else 1
-    gtp_dir, base_dir = log_dirs.values()
-    png = Path(plot or Path(gtp_dir).parent / "gtp_vs_baseline.png").absolute()
-    print(f"\nTensorBoard logs: {gtp_dir} and {base_dir}", flush=True)
-    print(f"report: python -m nemo_gtp.report {gtp_dir} {base_dir} -o {png}", flush=True)
-    try:
-        from nemo_gtp.report import report
-
-        _, summary = report([gtp_dir, base_dir], png)
-        print(summary, flush=True)
-        line += f"; plot: {png}"
-    except ImportError:  # matplotlib is optional (the test extra)
-        line += "; plot skipped (no matplotlib)"
-    except FileNotFoundError as err:  # no TensorBoard events: the verdict still stands
-        print(err, flush=True)
-        line += "; plot skipped (no TensorBoard logs)"
-    print(line, flush=True)
-    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -225,7 +225,7 @@ def test_checkpoint_section_saves_nemo_context_unless_told_not_to(tmp_path: Path
     """Recipe checkpoints carry NeMo's ``context/`` as NeMo's ``ModelCheckpoint`` does by default
     (``llm.export_ckpt`` and ``llm.peft.merge_lora`` read it); ``checkpoint.context=false`` leaves
     it out. The recipes' tokenizer is recorded for it (NeMo's ``NullTokenizer`` is not)."""
-    from nemo_gtp.recipes.data import ExportableNullTokenizer
+    from nemo_gtp.data.synthetic import ExportableNullTokenizer
     from nemo_gtp.recipes.loader import _model_checkpoint
 
     section = {"dir": str(tmp_path), "every_n_train_steps": 2}

@@ -12,6 +12,7 @@ imports nothing; each module is imported on its own:
 ``staged_gloo``
     The ``staged_gloo`` torch.distributed backend: several ranks sharing one GPU, collectives
     staged through host memory over gloo (``--shared-device`` numerics checks).
-``recipe``
-    ``on_cpu(recipe)``: a NeMo recipe (``llm.*.pretrain_recipe``) adapted to CPU processes.
+
+A NeMo recipe (``llm.*.pretrain_recipe``) is adapted to CPU processes by
+:func:`nemo_gtp.recipes.cpu.on_cpu`, with the recipes.
 """

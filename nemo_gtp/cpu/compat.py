@@ -98,7 +98,7 @@ cpu_gpt_data_step           nemo/collections/llm/gpt/model/base.py:gpt_data_step
 
 Not here: NeMo's ``MockDataModule`` never emits an attention mask (it passes
 ``create_attention_mask`` into the dataset's ``seed`` slot), which
-``nemo_gtp.recipes.data.SyntheticGPTDataModule`` fixes. Not covered either:
+``nemo_gtp.data.synthetic.SyntheticGPTDataModule`` fixes. Not covered either:
 pipeline/context/sequence parallelism, MoE's alltoall / flex token dispatchers (CUDA events;
 the allgather dispatcher runs), asynchronous checkpoint save, the NeMo memory logging
 (``log_memory_usage``).

@@ -11,33 +11,16 @@ Example::
     run.run(recipe, executor=run.LocalExecutor(ntasks_per_node=8, launcher="torchrun"))
 """
 
-from typing import Any
-
+from nemo_gtp.lazy import lazy_exports
 from nemo_gtp.recipes.config import load_recipe
 
-
-def build_fit(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-    """See :func:`nemo_gtp.recipes.loader.build_fit` (imported lazily: it pulls in NeMo)."""
-    from nemo_gtp.recipes.loader import build_fit as _build_fit
-
-    return _build_fit(*args, **kwargs)
-
-
-def with_gtp(recipe: Any, num_weight_shards: int, **kwargs: Any) -> Any:
-    """See :func:`nemo_gtp.recipes.convert.with_gtp` (imported lazily: it pulls in NeMo)."""
-    from nemo_gtp.recipes.convert import with_gtp as _with_gtp
-
-    return _with_gtp(recipe, num_weight_shards, **kwargs)
-
-
-def __getattr__(name: str) -> Any:
-    """``SyntheticGPTDataModule`` / ``ArithmeticGPTDataModule``, imported on first use (NeMo)."""
-    if name in ("ArithmeticGPTDataModule", "SyntheticGPTDataModule"):
-        from nemo_gtp.recipes import data
-
-        return getattr(data, name)
-    raise AttributeError(f"module 'nemo_gtp.recipes' has no attribute {name!r}")
-
+# Imported on first use: each pulls in NeMo.
+_EXPORTS = {
+    "build_fit": "nemo_gtp.recipes.loader",
+    "with_gtp": "nemo_gtp.recipes.convert",
+    "ArithmeticGPTDataModule": "nemo_gtp.data.synthetic",
+    "SyntheticGPTDataModule": "nemo_gtp.data.synthetic",
+}
 
 __all__ = [
     "ArithmeticGPTDataModule",
@@ -46,3 +29,4 @@ __all__ = [
     "load_recipe",
     "with_gtp",
 ]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -144,12 +144,12 @@ def build_fit(
     from nemo.collections import llm
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
-    from nemo_gtp.engine import GTPConfig
-    from nemo_gtp.recipes.data import (
+    from nemo_gtp.data.synthetic import (
         ArithmeticGPTDataModule,
         ExportableNullTokenizer,
         SyntheticGPTDataModule,
     )
+    from nemo_gtp.engine import GTPConfig
     from nemo_gtp.strategy import GTPDrainCallback, GTPMegatronStrategy, GTPMetricsCallback
 
     data_cfg = _plain(cfg.data)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gtp.recipes.config import RecipeError
+from nemo_gtp.recipes.cpu import FUSIONS
 
 
 def _nemo_recipe_names() -> list[str]:
@@ -140,18 +141,6 @@ def _parse_gtp_options(items: list[str]) -> dict[str, Any]:
             raise RecipeError(f"--gtp {item!r} is not key=value (e.g. --gtp pad_for_alignment=16)")
         options[key] = yaml.safe_load(value)
     return options
-
-
-# Kernel fusions a model config may ask for; off in the parent's check (see check_recipe).
-FUSIONS = (
-    "apply_rope_fusion",
-    "masked_softmax_fusion",
-    "bias_activation_fusion",
-    "bias_dropout_fusion",
-    "persist_layer_norm",
-    "cross_entropy_loss_fusion",
-    "gradient_accumulation_fusion",
-)
 
 
 def check_recipe(recipe: Any) -> None:
@@ -273,7 +262,7 @@ def _build_recipes(args: Any) -> tuple[Any, Any | None, dict[str, Path]]:
         except ValueError as err:
             raise RecipeError(str(err)) from None
     if args.cpu:
-        from nemo_gtp.cpu.recipe import on_cpu
+        from nemo_gtp.recipes.cpu import on_cpu
 
         on_cpu(recipe)
     apply_overrides(recipe, args.overrides)
@@ -423,7 +412,7 @@ def main_recipe(args: Any) -> int:
         print(f"training failed: {', '.join(states)} (logs: {exp._exp_dir})", flush=True)
     if baseline is None:
         return 0 if ok else 1
-    from nemo_gtp.run import TOLERANCE, report_comparison
+    from nemo_gtp.report import TOLERANCE, report_comparison
 
     loss_logs = {name: _read_jsonl(path) for name, path in logs.items()}
     val_logs = {name: _read_jsonl(Path(_val_log(path))) for name, path in logs.items()}

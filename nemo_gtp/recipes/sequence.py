@@ -41,7 +41,7 @@ def run_recipes(recipes: list[str], store_dir: str = "", cpu_compat: bool = Fals
     """Build and run each serialized recipe in order, tearing down between them (every rank).
 
     ``cpu_compat``: enable :mod:`nemo_gtp.cpu.compat` first (recipes adapted with
-    :func:`nemo_gtp.cpu.recipe.on_cpu`). ``store_dir`` is required with more than one
+    :func:`nemo_gtp.recipes.cpu.on_cpu`). ``store_dir`` is required with more than one
     recipe (see the module docstring). Example: the module docstring.
     """
     import fiddle as fdl

@@ -39,7 +39,7 @@ SECTION_CLASSES: dict[str, tuple[str, str, str]] = {
     ),
     "model": ("nemo.collections.llm.gpt.model.base", "GPTConfig", "llm.GPTConfig"),
     "data": (
-        "nemo_gtp.recipes.data",
+        "nemo_gtp.data.synthetic",
         "ArithmeticGPTDataModule",
         "the recipes' data module (NeMo's MockDataModule)",
     ),

@@ -3,8 +3,8 @@
 Importing this package imports NeMo and Lightning; ``nemo_gtp.engine`` never does.
 """
 
-# SyntheticGPTDataModule lives with the recipes' data; re-exported where it was public before.
-from nemo_gtp.recipes.data import SyntheticGPTDataModule
+# The data module lives in nemo_gtp.data; re-exported here too, where strategy users find it.
+from nemo_gtp.data.synthetic import SyntheticGPTDataModule
 from nemo_gtp.strategy.accounting import MemoryFootprint, memory_footprint
 from nemo_gtp.strategy.callbacks import (
     GTPDrainCallback,

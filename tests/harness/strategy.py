@@ -309,7 +309,7 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
 
     tokenizer_class = NullTokenizer
     if fit.checkpoint_context:  # serializable in context/, and what the HF exporters read
-        from nemo_gtp.recipes.data import ExportableNullTokenizer as tokenizer_class
+        from nemo_gtp.data.synthetic import ExportableNullTokenizer as tokenizer_class
     tokenizer = tokenizer_class(VOCAB - 1)
     optim_config = OptimizerConfig(
         optimizer="adam",

@@ -48,7 +48,7 @@ from megatron.core.transformer.cuda_graphs import (
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.param import GTPStateError, is_gtp_param
 from nemo_gtp.engine.runtime import GTPRuntime
-from nemo_gtp.integrations.megatron.sharding.te import drop_grad_mode_hooks
+from nemo_gtp.integrations.te_grad_mode import drop_grad_mode_hooks
 
 MIN_LAYER_GRAPH_WARMUP_STEPS = 2
 """Warmup iterations megatron runs per layer before capturing it (``cuda_graph_warmup_steps``):

@@ -25,6 +25,19 @@ from __future__ import annotations
 
 from typing import Any
 
+# Kernel fusions a model config may ask for: off on CPU (no fused kernels), and off in the
+# parent's check of a NeMo recipe (nemo_cli.check_recipe), which runs where the GPU workers'
+# TransformerEngine or Apex may be missing.
+FUSIONS = (
+    "apply_rope_fusion",
+    "masked_softmax_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+    "gradient_accumulation_fusion",
+)
+
 
 def _set_if_known(cfg: Any, name: str, value: Any) -> None:
     """``cfg.name = value`` when the config's target takes ``name`` (recipes differ)."""
@@ -46,7 +59,6 @@ def on_cpu(recipe: Any) -> Any:
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
     from nemo_gtp.cpu.compat import cpu_gpt_data_step
-    from nemo_gtp.recipes.nemo_cli import FUSIONS
 
     trainer = recipe.trainer
     trainer.accelerator = "cpu"
