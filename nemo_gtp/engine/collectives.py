@@ -16,8 +16,12 @@ from torch._C import _distributed_c10d as c10d
 
 # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases (the GPU machine's
 # 2.11) only have the old names. Same semantics either way.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13): one flat gather of
+every rank's tensor into ``out`` along dim 0 (e.g. the sequence gather of ``engine.linear``)."""
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13): sum over the
+group, this rank's dim-0 slice into ``out``."""
 
 
 class CommHandle:
@@ -66,7 +70,7 @@ def reduce_scatter_wgrad(
     """
     if fp32_recv is None:
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-        work = _reduce_scatter_single(output, scratch, op=op, group=group, async_op=async_op)
+        work = reduce_scatter_single(output, scratch, op=op, group=group, async_op=async_op)
         return CommHandle(work if async_op else None)
     size = dist.get_world_size(group)
     work = dist.all_to_all_single(fp32_recv, scratch, group=group, async_op=async_op)

@@ -40,24 +40,21 @@ import torch
 import torch.distributed as dist
 
 from nemo_gtp.engine.fp8 import (
+    SCALAR_STRIDE,
     FP8Scaling,
     FP8Shard,
     ScalingKind,
-    _cast,
-    _real_rows,
+    cast_to_fp8,
     dequantize_fp8,
     quantize_into,
     scale_from_amax,
 )
+from nemo_gtp.engine.shard import real_rows
 
 if TYPE_CHECKING:
     from nemo_gtp.engine.param import Direction, GTPShardedParam
 
 _INF = float("inf")
-# cuBLAS refuses an FP8 GEMM whose scale pointer is not 16-byte aligned ("the requested
-# functionality is not supported"): each weight's scale / scale_inv / amax sits at a multiple of
-# 4 fp32 elements of its runtime-wide vector (the pad elements stay 0 and are never read).
-_SCALAR_STRIDE = 4
 SCALE_COLUMN_ALIGN = 4
 """Blockwise ``scale_inv`` rows are padded to a multiple of this many columns (zeros): the layout
 cuBLAS's blockwise FP8 GEMM reads (TE pads its scales the same way), kept from the shard through
@@ -226,7 +223,7 @@ class FP8ShardCache:
         device = params[0].device
         if (
             self._amax is None
-            or self._amax.numel() != n * _SCALAR_STRIDE
+            or self._amax.numel() != n * SCALAR_STRIDE
             or self._amax.device != device
             or any(
                 p.gtp_state.fp8 is None
@@ -237,7 +234,7 @@ class FP8ShardCache:
         ):
             self._allocate(params, scaling, device)
         masters = [p.detach() for p in params]
-        real = [_real_rows(p.gtp_spec, p.shape[0]) for p in params]
+        real = [real_rows(p.gtp_spec, p.shape[0]) for p in params]
         nonempty = self._nonempty
         with torch.no_grad():
             # The amax of every non-empty shard in one multi-tensor kernel; empty ones stay 0.
@@ -251,7 +248,9 @@ class FP8ShardCache:
             for i in nonempty:
                 shard = params[i].gtp_state.fp8
                 rows = real[i]
-                shard.data[:rows].copy_(_cast(masters[i][:rows].float(), shard.scale, scaling))
+                shard.data[:rows].copy_(
+                    cast_to_fp8(masters[i][:rows].float(), shard.scale, scaling)
+                )
         for param in params:
             param.gtp_state.fp8_version = param._version
         self.scaling = scaling
@@ -282,7 +281,7 @@ class FP8ShardCache:
         self.refreshes += 1
 
     def _allocate(self, params: list[GTPShardedParam], scaling: FP8Scaling, device: torch.device):
-        n, k = len(params), _SCALAR_STRIDE
+        n, k = len(params), SCALAR_STRIDE
         with torch.inference_mode(False):  # outlives an evaluation loop that ran the first gather
             # Three separate allocations: each starts aligned, and so does every k-th element.
             self._amax, self._scale, self._scale_inv = (
@@ -301,7 +300,7 @@ class FP8ShardCache:
                 state.fp8_wire = data.view(torch.uint8)
                 state.fp8_version = -1
             self._nonempty = [
-                i for i, p in enumerate(params) if p.numel() and _real_rows(p.gtp_spec, p.shape[0])
+                i for i, p in enumerate(params) if p.numel() and real_rows(p.gtp_spec, p.shape[0])
             ]
             self._index = torch.tensor(
                 [i * k for i in self._nonempty], dtype=torch.long, device=device

@@ -49,13 +49,13 @@ import torch
 
 from nemo_gtp.engine.fp8 import (
     FP8_DTYPES,
+    SCALAR_STRIDE,
     FP8Scaling,
     FP8Shard,
     ScalingKind,
     check_block_alignment,
     dequantize_fp8,
 )
-from nemo_gtp.engine.fp8_gather import _SCALAR_STRIDE as _STRIDE  # cuBLAS-aligned scalars
 from nemo_gtp.engine.fp8_gather import padded_scale_shape
 from nemo_gtp.engine.fp8_write_back import is_fp8_primary, write_back_fp8_primary
 from nemo_gtp.engine.param import GTPShardedParam
@@ -93,7 +93,9 @@ def _check_tiles(params: Sequence[GTPShardedParam], scaling: FP8Scaling, pad: in
 
 def _scalars(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """amax, scale, scale_inv vectors with one aligned element per weight."""
-    return tuple(torch.zeros(n * _STRIDE, dtype=torch.float32, device=device) for _ in range(3))
+    return tuple(
+        torch.zeros(n * SCALAR_STRIDE, dtype=torch.float32, device=device) for _ in range(3)
+    )
 
 
 def make_fp8_primary(runtime: object, scaling: FP8Scaling) -> None:
@@ -154,7 +156,7 @@ def make_fp8_primary(runtime: object, scaling: FP8Scaling) -> None:
                     scaling,
                 )
             else:
-                view = slice(i * _STRIDE, i * _STRIDE + 1)
+                view = slice(i * SCALAR_STRIDE, i * SCALAR_STRIDE + 1)
                 state.fp8 = FP8Shard(data, scale_inv[view], scale[view], amax[view], scaling)
             param.data = data
     # The initial quantization is a write-back of the whole shard from its own values.
@@ -171,10 +173,7 @@ def fp8_primary_init_value(param: GTPShardedParam) -> torch.Tensor:
 
         master = fp8_primary_init_value(param).float().view(-1)[start:end].clone()
     """
-    state = param.gtp_state
-    if state.fp8_init is not None:
-        return state.fp8_init
-    return dequantize_fp8_primary(param)
+    return param.get_high_precision_init_val()
 
 
 def dequantize_fp8_primary(

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_gtp.engine.fp8 import FP8Scaling, ScalingKind, _cast, _real_rows, scale_from_amax
-from nemo_gtp.engine.fp8_gather import _SCALAR_STRIDE as _STRIDE  # cuBLAS-aligned scalars
+from nemo_gtp.engine.fp8 import SCALAR_STRIDE, FP8Scaling, ScalingKind, cast_to_fp8, scale_from_amax
 from nemo_gtp.engine.param import GTPShardedParam
+from nemo_gtp.engine.shard import real_rows
 
 _INF = float("inf")
 
@@ -111,7 +111,7 @@ def write_back_fp8_primary(
 def _real_elements(param: GTPShardedParam) -> int:
     """Flat elements of the shard's real rows (design §1.3 pad rows after them)."""
     cols = param.numel() // max(param.shape[0], 1)
-    return _real_rows(param.gtp_spec, param.shape[0]) * cols
+    return real_rows(param.gtp_spec, param.shape[0]) * cols
 
 
 def _rounded_slice(param: GTPShardedParam, master: torch.Tensor, start: int) -> torch.Tensor:
@@ -231,7 +231,7 @@ class _Plan:
         groups = [replicate_group] if self.blockwise else [replicate_group, params[0].runtime.group]
         self.groups = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
         shards = [p.gtp_state.fp8 for p in params]
-        sizes = [s.amax.numel() if self.blockwise else _STRIDE for s in shards]
+        sizes = [s.amax.numel() if self.blockwise else SCALAR_STRIDE for s in shards]
         bounds = [0, *itertools.accumulate(sizes)]
         device = params[0].device
         self.amax, self.scale, self.scale_inv = (
@@ -275,7 +275,7 @@ class _Plan:
                 target = flat[at : at + piece.numel()]
                 if keep:
                     self.reduce.append(piece[:keep])
-                    slots.append(i * _STRIDE)
+                    slots.append(i * SCALAR_STRIDE)
                     self.casts.append((target[:keep], piece[:keep], dtype, scale))
                 if keep < piece.numel():
                     self.zeros.append(target[keep:].view(torch.uint8))
@@ -331,6 +331,8 @@ class _Plan:
             scale = param.gtp_state.fp8.scale
             values = _rounded_slice(param, piece, at)
             first, offset, tiles = _tile_window(values, at, param.shape, block)
-            cast = _cast(tiles, scale[first : first + tiles.shape[0], None, :, None], self.scaling)
+            cast = cast_to_fp8(
+                tiles, scale[first : first + tiles.shape[0], None, :, None], self.scaling
+            )
             cast = cast.view(-1, tiles.shape[2] * tiles.shape[3])[:, : param.shape[1]]
             target.copy_(cast.reshape(-1)[offset : offset + values.numel()])

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nemo_gtp.engine.collectives import _all_gather_single, _reduce_scatter_single
+from nemo_gtp.engine.collectives import all_gather_single, reduce_scatter_single
 from nemo_gtp.engine.param import Direction, GTPShardedParam
 from nemo_gtp.engine.runtime import GTPRuntime
 
@@ -35,14 +35,14 @@ class TPComm:
 def _gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
 def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

@@ -15,17 +15,30 @@
 from __future__ import annotations
 
 import enum
-import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from nemo_gtp.engine.runtime import GTPRuntime
+from nemo_gtp.engine.fp8 import dequantize_fp8
+from nemo_gtp.engine.shard import ShardSpec
+
+__all__ = [
+    "Direction",
+    "GatherSlot",
+    "GatherState",
+    "GTPParamState",
+    "GTPShardedParam",
+    "GTPStateError",
+    "ReduceScatterSlot",
+    "ReduceScatterState",
+    "ShardSpec",
+    "SharedWork",
+    "WeightOwner",
+    "carry_param_attributes",
+    "is_gtp_param",
+]
 
 
 class Direction(enum.Enum):
@@ -60,74 +73,6 @@ class ReduceScatterState(enum.Enum):
     """A reduce-scatter was issued; scratch and output stay held until the deferred finalize."""
     DATA_READY = "data_ready"
     """Waited: the reduced shard is in the output buffer, about to be added into main_grad."""
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How a TP-local weight is cut along dim 0 over the GTP group (design §1.3, §1.4).
-
-    Example::
-
-        spec = ShardSpec.for_weight((72, 64), gtp_size=2, gtp_rank=1, pad_for_alignment=16)
-        spec.padded_dim0, spec.shard_dim0, spec.pad_length   # (96, 48, 24)
-    """
-
-    logical_shape: tuple[int, ...]
-    gtp_size: int
-    gtp_rank: int
-    padded_dim0: int
-
-    @classmethod
-    def for_weight(
-        cls,
-        shape: tuple[int, ...] | torch.Size,
-        gtp_size: int,
-        gtp_rank: int,
-        pad_for_alignment: int,
-    ) -> ShardSpec:
-        """Spec for a TP-local weight of ``shape``, padding dim 0 to ``pad * gtp`` rows."""
-        if len(shape) < 1 or shape[0] < 1:
-            raise ValueError(f"cannot GTP-shard a weight of shape {tuple(shape)}")
-        unit = pad_for_alignment * gtp_size
-        padded = math.ceil(shape[0] / unit) * unit
-        return cls(tuple(shape), gtp_size, gtp_rank, padded)
-
-    @property
-    def shard_dim0(self) -> int:
-        """Rows of every rank's shard (pad included)."""
-        return self.padded_dim0 // self.gtp_size
-
-    @property
-    def pad_length(self) -> int:
-        """Zero rows appended at the tail of the TP-local weight."""
-        return self.padded_dim0 - self.logical_shape[0]
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        """Shape of this rank's shard."""
-        return (self.shard_dim0, *self.logical_shape[1:])
-
-    @property
-    def gathered_shape(self) -> tuple[int, ...]:
-        """Shape of the all-gathered (padded) weight and of the wgrad scratch."""
-        return (self.padded_dim0, *self.logical_shape[1:])
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's padded shard of the TP-local ``full`` weight (a new tensor)."""
-        if tuple(full.shape) != self.logical_shape:
-            raise ValueError(
-                f"weight shape {tuple(full.shape)} does not match spec {self.logical_shape}"
-            )
-        padded = F.pad(full.detach(), (0, 0) * (full.dim() - 1) + (0, self.pad_length))
-        start = self.gtp_rank * self.shard_dim0
-        return padded[start : start + self.shard_dim0].clone()
-
-    def unpad(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The logical (unpadded) view of a gathered weight or wgrad scratch: ``gathered``
-        itself when nothing is padded (no view op on the per-weight hot path)."""
-        if self.padded_dim0 == self.logical_shape[0]:
-            return gathered
-        return gathered[: self.logical_shape[0]]
 
 
 _RS_STAGED = ReduceScatterState.STAGED
@@ -341,6 +286,34 @@ class ReduceScatterSlot:
         )
 
 
+class WeightOwner(Protocol):
+    """What a :class:`GTPShardedParam` asks of the runtime that owns it (``GTPRuntime``).
+
+    The param calls its owner for the TransformerEngine DistributedWeight protocol (the Note on
+    :class:`GTPShardedParam`); the runtime implements these and registers itself on the param
+    (``GTPParamState.runtime``, a weak reference), so the param never imports the runtime
+    (design §1.1: params refer back to their runtime weakly).
+
+    Example::
+
+        owner: WeightOwner = param.runtime
+        owner.materialize_group_for_protocol(param, Direction.FWD)
+    """
+
+    def materialize_group_for_protocol(
+        self, param: GTPShardedParam, direction: Direction
+    ) -> list[torch.Tensor]:
+        """The full weight of every member of ``param``'s group for TE's GEMM, in order."""
+
+    def protocol_grad_buffer(self, param: GTPShardedParam) -> torch.Tensor:
+        """The unpadded view of a pooled wgrad scratch for TE's fused wgrad GEMM."""
+
+    def finalize_group_for_protocol(
+        self, param: GTPShardedParam, wgrads: list[torch.Tensor] | tuple[torch.Tensor, ...]
+    ) -> int:
+        """Reduce-scatter one full wgrad per member of ``param``'s group; its size."""
+
+
 class GTPParamState:
     """Runtime bookkeeping the owning :class:`GTPRuntime` keeps on each param."""
 
@@ -375,7 +348,7 @@ class GTPParamState:
 
     def __init__(self) -> None:
         self.name = ""
-        self.runtime: weakref.ReferenceType[GTPRuntime] | None = None
+        self.runtime: weakref.ReferenceType[WeightOwner] | None = None  # the GTPRuntime
         self.chain_id: Any = None
         self.chain: Any = None  # the runtime's Chain object for chain_id
         self.segment = -1
@@ -515,9 +488,13 @@ class GTPShardedParam(torch.nn.Parameter):
 
             master = param.get_high_precision_init_val().float().view(-1)[start:end].clone()
         """
-        from nemo_gtp.engine.fp8_primary import fp8_primary_init_value
-
-        return fp8_primary_init_value(self)
+        state = self.gtp_state
+        if state.fp8_init is not None:
+            return state.fp8_init
+        shard = state.fp8  # cleared: the FP8 shard times its scale_inv, in the training dtype
+        return dequantize_fp8(
+            self.detach(), shard.scale_inv, shard.scaling, state.fp8_primary_dtype
+        )
 
     def clear_high_precision_init_val(self) -> None:
         """Drop the kept training-dtype values (the optimizer holds its master now)."""
@@ -536,8 +513,8 @@ class GTPShardedParam(torch.nn.Parameter):
         return self.gtp_state.fp8_primary_dtype or self.dtype
 
     @property
-    def runtime(self) -> GTPRuntime:
-        """The :class:`GTPRuntime` that owns this param."""
+    def runtime(self) -> Any:
+        """The ``GTPRuntime`` that owns this param (a :class:`WeightOwner`)."""
         ref = self.gtp_state.runtime
         runtime = ref() if ref is not None else None
         if runtime is None:

@@ -28,7 +28,13 @@ from megatron.core.transformer.module import Float16Module
 
 from nemo_gtp.cpu.staged_gloo import world_on_gpu
 from nemo_gtp.engine import GTPConfig, GTPGroups, GTPParallelDims, is_gtp_param
-from nemo_gtp.engine.fp8 import FP8Scaling, ScalingKind, _cast, quantize_shard, scale_from_amax
+from nemo_gtp.engine.fp8 import (
+    FP8Scaling,
+    ScalingKind,
+    cast_to_fp8,
+    quantize_shard,
+    scale_from_amax,
+)
 from nemo_gtp.engine.fp8_primary import dequantize_fp8_primary, is_fp8_primary, make_fp8_primary
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
@@ -723,7 +729,7 @@ def fp8_primary_write_back_errors(setup: dict) -> list[str]:
             (owner,) = [o for o in optimizers if param in o.model_param_gbuf_map]
             start = owner._get_model_param_range_map(param)["param"].start
             flat = param.detach().view(-1)[start : start + main.numel()]
-            want = _cast(main, scale, scaling)
+            want = cast_to_fp8(main, scale, scaling)
             if not torch.equal(flat.view(torch.uint8), want.view(torch.uint8)):
                 wrong.append(f"{name} bytes")
     return wrong
