@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -408,3 +409,120 @@ class GTPGroups:
         if axis is WeightAxis.EXPERT:
             return self.expert_gtp, self.expert_gtp_size, self.expert_gtp_rank
         return self.gtp, self.gtp_size, self.gtp_rank
+
+
+# ------------------------------------------------------------------------------ layout rules
+# Each rule of a layout lives here once, torch-free, so the strategy, the recipe CLI
+# (recipes.validate, before any worker), with_gtp and the planner refuse a layout with the
+# same words. ``key`` / ``prefix`` arguments name the setting as the caller's user writes it
+# ("strategy." in a YAML recipe, "trainer.strategy." in a NeMo recipe, "" for the strategy's
+# own arguments), so every error names the key to change and the fix.
+
+SIZE_SETTINGS = (
+    "tensor_model_parallel_size",
+    "num_weight_shards",
+    "context_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "expert_num_weight_shards",
+    "num_distributed_optimizer_instances",
+)
+"""The strategy settings :class:`GTPParallelDims` is built from (megatron's names)."""
+
+
+def layout_dims(settings: Mapping[str, object], where: str = "") -> GTPParallelDims:
+    """The static :class:`GTPParallelDims` of a strategy's ``settings`` (a mapping holding any
+    of :data:`SIZE_SETTINGS`; a missing or ``None`` one takes the default). ``ValueError``
+    naming the setting, prefixed with ``where`` (e.g. ``"trainer.strategy"``) when given.
+
+    Example::
+
+        layout_dims({"num_weight_shards": 3, "tensor_model_parallel_size": 2}, "strategy")
+        # ValueError: strategy: num_weight_shards=3 must be a multiple of ...
+    """
+    sizes = {k: settings[k] for k in SIZE_SETTINGS if settings.get(k) is not None}
+    try:
+        return GTPParallelDims(world_size=None, **sizes)  # type: ignore[arg-type]
+    except ValueError as err:
+        if not where:
+            raise
+        raise ValueError(f"{where}: {err}") from None
+
+
+def on_world(
+    dims: GTPParallelDims, devices: int, nodes: int, key: str = "num_weight_shards"
+) -> GTPParallelDims:
+    """``dims`` on ``devices x nodes`` ranks (:meth:`GTPParallelDims.with_world_size`), the
+    error naming ``key`` (how the caller spells ``num_weight_shards``) and the trainer's sizes.
+
+    Example::
+
+        on_world(GTPParallelDims(num_weight_shards=4), 3, 1, key="strategy.num_weight_shards")
+        # ValueError: strategy.num_weight_shards=4 on trainer.devices x trainer.num_nodes = ...
+    """
+    try:
+        return dims.with_world_size(devices * nodes)
+    except ValueError as err:
+        raise ValueError(
+            f"{key}={dims.num_weight_shards} on trainer.devices x trainer.num_nodes = "
+            f"{devices} x {nodes} ranks: {err}"
+        ) from None
+
+
+def check_global_batch(
+    dims: GTPParallelDims, micro_batch_size: int, global_batch_size: int, prefix: str = "data."
+) -> None:
+    """The global batch divides into microbatches over the data-parallel ranks, DP x GTP (each
+    GTP peer eats its own microbatch, design §3.1); ``dims`` has its world size. ``prefix``
+    spells the data section.
+
+    Example::
+
+        check_global_batch(GTPParallelDims(num_weight_shards=4).with_world_size(4), 4, 8)
+        # ValueError: data.global_batch_size=8 must be a multiple of ... set ...=16
+    """
+    ranks = dims.data_parallel_size
+    unit = micro_batch_size * ranks
+    if global_batch_size % unit != 0:
+        fixed = max(1, round(global_batch_size / unit)) * unit
+        raise ValueError(
+            f"{prefix}global_batch_size={global_batch_size} must be a multiple of "
+            f"{prefix}micro_batch_size x data-parallel ranks (DP x GTP = {dims.dp} x {dims.gtp}) "
+            f"= {micro_batch_size} x {ranks} = {unit}: set {prefix}global_batch_size={fixed}"
+        )
+
+
+def check_checkpoint_format(save_ckpt_format: str | None, key: str = "save_ckpt_format") -> None:
+    """GTP checkpoints are megatron ``torch_dist`` (design §3.3); other formats (zarr, deprecated
+    in megatron) would fail only at the first save. For a layout with GTP on; ``None`` is the
+    default (``torch_dist``).
+
+    Example::
+
+        check_checkpoint_format("zarr", key="strategy.save_ckpt_format")  # ValueError
+    """
+    if save_ckpt_format is not None and save_ckpt_format != "torch_dist":
+        raise ValueError(
+            f"{key}={save_ckpt_format!r} is not supported with GTP: set {key}=torch_dist (GTP "
+            "checkpoints are megatron torch_dist, design §3.3)"
+        )
+
+
+def check_pipeline_split(
+    num_layers: int, pp: int, vp: int | None = None, key: str = "model.num_layers"
+) -> None:
+    """The layers split evenly over the ``pp`` pipeline stages (x ``vp`` virtual stages) of
+    design §1.4 "PP".
+
+    Example::
+
+        check_pipeline_split(2, 2, 2)  # ValueError: ... set model.num_layers to a multiple of 4
+    """
+    chunks = pp * (vp or 1)
+    if num_layers % chunks:
+        what = f"{pp} pipeline stages" + (f" x {vp} virtual stages" if vp else "")
+        raise ValueError(
+            f"{key}={num_layers} does not split evenly over {what}: set {key} to a multiple of "
+            f"{chunks}"
+        )
