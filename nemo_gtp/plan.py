@@ -35,6 +35,8 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
+from nemo_gtp.engine.grid import check_pipeline_split, layout_dims
+
 GIB = 2**30
 
 
@@ -174,10 +176,7 @@ def estimate(
     if layout.pp == 1:
         whole = (model.layers, model.embedding_params, 1, 1, True)
         return _stage_bytes(model, layout, *whole, tokens_per_gpu, **kwargs)
-    if model.layers % layout.pp:
-        raise ValueError(
-            f"model.layers={model.layers} does not split evenly over {layout.pp} pipeline stages"
-        )
+    check_pipeline_split(model.layers, layout.pp, key="model.layers")
     # Under 1F1B (with at least PP microbatches per step) the first stage keeps PP microbatches'
     # activations of its layers in flight (its warm-up forwards), the last stage one; the first
     # holds the input embedding, the last the output layer (its own copy when tied), the final
@@ -293,7 +292,13 @@ def candidate_layouts(
         for gtp in range(1, ranks // tp + 1):
             if (ranks // tp) % gtp:
                 continue
-            dp = ranks // (tp * gtp)
+            sizes = {
+                "tensor_model_parallel_size": tp,
+                "num_weight_shards": tp * gtp,
+                "context_parallel_size": cp,
+                "pipeline_model_parallel_size": pp,
+            }
+            dp = layout_dims(sizes).with_world_size(gpus).dp  # the grid's own arithmetic
             for recompute in (False, True):
                 for over_gtp in (False, True) if gtp > 1 and shard_replicated else (False,):
                     out.append(Layout(tp, gtp, dp, recompute, over_gtp, cp, pp))

@@ -81,7 +81,7 @@ BAD_OVERRIDES = [
             "+strategy.pipeline_model_parallel_size=2",
             "+strategy.virtual_pipeline_model_parallel_size=2",
         ],
-        "model.num_layers=2 does not split evenly over 2 stages x 2 virtual stages",
+        "model.num_layers=2 does not split evenly over 2 pipeline stages x 2 virtual stages",
     ),
     (["+strategy.virtual_pipeline_model_parallel_size=2"], "needs pipeline stages"),
     (
@@ -96,7 +96,10 @@ BAD_OVERRIDES = [
     ),
     (["+model.share_embeddings_and_output_weights=maybe"], "share_embeddings_and_output_weights"),
     (["data.global_batch_size=12"], "data.global_batch_size=12 must be a multiple of"),
-    (["data.global_batch_size=8"], "data.micro_batch_size x (DP x GTP) = 4 x 4 = 16"),
+    (
+        ["data.global_batch_size=8"],
+        "data.micro_batch_size x data-parallel ranks (DP x GTP = 2 x 2) = 4 x 4 = 16",
+    ),
     (["+strategy.save_ckpt_format=zarr"], "strategy.save_ckpt_format='zarr'"),
     (["model.layer_spec=tex"], "model.layer_spec='tex' is not supported (did you mean 'te'?)"),
     (["+model.activation_func=swish"], "model.activation_func='swish'"),

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nemo_gtp.recipes.validate import is_cpu_recipe
+from nemo_gtp.recipes.schema import is_cpu_recipe
 
 # NVLink SHARP (NVLS) and symmetric-memory multicast stay off on the GPU machines the benches
 # run on; defaults only: a value already in the environment wins.

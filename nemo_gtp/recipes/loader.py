@@ -46,12 +46,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_gtp.recipes.config import load_recipe  # noqa: F401  (re-exported)
 from nemo_gtp.recipes.resume import resume_path
-from nemo_gtp.recipes.validate import (
-    ACTIVATIONS,
-    TE_MISSING,
-    default_layer_spec_name,
-    validate_recipe,
-)
+from nemo_gtp.recipes.schema import ACTIVATIONS, default_layer_spec_name
+from nemo_gtp.recipes.validate import TE_MISSING, validate_recipe
 
 TB_SUBDIR = "tb_logs"  # TensorBoard event files under a run's log directory
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -220,7 +216,7 @@ def peft_method(section: dict[str, Any], gated_mlp: bool = False) -> Any:
     """
     from nemo.collections import llm
 
-    from nemo_gtp.recipes.validate import GATED_MLP_TARGETS, PEFT_TARGETS
+    from nemo_gtp.recipes.schema import GATED_MLP_TARGETS, PEFT_TARGETS
 
     section = dict(section)
     method = section.pop("method")
