@@ -34,7 +34,7 @@ The consumer is abstract here (:class:`QuantizedGather`); the TransformerEngine 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,12 +49,13 @@ from nemo_gtp.engine.fp8 import (
     quantize_into,
     scale_from_amax,
 )
+from nemo_gtp.engine.param import Direction, GatherState, GTPShardedParam, GTPStateError
 from nemo_gtp.engine.shard import real_rows
 
-if TYPE_CHECKING:
-    from nemo_gtp.engine.param import Direction, GTPShardedParam
-
 _INF = float("inf")
+_BWD = Direction.BWD
+_ASYNC, _READY = GatherState.ASYNC_WAIT, GatherState.DATA_READY
+_BLOCKWISE = ScalingKind.BLOCKWISE
 SCALE_COLUMN_ALIGN = 4
 """Blockwise ``scale_inv`` rows are padded to a multiple of this many columns (zeros): the layout
 cuBLAS's blockwise FP8 GEMM reads (TE pads its scales the same way), kept from the shard through
@@ -317,3 +318,125 @@ def transposed_view(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """
     columnwise = (shape[-1], *shape[:-1])
     return flat[: math.prod(columnwise)].view(columnwise)
+
+
+class FP8GatherSide:
+    """The FP8 formats of a ``GTPRuntime``'s gathers (design §1.3 "FP8 gather", "FP8 primary
+    weights").
+
+    Part of the runtime, split off by concern, not a class of its own: it owns the state
+    :meth:`_init_fp8_gather_side` sets up, and the gather side
+    (:class:`~nemo_gtp.engine.gather.GatherSide`) asks it for the bytes an FP8 gather moves;
+    it hands the consumer the FP8 gathered weight and the weight a GEMM that is not FP8-aware
+    multiplies with.
+
+    Example::
+
+        full = runtime.materialize(param, Direction.FWD, fp8=FP8Scaling("tensorwise"))
+        view = runtime.fp8_gathered(param, Direction.FWD)   # rows, scale_inv, recipe
+    """
+
+    def _init_fp8_gather_side(self) -> None:
+        """The FP8 state: the consumer that asks for FP8 gathers (set by the integration, e.g.
+        TE's), the FP8 copies of the shards, the one FP8Scaling object in use, and the FP8
+        primary shards' scaling and write-back plan."""
+        self.quantized_gather: QuantizedGather | None = None
+        self.fp8_shards = FP8ShardCache()
+        self._fp8_known: FP8Scaling | None = None
+        self.fp8_primary: FP8Scaling | None = None
+        """Set by ``make_fp8_primary``: every shard is an FP8 primary weight in this scaling and
+        every gather moves the shards' own FP8 bytes (design §1.3 "FP8 primary weights")."""
+        self.fp8_write_back_plan: object | None = None
+        """The optimizer write-back's plan for this runtime's shards (``fp8_write_back``),
+        built at the first write-back and reused while megatron passes the same lists."""
+
+    def _canonical_fp8(self, fp8: FP8Scaling) -> FP8Scaling:
+        """One ``FP8Scaling`` object per recipe in use (identity checks on the hot path)."""
+        if fp8 != self._fp8_known:
+            check_gather_scaling(fp8)
+            self._fp8_known = fp8
+        return self._fp8_known
+
+    def fp8_gathered(self, param: GTPShardedParam, direction: Direction) -> FP8Gathered:
+        """The FP8 gathered weight ``materialize(..., fp8=...)`` left in ``direction``'s slot.
+
+        Built once per cache buffer (stable object, stable tensors); a backward slot carries
+        the column-wise buffer when the consumer asked for one
+        (``QuantizedGather.transpose_for_backward``).
+        """
+        state = param.gtp_state
+        slot = state.slot(direction)
+        if slot.state is not _READY or slot.fmt is None:
+            raise GTPStateError(
+                f"{state.name}: no FP8 gathered weight in the {direction.value} slot "
+                f"(state {slot.state.value}, format {slot.fmt})"
+            )
+        full = slot.full
+        view = slot.fp8_view
+        blockwise = slot.fmt.kind is _BLOCKWISE
+        if view is None or view.data is not full:
+            transpose = columnwise_scales = None
+            policy = self.quantized_gather
+            cache = slot.cache
+            own = cache is not None and slot.buffer is cache.buffer  # else a fallback buffer
+            rows, cols = full.shape
+            # Outside inference mode: the consumer writes the column-wise view later, in training.
+            with torch.inference_mode(False):
+                if direction is _BWD and policy is not None and policy.transpose_for_backward:
+                    if own:
+                        flat = self.weight_cache.companion(cache)
+                    else:  # a fallback buffer (misprediction): its own column-wise buffer
+                        flat = torch.empty(full.numel(), dtype=full.dtype, device=full.device)
+                    transpose = transposed_view(flat, tuple(full.shape))
+                    if blockwise:
+                        shape = padded_scale_shape(cols, rows, slot.fmt)
+                        columnwise_scales = (
+                            self.weight_cache.scales(cache, "columnwise", shape)
+                            if own
+                            else torch.zeros(shape, dtype=torch.float32, device=full.device)
+                        )
+            # blockwise: the gathered block scales of the unpadded rows (a row prefix)
+            scale_inv = slot.scales[: -(-rows // slot.fmt.block[0])] if blockwise else None
+            view = FP8Gathered(
+                full,
+                state.fp8.scale_inv if scale_inv is None else scale_inv,
+                transpose,
+                slot.fmt,
+                columnwise_scales,
+            )
+            if own:
+                slot.fp8_view = view
+        if not blockwise:  # per tensor: the agreed scale, the same tensor on every GTP peer
+            view.scale_inv = state.fp8.scale_inv
+        return view
+
+    def gemm_weight(
+        self, param: GTPShardedParam, direction: Direction, full: torch.Tensor
+    ) -> torch.Tensor:
+        """What a GEMM that is not FP8-aware multiplies with: ``full`` (from :meth:`materialize`)
+        as is, or for FP8 primary shards the gathered FP8 rows dequantized into the training
+        dtype (a new tensor per call: the CPU / local-linear path; TE consumes the FP8 rows).
+        Blockwise: per tile, with the tile scales gathered beside the rows."""
+        if self.fp8_primary is None:
+            return full
+        state = param.gtp_state
+        fp8 = self.fp8_primary
+        scale_inv = state.slot(direction).scales if fp8.kind is _BLOCKWISE else state.fp8.scale_inv
+        return dequantize_fp8(full, scale_inv, fp8, state.fp8_primary_dtype)
+
+    def _fp8_source(self, param: GTPShardedParam, fmt: FP8Scaling) -> torch.Tensor:
+        """The bytes of ``param``'s FP8 shard, quantized first if stale (collective: once per
+        step for all shards, design §1.3 "FP8 gather"); an FP8 primary shard's own bytes."""
+        if self.fp8_primary is not None:  # the optimizer wrote them (write_back_fp8_primary)
+            return param.detach().view(torch.uint8)
+        if not self.fp8_shards.is_fresh(param, fmt):
+            # Gathers of the previous FP8 shards still in flight read them: complete them first.
+            for other in self.params:
+                for slot in (other.gtp_state.fwd, other.gtp_state.bwd):
+                    if slot.state is _ASYNC and slot.fmt is not None:
+                        slot.complete()
+            self.fp8_shards.refresh(self.params, fmt, self.group)
+            self.stats.fp8_quantizes += 1
+            if self.trace is not None:
+                self.trace.append(("fp8_quantize", "", ""))
+        return param.gtp_state.fp8_wire

@@ -27,8 +27,9 @@ _FWD, _BWD = Direction.FWD, Direction.BWD
 class GraphSegments:
     """CUDA-graph segments, the grad guard and the wgrad ring of a ``GTPRuntime`` (§3.5).
 
-    Works on the state ``GTPRuntime.__init__`` sets up (chains, params, pending reduce-scatters);
-    it is the runtime's, split off by concern, not a class of its own.
+    Part of the runtime, split off by concern, not a class of its own: it owns the state
+    :meth:`_init_graph_segments` sets up and works on the runtime's chains, params and
+    pending reduce-scatters (:class:`~nemo_gtp.engine.reduce_scatter.ReduceScatterSide`).
 
     Example::
 
@@ -36,6 +37,28 @@ class GraphSegments:
         with runtime.grad_guard():
             warmup_forward_and_backward()                                  # leaves no gradient
     """
+
+    def _init_graph_segments(self) -> None:
+        """The graph segments' state: the segments, the grad guard, the wgrad ring and its carry,
+        the manual hook plans. Runs after the reduce-scatter side's (the ring excludes FP32
+        accumulation)."""
+        self.segments: list[tuple[GTPShardedParam, ...]] = []
+        """The weights of each captured CUDA graph (design §3.5); in forward order once the
+        chain is committed."""
+        self._guard: dict[int, tuple[GTPShardedParam, torch.Tensor | None, bool]] | None = None
+        # The cross-graph wgrad ring (design §3.5): staged wgrads of a segment's head unit, to
+        # be reduce-scattered in the next segment's backward.
+        self._ring_size = self.config.graph_wgrad_ring_size
+        if self._ring_size and self._fp32_accumulation:
+            raise ValueError(
+                "GTPConfig.graph_wgrad_ring_size > 0 is not supported together with "
+                "reduce_scatter_with_fp32_accumulation at GTP > 2: set one of them off"
+            )
+        self._carry: list[GTPShardedParam] = []
+        self.graph_hook_plans: dict[int, tuple[GTPShardedParam, ...]] = {}
+        """Per segment, the weights whose finalize a captured backward graph replays, in order
+        (recorded by :meth:`recording_graph_hooks`; the manual hook plan of design §3.5)."""
+        self._recording: list[GTPShardedParam] | None = None
 
     def assign_graph_segments(self, segments: Sequence[Sequence[GTPShardedParam]]) -> None:
         """Put each group of weights of ``segments`` into the GRAPHED chain as one captured graph.
