@@ -14,7 +14,7 @@ exposed communication (stall of the compute stream on gathers / reduce-scatters,
 and weight+grad+optimizer bytes per rank, as a markdown table (ratios to DDP) plus JSON, and a
 PNG of the step-time ratio against tokens per GPU.
 
-    torchrun --nproc-per-node 2 bench/bench_gpt.py --out bench_out
+    torchrun --nproc-per-node 2 -m bench.bench_gpt --out bench_out
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from host_profile import write_host_profile
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
@@ -38,8 +37,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
-from torch_optimizer_kernels import fuse_adam, install_torch_kernels
 
+from bench.common import fuse_adam, install_torch_kernels, write_host_profile
 from nemo_gtp.engine import GTPConfig, GTPParallelDims
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,
@@ -119,7 +118,7 @@ def make_optimizer(
 ) -> object:
     """The benchmarks' optimizer: megatron's distributed Adam (bf16, weight decay 0.01, clip 1),
     over ``pg_collection`` when given; ``fused``: torch's fused AdamW / foreach norm kernels
-    (``torch_optimizer_kernels``) so every mode runs the same optimizer kernels."""
+    (``bench.common.install_torch_kernels``) so every mode runs the same optimizer kernels."""
     groups = {} if pg_collection is None else {"pg_collection": pg_collection}
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -397,7 +396,7 @@ def write_per_weight_exposed(
 
 def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple[int, int]]):
     if args.memory_trace:
-        from memory_peak import start_recording
+        from bench.common import start_recording
 
         start_recording()
     model, optimizer, step, runtime = build(args, mode, world)
@@ -470,7 +469,7 @@ def run_mode(args: argparse.Namespace, mode: str, world: int, shapes: list[tuple
         if dist.get_rank() == 0:
             print(json.dumps(records[-1]), flush=True)
     if args.memory_trace:
-        from memory_peak import stop_and_report
+        from bench.common import stop_and_report
 
         text = stop_and_report()
         if dist.get_rank() == 0:
@@ -554,7 +553,7 @@ def write_report(args: argparse.Namespace, records: list[dict], world: int) -> N
     with open(os.path.join(args.out, "bench_gpt.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
-        from plot_ratio import plot_ratio
+        from bench.common import plot_ratio
 
         plot_ratio(
             os.path.join(args.out, "bench_gpt.json"), os.path.join(args.out, "bench_gpt_ratio.png")

@@ -3,14 +3,14 @@
 Question: at 4k tokens per GPU (micro-batch 1 x seq 4096) on 2xH200, how many layers of a
 fixed-width GPT (hidden 4096, ffn 16384, 32 heads, vocab 32000, bf16, megatron-core's local
 layer spec: no TransformerEngine) complete 5 training steps under each mode, and at what speed
-and peak memory? Modes (``max_model_search.MODES``): ``gtp2``, ``dp2`` (megatron DDP +
+and peak memory? Modes (``MODES``): ``gtp2``, ``dp2`` (megatron DDP +
 distributed optimizer), ``fsdp2`` (torch FSDP2), ``gtp2_srp`` (+
 ``shard_replicated_params_over_gtp``), ``gtp2_recompute`` (+ megatron full recompute, uniform,
 1 layer), ``mfsdp`` (Megatron-FSDP from ``megatron.core.distributed.fsdp``; the report says why
 when it cannot run). The models are ``bench_gpt.build``'s (same config, optimizer kernels).
 
 How (a scarce GPU budget): the driver (this script, no torch) predicts each mode's largest layer
-count with the planner (``nemo_gtp.plan``) and probes only around it (``max_model_search``:
+count with the planner (``nemo_gtp.plan``) and probes only around it (the search below:
 bracket the boundary, extrapolate from measured peaks, usually 2-3 probes per mode). Every probe
 is a fresh set of ``world`` processes (this script with ``--probe MODE,LAYERS``; it also runs
 under ``torchrun``) that builds the model, trains ``--steps`` steps and times the last
@@ -26,7 +26,7 @@ GPU (2xH200, the megatron-core / NeMo wheels installed and on ``PYTHONPATH`` as 
 so one command with a 600 s limit holds it; ``--modes`` splits it over several)::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    PYTHONPATH=$PWD:$PYTHONPATH python3 bench/bench_max_model.py --out $OUT/max_model
+    PYTHONPATH=$PWD:$PYTHONPATH python3 -m bench.bench_max_model --out $OUT/max_model
 
 Only ``max_model.json`` and ``max_model.md`` are written under ``--out`` (per-rank files and logs
 go to ``--scratch``, a temporary folder; the JSON keeps every rank's result and, for a failed
@@ -36,7 +36,7 @@ CPU smoke (gloo, hidden 64, a fake memory limit on weights + grads + optimizer s
 activations autograd saves: exercises prediction, search, OOM handling and the report; about
 3-5 minutes on 2 busy cores; ``tests/test_bench_max_model.py`` covers the same in ~30 s)::
 
-    PYTHONPATH=$PWD python bench/bench_max_model.py --device cpu --out /tmp/max_model_cpu
+    PYTHONPATH=$PWD python -m bench.bench_max_model --device cpu --out /tmp/max_model_cpu
 
 Output: ``<out>/max_model.json`` (every probe, per rank) and ``<out>/max_model.md`` (per mode:
 largest layer count, parameters, tokens/s, step ms, peak allocated / reserved / device memory,
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -58,24 +59,231 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from max_model_search import (
-    ERROR,
-    MODES,
-    OK,
-    OOM,
-    TIMEOUT,
-    Line,
-    Point,
-    bracket,
-    fit_line,
-    next_layers,
-    planner_line,
-    predicted_bytes,
-)
-
-from nemo_gtp.plan import GIB, ModelShape
+from bench.common import module_argv, with_root
+from nemo_gtp.plan import GIB, Layout, ModelShape, estimate
 from nemo_gtp.recipes.launch import NCCL_SINGLE_NODE_ENV, rank_env
+
+# ------------------------------------------------------------------------------ the search
+# Which layer counts this script probes: planner predictions and the search (no torch).
+#
+# Every mode's per-GPU peak is a straight line in the layer count, ``a + b * layers`` (weights,
+# grads, optimizer state, gathered weights and activations all scale with the layers; embeddings,
+# logits and the CUDA context do not). The planner (``nemo_gtp.plan.estimate``) gives a prior line
+# per mode; successful probes give measured points. The search keeps the largest layer count that
+# trained (``lo``) and the smallest that failed (``hi``) and stops when ``hi == lo + 1``. Its next
+# guess is where the best line it has crosses the memory budget:
+#
+# - two measured points of this mode: the line through them (exact up to allocator slack);
+# - one point: the planner's intercept and the slope through that point (the per-layer terms are
+#   what the planner gets wrong: activations, allocator rounding);
+# - none: the planner's line, shifted by the intercept and slope errors measured on an earlier
+#   mode of the same activation class (with or without recompute) when there is one, else
+#   ``first_fraction`` of the planner's prediction (a calibration probe that is expected to fit:
+#   the planner counts 2 bytes per attention score, the local spec's unfused attention keeps 6,
+#   its fp32 softmax output and bf16 probabilities).
+#
+# A guess the data contradict (at or above a failed count) falls back to bisection; with only
+# failures so far the next probe is at least a quarter smaller.
+#
+# Example::
+#
+#     prior = planner_line(MODES["gtp2"], shape, world=2, tokens_per_gpu=4096)
+#     layers = next_layers([], prior, budget=139 * GIB, first_fraction=0.5)
+
+# Probe outcomes. "oom" and "timeout" bound the search from above; "error" ends the mode.
+OK, OOM, TIMEOUT, ERROR = "ok", "oom", "timeout", "error"
+FAILED = (OOM, TIMEOUT)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to train the model on ``world`` GPUs, as the probe builds it."""
+
+    name: str
+    builder: str  # a bench_gpt.build mode, or "mfsdp" (Megatron-FSDP, built here)
+    doc: str
+    recompute: bool = False
+    gtp: bool = False
+    shard_replicated: bool = False
+    zero3_bytes_per_param: int = 0  # fully sharded modes: state bytes per param over the world
+    cuda_only: bool = False
+
+    def layout(self, world: int) -> Layout | None:
+        """The planner's layout, or None for the fully sharded modes (no planner layout)."""
+        if self.zero3_bytes_per_param:
+            return None
+        if self.gtp:
+            return Layout(1, world, 1, self.recompute, self.shard_replicated)
+        return Layout(1, 1, world, self.recompute)
+
+
+MODES = {
+    m.name: m
+    for m in (
+        Mode(
+            "gtp2",
+            "gtp_auto",
+            "GTP over every GPU (default GTPConfig), megatron DDP + distopt",
+            gtp=True,
+        ),
+        Mode("dp2", "ddp", "megatron DDP, distributed optimizer, fp32 grad reduce"),
+        Mode(
+            "fsdp2",
+            "fsdp2",
+            "torch FSDP2 per layer + root, fp32 master params, bf16 compute",
+            zero3_bytes_per_param=16,  # fp32 param + fp32 grad + Adam m, v
+        ),
+        Mode(
+            "gtp2_srp",
+            "gtp_sr",
+            "gtp2 + shard_replicated_params_over_gtp",
+            gtp=True,
+            shard_replicated=True,
+        ),
+        Mode(
+            "gtp2_recompute",
+            "gtp_auto",
+            "gtp2 + full activation recompute (uniform, 1 layer)",
+            recompute=True,
+            gtp=True,
+        ),
+        Mode(
+            "mfsdp",
+            "mfsdp",
+            "Megatron-FSDP (megatron.core.distributed.fsdp), optim_grads_params",
+            zero3_bytes_per_param=18,  # fp32 main + bf16 model shard + fp32 grad + Adam m, v
+            cuda_only=True,
+        ),
+    )
+}
+
+
+def predicted_bytes(
+    mode: Mode, shape: ModelShape, *, world: int, tokens_per_gpu: int, overhead_gib: float = 3.0
+) -> dict[str, float]:
+    """Per-GPU bytes of ``mode`` by the planner (its ``estimate``), split as the planner splits.
+
+    The fully sharded modes have no planner layout: their state is ``zero3_bytes_per_param`` per
+    parameter over the world, plus the unsharded bf16 weights of two layers (current and
+    prefetched), one layer's bf16 grads and fp32 reduce-scatter input, and the root's unsharded
+    embeddings and output layer; activations as the planner's DP layout.
+    """
+    layout = mode.layout(world)
+    if layout is not None:
+        return estimate(shape, layout, tokens_per_gpu=tokens_per_gpu, overhead_gib=overhead_gib)
+    base = estimate(
+        shape, Layout(1, 1, world), tokens_per_gpu=tokens_per_gpu, overhead_gib=overhead_gib
+    )
+    layer = shape.linear_params_per_layer
+    return {
+        "state": shape.parameters * mode.zero3_bytes_per_param / world,
+        "gather": 2 * 2 * layer + 6 * layer + 2 * shape.embedding_params,
+        "activations": base["activations"],
+        "overhead": base["overhead"],
+    }
+
+
+@dataclass(frozen=True)
+class Line:
+    """Peak bytes per GPU = ``a + b * layers``."""
+
+    a: float
+    b: float
+
+    def at(self, layers: int) -> float:
+        """Bytes at ``layers``."""
+        return self.a + self.b * layers
+
+    def max_layers(self, budget: float) -> int:
+        """Largest layer count whose bytes stay within ``budget`` (0 when none does)."""
+        if self.b <= 0:
+            return 10**6
+        return max(0, math.floor((budget - self.a) / self.b))
+
+
+def planner_line(
+    mode: Mode, shape: ModelShape, *, world: int, tokens_per_gpu: int, overhead_gib: float = 3.0
+) -> Line:
+    """The planner's peak as a line in the layer count (it is linear: two points fix it)."""
+
+    def total(layers: int) -> float:
+        s = ModelShape(**{**shape.__dict__, "layers": layers})
+        return sum(
+            predicted_bytes(
+                mode, s, world=world, tokens_per_gpu=tokens_per_gpu, overhead_gib=overhead_gib
+            ).values()
+        )
+
+    one, two = total(1), total(2)
+    return Line(one - (two - one), two - one)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One probe as the search sees it: layers, outcome, measured peak bytes (None unless ok)."""
+
+    layers: int
+    outcome: str
+    peak: float | None = None
+
+
+def fit_line(points: list[Point], prior: Line) -> Line:
+    """The best line for a mode from its successful probes (see the module docstring)."""
+    ok = {p.layers: p.peak for p in points if p.outcome == OK and p.peak is not None}
+    if len(ok) >= 2:
+        (l1, p1), (l2, p2) = sorted(ok.items())[-2:]
+        slope = (p2 - p1) / (l2 - l1)
+        if slope > 0:
+            return Line(p2 - slope * l2, slope)
+    if ok:
+        l0, p0 = max(ok.items())
+        slope = (p0 - prior.a) / l0
+        if slope > 0:
+            return Line(prior.a, slope)
+    return prior
+
+
+def bracket(points: list[Point]) -> tuple[int, int | None]:
+    """(largest layer count that trained or 0, smallest failed count above it or None)."""
+    lo = max((p.layers for p in points if p.outcome == OK), default=0)
+    hi = min((p.layers for p in points if p.outcome in FAILED and p.layers > lo), default=None)
+    return lo, hi
+
+
+def next_layers(
+    points: list[Point],
+    prior: Line,
+    budget: float,
+    *,
+    first_fraction: float | None = None,
+    margin: float = GIB,
+    max_layers: int = 256,
+) -> int | None:
+    """The next layer count to probe, or None when the search is done.
+
+    ``points``: this mode's probes so far; ``prior``: its planner line (already corrected by
+    other modes' measurements where there are some); ``budget``: bytes per GPU;
+    ``first_fraction``: scale of the very first guess when the prior is uncorrected.
+    """
+    lo, hi = bracket(points)
+    if hi is not None and hi <= lo + 1:
+        return None  # the boundary is found
+    if hi == 1 or lo >= max_layers:
+        return None  # nothing fits, or the cap is reached
+    guess = fit_line(points, prior).max_layers(budget - margin)
+    if not points and first_fraction is not None:
+        guess = max(1, math.floor(first_fraction * guess))
+    upper = max_layers if hi is None else hi - 1
+    if lo == 0 and hi is not None:  # only failures: shrink by at least a quarter
+        return max(1, min(guess, hi - max(1, hi // 4)))
+    if guess <= lo:
+        return lo + 1  # the line says lo is the largest: confirm that lo + 1 fails
+    if guess > upper:
+        return (lo + hi) // 2 if hi is not None else upper  # the data contradict the line
+    return guess
+
 
 DEFAULT_MODES = "gtp2,dp2,fsdp2,gtp2_srp,gtp2_recompute,mfsdp"
 # (hidden, ffn, heads, vocab, seq, micro-batch) per device; CPU: the smoke's tiny width.
@@ -134,7 +342,7 @@ def probe_main(args: argparse.Namespace) -> None:
         if args.fault:
             inject_fault(args.fault, rank, finish)
         result["phase"] = "import"
-        import bench_gpt
+        from bench import bench_gpt
 
         if device == "cpu":
             from nemo_gtp.cpu.compat import enable_cpu_compat
@@ -354,7 +562,6 @@ def build_megatron_fsdp(args: argparse.Namespace, world: int, device: str):
     tuple plus the parameter count (counted before sharding)."""
     if device != "cuda":
         raise RuntimeError("Megatron-FSDP needs CUDA (its device mesh and streams)")
-    import bench_gpt
     import torch
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
@@ -362,6 +569,7 @@ def build_megatron_fsdp(args: argparse.Namespace, world: int, device: str):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
+    from bench import bench_gpt
     from nemo_gtp.engine import GTPParallelDims
     from nemo_gtp.integrations.megatron import initialize_gtp_parallel
 
@@ -417,7 +625,7 @@ def free_port() -> int:
 
 def probe_argv(args: argparse.Namespace, mode: str, layers: int) -> list[str]:
     """This script's command line for one probe rank."""
-    argv = [sys.executable, os.path.abspath(__file__), "--probe", f"{mode},{layers}"]
+    argv = module_argv("bench.bench_max_model", "--probe", f"{mode},{layers}")
     argv += ["--scratch", scratch_dir(args)]
     for name in ("out", "device", "steps", "timed_steps", "optimizer_kernels", "fault"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -450,7 +658,7 @@ def run_probe(args: argparse.Namespace, mode: str, layers: int, timeout_s: float
     procs: list[subprocess.Popen] = []
     start = time.monotonic()
     for rank in range(args.world):
-        env = rank_env(rank, args.world, nccl=True, master_port=port)
+        env = with_root(rank_env(rank, args.world, nccl=True, master_port=port))
         env["LOCAL_WORLD_SIZE"] = str(args.world)  # as torchrun sets it (one node)
         # one new process group (pgid = rank 0's pid) for the probe's ranks: killpg reaches all
         group = procs[0].pid if procs else 0

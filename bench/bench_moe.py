@@ -8,8 +8,8 @@ collective, design §3.4), exposed GTP communication, the loss and grad-norm cur
 mode's parity with its loss baseline (``bench_nemo.py``'s table and verdict).
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    PYTHONPATH=/tmp/te:/tmp/site:$PWD python bench/bench_moe.py --out bench/results/DIR
-    python bench/bench_moe.py --dry-run --out /tmp/moe   # every mode's recipe checked, no launch
+    PYTHONPATH=/tmp/te:/tmp/site:$PWD python -m bench.bench_moe --out bench/results/DIR
+    python -m bench.bench_moe --dry-run --out /tmp/moe   # every mode's recipe checked, no launch
 
 Modes (dense part DP in all of them but ``*_gtp2_egtp2``, so only the experts differ; 4096
 tokens per GPU): ``seq_*``: megatron ``SequentialMLP`` experts (local spec), ``grouped_*``:
@@ -34,11 +34,11 @@ sequence 512, vocabulary 1024, so the host-staged collectives stay small; ``--fu
 keeps the recipe's shape). Step times, tokens/s, exposed communication and memory of such a run
 mean nothing; losses, grad norms and the collective counts do:
 
-    python bench/bench_moe.py --shared-device --modes grouped_dp2,grouped_egtp2 \\
+    python -m bench.bench_moe --shared-device --modes grouped_dp2,grouped_egtp2 \\
         --timeout 165 --out DIR                        # EGTP2 vs EP1 · DP2, 2 ranks
-    python bench/bench_moe.py --shared-device --modes grouped_ep2_dp2,grouped_ep2_egtp2 \\
+    python -m bench.bench_moe --shared-device --modes grouped_ep2_dp2,grouped_ep2_egtp2 \\
         --timeout 165 --out DIR                        # EP2 · EGTP2 vs EP2 · DP2, 4 ranks
-    python bench/bench_moe.py --shared-device --modes cpu_ep2_dp2,cpu_ep2_egtp2 --out DIR  # CPU
+    python -m bench.bench_moe --shared-device --modes cpu_ep2_dp2,cpu_ep2_egtp2 --out DIR  # CPU
 
 The whole run is bounded by ``--timeout`` (default 175 s): ranks still running then are killed
 and the fits that finished are reported (rank 0 rewrites ``records.json`` after every fit).
@@ -57,12 +57,7 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-if str(ROOT) not in sys.path:  # nemo_gtp for the recipe checks without PYTHONPATH
-    sys.path.insert(1, str(ROOT))
-
-from bench_nemo import (  # noqa: E402 (after the path)
+from bench.bench_nemo import (
     SHARED_DEVICE_NOTE,
     _free_port,
     _max_rel,
@@ -73,6 +68,7 @@ from bench_nemo import (  # noqa: E402 (after the path)
     rank_environment,
     world_overrides,
 )
+from bench.common import ROOT, module_argv, with_root
 
 CONFIG = "configs/moe_1b.yaml"
 CPU_CONFIG = "configs/moe_tiny_cpu.yaml"
@@ -273,8 +269,7 @@ def _expert_probe(reset_at: int):  # noqa: ANN202
 
 
 def _rank_main(spec_path: str) -> None:
-    from bench_nemo import _steps_callback, timed_fit
-
+    from bench.bench_nemo import _steps_callback, timed_fit
     from nemo_gtp.recipes.launch import teardown_fit
     from nemo_gtp.recipes.loader import load_recipe
 
@@ -392,8 +387,8 @@ def _launch(spec: Path, out: Path, world: int, shared: bool, timeout: float) -> 
         env = rank_environment(rank, world, shared, port)
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
         proc = subprocess.Popen(
-            [sys.executable, __file__, "--rank-main", str(spec)],
-            env=env,
+            module_argv("bench.bench_moe", "--rank-main", str(spec)),
+            env=with_root(env),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: a timeout kills all it started

@@ -8,7 +8,7 @@ median), and, where asked, a profile of a few more steps: a ``torch.profiler`` s
 busy vs idle per step) and a cProfile of the host (time in GTP code per call).
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    python bench/bench_nemo.py --modes dp2_local,gtp2_local,dp2_te,gtp2_te \\
+    python -m bench.bench_nemo --modes dp2_local,gtp2_local,dp2_te,gtp2_te \\
         --tokens 1024,2048,4096,8192 --out results_dir [--profile-tokens 2048,4096 [--chrome-trace]]
 
 Modes (1B recipe, 24 layers, hidden 2048): ``dp2_local`` / ``gtp2_local``
@@ -41,9 +41,9 @@ grad-norm differences, verdict at ``nemo_gtp.run``'s tolerance). CUDA graphs and
 are refused there. ``dp2_cpu`` / ``gtp2_cpu`` (``configs/tiny_cpu.yaml``, fp32) run the same
 launch on CPU, ``--dry-run`` prints the launch plan after checking every recipe:
 
-    python bench/bench_nemo.py --shared-device --modes dp2_te,gtp2_te --tokens 2048 \
+    python -m bench.bench_nemo --shared-device --modes dp2_te,gtp2_te --tokens 2048 \
         --warmup 2 --timed 18 --fit-timeout 150 --out results_dir
-    python bench/bench_nemo.py --shared-device --modes dp2_cpu,gtp2_cpu --out /tmp/sd  # CPU
+    python -m bench.bench_nemo --shared-device --modes dp2_cpu,gtp2_cpu --out /tmp/sd  # CPU
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from bench.common import ROOT, module_argv, with_root
+
 MODES = {
     "dp2_local": ("configs/gpt_1b.yaml", ["strategy.num_weight_shards=1"]),
     "gtp2_local": ("configs/gpt_1b.yaml", []),
@@ -409,7 +409,7 @@ def dump_weights(strategy: object, path: str) -> None:
         torch.save(weights, path)
 
 
-# --host-timer: this rank process's gtp_host_timer.GTPHostTimer (module-level: NeMo deep-copies
+# --host-timer: this rank process's bench.common.GTPHostTimer (module-level: NeMo deep-copies
 # callbacks, and the timer's thread-local depth cannot be copied)
 _HOST_TIMER = None
 
@@ -676,8 +676,8 @@ def timed_fit(
 
 def _rank_main(spec_path: str) -> None:
     import torch
-    from memory_peak import start_recording, stop_and_report  # bench/: the script's directory
 
+    from bench.common import start_recording, stop_and_report
     from nemo_gtp.recipes.launch import teardown_fit
     from nemo_gtp.recipes.loader import load_recipe
 
@@ -687,8 +687,7 @@ def _rank_main(spec_path: str) -> None:
         import nemo_gtp.cpu.staged_gloo  # noqa: F401
     global _HOST_TIMER
     if spec.get("host_timer") and _HOST_TIMER is None:  # before any model is built (TE's
-        sys.path.insert(0, str(Path(__file__).resolve().parent))  # pre-hooks bind at build)
-        from gtp_host_timer import GTP_ENTRIES, GTPHostTimer, te_entries
+        from bench.common import GTP_ENTRIES, GTPHostTimer, te_entries  # pre-hooks bind at build)
 
         entries = GTP_ENTRIES + (te_entries() if spec.get("te_timer") else ())
         _HOST_TIMER = GTPHostTimer.install(entries)
@@ -1060,7 +1059,7 @@ def _repeat_summary(records: list[dict]) -> str:
 
 
 def _plot(records: list[dict], png: Path) -> None:
-    from plot_ratio import plot_ratio_series
+    from bench.common import plot_ratio_series
 
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
     series = {}
@@ -1115,13 +1114,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--host-timer",
         action="store_true",
         help="record per rank the host ms per timed step inside GTP's entry points, megatron's "
-        "DDP bucket calls and optimizer step (gtp_host_timer.py; ~1 us per wrapped call)",
+        "DDP bucket calls and optimizer step (bench.common.GTPHostTimer; ~1 us per wrapped call)",
     )
     parser.add_argument(
         "--te-timer",
         action="store_true",
         help="with --host-timer: TE's Python entry points and C++ functions timed too, each "
-        "its own entry (gtp_host_timer.te_entries): the same TE call's host µs in every mode",
+        "its own entry (bench.common.te_entries): the same TE call's host µs in every mode",
     )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timed", type=int, default=20)
@@ -1141,7 +1140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="rank 0 writes every fit's full weights, dequantized, at its train start (after a "
         "checkpoint load) and end: weights_<mode>_<tokens>_{start,end}.pt, the mode's "
-        "characters outside [A-Za-z0-9._-] as _ (compare_weights.py)",
+        "characters outside [A-Za-z0-9._-] as _ (python -m bench.tools compare-weights)",
     )
     parser.add_argument(
         "--memory-trace",
@@ -1247,8 +1246,8 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(
                 (
                     subprocess.Popen(
-                        [sys.executable, __file__, "--rank-main", str(spec)],
-                        env=env,
+                        module_argv("bench.bench_nemo", "--rank-main", str(spec)),
+                        env=with_root(env),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                     ),

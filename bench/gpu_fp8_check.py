@@ -1,6 +1,6 @@
 """FP8 under GTP on 2 GPUs: GTP2 vs DP2 (TE's FP8 path): FP8 gathers, TE quantizing bf16 gathers.
 
-    torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --out bench/results/fp8_check
+    torchrun --nproc-per-node 2 -m bench.gpu_fp8_check --out bench/results/fp8_check
 
 A small megatron-core GPT with the TransformerEngine layer spec (bf16 weights, Float16Module,
 GTP-aware DDP, distributed Adam), trained from the same initial weights on the same batches
@@ -90,7 +90,7 @@ checks, refresh and allocation counts keep their meaning (peak GiB is each rank'
 allocator); step times do not, and GTP sees a non-NCCL group (MEAN as a 1/2 pre-scale, no
 copy-engine gather)::
 
-    torchrun --nproc-per-node 2 bench/gpu_fp8_check.py --shared-device --out /tmp/fp8_1gpu
+    torchrun --nproc-per-node 2 -m bench.gpu_fp8_check --shared-device --out /tmp/fp8_1gpu
 
 ``--cpu-smoke`` (2 gloo processes, no TE): the same script with the megatron-local spec in bf16
 (modes ``bf16_dp2`` / ``bf16_gtp2``, and ``fp8param_gtp2``: ``fp8_param`` makes the local
@@ -245,19 +245,19 @@ def run_mode(
     bucket_size: int | None = None,
     microbatch_split: int = 1,
 ) -> dict:
-    from bench_gpt import model_config
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
-    from te_gpt_nccl import (
+
+    from bench.bench_gpt import model_config
+    from bench.te_gpt_nccl import (
         _seed,
         forward_backward_step,
         layer_spec,
         reference_weights,
         wrap_for_training,
     )
-
     from nemo_gtp.engine import GTPConfig
     from nemo_gtp.integrations.megatron import gtp_layer_spec, shard_model
     from tests.harness.gpt import Run, gtp_groups, load_full_weights
@@ -1069,9 +1069,121 @@ def world_plan(shared_device: bool, local_rank: int, cuda: bool = CUDA) -> tuple
     return rank_backend(shared_device, cuda, local_rank)
 
 
+# ------------------------------------------------------------------------- --probe-gemm
+# Find out why a TransformerEngine GEMM refuses its operands (GPU diagnostic, no fix).
+#
+# ``install()`` wraps ``general_gemm`` where TE's linear modules call it. When a call raises, the
+# probe records every operand (type, shape, strides, storage offset, the address modulo 256 of
+# its data / transpose / scale_inv, dtypes, usages) and retries the same call with one change
+# at a time (a fresh copy of ``_scale_inv``; of ``_data``; of ``_transpose``; all three), and
+# records which retry succeeds: the first one that does names the operand cuBLAS refused. The
+# original error is raised again afterwards, so the run fails as it would have.
+#
+GEMM_FINDINGS: list[dict] = []
+GEMM_SUCCESSES: list[dict] = []  # the first calls that worked (a reference for the failing ones)
+_GEMM_FIELDS = ("_data", "_transpose", "_scale_inv", "_rowwise_data", "_columnwise_data")
+
+
+def _gemm_describe(value: object) -> object:
+    if not isinstance(value, torch.Tensor):
+        return repr(value)[:80]
+    out = {"type": type(value).__name__, "shape": list(value.shape)}
+    parts = {name: getattr(value, name, None) for name in _GEMM_FIELDS}
+    parts = {k: v for k, v in parts.items() if isinstance(v, torch.Tensor)}
+    if not parts:
+        parts = {"self": value}
+    for name, t in parts.items():
+        out[name] = {
+            "shape": list(t.shape),
+            "stride": list(t.stride()),
+            "offset": t.storage_offset(),
+            "dtype": str(t.dtype),
+            "ptr_mod_256": t.data_ptr() % 256,
+            "contiguous": t.is_contiguous(),
+        }
+    for flag in ("_transpose_invalid", "_fp8_dtype"):
+        if hasattr(value, flag):
+            out[flag] = str(getattr(value, flag))
+    quantizer = getattr(value, "_quantizer", None)
+    if quantizer is not None:
+        out["quantizer"] = {
+            "type": type(quantizer).__name__,
+            "rowwise": getattr(quantizer, "rowwise_usage", None),
+            "columnwise": getattr(quantizer, "columnwise_usage", None),
+        }
+    return out
+
+
+def _gemm_with_copy(value: object, names: tuple[str, ...]) -> object:
+    """``value`` with fresh copies of the named fields (same object: restored by the caller)."""
+    for name in names:
+        t = getattr(value, name, None)
+        if isinstance(t, torch.Tensor):
+            setattr(value, name, t.clone())
+    return value
+
+
+def _gemm_probe(gemm, args: tuple, kwargs: dict, error: Exception) -> dict:  # noqa: ANN001
+    finding = {
+        "error": str(error).splitlines()[0][:300],
+        "where": traceback.format_stack(limit=6)[-4].strip()[:300],
+        "args": [_gemm_describe(a) for a in args[:2]],
+        "out": _gemm_describe(kwargs.get("out")),
+        "kwargs": {k: repr(v)[:60] for k, v in kwargs.items() if k != "out"},
+        "retries": {},
+    }
+    quantized = [a for a in args[:2] if isinstance(a, torch.Tensor) and hasattr(a, "_scale_inv")]
+    for label, names in (
+        ("copy _scale_inv", ("_scale_inv",)),
+        ("copy _data", ("_data",)),
+        ("copy _transpose", ("_transpose",)),
+        ("copy all", ("_scale_inv", "_data", "_transpose")),
+    ):
+        saved = [{n: getattr(a, n, None) for n in names} for a in quantized]
+        try:
+            for a in quantized:
+                _gemm_with_copy(a, names)
+            gemm(*args, **kwargs)
+            finding["retries"][label] = "ok"
+        except Exception as retry_error:  # noqa: BLE001 - recorded
+            finding["retries"][label] = str(retry_error).splitlines()[0][-120:]
+        finally:
+            for a, fields in zip(quantized, saved):
+                for n, t in fields.items():
+                    setattr(a, n, t)
+    return finding
+
+
+def install_gemm_probe(limit: int = 4) -> None:
+    """Wrap ``general_gemm`` in TE's linear modules (idempotent)."""
+    import transformer_engine.pytorch.module.grouped_linear as grouped
+    import transformer_engine.pytorch.module.layernorm_linear as ln_linear
+    import transformer_engine.pytorch.module.layernorm_mlp as ln_mlp
+    import transformer_engine.pytorch.module.linear as linear
+
+    for module in (linear, ln_linear, ln_mlp, grouped):
+        gemm = getattr(module, "general_gemm", None)
+        if gemm is None or getattr(gemm, "_probe", False):
+            continue
+
+        def wrapped(*args, _gemm=gemm, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            try:
+                out = _gemm(*args, **kwargs)
+            except RuntimeError as error:
+                if len(GEMM_FINDINGS) < limit:
+                    torch.cuda.synchronize()
+                    GEMM_FINDINGS.append(_gemm_probe(_gemm, args, kwargs, error))
+                raise
+            if len(GEMM_SUCCESSES) < limit:
+                GEMM_SUCCESSES.append({"args": [_gemm_describe(a) for a in args[:2]]})
+            return out
+
+        wrapped._probe = True
+        module.general_gemm = wrapped
+
+
 def main() -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gpt, te_gpt_nccl
-    from te_gpt_nccl import add_run_args
+    from bench.te_gpt_nccl import add_run_args
 
     parser = argparse.ArgumentParser()
     add_run_args(parser, layers=4, hidden=1024, heads=8, steps=30, timing_from=5)
@@ -1096,7 +1208,7 @@ def main() -> None:
         "--probe-gemm",
         action="store_true",
         help="record the operands of a failing TE GEMM and which copied operand makes it run "
-        "(te_gemm_probe; gemm_probe in the JSON)",
+        "(gemm_probe in the JSON)",
     )
     args = parser.parse_args()
     _watchdog(args)
@@ -1128,13 +1240,8 @@ def main() -> None:
     except ImportError:
         RESULT["te"] = None
     if args.probe_gemm and CUDA:
-        import te_gemm_probe
-
-        te_gemm_probe.install()
-        RESULT["gemm_probe"] = {
-            "failures": te_gemm_probe.FINDINGS,
-            "first_successes": te_gemm_probe.SUCCESSES,
-        }
+        install_gemm_probe()
+        RESULT["gemm_probe"] = {"failures": GEMM_FINDINGS, "first_successes": GEMM_SUCCESSES}
     modes = MODES if CUDA else SMOKE_MODES
     selected = args.modes.split(",") if args.modes else list(modes)
     if not CUDA:

@@ -30,7 +30,7 @@ On the 2-GPU machine, from the repository root (about 1 minute; the script spawn
 itself and ends them after ``--timeout`` seconds)::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    PYTHONPATH=/tmp/te:/tmp/site:$PWD timeout 115 python bench/gpu_grouped_experts.py \
+    PYTHONPATH=/tmp/te:/tmp/site:$PWD timeout 115 python -m bench.gpu_grouped_experts \
         --timeout 110 --out /tmp/gpu_grouped_experts
 
 On a machine with ONE GPU, ``--shared-device`` runs both ranks on ``cuda:0``, their
@@ -38,7 +38,7 @@ collectives staged through host memory over gloo (``nemo_gtp.cpu.staged_gloo``, 
 ``cpu:gloo,cuda:staged_gloo``; every megatron / GTP sub-group inherits it)::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TORCH_FR_BUFFER_SIZE=0
-    PYTHONPATH=/tmp/te:/tmp/site:$PWD timeout 145 python bench/gpu_grouped_experts.py \
+    PYTHONPATH=/tmp/te:/tmp/site:$PWD timeout 145 python -m bench.gpu_grouped_experts \
         --shared-device --timeout 140 --out /tmp/gpu_grouped_experts_1gpu
 
 Every check keeps its meaning there: the parities and checkpoints compare values (the staged
@@ -52,14 +52,13 @@ itself and the copy-engine gather; the ``seconds`` of each check mean nothing.
 Here, on CPU (gloo, TE's stand-in, the same checks on tiny sizes; about 1 minute; add
 ``--shared-device`` to run them through the staged backend)::
 
-    PYTHONPATH=$PWD python bench/gpu_grouped_experts.py --cpu-smoke --out /tmp/gpu_grouped_smoke
+    PYTHONPATH=$PWD python -m bench.gpu_grouped_experts --cpu-smoke --out /tmp/gpu_grouped_smoke
 
 Writes ``gpu_grouped_experts.json`` and ``.md`` to ``--out`` after every check; the launch is
 bounded by ``--timeout`` seconds. Success: exit 0, the last line ``[gpu_grouped_experts] ok:
 <out>/gpu_grouped_experts.md``, every check ``ok`` in the markdown (and ``te: true`` in the JSON
-on GPUs: TransformerEngine's classes ran, not the stand-in). The repository root goes first on
-``sys.path`` before any ``nemo_gtp`` import, so an installed copy of ``nemo_gtp`` never shadows
-this checkout.
+on GPUs: TransformerEngine's classes ran, not the stand-in). Run as ``python -m
+bench.gpu_grouped_experts`` from the repository root, so this checkout's ``nemo_gtp`` comes first.
 """
 
 from __future__ import annotations
@@ -78,10 +77,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 CHECKS = ("init_memory", "parity", "checkpoint", "seq_init_memory", "seq_parity")
 
@@ -482,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     # GPT parity read 9.9e-5 / 4.2e-5 (2xH200) against fp32's 1e-5; without it 3.1e-7 / 3.5e-7
     # (1xH200, --shared-device): the gap was TF32 rounding, not GTP.
     os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
-    from tests.harness.spawn import spawn_bounded  # after ROOT went first on sys.path
+    from tests.harness.spawn import spawn_bounded
 
     work = tempfile.mkdtemp(prefix="gpu_grouped_experts_")
     failed = spawn_bounded(

@@ -20,8 +20,8 @@ both, must be bit-identical) and against ``dp2_full``, and ``gtp2_eager`` agains
 (graphs created, GTP's Python gather count per replayed step 0).
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    python bench/gpu_layer_graphs.py --out results_dir          # spawns its 2 ranks itself
-    python bench/gpu_layer_graphs.py --cpu-smoke --out /tmp/x   # the same code on CPU / gloo
+    python -m bench.gpu_layer_graphs --out results_dir          # spawns its 2 ranks itself
+    python -m bench.gpu_layer_graphs --cpu-smoke --out /tmp/x   # the same code on CPU / gloo
 
 Writes ``gpu_layer_graphs.json`` and ``gpu_layer_graphs.md`` to ``--out`` after every mode (a
 mode that fails is recorded with its error and the next one runs); the whole launch is bounded
@@ -47,11 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # this checkout's nemo_gtp, not an installed copy
-    sys.path.insert(0, str(ROOT))
-
-from tests.harness.spawn import spawn_bounded  # noqa: E402 (after the path fix)
+from tests.harness.spawn import spawn_bounded
 
 if TYPE_CHECKING:
     from tests.harness.gpt import Run

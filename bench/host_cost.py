@@ -7,7 +7,7 @@ gather + backward gather + wgrad reduce-scatter + finalize), the figure that dec
 small-token step becomes host-bound.
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    torchrun --nproc-per-node 2 bench/host_cost.py --weights 64 --steps 200 --out host_cost.json
+    torchrun --nproc-per-node 2 -m bench.host_cost --weights 64 --steps 200 --out host_cost.json
 
 Modes: ``plain`` (torch linears; megatron-style ``main_grad`` accumulation in a post-accumulate
 hook), ``gtp`` (GTP over all ranks, process-group gather), ``gtp_coN`` (coalescing units of N

@@ -6,16 +6,17 @@ the NeMo path (recipe → ``GTPMegatronStrategy`` → ``nl.Trainer``) as rank 0 
 moves nothing, everything else (megatron, TE, GTP's chains, streams, events, the optimizer) is
 real. Numbers are meaningless (gathered rows stay uninitialized); step times are not: on one
 GPU (or on CPU) GTP2 vs DP2 at the same per-rank shapes gives the host time GTP adds per step,
-and a cProfile dump (``host_profile_<mode>.pstats``) says where — without a second GPU.
-``bench/pstats_diff.py`` diffs two dumps (packed into ``host_profiles.tgz``). NCCL's own launch
-cost, and anything that waits on a peer, is what this cannot see; ``bench_nemo.py`` measures the
-real thing on ≥ 2 GPUs. Two fake-world costs fall on GTP's side only (its ratios are upper
-bounds): torch's fake backend copies every all-gather input into its output (a copy kernel per
-tensor), and without NCCL's AVG GTP's MEAN is a 1/GTP pre-scale (one ``mul_`` per weight).
+and a cProfile dump (``host_profile_<mode>.pstats``) says where — without a second GPU
+(``python -m bench.tools pstats-diff`` diffs two dumps, packed into ``host_profiles.tgz``).
+NCCL's own launch cost, and anything that waits on a peer, is what this cannot see;
+``bench.bench_nemo`` measures the real thing on ≥ 2 GPUs. Two fake-world costs fall on GTP's
+side only (its ratios are upper bounds): torch's fake backend copies every all-gather input
+into its output (a copy kernel per tensor), and without NCCL's AVG GTP's MEAN is a 1/GTP
+pre-scale (one ``mul_`` per weight).
 
-    python bench/host_fake.py --modes dp2_te,gtp2_te --tokens 2048 --repeat 3 --out results/hf
-    python bench/host_fake.py --modes dp2_cpu,gtp2_cpu --out /tmp/host_fake   # CPU, tiny GPT
-    python bench/host_fake.py --modes dp2_te,gtp2_te,gtp2_te%general%flatten --repeat 3 ...
+    python -m bench.host_fake --modes dp2_te,gtp2_te --tokens 2048 --repeat 3 --out results/hf
+    python -m bench.host_fake --modes dp2_cpu,gtp2_cpu --out /tmp/host_fake   # CPU, tiny GPT
+    python -m bench.host_fake --modes dp2_te,gtp2_te,gtp2_te%general%flatten --repeat 3 ...
 
 A mode's ``%name`` suffixes (:data:`PATCHES`) restore an earlier host path in its process, so
 old and new code run interleaved in one launch; ``%te`` instead times TE's own entry points
@@ -47,9 +48,7 @@ import tarfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+from bench.common import ROOT, module_argv, with_root
 
 CPU_MODES = {  # a host-bound tiny GPT: many small layers (CPU, fp32)
     "dp2_cpu": ("configs/tiny_cpu.yaml", ["strategy.num_weight_shards=1"]),
@@ -132,6 +131,9 @@ def _patch_count_bails() -> None:
     import json as _json
 
     from nemo_gtp.engine import runtime as rt
+    from nemo_gtp.engine.chain import ChainPhase
+    from nemo_gtp.engine.gather import backward_task_id
+    from nemo_gtp.engine.param import Direction
 
     reasons: collections.Counter = collections.Counter()
     dense = rt.GTPRuntime._dense_consume
@@ -146,8 +148,8 @@ def _patch_count_bails() -> None:
             return "trace"
         if self.wait_timer.enabled:
             return "wait_timer"
-        if direction is rt._FWD:
-            if rt._backward_task_id() != -1:
+        if direction is Direction.FWD:
+            if backward_task_id() != -1:
                 return "recompute"
             if policy is not None and policy.forward_scaling(param) is not None:
                 return "fp8 gather"
@@ -171,7 +173,7 @@ def _patch_count_bails() -> None:
 
     def not_linked(self, param, direction):  # noqa: ANN001, ANN202
         state = param.gtp_state
-        if not (state.group < 0 and state.chain.phase is rt._LINKED):
+        if not (state.group < 0 and state.chain.phase is ChainPhase.LINKED):
             reasons[f"not linked / grouped ({state.chain.phase.name})"] += 1
         return general(self, param, direction)
 
@@ -189,7 +191,7 @@ alignment), over the timed window; None when not measured."""
 def _patch_gemm_variants() -> None:
     """``%te``: count TE's ``generic_gemm`` calls per variant into :data:`GEMM_VARIANTS`."""
     global GEMM_VARIANTS
-    from gtp_host_timer import te_extension
+    from bench.common import te_extension
 
     tex = te_extension()
     if tex is None:  # no TE (CPU): nothing to count
@@ -246,7 +248,7 @@ def _resolve(mode: str, tokens: int) -> tuple[str, list[str]]:
         config, overrides = CPU_MODES[mode.split("@")[0]]
         extra = [f"+gtp.{k}" for k in mode.split("@")[1:]]
         return config, [*overrides, *CPU_SHAPE, *extra]
-    from bench_nemo import _token_overrides, resolve_mode
+    from bench.bench_nemo import _token_overrides, resolve_mode
 
     config, overrides, _ = resolve_mode(mode)
     return config, [*overrides, *_token_overrides(tokens)]
@@ -279,9 +281,8 @@ def _rank_main(spec: dict) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     _init_fake_world(spec["world"])
-    from bench_nemo import _thread_cpu_per_step, thread_cpu_seconds
-    from gtp_host_timer import GTPHostTimer
-
+    from bench.bench_nemo import _thread_cpu_per_step, thread_cpu_seconds
+    from bench.common import GTPHostTimer
     from nemo_gtp.recipes.loader import build_fit, load_recipe
 
     cuda = torch.cuda.is_available()
@@ -299,7 +300,7 @@ def _rank_main(spec: dict) -> dict:
             gc_time["runs"][info["generation"]] += 1
 
     gc.callbacks.append(on_gc)
-    from gtp_host_timer import GTP_ENTRIES, te_entries
+    from bench.common import GTP_ENTRIES, te_entries
 
     patches = spec["mode"].split("#")[0].split("%")[1:]
     entries = GTP_ENTRIES + (te_entries() if "te" in patches else ())
@@ -401,7 +402,7 @@ def main() -> int:
     if args.rank_main:
         print("RECORD " + json.dumps(_rank_main(json.loads(args.rank_main))), flush=True)
         return 0
-    from bench_nemo import file_stem
+    from bench.bench_nemo import file_stem
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -426,14 +427,13 @@ def main() -> int:
             log = out / f"{spec['file_stem']}.log"
             with open(log, "w") as f:
                 proc = subprocess.run(
-                    [sys.executable, __file__, "--out", str(out), "--rank-main", json.dumps(spec)],
+                    module_argv(
+                        "bench.host_fake", "--out", str(out), "--rank-main", json.dumps(spec)
+                    ),
                     stdout=f,
                     stderr=subprocess.STDOUT,
-                    env={  # one intra-op thread per rank, as bench_nemo.py's ranks have
-                        "OMP_NUM_THREADS": "1",
-                        **os.environ,
-                        "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
-                    },
+                    # one intra-op thread per rank, as bench_nemo's ranks have
+                    env=with_root({"OMP_NUM_THREADS": "1", **os.environ}),
                 )
             lines = [x for x in log.read_text().splitlines() if x.startswith("RECORD ")]
             record = {"mode": mode, "tokens_per_gpu": tokens}

@@ -7,7 +7,7 @@ by bucket. This times the Newton–Schulz kernels alone on one GPU for a GPT's m
 recipe's by default): all of them, and rank 0's share at GTP sizes 2 and 4 (the busiest rank's
 share is within one matrix of it). No collective runs.
 
-    python bench/muon_step.py --layers 24 --hidden 2048 --ffn 8192 --out muon_step.json
+    python -m bench.muon_step --layers 24 --hidden 2048 --ffn 8192 --out muon_step.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """TransformerEngine layer spec under GTP on GPUs: GTP2 vs DP2, and the local spec alike.
 
-    torchrun --nproc-per-node 2 bench/te_gpt_nccl.py --out te_out
+    torchrun --nproc-per-node 2 -m bench.te_gpt_nccl --out te_out
 
 megatron-core's GPTModel with ``get_gpt_layer_with_transformer_engine_spec()`` (bf16,
 Float16Module, GTP-aware megatron DDP, distributed Adam, ``forward_backward_no_pipelining``),
@@ -38,11 +38,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from bench_gpt import (  # the same benchmark GPT (run from bench/, on sys.path)
-    make_optimizer,
-    model_config,
-)
-from host_profile import write_host_profile
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
@@ -54,6 +49,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
+from bench.bench_gpt import (  # the same benchmark GPT
+    make_optimizer,
+    model_config,
+)
+from bench.common import write_host_profile
 from nemo_gtp.engine import GTPConfig, GTPShardedParam, is_gtp_param
 from nemo_gtp.integrations.megatron import (
     GTPDistributedDataParallel,

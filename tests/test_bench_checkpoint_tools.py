@@ -1,18 +1,14 @@
-"""The GPU checkpoint check's tools: ``bench/compare_weights.py`` (two weight dumps, key by key,
-bit for bit) and what ``bench/bench_nemo.py`` adds for it: ``@resume=`` as a mode modifier (a
-top-level recipe key), and the gathered-bytes ratio of an FP8 mode against its bf16 twin."""
+"""The GPU checkpoint check's tools: ``bench.common.compare`` (``python -m bench.tools
+compare-weights``: two weight dumps, key by key, bit for bit) and what ``bench.bench_nemo`` adds
+for it: ``@resume=`` as a mode modifier (a top-level recipe key), and the gathered-bytes ratio of
+an FP8 mode against its bf16 twin."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-
-from bench_nemo import _bytes_summary, resolve_mode  # noqa: E402
-from compare_weights import compare  # noqa: E402
+from bench.bench_nemo import _bytes_summary, resolve_mode
+from bench.common import compare
 
 
 def test_compare_weights_bit_for_bit_and_differences() -> None:

@@ -1,18 +1,15 @@
-"""``bench/gtp_host_timer.py``: the in-process host timer ``bench_nemo.py --host-timer`` records
+"""``bench.common.GTPHostTimer``: the in-process host timer ``bench_nemo.py --host-timer`` records
 on GPUs counts each entry's outermost call once per thread, gives an entry wrapped again in a
 category of its own its inclusive time under its own name, and reports ms, thread CPU ms and
 calls per step."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import types
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-
-from gtp_host_timer import GTPHostTimer  # noqa: E402
+from bench.common import GTPHostTimer
 
 
 class _Runtime:

@@ -1,4 +1,4 @@
-"""``bench/bench_max_model.py``: the largest-model search, its driver and its probe processes.
+"""``bench.bench_max_model``: the largest-model search, its driver and its probe processes.
 
 The search and the driver's bookkeeping run against known memory lines (every mode's peak is
 linear in the layer count; the probe stand-in says ok below the budget, oom above). The probe
@@ -10,27 +10,24 @@ result within its bound.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-
-from bench_max_model import Sweep, parse_args, run_probe  # noqa: E402
-from max_model_search import (  # noqa: E402
+from bench.bench_max_model import (
     MODES,
     OK,
     OOM,
     Line,
     Point,
+    Sweep,
     next_layers,
+    parse_args,
     planner_line,
+    run_probe,
 )
-
-from nemo_gtp.plan import GIB, ModelShape  # noqa: E402
+from nemo_gtp.plan import GIB, ModelShape
 
 GPU_SHAPE = ModelShape(layers=1, hidden=4096, ffn=16384, heads=32, vocab=32000, seq=4096)
 BUDGET = 140 * GIB

@@ -1,19 +1,15 @@
-"""``bench/bench_moe.py`` on CPU: every mode's recipe passes the CLI's checks (what the script's
+"""``bench.bench_moe`` on CPU: every mode's recipe passes the CLI's checks (what the script's
 ``--dry-run`` does before a GPU sees it), its one-GPU launch plan (``--shared-device``: 4 ranks
 on ``cuda:0``), and the report reads finished and failed fits and judges parity."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-
-from bench_moe import MODES, SHARED_DEVICE_SHAPE, baselines, check_modes, main, report  # noqa: E402
+from bench.bench_moe import MODES, SHARED_DEVICE_SHAPE, baselines, check_modes, main, report
 
 
 def test_every_mode_passes_the_recipe_checks(capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,9 +79,9 @@ def test_report(tmp_path: Path) -> None:
 
 
 def test_gpu_grouped_experts_arguments() -> None:
-    """``bench/gpu_grouped_experts.py`` (TEGroupedMLP pre-sharded on GPUs) imports and parses;
+    """``bench.gpu_grouped_experts`` (TEGroupedMLP pre-sharded on GPUs) imports and parses;
     its ``--cpu-smoke`` run is the same code on gloo with TE's stand-in."""
-    from gpu_grouped_experts import CHECKS, parse_args
+    from bench.gpu_grouped_experts import CHECKS, parse_args
 
     args = parse_args(["--out", "x", "--cpu-smoke"])
     assert (args.local_experts, args.hidden, args.moe_ffn) == (3, 32, 64)

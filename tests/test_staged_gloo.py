@@ -6,7 +6,7 @@ host buffer, the gloo collective runs there, the result is copied back. Each cas
 results against plain gloo over the same ranks where gloo has the collective, else against the
 collective's definition; the last case re-creates the world on the staged backend (the default
 group and the groups ``new_group`` derives from it) and saves / loads a
-``torch.distributed.checkpoint``; then ``bench/gpu_grouped_experts.py``'s ``--shared-device``
+``torch.distributed.checkpoint``; then ``bench.gpu_grouped_experts``'s ``--shared-device``
 launch re-creates it once more through the script's own ``init_world`` (on CPU). The launch
 plans of the GPU checks' one-GPU mode are checked in this process, nothing spawned.
 """
@@ -14,7 +14,6 @@ plans of the GPU checks' one-GPU mode are checked in this process, nothing spawn
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +22,6 @@ import torch
 import torch.distributed as dist
 
 from tests.harness.spawn import Outcome, case_values, run_cases
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
 
 def _groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -289,10 +285,10 @@ def _staged_world(rank: int, world: int, store_dir: str) -> dict:
 
 
 def _grouped_experts_world(rank: int, world: int, store_dir: str) -> dict:
-    """``bench/gpu_grouped_experts.py --cpu-smoke --shared-device``'s launch: its ranks join the
-    staged world through the script's own ``init_world`` (the CPU form of its one-GPU path)."""
-    from gpu_grouped_experts import init_world, parse_args
-
+    """``python -m bench.gpu_grouped_experts --cpu-smoke --shared-device``'s launch: its ranks
+    join the staged world through the script's own ``init_world`` (the CPU form of its one-GPU
+    path)."""
+    from bench.gpu_grouped_experts import init_world, parse_args
     from nemo_gtp.cpu.staged_gloo import StagedGlooGroup, world_on_gpu
 
     dist.destroy_process_group()  # the world of the case before
@@ -409,13 +405,13 @@ def test_registered_and_idempotent() -> None:
     assert dist.Backend.backend_capability["staged_gloo"] == ["cuda"]
 
 
-# ----------------------------------------------------------------- bench_nemo.py --shared-device
+# --------------------------------------------------------------- bench.bench_nemo --shared-device
 def test_bench_nemo_shared_device_plan(capsys: pytest.CaptureFixture[str]) -> None:
     """``--shared-device --dry-run``: every rank is local rank 0 of its own node (``cuda:0``),
     the recipes run on the staged backend with the cut-down shape, nothing is launched."""
     import json
 
-    from bench_nemo import SHARED_DEVICE_SHAPE, main
+    from bench.bench_nemo import SHARED_DEVICE_SHAPE, main
 
     args = ["--shared-device", "--modes", "dp2_te,gtp2_te", "--tokens", "2048", "--dry-run"]
     assert main([*args, "--out", "unused"]) == 0
@@ -453,7 +449,7 @@ def test_bench_nemo_shared_device_plan(capsys: pytest.CaptureFixture[str]) -> No
 def test_bench_nemo_parity_report(tmp_path: Path) -> None:
     """The report of a shared-device run says step times mean nothing and judges each mode's
     losses and grad norms against its baseline at the recipe precision's tolerance."""
-    from bench_nemo import _report
+    from bench.bench_nemo import _report
 
     fit = {"tokens_per_gpu": 2048, "step_ms": 100.0, "tokens_per_s_per_gpu": 1, "peak_gib": 1.0}
     base = {**fit, "mode": "dp2_te", "losses": [10.0, 9.0, 8.0], "grad_norms": [4.0, 2.0, 1.0]}
