@@ -48,7 +48,7 @@ def pretraining_data(
     from nemo.collections.llm.gpt.data.pre_training import PreTrainingDataModule
 
     prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
-    paths = [p if _is_weight(p) else check_indexed_prefix(str(p)) for p in prefixes]
+    paths = [p if is_blend_weight(p) else check_indexed_prefix(str(p)) for p in prefixes]
     settings: dict[str, Any] = {}
     if like is not None:
         for key in KEPT:
@@ -61,7 +61,14 @@ def pretraining_data(
     )
 
 
-def _is_weight(item: Any) -> bool:
+def is_blend_weight(item: Any) -> bool:
+    """Whether ``item`` of a prefix list is a blend weight (megatron's ``[weight, prefix, ...]``
+    form), not a prefix: anything ``float()`` takes.
+
+    Example::
+
+        [is_blend_weight(p) for p in ["0.3", "data/a", 0.7, "data/b"]]  # [True, False, True, False]
+    """
     try:
         float(item)
     except (TypeError, ValueError):

@@ -63,6 +63,14 @@ import logging
 import types
 from typing import Any
 
+from nemo_gtp.engine.grid import (
+    SIZE_SETTINGS,
+    GTPParallelDims,
+    check_checkpoint_format,
+    check_global_batch,
+    layout_dims,
+    on_world,
+)
 from nemo_gtp.recipes.config import RecipeError
 
 logger = logging.getLogger(__name__)
@@ -78,8 +86,14 @@ def _is_config_of(cfg: Any, cls: type) -> bool:
     return isinstance(target, type) and issubclass(target, cls)
 
 
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
-    """A ``run.Config`` argument, the target's default when unset (``default`` if it has none)."""
+def config_arg(cfg: Any, name: str, default: Any = None) -> Any:
+    """A ``run.Config`` argument, the target's default when unset (``default`` if it has none,
+    or when ``cfg`` is not a config: ``None``, a plain value).
+
+    Example::
+
+        config_arg(recipe.trainer.strategy, "tensor_model_parallel_size", 1)   # 1 if unset
+    """
     try:
         return getattr(cfg, name)
     except (AttributeError, TypeError):
@@ -94,7 +108,7 @@ class _Conversion:
 
     def fix(self, cfg: Any, name: str, where: str, value: Any, why: str) -> None:
         """Set ``cfg.name = value`` when it differs, with a note naming ``where``."""
-        old = _get(cfg, name)
+        old = config_arg(cfg, name)
         if old == value or (old is None and value in (False, 1)):
             return
         setattr(cfg, name, value)
@@ -132,8 +146,8 @@ def with_gtp(
 
     from nemo_gtp.strategy import GTPMegatronStrategy
 
-    trainer = _get(recipe, "trainer")
-    strategy = _get(trainer, "strategy")
+    trainer = config_arg(recipe, "trainer")
+    strategy = config_arg(trainer, "strategy")
     if not _is_config_of(strategy, MegatronStrategy):
         raise RecipeError(
             f"trainer.strategy is {_cls_name(strategy) if strategy is not None else None}: "
@@ -146,12 +160,12 @@ def with_gtp(
     args = dict(strategy.__arguments__)
     for key in ("num_weight_shards", "expert_num_weight_shards", "gtp_config"):
         args.pop(key, None)  # re-converting a GTP recipe: this call's settings replace them
-    gtp_config = _gtp_config(gtp_options, _get(strategy, "gtp_config"))
+    gtp_config = _gtp_config(gtp_options, config_arg(strategy, "gtp_config"))
     new = _strategy_config(GTPMegatronStrategy, args)
-    tp = _get(new, "tensor_model_parallel_size", 1)
+    tp = config_arg(new, "tensor_model_parallel_size", 1)
     if isinstance(num_weight_shards, int) and isinstance(tp, int) and num_weight_shards > tp:
         _fix_strategy(conv, new)  # before the sizes are checked
-    dims = _static_dims(new, num_weight_shards, expert_num_weight_shards)
+    dims = strategy_dims(new, num_weight_shards, expert_num_weight_shards)
     if dims.gtp > 1:
         _fix_model(conv, out)
         _fix_callbacks_and_optim(conv, out)
@@ -175,25 +189,21 @@ def _strategy_config(cls: type, args: dict[str, Any]) -> Any:
     return run.Config(cls, **args)
 
 
-def _static_dims(strategy: Any, shards: int, expert_shards: int | None) -> Any:
-    from nemo_gtp.engine import GTPParallelDims
+def strategy_dims(strategy: Any, shards: int, expert_shards: int | None) -> GTPParallelDims:
+    """The static :class:`~nemo_gtp.engine.grid.GTPParallelDims` of a recipe's
+    ``trainer.strategy`` (a ``run.Config``) with ``shards`` / ``expert_shards`` weight shards;
+    :class:`RecipeError` naming ``trainer.strategy`` (:func:`~nemo_gtp.engine.grid.layout_dims`).
 
+    Example::
+
+        strategy_dims(recipe.trainer.strategy, 8, None).gtp   # 8 at TP1
+    """
+    settings = {key: config_arg(strategy, key) for key in SIZE_SETTINGS}
+    settings.update(num_weight_shards=shards, expert_num_weight_shards=expert_shards)
     try:
-        return GTPParallelDims(
-            world_size=None,
-            tensor_model_parallel_size=_get(strategy, "tensor_model_parallel_size", 1),
-            num_weight_shards=shards,
-            context_parallel_size=_get(strategy, "context_parallel_size", 1),
-            pipeline_model_parallel_size=_get(strategy, "pipeline_model_parallel_size", 1),
-            expert_model_parallel_size=_get(strategy, "expert_model_parallel_size", 1),
-            expert_tensor_parallel_size=_get(strategy, "expert_tensor_parallel_size"),
-            expert_num_weight_shards=expert_shards,
-            num_distributed_optimizer_instances=_get(
-                strategy, "num_distributed_optimizer_instances", 1
-            ),
-        )
+        return layout_dims(settings, "trainer.strategy")
     except ValueError as err:
-        raise RecipeError(f"trainer.strategy: {err}") from None
+        raise RecipeError(str(err)) from None
 
 
 def _gtp_config(options: dict[str, Any], existing: Any) -> Any:
@@ -244,7 +254,7 @@ def _fix_strategy(conv: _Conversion, strategy: Any) -> None:
         1,
         "GTP needs one distributed-optimizer instance, design §3.2",
     )
-    ddp = _get(strategy, "ddp", "megatron")
+    ddp = config_arg(strategy, "ddp", "megatron")
     if isinstance(ddp, fdl.Buildable):
         conv.fix(
             ddp,
@@ -277,7 +287,7 @@ def _fix_strategy(conv: _Conversion, strategy: Any) -> None:
 
 
 def _fix_model(conv: _Conversion, recipe: Any) -> None:
-    config = _get(_get(recipe, "model"), "config")
+    config = config_arg(config_arg(recipe, "model"), "config")
     if config is None:
         return
     conv.fix(
@@ -292,18 +302,18 @@ def _fix_model(conv: _Conversion, recipe: Any) -> None:
 def _fix_callbacks_and_optim(conv: _Conversion, recipe: Any) -> None:
     from nemo.lightning.pytorch.callbacks.megatron_comm_overlap import MegatronCommOverlapCallback
 
-    for i, callback in enumerate(_get(recipe.trainer, "callbacks") or []):
+    for i, callback in enumerate(config_arg(recipe.trainer, "callbacks") or []):
         if _is_config_of(callback, MegatronCommOverlapCallback):
             # None lets the callback turn it on whenever DP > 1 (DP x GTP here).
-            if _get(callback, "overlap_param_gather") is not False:
-                old = _get(callback, "overlap_param_gather")
+            if config_arg(callback, "overlap_param_gather") is not False:
+                old = config_arg(callback, "overlap_param_gather")
                 callback.overlap_param_gather = False
                 conv.notes.append(
                     f"trainer.callbacks[{i}] (MegatronCommOverlapCallback).overlap_param_gather="
                     f"{old!r} -> False (the callback would turn DDP's param all-gather overlap on;"
                     " it races GTP's weight prefetch)"
                 )
-    optim_config = _get(_get(recipe, "optim"), "config")
+    optim_config = config_arg(config_arg(recipe, "optim"), "config")
     if optim_config is not None:
         for name in ("overlap_param_gather", "overlap_param_gather_with_optimizer_step"):
             if name in optim_config.__arguments__:
@@ -326,15 +336,15 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
         reject_cuda_graph_capture,
     )
 
-    shards = f"num_weight_shards={_get(strategy, 'tensor_model_parallel_size', 1) * gtp}"
+    shards = f"num_weight_shards={config_arg(strategy, 'tensor_model_parallel_size', 1) * gtp}"
     off = "or leave GTP off (num_weight_shards = tensor_model_parallel_size)"
-    if _get(strategy, "fsdp") is not None:
+    if config_arg(strategy, "fsdp") is not None:
         raise RecipeError(
-            f"trainer.strategy.fsdp={_get(strategy, 'fsdp')!r} is not supported with GTP "
+            f"trainer.strategy.fsdp={config_arg(strategy, 'fsdp')!r} is not supported with GTP "
             f"({shards}): set trainer.strategy.fsdp=None (GTP shards the large weights itself) "
             f"{off}"
         )
-    ddp = _get(strategy, "ddp", "megatron")
+    ddp = config_arg(strategy, "ddp", "megatron")
     if isinstance(ddp, str) and ddp != "megatron":
         raise RecipeError(
             f"trainer.strategy.ddp={ddp!r} is not supported with GTP: use ddp='megatron' or a "
@@ -342,21 +352,21 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
         )
     if isinstance(ddp, fdl.Buildable):
         for name in ("use_megatron_fsdp", "use_custom_fsdp"):
-            if _get(ddp, name):
+            if config_arg(ddp, name):
                 raise RecipeError(
                     f"trainer.strategy.ddp.{name}=True (Megatron FSDP) is not supported with GTP: "
                     f"set it False {off}"
                 )
-    fmt = _get(strategy, "save_ckpt_format", "torch_dist")
-    if fmt != "torch_dist":
-        raise RecipeError(
-            f"trainer.strategy.save_ckpt_format={fmt!r} is not supported with GTP: set "
-            "trainer.strategy.save_ckpt_format=torch_dist (design §3.3)"
+    try:
+        check_checkpoint_format(
+            config_arg(strategy, "save_ckpt_format"), key="trainer.strategy.save_ckpt_format"
         )
-    config = _get(_get(recipe, "model"), "config")
-    experts = _get(config, "num_moe_experts")
-    grouped = experts and _get(config, "moe_grouped_gemm")
-    if grouped and egtp > 1 and _get(config, "moe_use_legacy_grouped_gemm"):
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
+    config = config_arg(config_arg(recipe, "model"), "config")
+    experts = config_arg(config, "num_moe_experts")
+    grouped = experts and config_arg(config, "moe_grouped_gemm")
+    if grouped and egtp > 1 and config_arg(config, "moe_use_legacy_grouped_gemm"):
         raise RecipeError(
             f"model.config.num_moe_experts={experts} with expert GTP={egtp}: "
             "moe_use_legacy_grouped_gemm=True builds megatron's legacy GroupedMLP, which expert "
@@ -367,7 +377,7 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
     if config is not None and cuda_graphs_enabled(config) and not full_iteration_graphs(config):
         settings = types.SimpleNamespace(
             **{
-                name: _get(config, name, default)
+                name: config_arg(config, name, default)
                 for name, default in (
                     ("cuda_graph_impl", "none"),
                     ("enable_cuda_graph", False),
@@ -381,22 +391,22 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
         try:
             reject_cuda_graph_capture(
                 settings,
-                use_te_rng_tracker=bool(_get(strategy, "use_te_rng_tracker", False)),
-                pipeline_parallel=_get(strategy, "pipeline_model_parallel_size", 1) or 1,
+                use_te_rng_tracker=bool(config_arg(strategy, "use_te_rng_tracker", False)),
+                pipeline_parallel=config_arg(strategy, "pipeline_model_parallel_size", 1) or 1,
             )
         except ValueError as err:
             raise RecipeError(
                 f"per-layer CUDA graphs (model.config, trainer.strategy): {err} (design §3.5)"
             ) from None
-    plugins = _get(recipe.trainer, "plugins")
+    plugins = config_arg(recipe.trainer, "plugins")
     for i, plugin in enumerate(plugins if isinstance(plugins, list) else [plugins]):
         if plugin is None:
             continue
         where = "trainer.plugins" + (f"[{i}]" if isinstance(plugins, list) else "")
         fp8_param = next(
-            (name for name in ("fp8_param_gather", "fp8_params") if _get(plugin, name)), None
+            (name for name in ("fp8_param_gather", "fp8_params") if config_arg(plugin, name)), None
         )
-        if _get(plugin, "fp8") or _get(plugin, "fp4") or fp8_param:
+        if config_arg(plugin, "fp8") or config_arg(plugin, "fp4") or fp8_param:
             _check_low_precision_names(plugin, where, fp8_param)
         if fp8_param:
             _check_fp8_primary(recipe, plugin, f"{where}.{fp8_param}", egtp)
@@ -412,10 +422,10 @@ def _check_low_precision_names(plugin: Any, where: str, fp8_param: str | None = 
     keys["fp8_param"] = f"{where}.{fp8_param or 'fp8_param_gather'}"
     try:
         check_fp8_training_for_gtp(
-            _get(plugin, "fp8"),
-            _get(plugin, "fp8_recipe", "delayed"),
-            _get(plugin, "fp4"),
-            _get(plugin, "fp4_recipe", "nvfp4"),
+            config_arg(plugin, "fp8"),
+            config_arg(plugin, "fp8_recipe", "delayed"),
+            config_arg(plugin, "fp4"),
+            config_arg(plugin, "fp4_recipe", "nvfp4"),
             fp8_param=fp8_param is not None,
             keys=keys,
         )
@@ -429,24 +439,24 @@ def _check_fp8_primary(recipe: Any, plugin: Any, key: str, egtp: int) -> None:
     reduction, no routed experts over expert GTP."""
     off = f"or set {key}=False (the shards then stay in the training dtype)"
     where = key.rpartition(".")[0]
-    if not _get(plugin, "fp8"):
+    if not config_arg(plugin, "fp8"):
         raise RecipeError(
             f"{key}=True (FP8 primary weights) needs FP8: set {where}.fp8='hybrid' (or 'e4m3') "
             f"and {where}.fp8_recipe='tensorwise' (or 'blockwise'), {off}"
         )
-    optim = _get(_get(recipe, "optim"), "config")
-    if optim is not None and not _get(optim, "use_distributed_optimizer"):
+    optim = config_arg(config_arg(recipe, "optim"), "config")
+    if optim is not None and not config_arg(optim, "use_distributed_optimizer"):
         raise RecipeError(
             f"{key}=True (FP8 primary weights) under GTP needs megatron's distributed "
             f"optimizer: set optim.config.use_distributed_optimizer=True, {off}"
         )
-    if _get(plugin, "grad_reduce_in_fp32", True) is False:
+    if config_arg(plugin, "grad_reduce_in_fp32", True) is False:
         raise RecipeError(
             f"{key}=True (FP8 primary weights) under GTP needs fp32 gradient reduction: set "
             f"{where}.grad_reduce_in_fp32=True, {off}"
         )
-    config = _get(_get(recipe, "model"), "config")
-    if egtp > 1 and _get(config, "num_moe_experts"):
+    config = config_arg(config_arg(recipe, "model"), "config")
+    if egtp > 1 and config_arg(config, "num_moe_experts"):
         raise RecipeError(
             f"{key}=True (FP8 primary weights) is not supported for routed experts sharded "
             f"over expert GTP: leave expert_num_weight_shards=None (experts whole), {off}"
@@ -456,13 +466,12 @@ def _check_fp8_primary(recipe: Any, plugin: Any, key: str, egtp: int) -> None:
 def _check_replicated_sharding(recipe: Any, strategy: Any, gtp_config: Any) -> None:
     import fiddle as fdl
 
-    if gtp_config is None or not _get(gtp_config, "shard_replicated_params_over_gtp"):
+    if gtp_config is None or not config_arg(gtp_config, "shard_replicated_params_over_gtp"):
         return
-    ddp = _get(strategy, "ddp", "megatron")
-    optim = _get(_get(recipe, "optim"), "config")
-    if not (isinstance(ddp, fdl.Buildable) and _get(ddp, "use_distributed_optimizer")) or not (
-        optim is None or _get(optim, "use_distributed_optimizer")
-    ):
+    ddp = config_arg(strategy, "ddp", "megatron")
+    optim = config_arg(config_arg(recipe, "optim"), "config")
+    distributed = isinstance(ddp, fdl.Buildable) and config_arg(ddp, "use_distributed_optimizer")
+    if not distributed or not (optim is None or config_arg(optim, "use_distributed_optimizer")):
         raise RecipeError(
             "GTP option shard_replicated_params_over_gtp=True shards optimizer state: set "
             "trainer.strategy.ddp.use_distributed_optimizer=True and "
@@ -470,35 +479,26 @@ def _check_replicated_sharding(recipe: Any, strategy: Any, gtp_config: Any) -> N
         )
 
 
-def check_batch_arithmetic(recipe: Any, dims: Any) -> None:
+def check_batch_arithmetic(recipe: Any, dims: GTPParallelDims) -> None:
     """The world tiles the layout and ``data.global_batch_size`` divides into microbatches.
 
     World = ``trainer.devices x trainer.num_nodes``; data-parallel ranks = DP x GTP (each GTP
-    peer eats its own microbatch, design §3.1). Raises :class:`RecipeError` naming the setting.
-    Example::
+    peer eats its own microbatch, design §3.1); the rules are
+    :func:`~nemo_gtp.engine.grid.on_world` and :func:`~nemo_gtp.engine.grid.check_global_batch`.
+    Raises :class:`RecipeError` naming the setting. Example::
 
         check_batch_arithmetic(recipe, GTPParallelDims(num_weight_shards=8))  # 8 GPUs: gbs % 8
     """
-    trainer, data = recipe.trainer, _get(recipe, "data")
-    devices, nodes = _get(trainer, "devices", 1), _get(trainer, "num_nodes", 1)
+    trainer, data = recipe.trainer, config_arg(recipe, "data")
+    devices, nodes = config_arg(trainer, "devices", 1), config_arg(trainer, "num_nodes", 1)
     devices, nodes = (int(v) if isinstance(v, str) and v.isdigit() else v for v in (devices, nodes))
     if not isinstance(devices, int) or not isinstance(nodes, int):
         return  # "auto" and friends: the strategy checks the world it finds
+    micro = config_arg(data, "micro_batch_size")
+    batch = config_arg(data, "global_batch_size")
     try:
-        dims = dims.with_world_size(devices * nodes)
+        dims = on_world(dims, devices, nodes, key="num_weight_shards")
+        if isinstance(micro, int) and isinstance(batch, int):
+            check_global_batch(dims, micro, batch)
     except ValueError as err:
-        raise RecipeError(
-            f"num_weight_shards={dims.num_weight_shards} on trainer.devices x trainer.num_nodes "
-            f"= {devices} x {nodes} ranks: {err}"
-        ) from None
-    micro, batch = _get(data, "micro_batch_size"), _get(data, "global_batch_size")
-    if not isinstance(micro, int) or not isinstance(batch, int):
-        return
-    ranks = dims.data_parallel_size
-    if batch % (micro * ranks) != 0:
-        fixed = max(1, round(batch / (micro * ranks))) * micro * ranks
-        raise RecipeError(
-            f"data.global_batch_size={batch} must be a multiple of data.micro_batch_size x "
-            f"data-parallel ranks (DP x GTP = {dims.dp} x {dims.gtp}) = {micro} x {ranks} = "
-            f"{micro * ranks}: set data.global_batch_size={fixed}"
-        )
+        raise RecipeError(str(err)) from None

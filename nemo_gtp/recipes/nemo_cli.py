@@ -154,14 +154,14 @@ def check_recipe(recipe: Any) -> None:
     """
     import fiddle as fdl
 
-    from nemo_gtp.recipes.convert import _get
+    from nemo_gtp.recipes.convert import config_arg
 
     strategy = recipe.trainer.strategy
     try:
         fdl.build(strategy)
     except Exception as err:  # noqa: BLE001 - the strategy's own checks raise ValueError
         raise RecipeError(f"trainer.strategy: {err}".splitlines()[0]) from None
-    config = _get(_get(recipe, "model"), "config")
+    config = config_arg(config_arg(recipe, "model"), "config")
     if isinstance(config, fdl.Buildable):
         config = copy.deepcopy(config)
         for key in (
@@ -171,7 +171,7 @@ def check_recipe(recipe: Any) -> None:
             "sequence_parallel",
             "expert_model_parallel_size",
         ):
-            value = _get(strategy, key)
+            value = config_arg(strategy, key)
             if value is not None:
                 setattr(config, key, value)
         # Fused kernels are checked against what this process can import (TE, Apex): the
@@ -189,18 +189,18 @@ def check_recipe(recipe: Any) -> None:
                 f"model.config.num_attention_heads={heads} must be a multiple of "
                 f"model.config.num_query_groups={groups}"
             )
-    optim = _get(_get(recipe, "optim"), "config")
+    optim = config_arg(config_arg(recipe, "optim"), "config")
     if isinstance(optim, fdl.Buildable):
         try:
             fdl.build(optim)
         except Exception as err:  # noqa: BLE001
             raise RecipeError(f"optim.config: {err}".splitlines()[0]) from None
-    paths = _get(_get(recipe, "data"), "paths")
+    paths = config_arg(config_arg(recipe, "data"), "paths")
     if isinstance(paths, str | list):
-        from nemo_gtp.data.module import _is_weight, check_indexed_prefix
+        from nemo_gtp.data.module import check_indexed_prefix, is_blend_weight
 
         for path in [paths] if isinstance(paths, str) else paths:
-            if not _is_weight(path):
+            if not is_blend_weight(path):
                 try:
                     check_indexed_prefix(str(path), where="data.paths")
                 except ValueError as err:
@@ -210,11 +210,11 @@ def check_recipe(recipe: Any) -> None:
 def _check_baseline(recipe: Any) -> None:
     """The recipe as given (no GTP): its layout tiles the world, its batch divides, and its
     strategy and configs build."""
-    from nemo_gtp.recipes.convert import _get, _static_dims, check_batch_arithmetic
+    from nemo_gtp.recipes.convert import check_batch_arithmetic, config_arg, strategy_dims
 
     strategy = recipe.trainer.strategy
-    tp = _get(strategy, "tensor_model_parallel_size", 1)
-    check_batch_arithmetic(recipe, _static_dims(strategy, tp, None))
+    tp = config_arg(strategy, "tensor_model_parallel_size", 1)
+    check_batch_arithmetic(recipe, strategy_dims(strategy, tp, None))
     check_recipe(recipe)
 
 

@@ -55,7 +55,7 @@ from nemo_gtp.checkpoint.optimizer import (
     optimizer_sharded_state_dict,
 )
 from nemo_gtp.engine.fp8_primary import quantize_loaded_fp8_primary
-from nemo_gtp.engine.grid import GTPGroups
+from nemo_gtp.engine.grid import GTPGroups, check_checkpoint_format
 from nemo_gtp.integrations.megatron.checkpoint import (
     checkpoint_layout,
     make_gtp_sharded_state_dict,
@@ -246,11 +246,7 @@ class GTPCheckpointIO(MegatronCheckpointIO):
     ) -> Any:
         """Save into ``<path>/weights`` through a staging directory, then commit (collective);
         ``extra_files`` (``{name: text}``) are committed inside ``weights/`` with the data."""
-        if self.save_ckpt_format != "torch_dist":
-            raise ValueError(
-                f"GTP checkpoints use save_ckpt_format='torch_dist', got "
-                f"{self.save_ckpt_format!r}: set MegatronStrategy's save_ckpt_format"
-            )
+        check_checkpoint_format(self.save_ckpt_format)
         weights = ckpt_to_weights_subdir(path, is_saving=True)
         validate = not (self.validated_consistency and self.assume_constant_structure)
         self.validated_consistency = True

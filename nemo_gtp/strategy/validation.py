@@ -6,8 +6,10 @@ active (``num_weight_shards > tensor_model_parallel_size``): with GTP off the st
 (:func:`refuse_unknown_arguments`, a ``TypeError``), which is refused either way, since a typo of
 a GTP argument is what turns GTP off. Sizes (``num_weight_shards`` vs TP, CP with
 GTP, distributed-optimizer instances, the world size) are not checked here but by
-:class:`~nemo_gtp.engine.grid.GTPParallelDims`, the one place that derives them; this module
-checks the other ``MegatronStrategy`` arguments and the ``GTPConfig``.
+:class:`~nemo_gtp.engine.grid.GTPParallelDims`, the one place that derives them, and the
+checkpoint format by :func:`~nemo_gtp.engine.grid.check_checkpoint_format` (the layout rules the
+recipe CLI and ``with_gtp`` call too); this module checks the other ``MegatronStrategy``
+arguments and the ``GTPConfig``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from nemo_gtp.engine.fp8 import FP8Scaling
+from nemo_gtp.engine.grid import check_checkpoint_format
 from nemo_gtp.integrations.megatron.ddp import validate_ddp_config_for_gtp
 from nemo_gtp.integrations.megatron.fp8_primary import check_fp8_primary_ddp
 from nemo_gtp.integrations.megatron.model_config import fp8_primary_scaling
@@ -111,13 +114,7 @@ def validate_strategy_args(args: dict[str, Any], gtp_size: int) -> None:
             "use_tp_pp_dp_mapping=True is not supported with GTP: GTP needs megatron's default "
             "'tp-cp-ep-dp-pp' rank order so that megatron's data-parallel group is DP x GTP"
         )
-    fmt = args.get("save_ckpt_format", "torch_dist")
-    if fmt != "torch_dist":
-        # Else zarr (deprecated in megatron) is accepted here and fails at the first save.
-        raise ValueError(
-            f"save_ckpt_format={fmt!r} is not supported with GTP: use save_ckpt_format="
-            "'torch_dist' (GTP checkpoints are megatron torch_dist, design §3.3)"
-        )
+    check_checkpoint_format(args.get("save_ckpt_format"))
 
 
 def validate_gtp_config(gtp_config: Any, args: dict[str, Any], gtp_size: int) -> None:
