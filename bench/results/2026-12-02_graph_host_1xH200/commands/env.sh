@@ -1,3 +1,0 @@
-# sourced by every command of this round (1xH200, 2026-12-02 afternoon): the NCCL settings, the
-# wheels from .whl, TE from /root/tw + .te0 + the prebuilt extension (.te_ext) in /tmp/te
-source bench/results/2026-12-01_night_1xH200/commands/env.sh
