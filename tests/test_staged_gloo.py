@@ -368,12 +368,11 @@ def test_grouped_experts_shared_device_launch(two_ranks: dict[str, list[Outcome]
 
 def test_one_gpu_launch_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--shared-device`` of the GPU checks: every rank on ``cuda:0`` through the staged backend
-    (``gpu_grouped_experts.py`` self-spawned, ``gpu_fp8_check.py`` under torchrun, where local
+    (``bench.gpu_grouped_experts`` self-spawned, ``bench.gpu_fp8_check`` under torchrun, where local
     rank 1 maps to ``cuda:0``); without it one GPU per rank on NCCL, as before."""
-    from gpu_fp8_check import SHARED_DEVICE_NOTE, summary_markdown
-    from gpu_fp8_check import world_plan as fp8_plan
-    from gpu_grouped_experts import main, parse_args, world_plan
-
+    from bench.gpu_fp8_check import SHARED_DEVICE_NOTE, summary_markdown
+    from bench.gpu_fp8_check import world_plan as fp8_plan
+    from bench.gpu_grouped_experts import main, parse_args, world_plan
     from nemo_gtp.cpu.staged_gloo import BACKEND, world_on_gpu
 
     def plan(rank: int, *flags: str) -> tuple[str, str]:
