@@ -6,7 +6,8 @@ imports nothing; each module is imported on its own:
 
 ``compat``
     ``enable_cpu_compat()``: opt-in patches that let megatron-core 0.15 and NeMo 2.7.3 run on a
-    CPU-only torch with gloo (design §"Running on CPU").
+    CPU-only torch with gloo (design §"Running on CPU"); the patches live in ``megatron_patches``
+    and ``nemo_patches``, their machinery in ``patching``, the CPU RNG tracker in ``rng``.
 ``gloo_device``
     Every gloo group of a process on one TCP device (megatron builds dozens of groups per layout).
 ``staged_gloo``
