@@ -74,6 +74,7 @@ fi
 SHARED=""; [ "$ONE_GPU" = 1 ] && SHARED="--shared-device"
 GPUS=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
 mkdir -p "$OUT"
+exec 3>&1
 
 # run SECONDS COMMAND...: bounded; CHECK=1 only parses it (bench_nemo / bench_moe: --dry-run,
 # which also checks every mode's recipe; any other module: --help)
@@ -90,8 +91,8 @@ run() {
       "${args[@]}" --dry-run > "$OUT/check.log" 2>&1 ;;
     *) "$PY" -m "$mod" --help > "$OUT/check.log" 2>&1 ;;
   esac
-  local rc=$?
-  echo "  parse $mod: $([ $rc = 0 ] && echo ok || { echo "FAILED"; tail -3 "$OUT/check.log"; })"
+  local rc=$?  # reported on fd 3 (the terminal): the stages pipe and filter stdout / stderr
+  echo "  parse $mod: $([ $rc = 0 ] && echo ok || { echo "FAILED"; tail -3 "$OUT/check.log"; })" >&3
 }
 pack() {
   [ "$CHECK" = 1 ] && return
@@ -182,6 +183,8 @@ stage_peft() {  # LoRA (design §1.1 "Frozen weights") on TE linears built as th
   local D=dp2_te G=gtp2_te PRE="" O="$OUT/peft" T=/tmp/peft P L A R
   [ "$MODE" = cpu ] && { D=dp2_cpu; G=gtp2_cpu; PRE="@preshard_linears=all"; }
   rm -rf "$T"; mkdir -p "$O" "$T"
+  # CHECK=1: the checkpoints the later steps resume from, empty, so their recipes validate
+  [ "$CHECK" = 1 ] && mkdir -p "$T/pre/step=2/weights" "$T/ad/step=9/weights"
   local PS="@strategy.ckpt_parallel_save=false@strategy.ckpt_parallel_load=false"  # numpy 2
   local B="--shared-device --tokens 2048"
   # 1. DP2 pretrains 3 steps and saves its weights
@@ -269,12 +272,13 @@ stage_strategy() {  # GTPMegatronStrategy through nl.Trainer: TE spec, ~1B, chec
 
 for s in $STAGES; do
   IFS='|' read -r talk gpus _ _ <<< "${INFO[$s]}"
+  talk=${talk// /}
   if [ "$CHECK" != 1 ] && [ "$MODE" != cpu ]; then
     if [ "$ONE_GPU" = 1 ] && [[ "$ONE_GPU_STAGES" != *" $s "* ]]; then
       echo "$s skipped: ONE_GPU=1 (needs ${gpus// /} GPUs)"; continue
     fi
   fi
-  echo "=== $s ($talk$([ "$ONE_GPU" = 1 ] && [ "${talk// /}" = NCCL ] && echo ', ONE_GPU: shared'))"
+  echo "=== $s ($talk$([ "$ONE_GPU" = 1 ] && [ "$talk" = NCCL ] && echo ', ONE_GPU: shared'))"
   "stage_$s"
   pack "$s"
 done
