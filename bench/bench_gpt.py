@@ -1,5 +1,11 @@
 """One-invocation benchmark: replicated DDP vs torch FSDP2 vs GTP on the same GPT.
 
+Question: Does GTP2 keep DDP's step time and FSDP2's memory at the megatron level (1.34 B GPT, local
+spec), and which gather backend wins at which tokens per GPU?
+
+Ranks: NCCL, one rank per GPU (``torchrun``). Its ``build`` also runs on CPU/gloo for
+``bench.bench_max_model``'s CPU probes.
+
 Builds megatron-core's GPTModel (local layer spec, bf16) and, in one process group, trains it
 three ways for every shape of a tokens-per-GPU sweep:
 

@@ -1,5 +1,10 @@
 """Largest GPT that trains on 2 GPUs per mode: DDP, FSDP2, Megatron-FSDP, GTP2 (± options).
 
+Question: What is the largest GPT each mode trains at 4k tokens per GPU on 2 GPUs?
+
+Ranks: NCCL, one rank per GPU (each probe a fresh set of rank processes); CPU/gloo probes for the
+tests.
+
 Question: at 4k tokens per GPU (micro-batch 1 x seq 4096) on 2xH200, how many layers of a
 fixed-width GPT (hidden 4096, ffn 16384, 32 heads, vocab 32000, bf16, megatron-core's local
 layer spec: no TransformerEngine) complete 5 training steps under each mode, and at what speed

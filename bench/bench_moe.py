@@ -1,5 +1,11 @@
 """MoE under expert GTP through NeMo: EGTP2 vs EP2 (and EP1 · DP2), SequentialMLP and TEGroupedMLP.
 
+Question: Does expert GTP (EGTP2) beat EP2 on step time and memory and track expert DP on loss,
+through NeMo?
+
+Ranks: NCCL, one rank per GPU; ``--shared-device``: the ranks on one GPU through the staged gloo
+backend (numerics only); ``cpu_*`` modes on CPU.
+
 One launch runs every mode of ``configs/moe_1b.yaml`` in turn (NeMo trainer +
 ``GTPMegatronStrategy``, torn down in between, as ``bench_nemo.py`` does) and rank 0 writes one
 record per fit: median step time, tokens/s per GPU, peak memory, routed-expert parameters per

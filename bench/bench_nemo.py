@@ -1,5 +1,11 @@
 """The path users run: NeMo's trainer + ``GTPMegatronStrategy`` on a recipe, GTP vs baselines.
 
+Question: What do GTP2 and its baselines cost on the path users run (NeMo trainer + strategy):
+step time, memory, host time, and do their losses agree?
+
+Ranks: NCCL, one rank per GPU; ``--shared-device``: the ranks on one GPU through the staged gloo
+backend (numerics only, step times meaningless); ``*_cpu`` modes on CPU.
+
 One launch of ``trainer.devices`` processes runs every (mode, tokens per GPU) fit in turn
 (torn down in between, as ``python -m nemo_gtp.run --compare-baseline`` does), and rank 0
 writes one record per fit: median step time after warmup, tokens/s per GPU, peak memory, loss

@@ -1,5 +1,11 @@
 """FP8 under GTP on 2 GPUs: GTP2 vs DP2 (TE's FP8 path): FP8 gathers, TE quantizing bf16 gathers.
 
+Question: Does FP8 under GTP (FP8 gathers, consumer-quantized bf16 gathers, FP8 primary shards)
+track TE's own FP8 path on loss and match TE's quantizer bit for bit?
+
+Ranks: NCCL, one rank per GPU (``torchrun``); ``--shared-device``: both ranks on one GPU through
+the staged gloo backend; ``--cpu-smoke``: gloo with TE stand-ins.
+
     torchrun --nproc-per-node 2 -m bench.gpu_fp8_check --out bench/results/fp8_check
 
 A small megatron-core GPT with the TransformerEngine layer spec (bf16 weights, Float16Module,

@@ -1,6 +1,13 @@
 """Routed experts built as their EGTP2 shards, on 2 GPUs (design §3.1, §3.3): TEGroupedMLP (TE
 ``GroupedLinear``) and SequentialMLP with TE's linears.
 
+Question: Do routed experts built as their EGTP shards on real TE start from the unsharded
+weights, keep half the build memory, train like the unsharded model and checkpoint across
+layouts?
+
+Ranks: NCCL, one rank per GPU (self-spawning); ``--shared-device``: both ranks on one GPU through
+the staged gloo backend; ``--cpu-smoke``: gloo with TE stand-ins.
+
 Checks, each recorded on its own (a failing one does not stop the next):
 
 - ``init_memory``: two ``TEGroupedMLP`` blocks (megatron's TE wrappers, built on the GPU from

@@ -1,5 +1,10 @@
 """Per-layer CUDA graphs under GTP on 2 GPUs: graphed GTP2 vs eager GTP2 vs DP2 (design §3.5).
 
+Question: Do per-layer CUDA graphs under GTP replay bit for bit what eager GTP computes, and what
+do they save in step time?
+
+Ranks: NCCL, one rank per GPU (self-spawning); ``--cpu-smoke``: the same code on CPU/gloo.
+
 Trains megatron-core's GPTModel (local layer spec; same init and data in every mode; built by
 ``tests.harness.gpt.build``) with megatron's own schedule
 (``forward_backward_no_pipelining``: the step-1 recording, the per-layer capture after its

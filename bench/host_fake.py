@@ -1,5 +1,11 @@
 """Host cost of a NeMo step on one device: rank 0 of a world whose collectives are no-ops.
 
+Question: Is a host-bound GTP step GTP's own Python? The NeMo step's host time without
+communication, on one device (the one-GPU performance regression check).
+
+Ranks: fake: rank 0 of a fake process group (collectives return at once and move nothing), on one
+GPU or CPU; never an NCCL figure.
+
 A GTP step that is host-bound costs its Python and launch work, not its communication. This runs
 the NeMo path (recipe → ``GTPMegatronStrategy`` → ``nl.Trainer``) as rank 0 of a world of
 ``--world`` ranks on torch's *fake* process-group backend: every collective returns at once and

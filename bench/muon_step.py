@@ -1,5 +1,9 @@
 """GPU time of Muon's Newton–Schulz per optimizer step: every GTP peer vs each matrix's owner.
 
+Question: How much Newton–Schulz GPU time does Muon's owner split save per rank?
+
+Ranks: none: one GPU, no collective (each rank's share is computed, not communicated).
+
 Muon orthogonalizes every hidden matrix each step (design §1.6 "Muon"). With
 ``orthogonalize="every_rank"`` a GTP rank does all of it (as a DP replica does without GTP);
 with ``"owner"`` only the matrices :func:`~nemo_gtp.engine.muon.assign_owners` gives it, bucket

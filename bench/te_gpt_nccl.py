@@ -1,5 +1,11 @@
 """TransformerEngine layer spec under GTP on GPUs: GTP2 vs DP2, and the local spec alike.
 
+Question: Does the TransformerEngine layer spec under GTP (pre-sharded TE linears, the
+``DistributedWeight`` protocol) track DP2 at the megatron level, at what step time?
+
+Ranks: NCCL, one rank per GPU (``torchrun``); without CUDA the local modes run on gloo (a
+smoke test of the plumbing).
+
     torchrun --nproc-per-node 2 -m bench.te_gpt_nccl --out te_out
 
 megatron-core's GPTModel with ``get_gpt_layer_with_transformer_engine_spec()`` (bf16,
