@@ -14,7 +14,8 @@ import enum
 import math
 from dataclasses import dataclass
 
-from nemo_gtp.engine.param import Direction, GTPShardedParam, SharedWork
+from nemo_gtp.engine.param import GTPShardedParam
+from nemo_gtp.engine.slots import Direction, SharedWork
 
 _BWD = Direction.BWD
 

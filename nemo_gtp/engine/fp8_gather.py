@@ -49,8 +49,9 @@ from nemo_gtp.engine.fp8 import (
     quantize_into,
     scale_from_amax,
 )
-from nemo_gtp.engine.param import Direction, GatherState, GTPShardedParam, GTPStateError
+from nemo_gtp.engine.param import GTPShardedParam
 from nemo_gtp.engine.shard import real_rows
+from nemo_gtp.engine.slots import Direction, GatherState, GTPStateError
 
 _INF = float("inf")
 _BWD = Direction.BWD

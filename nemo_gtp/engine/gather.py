@@ -35,13 +35,8 @@ from nemo_gtp.engine.copy_engine import (
 )
 from nemo_gtp.engine.fp8 import FP8Scaling, ScalingKind
 from nemo_gtp.engine.fp8_gather import padded_scale_shape
-from nemo_gtp.engine.param import (
-    Direction,
-    GatherSlot,
-    GatherState,
-    GTPShardedParam,
-    SharedWork,
-)
+from nemo_gtp.engine.param import GTPShardedParam
+from nemo_gtp.engine.slots import Direction, GatherSlot, GatherState, SharedWork
 
 __all__ = ["GatherBackend", "GatherSide", "backward_task_id"]
 

@@ -19,7 +19,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from nemo_gtp.engine.chain import Chain, ChainId, ChainPhase
-from nemo_gtp.engine.param import Direction, GTPShardedParam, GTPStateError
+from nemo_gtp.engine.param import GTPShardedParam
+from nemo_gtp.engine.slots import Direction, GTPStateError
 
 _FWD, _BWD = Direction.FWD, Direction.BWD
 

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from nemo_gtp.engine.collectives import all_gather_single, reduce_scatter_single
-from nemo_gtp.engine.param import Direction, GTPShardedParam
+from nemo_gtp.engine.param import GTPShardedParam
 from nemo_gtp.engine.runtime import GTPRuntime
+from nemo_gtp.engine.slots import Direction
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,8 @@ import torch
 from nemo_gtp.engine.chain import ChainPhase
 from nemo_gtp.engine.consumer_quantize import ConsumerQuantize
 from nemo_gtp.engine.gather import backward_task_id
-from nemo_gtp.engine.param import (
-    Direction,
-    GatherState,
-    GTPParamState,
-    GTPShardedParam,
-    GTPStateError,
-)
+from nemo_gtp.engine.param import GTPParamState, GTPShardedParam
+from nemo_gtp.engine.slots import Direction, GatherState, GTPStateError
 
 __all__ = ["ProtocolSide"]
 

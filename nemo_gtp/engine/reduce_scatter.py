@@ -28,7 +28,8 @@ import torch.distributed as dist
 from nemo_gtp.engine.buffers import WgradPool
 from nemo_gtp.engine.chain import Chain
 from nemo_gtp.engine.collectives import GroupCollectives, reduce_scatter_wgrad
-from nemo_gtp.engine.param import Direction, GTPShardedParam, ReduceScatterState, SharedWork
+from nemo_gtp.engine.param import GTPShardedParam
+from nemo_gtp.engine.slots import Direction, ReduceScatterState, SharedWork
 
 __all__ = ["ReduceScatterSide"]
 

@@ -33,16 +33,11 @@ from nemo_gtp.engine.fp8_gather import FP8GatherSide
 from nemo_gtp.engine.gather import GatherBackend, GatherSide
 from nemo_gtp.engine.graph_segments import GraphSegments
 from nemo_gtp.engine.grid import GTPGroups, WeightAxis
-from nemo_gtp.engine.param import (
-    Direction,
-    GatherState,
-    GTPShardedParam,
-    ReduceScatterState,
-    ShardSpec,
-    carry_param_attributes,
-)
+from nemo_gtp.engine.param import GTPShardedParam, carry_param_attributes
 from nemo_gtp.engine.protocol import ProtocolSide
 from nemo_gtp.engine.reduce_scatter import ReduceScatterSide
+from nemo_gtp.engine.shard import ShardSpec
+from nemo_gtp.engine.slots import Direction, GatherState, ReduceScatterState
 from nemo_gtp.engine.timing import ExposedWaitTimer
 
 _NONE = GatherState.NONE
