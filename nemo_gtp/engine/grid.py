@@ -526,3 +526,25 @@ def check_pipeline_split(
             f"{key}={num_layers} does not split evenly over {what}: set {key} to a multiple of "
             f"{chunks}"
         )
+
+
+def check_expert_shards(
+    dims: GTPParallelDims,
+    num_experts: int | None,
+    experts_key: str = "num_moe_experts",
+    shards_key: str = "expert_num_weight_shards",
+) -> None:
+    """Expert GTP (``expert_num_weight_shards`` > ETP) shards routed experts, so the model must
+    have them (design §1.4 "EP / expert GTP"); the keys as the caller spells them.
+
+    Example::
+
+        check_expert_shards(GTPParallelDims(expert_num_weight_shards=2), None)
+        # ValueError: expert_num_weight_shards=2 gives expert GTP=2 ... num_moe_experts is not set
+    """
+    if dims.egtp > 1 and not num_experts:
+        raise ValueError(
+            f"{shards_key}={dims.expert_num_weight_shards} gives expert GTP={dims.egtp}, which "
+            f"shards routed experts, but {experts_key} is not set: set {experts_key}, or leave "
+            f"{shards_key} unset (expert GTP off)"
+        )
