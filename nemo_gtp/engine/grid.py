@@ -529,22 +529,22 @@ def check_pipeline_split(
 
 
 def check_expert_shards(
-    dims: GTPParallelDims,
+    egtp: int,
     num_experts: int | None,
     experts_key: str = "num_moe_experts",
     shards_key: str = "expert_num_weight_shards",
 ) -> None:
-    """Expert GTP (``expert_num_weight_shards`` > ETP) shards routed experts, so the model must
-    have them (design §1.4 "EP / expert GTP"); the keys as the caller spells them.
+    """Expert GTP (``egtp`` > 1: ``expert_num_weight_shards`` > ETP) shards routed experts, so
+    the model must have them (design §1.4 "EP / expert GTP"); the keys as the caller spells them.
 
     Example::
 
-        check_expert_shards(GTPParallelDims(expert_num_weight_shards=2), None)
-        # ValueError: expert_num_weight_shards=2 gives expert GTP=2 ... num_moe_experts is not set
+        check_expert_shards(2, None)
+        # ValueError: expert GTP=2 (expert_num_weight_shards > ...) ... num_moe_experts is not set
     """
-    if dims.egtp > 1 and not num_experts:
+    if egtp > 1 and not num_experts:
         raise ValueError(
-            f"{shards_key}={dims.expert_num_weight_shards} gives expert GTP={dims.egtp}, which "
-            f"shards routed experts, but {experts_key} is not set: set {experts_key}, or leave "
-            f"{shards_key} unset (expert GTP off)"
+            f"expert GTP={egtp} ({shards_key} > the expert tensor-parallel size) shards routed "
+            f"experts, but {experts_key} is not set: set {experts_key}, or leave {shards_key} "
+            "unset (expert GTP off)"
         )
