@@ -16,6 +16,7 @@ from typing import Any
 
 from nemo_gtp.engine.grid import (
     check_checkpoint_format,
+    check_expert_shards,
     check_global_batch,
     check_pipeline_split,
     layout_dims,
@@ -139,12 +140,12 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
     ``GroupedMLP`` cannot checkpoint under GTP (design §1.4, §3.3 "Routed experts")."""
     model = raw.get("model") or {}
     experts = model.get("num_moe_experts")
-    if dims.egtp > 1 and not experts:
-        raise RecipeError(
-            f"strategy.expert_num_weight_shards={dims.expert_num_weight_shards} shards routed "
-            "experts, but model.num_moe_experts is not set: set model.num_moe_experts or drop "
-            "strategy.expert_num_weight_shards"
+    try:
+        check_expert_shards(
+            dims.egtp, experts, "model.num_moe_experts", "strategy.expert_num_weight_shards"
         )
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
     if dims.egtp > 1 and model.get("moe_grouped_gemm"):
         spec = model.get("layer_spec") or default_layer_spec_name()
         if spec != "te" or model.get("moe_use_legacy_grouped_gemm"):

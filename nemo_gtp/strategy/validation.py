@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from nemo_gtp.engine.fp8 import FP8Scaling
-from nemo_gtp.engine.grid import check_checkpoint_format
+from nemo_gtp.engine.grid import check_checkpoint_format, check_expert_shards
 from nemo_gtp.integrations.megatron.ddp import validate_ddp_config_for_gtp
 from nemo_gtp.integrations.megatron.fp8_primary import check_fp8_primary_ddp
 from nemo_gtp.integrations.megatron.model_config import fp8_primary_scaling
@@ -152,11 +152,7 @@ def validate_moe_config(model_config: Any, egtp: int, gtp_enabled: bool) -> None
     if not gtp_enabled or model_config is None:
         return
     experts = getattr(model_config, "num_moe_experts", None)
-    if egtp > 1 and not experts:
-        raise ValueError(
-            f"expert_num_weight_shards gives expert GTP={egtp}, but the model has no routed "
-            "experts (num_moe_experts is not set): leave expert_num_weight_shards=None"
-        )
+    check_expert_shards(egtp, experts)
     if egtp > 1 and getattr(model_config, "moe_grouped_gemm", False):
         legacy = legacy_grouped_experts_reason(model_config)
         if legacy:
