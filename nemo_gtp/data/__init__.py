@@ -22,8 +22,9 @@ puts it into a recipe). Example::
         --data data/corpus --tokenizer sentencepiece:data/tok.model
 """
 
-from typing import Any
+from nemo_gtp.lazy import lazy_exports
 
+# Imported on first use: most pull in NeMo or megatron-core.
 _EXPORTS = {
     "read_documents": "nemo_gtp.data.corpus",
     "build_indexed_dataset": "nemo_gtp.data.indexed",
@@ -33,14 +34,5 @@ _EXPORTS = {
     "pretraining_data": "nemo_gtp.data.module",
 }
 
-
-def __getattr__(name: str) -> Any:
-    """The public functions, imported on first use (most pull in NeMo or megatron-core)."""
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'nemo_gtp.data' has no attribute {name!r}")
-
-
 __all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
