@@ -548,3 +548,21 @@ def check_expert_shards(
             f"experts, but {experts_key} is not set: set {experts_key}, or leave {shards_key} "
             "unset (expert GTP off)"
         )
+
+
+def refuse_legacy_grouped_experts(egtp: int, reason: str, fix: str) -> None:
+    """Expert GTP shards megatron's ``SequentialMLP`` and ``TEGroupedMLP`` experts, not the legacy
+    ``GroupedMLP`` (design §1.4). ``reason`` says, in the caller's keys, why its config builds
+    the legacy one (empty: it does not); ``fix`` names the settings to change.
+
+    Example::
+
+        refuse_legacy_grouped_experts(2, "moe_use_legacy_grouped_gemm=True",
+                                      "set moe_use_legacy_grouped_gemm=False")  # ValueError
+    """
+    if egtp > 1 and reason:
+        raise ValueError(
+            f"expert GTP={egtp} shards SequentialMLP and TEGroupedMLP experts, but {reason} "
+            "builds megatron's legacy GroupedMLP (grouped_gemm package), which expert GTP does "
+            f"not shard (design §1.4): {fix}"
+        )
