@@ -70,6 +70,7 @@ from nemo_gtp.engine.grid import (
     check_global_batch,
     layout_dims,
     on_world,
+    refuse_legacy_grouped_experts,
 )
 from nemo_gtp.recipes.config import RecipeError
 
@@ -366,14 +367,17 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
     config = config_arg(config_arg(recipe, "model"), "config")
     experts = config_arg(config, "num_moe_experts")
     grouped = experts and config_arg(config, "moe_grouped_gemm")
-    if grouped and egtp > 1 and config_arg(config, "moe_use_legacy_grouped_gemm"):
-        raise RecipeError(
-            f"model.config.num_moe_experts={experts} with expert GTP={egtp}: "
-            "moe_use_legacy_grouped_gemm=True builds megatron's legacy GroupedMLP, which expert "
-            "GTP does not shard; set model.config.moe_use_legacy_grouped_gemm=False (TEGroupedMLP)"
-            " or model.config.moe_grouped_gemm=False, or leave expert_num_weight_shards=None "
-            "(experts whole, dense GTP on)"
+    legacy = grouped and config_arg(config, "moe_use_legacy_grouped_gemm")
+    try:
+        refuse_legacy_grouped_experts(
+            egtp,
+            "model.config.moe_use_legacy_grouped_gemm=True" if legacy else "",
+            "set model.config.moe_use_legacy_grouped_gemm=False (TEGroupedMLP) or "
+            "model.config.moe_grouped_gemm=False, or leave expert_num_weight_shards=None "
+            "(experts whole, dense GTP on)",
         )
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
     if config is not None and cuda_graphs_enabled(config) and not full_iteration_graphs(config):
         settings = types.SimpleNamespace(
             **{

@@ -21,6 +21,7 @@ from nemo_gtp.engine.grid import (
     check_pipeline_split,
     layout_dims,
     on_world,
+    refuse_legacy_grouped_experts,
 )
 from nemo_gtp.recipes.config import RecipeError
 from nemo_gtp.recipes.schema import (
@@ -148,18 +149,22 @@ def _check_moe(raw: dict[str, Any], dims: Any) -> None:
         raise RecipeError(str(err)) from None
     if dims.egtp > 1 and model.get("moe_grouped_gemm"):
         spec = model.get("layer_spec") or default_layer_spec_name()
-        if spec != "te" or model.get("moe_use_legacy_grouped_gemm"):
-            if model.get("moe_use_legacy_grouped_gemm"):
-                why = "model.moe_use_legacy_grouped_gemm=true"
-            elif model.get("layer_spec"):
-                why = f"model.layer_spec={spec}"
-            else:
-                why = "model.layer_spec unset (local: TransformerEngine is not installed)"
-            raise RecipeError(
-                f"model.moe_grouped_gemm=true with {why} builds megatron's legacy GroupedMLP, "
-                "which expert GTP does not shard: set model.moe_grouped_gemm=false, or "
-                "model.layer_spec=te (TEGroupedMLP, TransformerEngine; design §1.4)"
+        why = ""
+        if model.get("moe_use_legacy_grouped_gemm"):
+            why = "model.moe_use_legacy_grouped_gemm=true"
+        elif spec != "te" and model.get("layer_spec"):
+            why = f"model.layer_spec={spec}"
+        elif spec != "te":
+            why = "model.layer_spec unset (local: TransformerEngine is not installed)"
+        try:
+            refuse_legacy_grouped_experts(
+                dims.egtp,
+                why and f"model.moe_grouped_gemm=true with {why}",
+                "set model.moe_grouped_gemm=false, or model.layer_spec=te (TEGroupedMLP, "
+                "TransformerEngine)",
             )
+        except ValueError as err:
+            raise RecipeError(str(err)) from None
     if experts and experts % dims.expert_model_parallel_size != 0:
         raise RecipeError(
             f"model.num_moe_experts={experts} must be a multiple of "

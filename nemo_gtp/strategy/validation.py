@@ -24,7 +24,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from nemo_gtp.engine.fp8 import FP8Scaling
-from nemo_gtp.engine.grid import check_checkpoint_format, check_expert_shards
+from nemo_gtp.engine.grid import (
+    check_checkpoint_format,
+    check_expert_shards,
+    refuse_legacy_grouped_experts,
+)
 from nemo_gtp.integrations.megatron.ddp import validate_ddp_config_for_gtp
 from nemo_gtp.integrations.megatron.fp8_primary import check_fp8_primary_ddp
 from nemo_gtp.integrations.megatron.model_config import fp8_primary_scaling
@@ -154,14 +158,12 @@ def validate_moe_config(model_config: Any, egtp: int, gtp_enabled: bool) -> None
     experts = getattr(model_config, "num_moe_experts", None)
     check_expert_shards(egtp, experts)
     if egtp > 1 and getattr(model_config, "moe_grouped_gemm", False):
-        legacy = legacy_grouped_experts_reason(model_config)
-        if legacy:
-            raise ValueError(
-                f"expert GTP={egtp} shards SequentialMLP and TEGroupedMLP experts, but {legacy} "
-                "builds megatron's legacy GroupedMLP (grouped_gemm package): use the "
-                "TransformerEngine layer spec with moe_use_legacy_grouped_gemm=False, set the "
-                "model's moe_grouped_gemm=False, or expert_num_weight_shards=None"
-            )
+        refuse_legacy_grouped_experts(
+            egtp,
+            legacy_grouped_experts_reason(model_config),
+            "use the TransformerEngine layer spec with moe_use_legacy_grouped_gemm=False, set "
+            "the model's moe_grouped_gemm=False, or expert_num_weight_shards=None",
+        )
 
 
 def legacy_grouped_experts_reason(model_config: Any) -> str:
