@@ -56,7 +56,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -66,7 +65,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.common import module_argv, with_root
+from bench.common import free_port, module_argv, with_root
 from nemo_gtp.plan import GIB, Layout, ModelShape, estimate
 from nemo_gtp.recipes.launch import NCCL_SINGLE_NODE_ENV, rank_env
 
@@ -619,13 +618,6 @@ def scratch_dir(args: argparse.Namespace) -> str:
     path = args.scratch or os.path.join(args.out, "probes")
     os.makedirs(path, exist_ok=True)
     return path
-
-
-def free_port() -> int:
-    """A free TCP port on this host for one probe's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def probe_argv(args: argparse.Namespace, mode: str, layers: int) -> list[str]:

@@ -65,16 +65,15 @@ from pathlib import Path
 
 from bench.bench_nemo import (
     SHARED_DEVICE_NOTE,
-    _free_port,
-    _max_rel,
     add_launch_arguments,
     check_launch_arguments,
     layout_modifiers,
+    max_rel,
     parity_section,
     rank_environment,
     world_overrides,
 )
-from bench.common import ROOT, module_argv, with_root
+from bench.common import ROOT, free_port, module_argv, with_root
 
 CONFIG = "configs/moe_1b.yaml"
 CPU_CONFIG = "configs/moe_tiny_cpu.yaml"
@@ -275,7 +274,7 @@ def _expert_probe(reset_at: int):  # noqa: ANN202
 
 
 def _rank_main(spec_path: str) -> None:
-    from bench.bench_nemo import _steps_callback, timed_fit
+    from bench.bench_nemo import steps_callback, timed_fit
     from nemo_gtp.recipes.launch import teardown_fit
     from nemo_gtp.recipes.loader import load_recipe
 
@@ -290,7 +289,7 @@ def _rank_main(spec_path: str) -> None:
         started = time.perf_counter()
         try:
             # shared: no exposed-communication or host/GPU split steps (they would mean nothing)
-            steps = _steps_callback(spec["warmup"], spec["timed"], False, timing=not shared)
+            steps = steps_callback(spec["warmup"], spec["timed"], False, timing=not shared)
             probe = _expert_probe(reset_at=spec["warmup"])
             cfg = load_recipe(
                 str(ROOT / run["config"]),
@@ -351,7 +350,7 @@ def report(records: list[dict], out: Path) -> str:
         if speed_base and "error" not in speed_base:
             ratio = f"{r['step_ms'] / speed_base['step_ms']:.3f}×"
         if loss_base and "error" not in loss_base:
-            worst = _max_rel(r["losses"], loss_base["losses"])
+            worst = max_rel(r["losses"], loss_base["losses"])
             diff = "" if worst is None else f"{worst:.1e}"
         per = ""
         if r.get("expert_gather_collectives"):
@@ -387,7 +386,7 @@ def report(records: list[dict], out: Path) -> str:
 
 
 def _launch(spec: Path, out: Path, world: int, shared: bool, timeout: float) -> int:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = rank_environment(rank, world, shared, port)

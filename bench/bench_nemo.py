@@ -73,7 +73,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import ROOT, module_argv, with_root
+from bench.common import ROOT, free_port, module_argv, with_root
 
 MODES = {
     "dp2_local": ("configs/gpt_1b.yaml", ["strategy.num_weight_shards=1"]),
@@ -244,7 +244,9 @@ def file_stem(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
 
 
-def _token_overrides(tokens: int, config: str | None = None) -> list[str]:
+def token_overrides(tokens: int, config: str | None = None) -> list[str]:
+    """The recipe overrides for ``tokens`` per GPU: sequence 2048 (1024 below 2k), micro-batch
+    tokens / sequence, global batch two micro-batches; none for the CPU recipes (own shape)."""
     if config in CPU_CONFIGS:
         return []
     seq = 1024 if tokens < 2048 else 2048
@@ -321,7 +323,7 @@ def launch_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
                 "config": config,
                 "overrides": [  # later wins: a mode's @data.global_batch_size=N over the default
                     *shape,
-                    *_token_overrides(tokens, config),
+                    *token_overrides(tokens, config),
                     *overrides,
                     *world_overrides(args.devices, args.shared_device),
                 ],
@@ -336,14 +338,6 @@ def launch_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
                 continue
             runs.append(run)
     return runs, errors
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -388,7 +382,9 @@ def cpu_budget() -> dict:
     return info
 
 
-def _thread_cpu_per_step(before: dict, after: dict, steps: int, top: int = 8) -> dict:
+def thread_cpu_per_step(before: dict, after: dict, steps: int, top: int = 8) -> dict:
+    """CPU ms per step of the ``top`` busiest threads between two :func:`thread_cpu_seconds`
+    readings (which thread a host-bound step waits on)."""
     used = {k: (after[k] - before.get(k, 0.0)) * 1000 / steps for k in after}
     busiest = sorted(used.items(), key=lambda kv: -kv[1])[:top]
     return {k: round(v, 1) for k, v in busiest if v > 0}
@@ -420,7 +416,7 @@ def dump_weights(strategy: object, path: str) -> None:
 _HOST_TIMER = None
 
 
-def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True):  # noqa: ANN202
+def steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True):  # noqa: ANN202
     """The rank's Lightning callback (Lightning imported here: the parent process stays light).
     ``timing=False`` (``--shared-device``): no exposed-communication or host/GPU split steps,
     whose numbers would mean nothing; the run is ``warmup + timed`` steps (+ profiling)."""
@@ -519,7 +515,7 @@ def _steps_callback(warmup: int, timed: int, profile: bool, timing: bool = True)
                     self._timer_start, _HOST_TIMER.snapshot(), len(w["timed"])
                 )
             if step == w["timed"].stop and self._threads:
-                self.thread_cpu_ms_per_step = _thread_cpu_per_step(
+                self.thread_cpu_ms_per_step = thread_cpu_per_step(
                     self._threads, thread_cpu_seconds(), len(w["timed"])
                 )
                 self.thread_cpu_ms_per_step["wall"] = round(
@@ -651,7 +647,7 @@ def timed_fit(
     cfg: object, callbacks: list, steps: object, store: str, world: int, tokens_per_gpu: int
 ) -> dict:
     """Build and run one fit of recipe ``cfg`` (``steps``, one of ``callbacks``, is its
-    :func:`_steps_callback`; ``store``: a fresh file store path): the median step of the timed
+    :func:`steps_callback`; ``store``: a fresh file store path): the median step of the timed
     window, tokens/s per GPU, peak memory above what earlier fits left allocated, the loss
     curve and the exposed GTP communication."""
     import torch
@@ -703,7 +699,7 @@ def _rank_main(spec_path: str) -> None:
         if spec.get("fit_timeout"):  # a hung fit: every thread's stack in the rank's log, exit
             faulthandler.dump_traceback_later(spec["fit_timeout"], exit=True)
         try:
-            steps = _steps_callback(
+            steps = steps_callback(
                 spec["warmup"], spec["timed"], run["profile"], timing=not spec.get("shared_device")
             )
             name = file_stem(f"{run['mode']}_{run['tokens_per_gpu']}")
@@ -772,7 +768,10 @@ def _rank_main(spec_path: str) -> None:
 
 
 # ----------------------------------------------------------------------------- parent
-def _report(records: list[dict], out: Path) -> str:
+def report(records: list[dict], out: Path) -> str:
+    """The launch's markdown table (``bench_nemo.md``, returned too): one row per fit against its
+    baseline, then the parity, repeat, graph, thread and gathered-bytes summaries; outside
+    ``--shared-device`` also the step-time ratio plot ``bench_nemo_ratio.png``."""
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records}
     lines = [
         "| mode | tokens/GPU | step ms | vs baseline | tokens/s/GPU | peak GiB | "
@@ -793,7 +792,7 @@ def _report(records: list[dict], out: Path) -> str:
         ratio, diff = "", ""
         if base and "error" not in base:
             ratio = f"{r['step_ms'] / base['step_ms']:.3f}× {base_mode}"
-            worst = _max_rel(r["losses"], base["losses"])
+            worst = max_rel(r["losses"], base["losses"])
             diff = "" if worst is None else f"{worst:.1e}"
         exposed = r.get("exposed_ms", {})
         idle = r.get("torch_profile", {}).get("gpu_idle_fraction")
@@ -823,7 +822,7 @@ def _report(records: list[dict], out: Path) -> str:
         + _repeat_summary(records)
         + _graph_vs_eager(records)
         + _thread_summary(records)
-        + _bytes_summary(records)
+        + bytes_summary(records)
     )
     (out / "bench_nemo.md").write_text(table + "\n")
     if shared:  # a step-time ratio plot of a shared GPU would only mislead
@@ -843,7 +842,7 @@ BYTES_TWINS = {  # an FP8-gathering mode -> the bf16 GTP mode of the same model 
 }
 
 
-def _bytes_summary(records: list[dict]) -> str:
+def bytes_summary(records: list[dict]) -> str:
     """One ``GATHER BYTES`` line per FP8 mode whose bf16 twin (:data:`BYTES_TWINS`) ran at the
     same tokens: gathered bytes per step, FP8 / bf16 (the FP8 gather's target is 0.50 ± 3 %;
     counted from the runtimes' ``CommStats``, so it holds under ``--shared-device`` too)."""
@@ -883,13 +882,13 @@ def parity(record: dict, base: dict) -> dict:
         (a, b) for a, b in zip(record["losses"], base["losses"]) if a is not None and b is not None
     ]
     tolerance = TOLERANCE.get(record.get("precision") or "", TOLERANCE["bf16-mixed"])
-    rel = _max_rel(record["losses"], base["losses"])
+    rel = max_rel(record["losses"], base["losses"])
     return {
         "steps": len(pairs),
         "first_loss": (pairs[0] if pairs else None),
         "max_abs_loss_diff": max((abs(a - b) for a, b in pairs), default=None),
         "max_rel_loss_diff": rel,
-        "max_rel_grad_norm_diff": _max_rel(record.get("grad_norms"), base.get("grad_norms")),
+        "max_rel_grad_norm_diff": max_rel(record.get("grad_norms"), base.get("grad_norms")),
         "tolerance": tolerance,
         "match": rel is not None and rel <= tolerance,
     }
@@ -984,7 +983,7 @@ def _eager_twin(mode: str) -> str | None:
     return "@".join([base, *(k for k in knobs if k not in GRAPH_KINDS)])
 
 
-def _max_rel(a: list | None, b: list | None) -> float | None:
+def max_rel(a: list | None, b: list | None) -> float | None:
     """The largest relative difference of curve ``a`` from curve ``b`` over their common steps
     (steps either misses, or where ``b`` is 0, left out); None without one."""
     pairs = [(x, y) for x, y in zip(a or [], b or []) if x is not None and y]
@@ -1003,8 +1002,8 @@ def _graph_vs_eager(records: list[dict]) -> str:
             continue
         first = (r["losses"] or [None])[0], (twin["losses"] or [None])[0]
         loss_rel, norm_rel = (
-            _max_rel(r["losses"], twin["losses"]),
-            _max_rel(r.get("grad_norms"), twin.get("grad_norms")),
+            max_rel(r["losses"], twin["losses"]),
+            max_rel(r.get("grad_norms"), twin.get("grad_norms")),
         )
         host = (
             r.get("split_ms", {}).get("host_issue_ms"),
@@ -1200,7 +1199,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     runs, errors = launch_plan(args)
-    port = _free_port()
+    port = free_port()
     if args.dry_run or errors:
         plan = {
             "shared_device": args.shared_device,
@@ -1268,7 +1267,7 @@ def main(argv: list[str] | None = None) -> int:
         record["precision"] = precision.get(record["mode"])
         record["shared_device"] = args.devices if args.shared_device else 0  # ranks on one GPU
     (out / "bench_nemo.json").write_text(json.dumps(records, indent=1))
-    print(_report(records, out))
+    print(report(records, out))
     return max(codes)
 
 

@@ -56,6 +56,15 @@ def module_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def free_port() -> int:
+    """A free TCP port on this host for one launch's rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def with_root(env: dict[str, str]) -> dict[str, str]:
     """``env`` with the repository root first on ``PYTHONPATH`` (see :func:`module_argv`)."""
     rest = env.get("PYTHONPATH", "")

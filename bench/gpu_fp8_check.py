@@ -256,9 +256,8 @@ def run_mode(
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
-    from bench.bench_gpt import model_config
+    from bench.bench_gpt import model_config, seed_model_parallel
     from bench.te_gpt_nccl import (
-        _seed,
         forward_backward_step,
         layer_spec,
         reference_weights,
@@ -280,7 +279,7 @@ def run_mode(
     spec = layer_spec(kind)
     if gtp > 1 and kind == "te":
         spec = gtp_layer_spec(spec, groups, gtp_config)
-    _seed(4321)
+    seed_model_parallel(DEVICE, 4321)
     model = GPTModel(config, spec, args.vocab, args.seq).to(DEVICE)
     load_full_weights(model, reference)
     te_fp8_params = _te_init_values(model, reference) if fp8_param else 0

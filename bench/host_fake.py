@@ -254,10 +254,10 @@ def _resolve(mode: str, tokens: int) -> tuple[str, list[str]]:
         config, overrides = CPU_MODES[mode.split("@")[0]]
         extra = [f"+gtp.{k}" for k in mode.split("@")[1:]]
         return config, [*overrides, *CPU_SHAPE, *extra]
-    from bench.bench_nemo import _token_overrides, resolve_mode
+    from bench.bench_nemo import resolve_mode, token_overrides
 
     config, overrides, _ = resolve_mode(mode)
-    return config, [*overrides, *_token_overrides(tokens)]
+    return config, [*overrides, *token_overrides(tokens)]
 
 
 def _init_fake_world(world: int) -> None:
@@ -287,7 +287,7 @@ def _rank_main(spec: dict) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     _init_fake_world(spec["world"])
-    from bench.bench_nemo import _thread_cpu_per_step, thread_cpu_seconds
+    from bench.bench_nemo import thread_cpu_per_step, thread_cpu_seconds
     from bench.common import GTPHostTimer
     from nemo_gtp.recipes.loader import build_fit, load_recipe
 
@@ -330,7 +330,7 @@ def _rank_main(spec: dict) -> dict:
                 if GEMM_VARIANTS is not None:
                     GEMM_VARIANTS.clear()
             if trainer.global_step == warmup + steps:
-                self.threads = _thread_cpu_per_step(self.threads, thread_cpu_seconds(), steps)
+                self.threads = thread_cpu_per_step(self.threads, thread_cpu_seconds(), steps)
                 self.gc = {
                     "ms_per_step": round(1000 * gc_time["s"] / steps, 2),
                     "collections_per_generation": list(gc_time["runs"]),

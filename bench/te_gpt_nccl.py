@@ -52,12 +52,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
 from bench.bench_gpt import (  # the same benchmark GPT
     make_optimizer,
     model_config,
+    seed_model_parallel,
 )
 from bench.common import write_host_profile
 from nemo_gtp.engine import GTPConfig, GTPShardedParam, is_gtp_param
@@ -113,15 +113,6 @@ def _peak(reset: bool = False) -> int:
     return torch.cuda.max_memory_allocated()
 
 
-def _seed(seed: int) -> None:
-    if CUDA:
-        model_parallel_cuda_manual_seed(seed)
-    else:  # the CPU smoke test only: a GPU run never imports the CPU compatibility layer
-        from nemo_gtp.cpu.compat import model_parallel_cpu_manual_seed
-
-        model_parallel_cpu_manual_seed(seed)
-
-
 def _count(name: str) -> None:
     original = getattr(GTPShardedParam, name)
 
@@ -146,7 +137,7 @@ _REFERENCE: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}
 def reference_weights(args: argparse.Namespace, kind: str, bias: bool) -> dict:
     """The full init every run of ``(kind, bias)`` starts from (stock spec, fixed seeds)."""
     if (kind, bias) not in _REFERENCE:
-        _seed(1234)
+        seed_model_parallel(DEVICE, 1234)
         torch.manual_seed(1234)
         model = GPTModel(model_config(args, bias=bias), layer_spec(kind), args.vocab, args.seq)
         model = model.to(DEVICE)
@@ -262,7 +253,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
     _sync()
     base_mem = _allocated()
     _peak(reset=True)
-    _seed(4321)
+    seed_model_parallel(DEVICE, 4321)
     model = GPTModel(config, spec, args.vocab, args.seq).to(DEVICE)
     build_peak_gib = (_peak() - base_mem) / 2**30
     load_full_weights(model, reference)

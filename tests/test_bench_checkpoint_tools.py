@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.bench_nemo import _bytes_summary, resolve_mode
+from bench.bench_nemo import bytes_summary, resolve_mode
 from bench.common import compare
 
 
@@ -49,14 +49,12 @@ def test_gather_bytes_line_against_the_bf16_twin() -> None:
         stats = {} if gathered is None else {"gather_bytes": gathered}
         return {"mode": mode, "tokens_per_gpu": 2048, "gtp_stats_per_step": stats}
 
-    text = _bytes_summary(
-        [record("gtp2_te", 1000), record("gtp2_fp8", 500), record("dp2_te", None)]
-    )
+    text = bytes_summary([record("gtp2_te", 1000), record("gtp2_fp8", 500), record("dp2_te", None)])
     assert text.strip() == (
         "GATHER BYTES gtp2_fp8 / gtp2_te at 2048: 500 / 1000 = 0.5000 per step (within 0.50 +- 3 %)"
     )
-    assert "OUTSIDE" in _bytes_summary([record("gtp2_te", 1000), record("gtp2_fp8", 600)])
-    assert _bytes_summary([record("gtp2_fp8", 500)]) == ""  # no twin: no line
+    assert "OUTSIDE" in bytes_summary([record("gtp2_te", 1000), record("gtp2_fp8", 600)])
+    assert bytes_summary([record("gtp2_fp8", 500)]) == ""  # no twin: no line
 
 
 def test_a_layout_modifier_goes_to_the_baseline_too() -> None:

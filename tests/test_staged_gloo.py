@@ -448,7 +448,7 @@ def test_bench_nemo_shared_device_plan(capsys: pytest.CaptureFixture[str]) -> No
 def test_bench_nemo_parity_report(tmp_path: Path) -> None:
     """The report of a shared-device run says step times mean nothing and judges each mode's
     losses and grad norms against its baseline at the recipe precision's tolerance."""
-    from bench.bench_nemo import _report
+    from bench.bench_nemo import report
 
     fit = {"tokens_per_gpu": 2048, "step_ms": 100.0, "tokens_per_s_per_gpu": 1, "peak_gib": 1.0}
     base = {**fit, "mode": "dp2_te", "losses": [10.0, 9.0, 8.0], "grad_norms": [4.0, 2.0, 1.0]}
@@ -467,7 +467,7 @@ def test_bench_nemo_parity_report(tmp_path: Path) -> None:
         {**base, "mode": "gtp2_cpu", "losses": [10.0, 9.0, 8.001], "shared_device": 2},
     ]
     records[4]["precision"] = "32"
-    table = _report(records, tmp_path)
+    table = report(records, tmp_path)
     assert table.startswith("**--shared-device: 2 ranks on one GPU**")
     assert "NOT meaningful" in table and not (tmp_path / "bench_nemo_ratio.png").exists()
     row = next(line for line in table.splitlines() if line.startswith("| gtp2_te | dp2_te |"))
