@@ -212,6 +212,24 @@ stage_peft() {  # LoRA (design §1.1 "Frozen weights") on TE linears built as th
     run 120 $PY -m bench.tools compare-weights $T/load/weights_${G}*_start.pt \
       $T/load/weights_${D}*_start.pt | tail -3
   } 2>&1 | tee "$O/compare.txt"
+  # the losses of every fit, and GTP2 vs DP2 under LoRA (their modes differ in modifiers the
+  # baseline does not share, so bench_nemo prints no PARITY line for the pair)
+  [ "$CHECK" = 1 ] || $PY - "$T" <<'PY' | tee "$O/losses.txt"
+import json, sys
+root = sys.argv[1]
+for part in ("pre_run", "save", "load"):
+    try:
+        rows = json.load(open(f"{root}/{part}/bench_nemo.json"))
+    except Exception as err:
+        print(part, "no json", err); continue
+    for r in rows:
+        mode = r["mode"].replace(root, "")
+        print(part, mode, r.get("error", "")[:300], "losses", r.get("losses"), "grad norms", r.get("grad_norms"))
+    if part == "save" and all(r.get("losses") for r in rows):  # GTP2 vs its DP2 baseline
+        g, d = rows[0]["losses"], rows[1]["losses"]
+        rel = max(abs(x - y) / abs(y) for x, y in zip(g, d))
+        print(f"GTP2 vs DP2 LoRA: {len(g)} steps, step-0 loss {g[0]} / {d[0]}, max rel loss diff {rel:.2e}")
+PY
   for d in pre_run save load; do mkdir -p "$O/$d"; cp "$T/$d"/*.md "$T/$d"/*.json "$O/$d/" 2>/dev/null; done
 }
 stage_mfsdp() {  # eager 1k and 4k beside NeMo's Megatron-FSDP
