@@ -1,6 +1,11 @@
 """Does GTP hold on GPUs with NCCL at the megatron level? Parity and checkpoint interop.
 
-Two checks, ranks one per GPU talking NCCL (launch with ``torchrun``), fp32 with TF32 off:
+Question: do the CPU suite's GPT parity cases hold on CUDA with NCCL, and does a checkpoint
+saved at TP1·GTP2 load at TP2 and DP2 bit for bit?
+
+Ranks: NCCL, one rank per GPU (launch with ``torchrun``).
+
+Two checks, fp32 with TF32 off:
 
 - ``parity``: the CPU test suite's GPT parity cases (``tests.harness.gpt``) against the same run
   without GTP (1e-5; bf16 cases 5e-2), on 2 ranks or, with 4, the TP2·GTP2 / GTP4 cases; the
