@@ -361,12 +361,12 @@ GTP_ENTRIES = (
     *(
         (f"nemo_gtp.engine.{module}", owner, name, f"in.{name}")
         for module, owner, name in (
-            ("gather", "GatherSide", "_issue_unit"),
-            ("gather", "GatherSide", "_issue"),
-            ("reduce_scatter", "ReduceScatterSide", "_finalize_all"),
+            ("gather", "GatherSide", "issue_unit_gather"),
+            ("gather", "GatherSide", "issue_gather"),
+            ("reduce_scatter", "ReduceScatterSide", "finalize_reduce_scatters"),
             ("protocol", "ProtocolSide", "_protocol_alias"),
-            ("reduce_scatter", "ReduceScatterSide", "_reduce_scatter_staged"),
-            ("gather", "GatherSide", "_prefetch_all"),
+            ("reduce_scatter", "ReduceScatterSide", "reduce_scatter_staged"),
+            ("gather", "GatherSide", "prefetch_units"),
             ("gather", "GatherSide", "materialize"),
             ("protocol", "ProtocolSide", "materialize_group_for_protocol"),
             ("gather", "GatherSide", "release"),

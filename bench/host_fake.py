@@ -161,7 +161,7 @@ def _patch_count_bails() -> None:
                 return "fp8 gather"
             slot = state.fwd
         else:
-            if self._carry:
+            if self.ring_carry:
                 return "carry"
             if state.quantize_note is not None:
                 return "quantize_note"

@@ -326,10 +326,15 @@ class FP8GatherSide:
     weights").
 
     Part of the runtime, split off by concern, not a class of its own: it owns the state
-    :meth:`_init_fp8_gather_side` sets up, and the gather side
+    :meth:`setup_fp8_gather_side` sets up, and the gather side
     (:class:`~nemo_gtp.engine.gather.GatherSide`) asks it for the bytes an FP8 gather moves;
     it hands the consumer the FP8 gathered weight and the weight a GEMM that is not FP8-aware
     multiplies with.
+
+    Offers the other parts: ``canonical_fp8``, ``known_fp8``, ``fp8_gather_source``,
+    ``fp8_primary``, ``fp8_gathered``, ``gemm_weight``, ``quantized_gather``, ``fp8_shards``,
+    ``setup_fp8_gather_side``. Uses from the other parts: ``weight_cache`` (the gather side's
+    ticket cache, for the column-wise and scale buffers).
 
     Example::
 
@@ -337,13 +342,15 @@ class FP8GatherSide:
         view = runtime.fp8_gathered(param, Direction.FWD)   # rows, scale_inv, recipe
     """
 
-    def _init_fp8_gather_side(self) -> None:
+    def setup_fp8_gather_side(self) -> None:
         """The FP8 state: the consumer that asks for FP8 gathers (set by the integration, e.g.
         TE's), the FP8 copies of the shards, the one FP8Scaling object in use, and the FP8
-        primary shards' scaling and write-back plan."""
+        primary shards' scaling and write-back plan (called once, from ``GTPRuntime.__init__``)."""
         self.quantized_gather: QuantizedGather | None = None
         self.fp8_shards = FP8ShardCache()
-        self._fp8_known: FP8Scaling | None = None
+        self.known_fp8: FP8Scaling | None = None
+        """The one ``FP8Scaling`` object of the recipe in use (:meth:`canonical_fp8`): a consume
+        whose recipe is this very object skips the equality check."""
         self.fp8_primary: FP8Scaling | None = None
         """Set by ``make_fp8_primary``: every shard is an FP8 primary weight in this scaling and
         every gather moves the shards' own FP8 bytes (design §1.3 "FP8 primary weights")."""
@@ -351,12 +358,12 @@ class FP8GatherSide:
         """The optimizer write-back's plan for this runtime's shards (``fp8_write_back``),
         built at the first write-back and reused while megatron passes the same lists."""
 
-    def _canonical_fp8(self, fp8: FP8Scaling) -> FP8Scaling:
+    def canonical_fp8(self, fp8: FP8Scaling) -> FP8Scaling:
         """One ``FP8Scaling`` object per recipe in use (identity checks on the hot path)."""
-        if fp8 != self._fp8_known:
+        if fp8 != self.known_fp8:
             check_gather_scaling(fp8)
-            self._fp8_known = fp8
-        return self._fp8_known
+            self.known_fp8 = fp8
+        return self.known_fp8
 
     def fp8_gathered(self, param: GTPShardedParam, direction: Direction) -> FP8Gathered:
         """The FP8 gathered weight ``materialize(..., fp8=...)`` left in ``direction``'s slot.
@@ -425,9 +432,10 @@ class FP8GatherSide:
         scale_inv = state.slot(direction).scales if fp8.kind is _BLOCKWISE else state.fp8.scale_inv
         return dequantize_fp8(full, scale_inv, fp8, state.fp8_primary_dtype)
 
-    def _fp8_source(self, param: GTPShardedParam, fmt: FP8Scaling) -> torch.Tensor:
-        """The bytes of ``param``'s FP8 shard, quantized first if stale (collective: once per
-        step for all shards, design §1.3 "FP8 gather"); an FP8 primary shard's own bytes."""
+    def fp8_gather_source(self, param: GTPShardedParam, fmt: FP8Scaling) -> torch.Tensor:
+        """The bytes an FP8 gather of ``param`` moves: its FP8 shard, quantized first if stale
+        (collective: once per step for all shards, design §1.3 "FP8 gather"); an FP8 primary
+        shard's own bytes."""
         if self.fp8_primary is not None:  # the optimizer wrote them (write_back_fp8_primary)
             return param.detach().view(torch.uint8)
         if not self.fp8_shards.is_fresh(param, fmt):

@@ -80,8 +80,15 @@ class GatherSide:
     """The all-gather side of a ``GTPRuntime``: consumes, prefetches, the gather backends (§3.1).
 
     Part of the runtime, split off by concern, not a class of its own: it owns the state
-    :meth:`_init_gather_side` sets up and reads the runtime's chains, params, stats and trace;
+    :meth:`setup_gather_side` sets up and reads the runtime's chains, params, stats and trace;
     the FP8 formats of a gather come from :class:`~nemo_gtp.engine.fp8_gather.FP8GatherSide`.
+
+    Offers the other parts: ``issue_gather``, ``issue_unit_gather``, ``prefetch_units``,
+    ``prefetch_enabled`` and ``gather_fmt`` (the protocol's dense consume), ``materialize``,
+    ``release``, ``drain_gathers``, ``weight_cache``, ``shard_mirror``, ``setup_gather_side``.
+    Uses from the other parts: ``canonical_fp8``, ``known_fp8``, ``fp8_gather_source``,
+    ``fp8_primary`` (FP8 gathers); ``ring_carry``, ``reduce_scatter_carry``,
+    ``commit_graph_segments`` (graph segments).
 
     Example::
 
@@ -90,17 +97,23 @@ class GatherSide:
         runtime.release(param, Direction.FWD)
     """
 
-    def _init_gather_side(self) -> None:
-        """The gather side's state: collectives, backend, ticket cache, prefetch switch."""
+    def setup_gather_side(self) -> None:
+        """The gather side's state: collectives, backend, ticket cache, prefetch switch (called
+        once, from ``GTPRuntime.__init__``)."""
         self._ops = GroupCollectives(self.group)
-        self._mirror: SymmetricShardMirror | None = None
+        self.shard_mirror: SymmetricShardMirror | None = None
+        """The copy-engine mirror of the shards (``GatherBackend.COPY_ENGINE`` only, else None);
+        marked stale at every drain, as the optimizer may write the shards next."""
         self.gather_backend: GatherBackend | None = None  # resolved at the first gather
         self._use_mirror = False
         self.tokens_per_gemm = 0
-        self._prefetch_enabled = self.config.weight_prefetch
+        self.prefetch_enabled = self.config.weight_prefetch
+        """Whether consumes issue the async gathers of their chain's next units."""
         self.weight_cache = GTPWeightCache()
-        # the format of the gathers the consume being served issues (None: the training dtype)
-        self._fmt: FP8Scaling | None = None
+        self.gather_fmt: FP8Scaling | None = None
+        """The format of the gathers the consume being served issues (None: the training dtype);
+        set by each consume before it issues, read by :meth:`issue_gather` and
+        :meth:`issue_unit_gather`."""
         self._label: str | None = None  # trace label of the consume being served
 
     def materialize(
@@ -126,35 +139,35 @@ class GatherSide:
             recompute = backward_task_id() != -1
         else:
             slot = state.bwd
-            if self._carry and self._carry[0].gtp_state.segment != state.segment:
-                self._issue_carry()  # the next graph's first backward consume
+            if self.ring_carry and self.ring_carry[0].gtp_state.segment != state.segment:
+                self.reduce_scatter_carry()  # the next graph's first backward consume
         if self.fp8_primary is not None:  # the shards are FP8: nothing else to gather
             fp8 = self.fp8_primary
-        if fp8 is not None and fp8 is not self._fp8_known:
-            fp8 = self._canonical_fp8(fp8)
+        if fp8 is not None and fp8 is not self.known_fp8:
+            fp8 = self.canonical_fp8(fp8)
         if slot.state is not _NONE and slot.fmt is not fp8:
             # Prefetched in the other format (the edge of an FP8 region): gather again.
             self.release(param, direction)
             self.stats.format_regathers += 1
-        self._fmt = fp8
+        self.gather_fmt = fp8
         if chain.phase is ChainPhase.OBSERVING and chain.observe(param, direction):
             self.builds += 1
-            self._segments_committed(chain)
+            self.commit_graph_segments(chain)
         if recompute:
             self._label = "rc"  # trace only
             if chain.recompute_phase is ChainPhase.OBSERVING:
                 chain.observe_recompute(param)
         if slot.state is _NONE:
             if recompute or len(slot.unit) == 1:
-                self._issue(param, slot, async_op=False)
+                self.issue_gather(param, slot, async_op=False)
             else:  # e.g. the chain head: the rest of its unit (not what was consumed), at once
-                self._issue_unit(slot.unit[slot.unit_pos :], sync_slot=slot)
+                self.issue_unit_gather(slot.unit[slot.unit_pos :], sync_slot=slot)
         if slot.state is _ASYNC:
             if self.wait_timer.enabled:
                 self.wait_timer.timed_wait(slot.complete, "gather", param.device, state.name)
             else:
                 slot.complete()
-        if self._prefetch_enabled:  # links are empty until their chain is committed
+        if self.prefetch_enabled:  # links are empty until their chain is committed
             # a recompute consume follows the recompute chain, never the forward chain's links;
             # it gathers weight by weight (a recompute may re-run only part of a unit)
             if recompute:
@@ -164,9 +177,9 @@ class GatherSide:
             else:  # inlined _forward_targets: most consumes lead no unit (nothing to issue)
                 targets = slot.ahead if slot.ahead or not will_backward else slot.handover
                 if targets:
-                    self._prefetch_all(targets)
+                    self.prefetch_units(targets)
         self._label = None
-        self._fmt = None
+        self.gather_fmt = None
         return slot.full
 
     def prefetch_neighbour(
@@ -174,9 +187,9 @@ class GatherSide:
     ) -> None:
         """Issue the async gather the next consume in ``direction`` will need (design §3.1)."""
         # the autograd path gathers the training dtype, or the FP8 primary shards
-        self._fmt = self._fp8_known if self.fp8_primary is not None else None
-        if self._prefetch_enabled:
-            self._prefetch_all(_forward_targets(param.gtp_state.slot(direction), will_backward))
+        self.gather_fmt = self.known_fp8 if self.fp8_primary is not None else None
+        if self.prefetch_enabled:
+            self.prefetch_units(_forward_targets(param.gtp_state.slot(direction), will_backward))
 
     def release(self, param: GTPShardedParam, direction: Direction) -> None:
         """Return ``param``'s gathered buffer for ``direction`` to the cache."""
@@ -190,16 +203,18 @@ class GatherSide:
         param.gtp_state.chain.live -= 1
         slot.released()
 
-    def _prefetch_all(self, targets: tuple[GatherSlot, ...]) -> None:
+    def prefetch_units(self, targets: tuple[GatherSlot, ...]) -> None:
+        """Issue the async gather of each target's unit not gathered yet (each target leads a
+        unit: one weight alone, or a coalescing unit in one collective)."""
         for target in targets:  # each target leads a unit
             if target.state is _NONE:
                 if len(target.unit) == 1:
                     self._prefetch(target)
                 else:
-                    self._issue_unit(target.unit)
+                    self.issue_unit_gather(target.unit)
 
     def _prefetch(self, slot: GatherSlot) -> None:
-        if self._issue(self.params[slot.index], slot, async_op=True):
+        if self.issue_gather(self.params[slot.index], slot, async_op=True):
             self.stats.prefetches += 1
         else:
             self.stats.prefetch_skipped += 1
@@ -209,7 +224,7 @@ class GatherSide:
         state = param.gtp_state
         if not param.is_contiguous():
             raise ValueError(f"{state.name}: GTP shard is not contiguous")
-        fmt = self._fmt
+        fmt = self.gather_fmt
         key = BufferKey(
             param.gtp_spec.gathered_shape,
             param.dtype if fmt is None else fmt.fp8_dtype,
@@ -233,26 +248,35 @@ class GatherSide:
             scale_bytes = slot.scale_wire.numel() * slot.scale_wire.element_size()
             slot.nbytes += scale_bytes * (self.size - 1) // self.size
         if self._use_mirror and fmt is None:
-            slot.pull_plan = self._mirror.pull_plan(buffer, param)
-            slot.pull_work = slot.pull_work or EventWork(self._mirror.ops)
+            slot.pull_plan = self.shard_mirror.pull_plan(buffer, param)
+            slot.pull_work = slot.pull_work or EventWork(self.shard_mirror.ops)
 
     def _cache_of(self, param: GTPShardedParam, slot: GatherSlot) -> CacheSlot:
         """``slot``'s cache slot, bound at its first gather (outside inference mode: the buffer
         and the cached views outlive an evaluation loop that ran the first gather)."""
         cache = slot.cache
-        if cache is None or cache.buffer is None or slot.rebind or slot.bound_fmt is not self._fmt:
+        if (
+            cache is None
+            or cache.buffer is None
+            or slot.rebind
+            or slot.bound_fmt is not self.gather_fmt
+        ):
             with torch.inference_mode(False):
                 self._bind(param, slot)
             cache = slot.cache
         return cache
 
-    def _issue(self, param: GTPShardedParam, slot: GatherSlot, *, async_op: bool) -> bool:
+    def issue_gather(self, param: GTPShardedParam, slot: GatherSlot, *, async_op: bool) -> bool:
+        """Gather ``param`` into ``slot`` alone (not coalesced), in :attr:`gather_fmt`.
+
+        ``async_op`` (a prefetch): skipped, returning False, when the slot's cache buffer is
+        held; else (a GEMM waits) a held buffer means a fallback buffer. True once issued."""
         if self.gather_backend is None:
             self._resolve_gather_backend(param.device)
-        fmt = self._fmt
+        fmt = self.gather_fmt
         # detached: gloo copies the local shard under autograd's eyes. FP8: the shard's FP8 copy,
         # always through the process group (the copy-engine mirror holds the training dtype).
-        source = param.detach() if fmt is None else self._fp8_source(param, fmt)
+        source = param.detach() if fmt is None else self.fp8_gather_source(param, fmt)
         mirror = self._use_mirror and fmt is None
         cache = self._cache_of(param, slot)
         if cache.try_acquire(slot):
@@ -275,11 +299,11 @@ class GatherSide:
             self.stats.fallback_allocations += 1
             if mirror:
                 pull_plan, pull_work = (
-                    self._mirror.pull_plan(buffer, param),
-                    EventWork(self._mirror.ops),
+                    self.shard_mirror.pull_plan(buffer, param),
+                    EventWork(self.shard_mirror.ops),
                 )
         if mirror:
-            work = self._mirror.pull(pull_plan, param, pull_work)
+            work = self.shard_mirror.pull(pull_plan, param, pull_work)
         elif scales is not None:  # blockwise: rows and block scales, one collective
             work = self._ops.all_gather_coalesced(
                 [wire, _bytes(scales)], [source, _bytes(param.gtp_state.fp8_scale_wire)]
@@ -316,7 +340,7 @@ class GatherSide:
                     self._label or slot.direction,
                 )
 
-    def _issue_unit(
+    def issue_unit_gather(
         self, unit: tuple[GatherSlot, ...], sync_slot: GatherSlot | None = None
     ) -> None:
         """Gather every not-yet-gathered slot of a coalescing unit in one collective.
@@ -326,12 +350,12 @@ class GatherSide:
         """
         if self.gather_backend is None:
             self._resolve_gather_backend(self.params[unit[0].index].device)
-        fmt = self._fmt
+        fmt = self.gather_fmt
         if self._use_mirror and fmt is None:  # copy-engine pulls are per weight anyway
             for slot in unit:
                 if slot.state is _NONE:
                     if slot is sync_slot:
-                        self._issue(self.params[slot.index], slot, async_op=False)
+                        self.issue_gather(self.params[slot.index], slot, async_op=False)
                     else:
                         self._prefetch(slot)
             return
@@ -341,7 +365,7 @@ class GatherSide:
             if slot.state is not _NONE:
                 continue
             param = params[slot.index]
-            source = param.detach() if fmt is None else self._fp8_source(param, fmt)
+            source = param.detach() if fmt is None else self.fp8_gather_source(param, fmt)
             cache = self._cache_of(param, slot)
             if cache.try_acquire(slot):
                 members.append(slot)
@@ -351,7 +375,7 @@ class GatherSide:
                     buffers.append(_bytes(slot.scale_wire))
                     shards.append(_bytes(param.gtp_state.fp8_scale_wire))
             elif slot is sync_slot:  # only when the observed order mispredicts
-                self._issue(param, slot, async_op=False)
+                self.issue_gather(param, slot, async_op=False)
             else:
                 stats.prefetch_skipped += 1
         if not members:
@@ -383,7 +407,7 @@ class GatherSide:
         backend = self._choose_gather_backend(device)
         if backend is GatherBackend.COPY_ENGINE:
             with torch.inference_mode(False):
-                self._mirror = SymmetricShardMirror(self.params, self.group)
+                self.shard_mirror = SymmetricShardMirror(self.params, self.group)
         self.gather_backend = backend
         self._use_mirror = backend is GatherBackend.COPY_ENGINE
         for param in self.params:  # cache bindings carry backend-specific plans
@@ -422,9 +446,9 @@ class GatherSide:
         collective again (agreement, and the mirror's rendezvous if the copy engine is chosen).
         """
         self.drain()
-        if self._mirror is not None:
-            self._mirror.close()
-        self.gather_backend, self._mirror, self._use_mirror = None, None, False
+        if self.shard_mirror is not None:
+            self.shard_mirror.close()
+        self.gather_backend, self.shard_mirror, self._use_mirror = None, None, False
 
     def drain_gathers(self) -> None:
         """Complete and release every outstanding gather (e.g. an unconsumed prefetch)."""

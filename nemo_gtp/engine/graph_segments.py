@@ -23,14 +23,22 @@ from nemo_gtp.engine.param import GTPShardedParam
 from nemo_gtp.engine.slots import Direction, GTPStateError
 
 _FWD, _BWD = Direction.FWD, Direction.BWD
+_GradBackup = tuple[GTPShardedParam, torch.Tensor | None, bool]
+"""A guarded weight's gradient as it was: the param, the copy, whether it is ``main_grad``."""
 
 
 class GraphSegments:
     """CUDA-graph segments, the grad guard and the wgrad ring of a ``GTPRuntime`` (§3.5).
 
     Part of the runtime, split off by concern, not a class of its own: it owns the state
-    :meth:`_init_graph_segments` sets up and works on the runtime's chains, params and
+    :meth:`setup_graph_segments` sets up and works on the runtime's chains, params and
     pending reduce-scatters (:class:`~nemo_gtp.engine.reduce_scatter.ReduceScatterSide`).
+
+    Offers the other parts: ``ring_carry``, ``carry_staged``, ``reduce_scatter_carry``,
+    ``guarded_grads``, ``back_up_grad``, ``recorded_finalizes``, ``commit_graph_segments``,
+    ``setup_graph_segments``. Uses from the other parts: ``release`` (gather side);
+    ``finalize_reduce_scatters``, ``flush_staged``, ``reduce_scatter_staged``,
+    ``fp32_accumulation``, ``drain_reduce_scatters`` (reduce-scatter side).
 
     Example::
 
@@ -39,27 +47,34 @@ class GraphSegments:
             warmup_forward_and_backward()                                  # leaves no gradient
     """
 
-    def _init_graph_segments(self) -> None:
+    def setup_graph_segments(self) -> None:
         """The graph segments' state: the segments, the grad guard, the wgrad ring and its carry,
-        the manual hook plans. Runs after the reduce-scatter side's (the ring excludes FP32
-        accumulation)."""
+        the manual hook plans (called once, from ``GTPRuntime.__init__``, after the
+        reduce-scatter side's: the ring excludes FP32 accumulation)."""
         self.segments: list[tuple[GTPShardedParam, ...]] = []
         """The weights of each captured CUDA graph (design §3.5); in forward order once the
         chain is committed."""
-        self._guard: dict[int, tuple[GTPShardedParam, torch.Tensor | None, bool]] | None = None
+        self.guarded_grads: dict[int, _GradBackup] | None = None
+        """Inside :meth:`grad_guard`, the gradient backed up at each guarded weight's first
+        finalize, by the param's ``id``; None outside, when finalizes fire their grad-ready
+        hooks."""
         # The cross-graph wgrad ring (design §3.5): staged wgrads of a segment's head unit, to
         # be reduce-scattered in the next segment's backward.
         self._ring_size = self.config.graph_wgrad_ring_size
-        if self._ring_size and self._fp32_accumulation:
+        if self._ring_size and self.fp32_accumulation:
             raise ValueError(
                 "GTPConfig.graph_wgrad_ring_size > 0 is not supported together with "
                 "reduce_scatter_with_fp32_accumulation at GTP > 2: set one of them off"
             )
-        self._carry: list[GTPShardedParam] = []
+        self.ring_carry: list[GTPShardedParam] = []
+        """The carried head unit: weights whose staged wgrads wait in their ring slots for the
+        next graph's reduce-scatter (:meth:`reduce_scatter_carry`)."""
         self.graph_hook_plans: dict[int, tuple[GTPShardedParam, ...]] = {}
         """Per segment, the weights whose finalize a captured backward graph replays, in order
         (recorded by :meth:`recording_graph_hooks`; the manual hook plan of design §3.5)."""
-        self._recording: list[GTPShardedParam] | None = None
+        self.recorded_finalizes: list[GTPShardedParam] | None = None
+        """Inside :meth:`recording_graph_hooks`, the weights finalized so far, in order; None
+        outside."""
 
     def assign_graph_segments(self, segments: Sequence[Sequence[GTPShardedParam]]) -> None:
         """Put each group of weights of ``segments`` into the GRAPHED chain as one captured graph.
@@ -100,7 +115,7 @@ class GraphSegments:
                 state.chain_id, state.chain, state.segment = ChainId.GRAPHED, graphed, index
         self.segments = [tuple(members) for members in segments]
 
-    def _segments_committed(self, chain: Chain) -> None:
+    def commit_graph_segments(self, chain: Chain) -> None:
         """The GRAPHED chain's order was committed: the graph segments take its order too, and
         with the wgrad ring every segment's head unit but the backward's last gets its ring
         slot."""
@@ -154,17 +169,19 @@ class GraphSegments:
             self.release(param, _BWD)
             self.release(param, _FWD)
         if chain.staged and chain.staged[0].gtp_state.segment == segment:
-            self._flush_staged(chain)
-        if self._carry and (self._carry[0].gtp_state.segment != segment or self._guard is not None):
+            self.flush_staged(chain)
+        if self.ring_carry and (
+            self.ring_carry[0].gtp_state.segment != segment or self.guarded_grads is not None
+        ):
             # a carry this graph did not consume must not pass on; under the grad guard (an
             # eager warmup iteration) nothing is carried out of the layer either
-            self._issue_carry()
+            self.reduce_scatter_carry()
         pending = chain.pending_rs
         if pending:  # every graphed one was issued in this graph (its own, or a carry into it)
             mine = [p for p in pending if p.gtp_state.segment >= 0]
             pending[:] = [p for p in pending if p.gtp_state.segment < 0]
             if mine:
-                self._finalize_all(mine)
+                self.finalize_reduce_scatters(mine)
 
     def fire_graph_hooks(self, segment: int) -> None:
         """Fire the grad-ready hooks of ``segment``'s weights, in backward order (design §3.5).
@@ -194,17 +211,17 @@ class GraphSegments:
         With the wgrad ring a graph also finalizes the previous graph's head unit and not its
         own, so the plan is what the capture finalized, not the segment's weights.
         """
-        self._recording = []
+        self.recorded_finalizes = []
         try:
             yield
         finally:
-            self.graph_hook_plans[segment] = tuple(self._recording)
-            self._recording = None
+            self.graph_hook_plans[segment] = tuple(self.recorded_finalizes)
+            self.recorded_finalizes = None
 
     @property
     def carried(self) -> int:
         """Wgrads waiting in the wgrad ring for the next graph's reduce-scatter (design §3.5)."""
-        return len(self._carry)
+        return len(self.ring_carry)
 
     @contextlib.contextmanager
     def grad_guard(self) -> Iterator[None]:
@@ -221,15 +238,15 @@ class GraphSegments:
             with runtime.grad_guard():
                 out = layer(x); torch.autograd.grad(out, params, torch.ones_like(out))
         """
-        if self._guard is not None:
+        if self.guarded_grads is not None:
             raise GTPStateError(f"{self.name}: grad_guard is not reentrant")
         self.drain_reduce_scatters()
-        self._guard = {}
+        self.guarded_grads = {}
         try:
             yield
             self.drain_reduce_scatters()
         finally:
-            saved, self._guard = self._guard, None
+            saved, self.guarded_grads = self.guarded_grads, None
             with torch.no_grad():
                 for param, grad, has_main_grad in saved.values():
                     if has_main_grad:
@@ -237,28 +254,30 @@ class GraphSegments:
                     else:
                         param.grad = grad
 
-    def _back_up_grad(self, param: GTPShardedParam, main_grad: torch.Tensor | None) -> None:
+    def back_up_grad(self, param: GTPShardedParam, main_grad: torch.Tensor | None) -> None:
+        """Keep a copy of ``param``'s gradient (``main_grad``, else ``.grad``) in
+        :attr:`guarded_grads`, for :meth:`grad_guard` to restore on exit."""
         if param.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise GTPStateError(
                 f"{param.gtp_state.name}: a reduce-scatter was finalized inside a CUDA-graph "
                 "capture under grad_guard (only the eager warmup may be guarded)"
             )
         if main_grad is not None:
-            self._guard[id(param)] = (param, main_grad.detach().clone(), True)
+            self.guarded_grads[id(param)] = (param, main_grad.detach().clone(), True)
         else:
             grad = param.grad
-            self._guard[id(param)] = (param, None if grad is None else grad.clone(), False)
+            self.guarded_grads[id(param)] = (param, None if grad is None else grad.clone(), False)
 
-    def _carry_staged(self, chain: Chain) -> None:
+    def carry_staged(self, chain: Chain) -> None:
         """Keep ``chain``'s staged head unit's wgrads (in their ring slots) for the next graph."""
-        self._carry.extend(chain.staged)
+        self.ring_carry.extend(chain.staged)
         if self.trace is not None:
             for param in chain.staged:
                 self.record("rs_carry", param, _BWD)
         chain.staged.clear()
 
-    def _issue_carry(self) -> None:
+    def reduce_scatter_carry(self) -> None:
         """Reduce-scatter the carried head unit now (design §3.5: in the next graph)."""
-        params = tuple(self._carry)
-        self._carry.clear()
-        self._reduce_scatter_staged(params)
+        params = tuple(self.ring_carry)
+        self.ring_carry.clear()
+        self.reduce_scatter_staged(params)

@@ -32,10 +32,17 @@ class ProtocolSide:
     consumer-quantized forms, and the wgrads TE hands back (design §3.1 "The bridge").
 
     Part of the runtime, split off by concern, not a class of its own: it owns
-    ``consumer_quantize`` (:meth:`_init_protocol_side`) and drives the gather side
+    ``consumer_quantize`` (:meth:`setup_protocol_side`) and drives the gather side
     (:class:`~nemo_gtp.engine.gather.GatherSide`), the FP8 formats
     (:class:`~nemo_gtp.engine.fp8_gather.FP8GatherSide`) and the reduce-scatter side
     (:class:`~nemo_gtp.engine.reduce_scatter.ReduceScatterSide`) for it.
+
+    Offers the other parts: ``setup_protocol_side``. Uses from the other parts: ``materialize``,
+    ``release``, and for the dense consume ``issue_gather``, ``issue_unit_gather``,
+    ``prefetch_units``, ``prefetch_enabled``, ``gather_fmt`` (gather side); ``canonical_fp8``,
+    ``known_fp8``, ``fp8_primary``, ``fp8_gathered``, ``gemm_weight``, ``quantized_gather``
+    (FP8 gathers); ``reduce_scatter_foreign_wgrad`` (reduce-scatter side); ``ring_carry``
+    (graph segments).
 
     Example::
 
@@ -44,9 +51,10 @@ class ProtocolSide:
         runtime.finalize_group_for_protocol(param, [wgrad])
     """
 
-    def _init_protocol_side(self) -> None:
+    def setup_protocol_side(self) -> None:
         """The consumer that quantizes the training-dtype gathers it is handed and needs that
-        quantization redone for its backward (design §1.3 "Consumer-quantized backward")."""
+        quantization redone for its backward (design §1.3 "Consumer-quantized backward");
+        called once, from ``GTPRuntime.__init__``."""
         self.consumer_quantize: ConsumerQuantize | None = None
 
     def needs_forward_grad_mode(self, param: GTPShardedParam) -> bool:
@@ -137,8 +145,8 @@ class ProtocolSide:
             if policy is not None:  # FP8 gathers (design §1.3 "FP8 gather"): ungrouped only
                 if direction is _FWD:
                     fp8 = policy.forward_scaling(param)
-                    if fp8 is not None and fp8 is not self._fp8_known:
-                        fp8 = self._canonical_fp8(fp8)
+                    if fp8 is not None and fp8 is not self.known_fp8:
+                        fp8 = self.canonical_fp8(fp8)
                     state.fp8_forward = fp8
                 else:
                     fp8 = state.fp8_forward
@@ -194,7 +202,7 @@ class ProtocolSide:
         else:
             first = last[0]
             if (
-                self._carry
+                self.ring_carry
                 or state.quantize_note is not None  # the consumer quantizes this backward
                 or (policy is not None and state.fp8_forward is not None)  # gathered in FP8
                 or (first is not None and first.gtp_state.group >= 0)
@@ -215,21 +223,21 @@ class ProtocolSide:
         last[which] = param
         if policy is not None and not which:
             state.fp8_forward = None  # this forward gathers the training dtype
-        self._fmt = None
+        self.gather_fmt = None
         if slot.state is _NONE:
             if len(slot.unit) == 1:
-                self._issue(param, slot, async_op=False)
+                self.issue_gather(param, slot, async_op=False)
             else:  # e.g. the chain head: the rest of its unit, at once
-                self._issue_unit(slot.unit[slot.unit_pos :], sync_slot=slot)
+                self.issue_unit_gather(slot.unit[slot.unit_pos :], sync_slot=slot)
         if slot.state is _ASYNC:
             slot.complete()
-        if self._prefetch_enabled:
+        if self.prefetch_enabled:
             targets = slot.ahead
             if not targets and not which:  # the forward tail hands over to the backward
                 if torch.is_grad_enabled() or state.forward_grad_enabled:
                     targets = slot.handover
             if targets:
-                self._prefetch_all(targets)
+                self.prefetch_units(targets)
         if not which and self.consumer_quantize is not None:
             self._note_forward(self.consumer_quantize, (param,))
         return [self._protocol_alias(param, direction, slot.full)]

@@ -42,9 +42,15 @@ class ReduceScatterSide:
     their one-step-deferred finalize into ``main_grad`` (design §3.1, §3.2).
 
     Part of the runtime, split off by concern, not a class of its own: it owns the state
-    :meth:`_init_reduce_scatter_side` sets up and the per-chain staged and pending lists
+    :meth:`setup_reduce_scatter_side` sets up and the per-chain staged and pending lists
     (:class:`~nemo_gtp.engine.chain.Chain`); the wgrad ring's carry and the grad guard it
     consults are the graph segments' (:class:`~nemo_gtp.engine.graph_segments.GraphSegments`).
+
+    Offers the other parts: ``finalize_reduce_scatters``, ``flush_staged``,
+    ``reduce_scatter_staged``, ``fp32_accumulation``, ``drain_reduce_scatters``,
+    ``reduce_scatter_foreign_wgrad``, ``setup_reduce_scatter_side``. Uses from the other parts:
+    ``ring_carry``, ``carry_staged``, ``reduce_scatter_carry``, ``guarded_grads``,
+    ``back_up_grad``, ``recorded_finalizes`` (graph segments).
 
     Example::
 
@@ -54,9 +60,10 @@ class ReduceScatterSide:
         runtime.drain()                             # before the optimizer reads main_grad
     """
 
-    def _init_reduce_scatter_side(self) -> None:
+    def setup_reduce_scatter_side(self) -> None:
         """The reduce-scatter side's state: its communicator, the scaling of design §3.2 and the
-        wgrad pool. Collective when ``separate_reduce_scatter_group`` makes a communicator."""
+        wgrad pool (called once, from ``GTPRuntime.__init__``). Collective when
+        ``separate_reduce_scatter_group`` makes a communicator."""
         self._nccl = dist.get_backend(self.group) == "nccl"
         # A second communicator over the same ranks for the reduce-scatters (see GTPConfig).
         self._rs_group = self.group
@@ -67,12 +74,13 @@ class ReduceScatterSide:
                 use_local_synchronization=True,
             )
         self._rs_ops = GroupCollectives(self._rs_group)
-        self._fp32_accumulation = (
-            self.config.reduce_scatter_with_fp32_accumulation and self.size > 2
-        )
+        self.fp32_accumulation = self.config.reduce_scatter_with_fp32_accumulation and self.size > 2
+        """Whether reduce-scatters receive into fp32 buffers (``GTPConfig``'s
+        ``reduce_scatter_with_fp32_accumulation`` at GTP > 2): each wgrad then reduces alone,
+        never staged into a unit or the wgrad ring."""
         # MEAN (design §3.2): NCCL averages inside the reduce-scatter; elsewhere a 1/GTP pre-scale.
         self._average_in_collective = (
-            not self.config.sums_over_gtp and self._nccl and not self._fp32_accumulation
+            not self.config.sums_over_gtp and self._nccl and not self.fp32_accumulation
         )
         self._prescale = (
             None if self.config.sums_over_gtp or self._average_in_collective else 1.0 / self.size
@@ -144,37 +152,37 @@ class ReduceScatterSide:
         """
         state = param.gtp_state
         rs, chain = state.rs, state.chain
-        if self._carry and (
-            rs.state is _RS_STAGED or self._carry[0].gtp_state.segment != state.segment
+        if self.ring_carry and (
+            rs.state is _RS_STAGED or self.ring_carry[0].gtp_state.segment != state.segment
         ):
-            self._issue_carry()  # the next graph's first wgrad (or the same weight again)
+            self.reduce_scatter_carry()  # the next graph's first wgrad (or the same weight again)
         if rs.state is not _RS_NONE:  # same weight twice in one backward
             if rs.state is _RS_STAGED:
-                self._flush_staged(chain)
-            self._finalize_all((param,))
+                self.flush_staged(chain)
+            self.finalize_reduce_scatters((param,))
             chain.pending_rs[:] = [p for p in chain.pending_rs if p is not param]
         unit = state.rs_unit
         staged = chain.staged
         if staged and (unit is None or staged[0].gtp_state.rs_unit is not unit):
-            self._flush_staged(chain)  # a unit whose other wgrads never came (or out of order)
+            self.flush_staged(chain)  # a unit whose other wgrads never came (or out of order)
         if self._prescale is not None:
             scratch.mul_(self._prescale)
-        if unit is not None and not self._fp32_accumulation:
+        if unit is not None and not self.fp32_accumulation:
             rs.staged(scratch)
             staged.append(param)
             if len(staged) == len(unit):
                 if state.ring >= 0:  # the segment's head unit: reduced in the next graph
-                    self._carry_staged(chain)
+                    self.carry_staged(chain)
                 else:
-                    self._flush_staged(chain)
+                    self.flush_staged(chain)
             return
         if state.ring >= 0:
             rs.staged(scratch)
             staged.append(param)
-            self._carry_staged(chain)
+            self.carry_staged(chain)
             return
         output = rs.output_pool.get()
-        if self._fp32_accumulation:
+        if self.fp32_accumulation:
             recv = rs.recv_pool.get()
             work = reduce_scatter_wgrad(
                 output, scratch, self._rs_group, async_op=True, fp32_recv=recv
@@ -188,14 +196,14 @@ class ReduceScatterSide:
             chain, (param,), state.is_head or not self.config.async_reduction
         )
 
-    def _flush_staged(self, chain: Chain) -> None:
+    def flush_staged(self, chain: Chain) -> None:
         """Reduce-scatter the staged wgrads of ``chain``'s unit in one collective."""
         params = tuple(chain.staged)
         chain.staged.clear()
         if params:
-            self._reduce_scatter_staged(params)
+            self.reduce_scatter_staged(params)
 
-    def _reduce_scatter_staged(self, params: tuple[GTPShardedParam, ...]) -> None:
+    def reduce_scatter_staged(self, params: tuple[GTPShardedParam, ...]) -> None:
         """One collective over ``params``' staged wgrads (a coalescing unit, or a carry)."""
         outputs = [p.gtp_state.rs.output_pool.get() for p in params]
         scratches = [p.gtp_state.rs.scratch for p in params]
@@ -230,21 +238,23 @@ class ReduceScatterSide:
                 self.record("rs_issue_sync" if sync else "rs_issue_async", param, _BWD)
         pending = chain.pending_rs
         if pending:  # the one-step-deferred finalize of the previous weight(s) or unit
-            self._finalize_all(pending)
+            self.finalize_reduce_scatters(pending)
             pending.clear()
         if sync:
-            self._finalize_all(params)
+            self.finalize_reduce_scatters(params)
         else:
             pending.extend(params)
 
-    def _finalize_all(self, params: list[GTPShardedParam] | tuple[GTPShardedParam, ...]) -> None:
+    def finalize_reduce_scatters(
+        self, params: list[GTPShardedParam] | tuple[GTPShardedParam, ...]
+    ) -> None:
         """Finalize the reduce-scatters of ``params`` (one weight, or a unit): wait, add each
         reduced shard into ``main_grad`` (one multi-tensor add for all of them: one launch per
         unit, not per weight; ``.grad`` without DDP), return the buffers, fire DDP's grad-ready
         hooks — each hook after its weight's add, none under the grad guard (design §3.5)."""
         main_grads, outputs = [], []
         timed = self.wait_timer.enabled
-        guard, recording = self._guard, self._recording
+        guard, recording = self.guarded_grads, self.recorded_finalizes
         for param in params:
             state = param.gtp_state
             rs = state.rs
@@ -254,7 +264,7 @@ class ReduceScatterSide:
                 rs.complete()
             main_grad = getattr(param, "main_grad", None)
             if guard is not None and id(param) not in guard:
-                self._back_up_grad(param, main_grad)
+                self.back_up_grad(param, main_grad)
             if recording is not None:
                 recording.append(param)
             if main_grad is not None:
@@ -279,10 +289,10 @@ class ReduceScatterSide:
     def drain_reduce_scatters(self) -> None:
         """Finalize every pending reduce-scatter (the fence before main_grad is read)."""
         for chain in self.chains.values():  # ChainId order: the same on every GTP peer
-            self._flush_staged(chain)
-        if self._carry:
-            self._issue_carry()
+            self.flush_staged(chain)
+        if self.ring_carry:
+            self.reduce_scatter_carry()
         for chain in self.chains.values():
             pending, chain.pending_rs = chain.pending_rs, []
             if pending:
-                self._finalize_all(pending)
+                self.finalize_reduce_scatters(pending)

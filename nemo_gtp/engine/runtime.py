@@ -107,14 +107,16 @@ class GTPRuntime(GatherSide, FP8GatherSide, ProtocolSide, ReduceScatterSide, Gra
     [Note: the runtime's parts]
     One object per model owns every piece of GTP state (chains, caches, pools, pending
     collectives, statistics); its methods come from one class per concern, each in its own
-    module and each setting up the state it owns from ``__init__``:
+    module and each setting up the state it owns (its ``setup_*`` method) from ``__init__``:
     :class:`~nemo_gtp.engine.gather.GatherSide` (consumes, prefetches, gather backends),
     :class:`~nemo_gtp.engine.fp8_gather.FP8GatherSide` (FP8 gathers and FP8 primary shards),
     :class:`~nemo_gtp.engine.protocol.ProtocolSide` (TE's DistributedWeight protocol),
     :class:`~nemo_gtp.engine.reduce_scatter.ReduceScatterSide` (reduce-scatters and their
     deferred finalize) and :class:`~nemo_gtp.engine.graph_segments.GraphSegments` (CUDA-graph
     segments, grad guard, wgrad ring). They share the runtime's attributes, so the hot path
-    stays attribute reads on one object.
+    stays attribute reads on one object. What one part offers another is public, and each
+    part's docstring lists what it offers and what it uses; a private name stays in the module
+    that sets it.
     """
 
     def __init__(
@@ -151,11 +153,11 @@ class GTPRuntime(GatherSide, FP8GatherSide, ProtocolSide, ReduceScatterSide, Gra
         """Python-side chain building and binding done so far: order commits, recompute links,
         cache and pool bindings, the gather-backend decision. Constant once every weight ran a
         linked forward and backward (the state a CUDA-graph capture must start from)."""
-        self._init_gather_side()
-        self._init_fp8_gather_side()
-        self._init_reduce_scatter_side()  # collective with separate_reduce_scatter_group
-        self._init_protocol_side()
-        self._init_graph_segments()
+        self.setup_gather_side()
+        self.setup_fp8_gather_side()
+        self.setup_reduce_scatter_side()  # collective with separate_reduce_scatter_group
+        self.setup_protocol_side()
+        self.setup_graph_segments()
 
     # ----------------------------------------------------------------- construction
     def shard_parameter(
@@ -270,8 +272,8 @@ class GTPRuntime(GatherSide, FP8GatherSide, ProtocolSide, ReduceScatterSide, Gra
             if chain.recompute_order and chain.recompute_phase is ChainPhase.OBSERVING:
                 chain.commit_recompute()
                 self.builds += 1
-        if self._mirror is not None:
-            self._mirror.mark_stale()
+        if self.shard_mirror is not None:
+            self.shard_mirror.mark_stale()
         self.fp8_shards.mark_stale()
 
     # ----------------------------------------------------------------- introspection
