@@ -1,4 +1,4 @@
-# Sourced by GPU round scripts on the device machine (repository root): installs the wheel set
+# Sourced by bench/gpu_stages.sh on the device machine (repository root): installs the wheel set
 # (.whl carried in this call, or staged in /root/whl by an earlier one) into /tmp/site and builds
 # TransformerEngine into /tmp/te (bench/te_build.sh), each unless already there, then puts both
 # and the repository on PYTHONPATH. The device notes say how the parts are staged.
