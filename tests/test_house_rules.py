@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PRODUCT = Path(__file__).resolve().parent.parent / "nemo_gtp"
 MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 400
@@ -23,15 +21,19 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PRODUCT.parent)))
-def test_product_files_and_classes_stay_small(path: Path) -> None:
-    text = path.read_text()
-    lines = text.count("\n")
-    assert lines <= MAX_FILE_LINES, f"{path.name}: {lines} lines; split it along its seams"
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.ClassDef):
-            size = node.end_lineno - node.lineno + 1
-            assert size <= MAX_CLASS_LINES, f"class {node.name}: {size} lines; split it"
+def test_product_files_and_classes_stay_small() -> None:
+    """No product file over 600 lines, no class over 400: split along the seams instead."""
+    too_big = []
+    for path in SOURCES:
+        text = path.read_text()
+        name = path.relative_to(PRODUCT.parent)
+        if (lines := text.count("\n")) > MAX_FILE_LINES:
+            too_big.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                if (size := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
+                    too_big.append(f"{name}: class {node.name}, {size} lines")
+    assert not too_big, "\n".join(too_big)
 
 
 def test_product_modules_share_only_public_names() -> None:
