@@ -101,6 +101,7 @@ BAD_OVERRIDES = [
         "data.micro_batch_size x data-parallel ranks (DP x GTP = 2 x 2) = 4 x 4 = 16",
     ),
     (["+strategy.save_ckpt_format=zarr"], "strategy.save_ckpt_format='zarr'"),
+    (["+strategy.save_ckpt_format=null"], "strategy.save_ckpt_format=None"),
     (["model.layer_spec=tex"], "model.layer_spec='tex' is not supported (did you mean 'te'?)"),
     (["+model.activation_func=swish"], "model.activation_func='swish'"),
     (["model.params_dtype=fp32"], "model.params_dtype='fp32'"),
@@ -445,6 +446,7 @@ def strategy_class() -> Any:
 # Cases tests/test_strategy.py::INVALID does not already hold.
 BAD_STRATEGY_ARGS = [
     (dict(num_weight_shards=2, save_ckpt_format="zarr"), "save_ckpt_format='zarr'"),
+    (dict(num_weight_shards=2, save_ckpt_format=None), "save_ckpt_format=None"),
     (dict(tensor_model_parallel_size=0), "tensor_model_parallel_size"),
     (dict(num_weight_shards=True), "num_weight_shards"),
     (dict(num_weight_shards=2, pipeline_model_parallel_size=0), "pipeline_model_parallel_size"),

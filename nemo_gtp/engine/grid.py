@@ -495,14 +495,14 @@ def check_global_batch(
 
 def check_checkpoint_format(save_ckpt_format: str | None, key: str = "save_ckpt_format") -> None:
     """GTP checkpoints are megatron ``torch_dist`` (design §3.3); other formats (zarr, deprecated
-    in megatron) would fail only at the first save. For a layout with GTP on; ``None`` is the
-    default (``torch_dist``).
+    in megatron, or ``None``) would fail only at the first save. For a layout with GTP on; a
+    caller whose setting is unset passes its default, ``"torch_dist"``.
 
     Example::
 
         check_checkpoint_format("zarr", key="strategy.save_ckpt_format")  # ValueError
     """
-    if save_ckpt_format is not None and save_ckpt_format != "torch_dist":
+    if save_ckpt_format != "torch_dist":
         raise ValueError(
             f"{key}={save_ckpt_format!r} is not supported with GTP: set {key}=torch_dist (GTP "
             "checkpoints are megatron torch_dist, design §3.3)"

@@ -360,7 +360,8 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
                 )
     try:
         check_checkpoint_format(
-            config_arg(strategy, "save_ckpt_format"), key="trainer.strategy.save_ckpt_format"
+            config_arg(strategy, "save_ckpt_format", "torch_dist"),
+            key="trainer.strategy.save_ckpt_format",
         )
     except ValueError as err:
         raise RecipeError(str(err)) from None

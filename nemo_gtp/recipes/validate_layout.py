@@ -57,7 +57,7 @@ def check_layout(raw: dict[str, Any]) -> None:
         )
         if dims.gtp_enabled:
             check_checkpoint_format(
-                strategy.get("save_ckpt_format"), key="strategy.save_ckpt_format"
+                strategy.get("save_ckpt_format", "torch_dist"), key="strategy.save_ckpt_format"
             )
     except ValueError as err:
         raise RecipeError(str(err)) from None

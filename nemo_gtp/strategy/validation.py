@@ -118,7 +118,7 @@ def validate_strategy_args(args: dict[str, Any], gtp_size: int) -> None:
             "use_tp_pp_dp_mapping=True is not supported with GTP: GTP needs megatron's default "
             "'tp-cp-ep-dp-pp' rank order so that megatron's data-parallel group is DP x GTP"
         )
-    check_checkpoint_format(args.get("save_ckpt_format"))
+    check_checkpoint_format(args.get("save_ckpt_format", "torch_dist"))
 
 
 def validate_gtp_config(gtp_config: Any, args: dict[str, Any], gtp_size: int) -> None:
