@@ -16,7 +16,7 @@ Checks, each recorded on its own (a failing one does not stop the next):
   "Exact init"), the pre-sharded build keeps half the expert bytes and peaks at that plus
   one expert's weight (``torch.cuda.max_memory_allocated`` around each build), the full build
   at every expert's full weight;
-- ``parity``: megatron's MoE GPT (``gpt_harness``, TEGroupedMLP experts) at EP1·EGTP2 built
+- ``parity``: megatron's MoE GPT (``tests.harness.gpt``, TEGroupedMLP experts) at EP1·EGTP2 built
   pre-sharded from the seed of the run without GTP (nothing copied in) reproduces that run
   (losses, grad norms, grads, weights; fp32, TF32 off, 1e-5);
 - ``checkpoint``: that model saved at EP1·EGTP2 after 2 steps (distributed optimizer) loads into

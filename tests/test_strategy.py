@@ -4,7 +4,7 @@ Parity oracle: GTP at (TP=t, GTP=g, DP=d) reproduces plain ``MegatronStrategy`` 
 DP=g*d) at the same global batch: per-step loss and grad norm within 1e-5 relative (fp32), for
 10 steps of NeMo's llm.GPTModel (local spec), megatron DDP + distributed Adam, clip_grad=1.0, a
 cosine LR schedule with warmup. The 2-rank fits share one spawn; the 4-rank ones share theirs
-with ``test_strategy_checkpoint.py``'s first launch (``strategy_harness.shared_launch``).
+with ``test_strategy_checkpoint.py``'s first launch (``tests.harness.strategy.shared_launch``).
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ issues the async gathers of the next units of its chain before the GEMM runs. Ga
 the stable buffers of the runtime's ticket cache (:class:`~nemo_gtp.engine.buffers.GTPWeightCache`)
 through one of two backends (:class:`GatherBackend`), chosen once at the first gather. A
 coalescing unit's members gather in one collective and share its handle
-(:class:`~nemo_gtp.engine.param.SharedWork`).
+(:class:`~nemo_gtp.engine.slots.SharedWork`).
 
 [Note: a gather slot's binding]
 Each direction of each weight keeps its cache slot, the slot's unpadded view, the bytes it
-moves and (copy engine) its pull plan on its :class:`~nemo_gtp.engine.param.GatherSlot`, found
+moves and (copy engine) its pull plan on its :class:`~nemo_gtp.engine.slots.GatherSlot`, found
 once by :meth:`GatherSide._bind` and again only when ``rebind`` is set (the chain order was
 committed, or the backend resolved) or the gather format changed (FP8 vs the training dtype):
 the steady-state step follows attributes and allocates nothing (design §3.5 capture).

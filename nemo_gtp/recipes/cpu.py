@@ -8,11 +8,12 @@ changes (each a setting NeMo's GPU recipes choose for CUDA):
   attention only; the CP ranks become data-parallel ranks, the same loss);
 - fp32: the mixed-precision plugin dropped, ``bf16`` / ``fp16`` off in the model and optimizer;
 - the model config: megatron's local layer spec (no TransformerEngine), CPU initialization, the
-  fused CUDA kernels off, ``data_step_fn=cpu_gpt_data_step`` (``cpu_compat``'s batch staging);
+  fused CUDA kernels off, ``data_step_fn`` =
+  :func:`nemo_gtp.cpu.nemo_patches.cpu_gpt_data_step` (the CPU batch staging);
 - ``ddp.average_in_collective=False`` (gloo has no AVG reduction);
 - the data module: an attention mask (the local spec needs one), no workers, no pinned memory.
 
-The processes must also call ``cpu_compat.enable_cpu_compat(nemo=True)`` before the fit:
+The processes must also call ``nemo_gtp.cpu.compat.enable_cpu_compat(nemo=True)`` before the fit:
 ``nemo_gtp.recipes.sequence.run_recipes(..., cpu_compat=True)`` does.
 
 Example::

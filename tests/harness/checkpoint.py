@@ -1,9 +1,10 @@
 """Build, train and fully gather megatron's GPTModel at any (TP, GTP, DP) layout (checkpoint tests).
 
-The same real stack as ``gpt_harness``: megatron ``parallel_state``, ``GPTModel`` (local spec),
-our GTP-aware megatron DDP, ``get_megatron_optimizer`` and ``forward_backward_no_pipelining``,
-on CPU/gloo. Layouts change inside one process: megatron's ``parallel_state`` is rebuilt when TP
-changes, each layout's GTP groups are built once (``gpt_harness.gtp_groups``).
+The same real stack as :mod:`tests.harness.gpt`: megatron ``parallel_state``, ``GPTModel``
+(local spec), our GTP-aware megatron DDP, ``get_megatron_optimizer`` and
+``forward_backward_no_pipelining``, on CPU/gloo. Layouts change inside one process: megatron's
+``parallel_state`` is rebuilt when TP changes, each layout's GTP groups are built once
+(``tests.harness.gpt.gtp_groups``).
 
 :func:`full_state` gathers every weight and every optimizer state tensor (fp32 master weight,
 Adam ``exp_avg`` / ``exp_avg_sq``) to the full logical tensor (GTP pad stripped, TP
@@ -75,7 +76,7 @@ class Layout:
     """Gated linear unit: megatron stores fc1 through its SwiGLU factory (gate, up halves)."""
     bias: bool = True
     """Linear biases. Off for loss comparisons across layouts: the attention key bias has a zero
-    true gradient whose rounding noise Adam turns into lr-sized steps (see ``gpt_harness``)."""
+    true gradient whose rounding noise Adam turns into lr-sized steps (:mod:`tests.harness.gpt`)."""
     shard_replicated: bool = False
     """``GTPConfig.shard_replicated_params_over_gtp``: two chained optimizers (replicated params
     over DP x GTP, GTP shards over DP) instead of one."""
@@ -112,7 +113,7 @@ class Built:
 def build(layout: Layout, seed: int = 1234) -> Built:
     """(Re)initialize parallel state for ``layout`` and build model, DDP and optimizer."""
     enable_cpu_compat(nemo=False)  # megatron-only: importing NeMo costs ~7 s CPU per rank
-    # megatron's state and this layout's GTP groups, built once per process (gpt_harness)
+    # megatron's state and this layout's GTP groups, built once per process (tests.harness.gpt)
     groups = gtp_groups(Run(tp=layout.tp, gtp=layout.gtp, cp=layout.cp, pp=layout.pp))
     model_parallel_cpu_manual_seed(seed)
     torch.manual_seed(seed)

@@ -94,7 +94,7 @@ class Fit:
     # full state (weights, + optimizer; its fp32 mains alone with ckpt_load_optimizer=False;
     # every rank's gathered)
     # to ``state_to`` at global step ``state_at``: right after the load for a fit resumed at that
-    # step (harness_objects.StateDump)
+    # step (objects.StateDump)
     state_at: int | None = None
     state_to: str | None = None
     # a tiny ``llm.LlamaModel`` (Llama 3 shape: RMSNorm, SwiGLU, RoPE, GQA with 2 query groups,
@@ -114,13 +114,13 @@ class Fit:
     evaluate_after: bool = False
     entry: str = "fit"
     # more OptimizerConfig fields; megatron's FP8 params emulated on full weights (the reference
-    # of FP8 primary GTP shards: harness_objects.EmulatedFP8Params)
+    # of FP8 primary GTP shards: objects.EmulatedFP8Params)
     optim_kwargs: dict[str, Any] = field(default_factory=dict)
     emulate_fp8_params: bool = False
     # Muon for the hidden matrices (MuonOptimizerModule, fp32 Newton-Schulz; needs distopt=False)
     muon: bool = False
     # parameter-efficient fine-tuning as ``llm.finetune(..., peft=...)`` sets it up
-    # (harness_objects.make_peft: "lora", NeMo's LoRA; "freeze_attention")
+    # (objects.make_peft: "lora", NeMo's LoRA; "freeze_attention")
     peft: str | None = None
 
 

@@ -3,7 +3,7 @@
 An external launcher sets ``RANK`` before NeMo is imported, which switches NeMo's one-logger
 telemetry on for rank 0; a plain ``trainer.fit`` then needs ``GTPMegatronStrategy`` to give it
 its training config (``configure_nemo_telemetry``) before the first ``ModelCheckpoint`` save.
-Each rank runs three fits of ``strategy_harness``'s tiny GPT at TP1·GTP2·DP(world/2): 2 steps
+Each rank runs three fits of ``tests.harness.strategy``'s tiny GPT at TP1·GTP2·DP(world/2): 2 steps
 without checkpoints (rendezvous through torchrun's ``env://``), then 4 steps with a
 ``ModelCheckpoint`` every 2 steps (the telemetry config is the first fit's, which saved
 nothing), then, after ``teardown_fit``, a resume from the last checkpoint to step 6. The later
