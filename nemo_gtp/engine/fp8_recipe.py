@@ -5,13 +5,17 @@
 values); :func:`check_low_precision_recipe` and :func:`check_fp8_training_for_gtp` check a run's
 settings against what the shards, the FP8 gather and the hardware support, before any process
 group exists (pure, no collective). The quantization itself is :mod:`nemo_gtp.engine.fp8`.
+Imports no torch at module level, so the recipe checks read the recipe names from here before
+torch loads.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class ScalingKind(enum.Enum):
@@ -43,6 +47,8 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
         device_capability("cpu")      # None
         device_capability("cuda:0")   # (9, 0) on an H200
     """
+    import torch  # here, not at module level: the recipe checks import this module without torch
+
     device = torch.device(device)
     if device.type != "cuda":
         return None

@@ -86,8 +86,6 @@ PEFT_REFUSED = {
 # fp8_param_gather=param_gather), megatron's names (design §1.3 "FP8 gather", "FP8 primary
 # weights").
 FP8_KEYS = ("format", "recipe", "param_gather")
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 LAYER_SPECS = ("te", "local")
 PRECISIONS = ("32", "bf16-mixed")
 DATASETS = ("arithmetic", "random")

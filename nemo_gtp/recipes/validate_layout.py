@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from nemo_gtp.engine.fp8_recipe import FP8_FORMATS, FP8_PRIMARY_RECIPES, FP8_RECIPES
 from nemo_gtp.engine.grid import (
     check_checkpoint_format,
     check_expert_shards,
@@ -25,9 +26,7 @@ from nemo_gtp.engine.grid import (
 )
 from nemo_gtp.recipes.config import RecipeError
 from nemo_gtp.recipes.schema import (
-    FP8_FORMATS,
     FP8_KEYS,
-    FP8_RECIPES,
     check_keys,
     default_layer_spec_name,
     is_cpu_recipe,
@@ -223,7 +222,7 @@ def _check_fp8_primary(raw: dict[str, Any], dims: Any, section: dict[str, Any]) 
     §3.3 "FP8 primary weights")."""
     off = "or fp8.param_gather=false (the shards then stay bf16)"
     recipe = section.get("recipe") or "delayed"
-    if recipe not in ("tensorwise", "blockwise"):  # engine.fp8.FP8_PRIMARY_RECIPES (no torch here)
+    if recipe not in FP8_PRIMARY_RECIPES:
         raise RecipeError(
             f"fp8.param_gather=true (FP8 primary weights) with fp8.recipe={recipe} is not "
             f"supported with GTP (its FP8 primary shards use per-tensor current scaling or "
