@@ -27,11 +27,21 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from nemo_gtp.recipes.schema import is_cpu_recipe
+from nemo_gtp.recipes.supervise import (
+    OutputPump,
+    RankProcess,
+    describe,
+    failure_summary,
+    supervise,
+    write_rank_error,
+)
+
+PROG = "python -m nemo_gtp.run"  # the command a resume line names
 
 # NVLink SHARP (NVLS) and symmetric-memory multicast stay off on the GPU machines the benches
 # run on; defaults only: a value already in the environment wins.
@@ -215,8 +225,9 @@ def launch_fits(
 
     Every run must need the same number of processes. Returns rank 0's per-step loss log of
     each run (see :class:`nemo_gtp.recipes.loader.LossLog`). ``log_dirs`` (name -> directory):
-    each run logs there as ``build_fit(..., log_dir=...)`` does (TensorBoard). Raises
-    ``RuntimeError`` with the failing rank's stderr tail when a rank exits non-zero.
+    each run logs there as ``build_fit(..., log_dir=...)`` does (TensorBoard). When a rank
+    fails, the others are stopped (:func:`nemo_gtp.recipes.supervise.supervise`) and a
+    ``RuntimeError`` says which rank failed and why, with its stderr tail.
     """
     from nemo_gtp.recipes.config import load_recipe
 
@@ -233,72 +244,163 @@ def launch_fits(
         dirs = [(log_dirs or {}).get(name) for name in runs]
         spec.write_text(json.dumps({"config": config, "runs": runs, "dir": tmp, "logs": dirs}))
         ranks = [
-            start(str(spec), rank_env(r, world), str(Path(tmp, f"stderr{r}.txt")))
+            _as_rank(r, start(str(spec), rank_env(r, world), str(Path(tmp, f"stderr{r}.txt"))))
             for r in range(world)
         ]
-        codes = [wait() for wait in ranks]
-        if any(codes):
-            rank = next(r for r, c in enumerate(codes) if c)
+        outcomes = supervise(ranks, tmp)
+        failed = [o for o in outcomes if o.failed]
+        if failed:
+            first = min(failed, key=lambda o: (o.kind not in ("signal", "error"), o.ended))
+            rank, code = first.rank, first.status
             stderr = Path(tmp, f"stderr{rank}.txt")
             if not stderr.exists():  # died before its first line of its own
                 raise RuntimeError(
-                    f"rank {rank} exited with {codes[rank]} before it wrote a line (e.g. a "
+                    f"rank {rank} exited with {code} before it wrote a line (e.g. a "
                     "script that calls launch_fits at its top level: guard the call with `if "
                     '__name__ == "__main__":`, CPU recipes fork their ranks from a fork '
                     "server, which imports the script's main module again)"
                 )
             tail = stderr.read_text()[-stderr_tail:]
-            raise RuntimeError(f"rank {rank} exited with {codes[rank]}:\n{tail}")
+            summary = "\n".join(describe(o) for o in failed)
+            raise RuntimeError(f"rank {rank} exited with {code}:\n{tail}\n{summary}")
         return {name: _read_log(Path(tmp, f"{i}.jsonl")) for i, name in enumerate(runs)}
 
 
-def _exec_rank(spec: str, env: dict[str, str], stderr_path: str) -> Callable[[], int]:
-    """One rank as a fresh interpreter; returns its wait (the exit status)."""
-    with open(stderr_path, "w") as err:  # the child holds its own descriptor
+def run_recipe(
+    config: str,
+    overrides: list[str],
+    *,
+    loss_log: str | None = None,
+    log_dir: str | None = None,
+    grace_s: float = 5.0,
+) -> int:
+    """Train one recipe on ``trainer.devices`` processes of this node and watch them.
+
+    What the ranks print comes out here as it is written; when a rank dies (a signal, an
+    exception, a collective's timeout) the others are stopped and the last lines printed say
+    which rank, why, the last committed checkpoint and the command that resumes from it
+    (:func:`nemo_gtp.recipes.supervise.failure_summary`). A ``SIGTERM`` (Slurm's preemption)
+    makes the ranks save at the next step boundary and exit 0. Returns the exit status: 0, or
+    1 when a rank failed. ``loss_log``: rank 0's per-step losses (``LossLog``).
+
+    Example::
+
+        run_recipe("configs/tiny_cpu.yaml", ["trainer.max_steps=10"])   # 0
+    """
+    from nemo_gtp.recipes.config import load_recipe
+    from nemo_gtp.recipes.resume import latest_checkpoint
+
+    cfg = load_recipe(config, overrides)
+    world = _world_size(cfg)
+    start = _fork_rank if is_cpu_recipe(cfg) else _exec_rank
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp, "spec.json")
+        plain = {"loss_log": loss_log}
+        body = {"config": config, "runs": {"run": overrides}, "dir": tmp, "logs": [log_dir]}
+        spec.write_text(json.dumps({**body, "plain": plain}))
+        ranks = []
+        for r in range(world):
+            out, err = Path(tmp, f"stdout{r}.txt"), Path(tmp, f"stderr{r}.txt")
+            ranks.append(_as_rank(r, start(str(spec), rank_env(r, world), str(err), str(out))))
+        sources = [(Path(tmp, f"stdout{r}.txt"), sys.stdout) for r in range(world)]
+        sources += [(Path(tmp, f"stderr{r}.txt"), sys.stderr) for r in range(world)]
+        pump = OutputPump(sources)
+        outcomes = supervise(ranks, tmp, grace_s=grace_s, on_poll=pump.pump)
+        pump.flush()
+    checkpoint = cfg.get("checkpoint")
+    last = latest_checkpoint(checkpoint.dir) if checkpoint else None
+    kept = [a for a in overrides if not a.lstrip("+").startswith("resume=")]
+    options = [f"--loss-log {loss_log}"] if loss_log else []
+    if log_dir is not None and Path(log_dir) != Path("runs", Path(config).stem):
+        options.append(f"--log-dir {log_dir}")
+    resume = ["+resume=latest"] if checkpoint else []
+    again = " ".join([PROG, config, *kept, *resume, *options])
+    if not any(o.failed for o in outcomes):
+        return 0
+    lines = failure_summary(outcomes, last and str(last), again, checkpoints=bool(checkpoint))
+    sys.stdout.flush()
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return 1
+
+
+def _as_rank(rank: int, handle: Any) -> RankProcess:
+    """A started rank as the supervisor watches it; a bare ``wait`` callable (a process's
+    ``wait`` method) is polled through its process."""
+    if isinstance(handle, RankProcess):
+        return handle
+    proc = getattr(handle, "__self__", None)
+    if proc is not None and hasattr(proc, "poll") and hasattr(proc, "pid"):
+        return RankProcess(rank, proc.pid, proc.poll)
+    raise TypeError(f"rank {rank}: cannot watch {handle!r}")
+
+
+def _exec_rank(
+    spec: str, env: dict[str, str], stderr_path: str, stdout_path: str | None = None
+) -> RankProcess:
+    """One rank as a fresh interpreter, in a process group of its own."""
+    with (
+        open(stderr_path, "w") as err,  # the child holds its own descriptors
+        open(stdout_path or os.devnull, "w") as out,
+    ):
         proc = subprocess.Popen(
             [sys.executable, "-m", "nemo_gtp.recipes.launch", spec],
             env=env,
-            stdout=subprocess.DEVNULL,
+            stdout=out,
             stderr=err,
+            start_new_session=True,  # its group: the supervisor stops it with its helpers
         )
-    return proc.wait
+    return RankProcess(int(env["RANK"]), proc.pid, proc.poll)
 
 
-def _fork_rank(spec: str, env: dict[str, str], stderr_path: str) -> Callable[[], int]:
-    """One rank forked from the preloaded fork server (CPU recipes); returns its wait."""
+def _fork_rank(
+    spec: str, env: dict[str, str], stderr_path: str, stdout_path: str | None = None
+) -> RankProcess:
+    """One rank forked from the preloaded fork server (CPU recipes), in a group of its own."""
     fork = multiprocessing.get_context("forkserver")
     # Takes effect when this process's fork server starts (its first fork); a server already
     # running (a test session's) keeps its own preload, which imports NeMo as well.
     fork.set_forkserver_preload(["nemo_gtp.recipes.rank_preload"])
-    proc = fork.Process(target=_forked_rank_main, args=(spec, env, os.getcwd(), stderr_path))
+    args = (spec, env, os.getcwd(), stderr_path, stdout_path)
+    proc = fork.Process(target=_forked_rank_main, args=args)
     proc.start()
-
-    def wait() -> int:
-        proc.join()
-        return int(proc.exitcode or 0)
-
-    return wait
+    return RankProcess(int(env["RANK"]), int(proc.pid or 0), lambda: proc.exitcode)
 
 
-def _forked_rank_main(spec: str, env: dict[str, str], cwd: str, stderr_path: str) -> None:
+def _forked_rank_main(
+    spec: str, env: dict[str, str], cwd: str, stderr_path: str, stdout_path: str | None = None
+) -> None:
     # As a fresh interpreter would start: the launch's environment and directory (the fork
-    # server has the parent's of its start), stdout discarded, stderr into the rank's file.
+    # server has the parent's of its start), stdout to its file or discarded, stderr to its
+    # file; a process group of its own, which the supervisor stops with its helpers.
+    os.setpgid(0, 0)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    with open(os.devnull, "w") as null, open(stderr_path, "w") as err:
-        os.dup2(null.fileno(), 1)
+    with open(stdout_path or os.devnull, "w") as out, open(stderr_path, "w") as err:
+        os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
     try:
         _rank_main(spec)
-    except BaseException:
+    except SystemExit as stop:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if stop.code not in (0, None):
+            _record_error(spec, stop)
+        os._exit(0 if stop.code in (0, None) else 1)
+    except BaseException as exc:
         import traceback
 
+        _record_error(spec, exc)
         traceback.print_exc()  # what a fresh interpreter prints before exiting with 1
         sys.stderr.flush()
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _record_error(spec: str, exc: BaseException) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    write_rank_error(json.loads(Path(spec).read_text())["dir"], rank, exc)
 
 
 def _read_log(path: Path) -> list[dict]:
@@ -314,15 +416,19 @@ def _rank_main(spec_path: str) -> None:
     quiet_known_warnings()  # before NeMo / megatron import: most of the noise is import time
     import torch.distributed as dist
 
-    from nemo_gtp.recipes.loader import LossLog, build_fit, load_recipe
+    from nemo_gtp.recipes.loader import LossLog, build_fit, load_recipe, progress_callbacks
 
     spec = json.loads(Path(spec_path).read_text())
     world = int(os.environ["WORLD_SIZE"])
     freeze_imports()
+    plain = spec.get("plain")
     for i, args in enumerate(spec["runs"].values()):
         cfg = load_recipe(spec["config"], args)
-        loss_log = LossLog(str(Path(spec["dir"], f"{i}.jsonl")))
-        fit = build_fit(cfg, callbacks=[loss_log], log_dir=spec["logs"][i])
+        if plain is None:  # launch_fits: rank 0's losses for the parent
+            callbacks = [LossLog(str(Path(spec["dir"], f"{i}.jsonl")))]
+        else:  # run_recipe: the progress lines, and the loss log asked for
+            callbacks = progress_callbacks(cfg, plain["loss_log"])
+        fit = build_fit(cfg, callbacks=callbacks, log_dir=spec["logs"][i])
         fit.trainer.strategy.store = dist.FileStore(str(Path(spec["dir"], f"store{i}")), world)
         try:
             fit.run()
@@ -332,4 +438,9 @@ def _rank_main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1])
+    try:
+        _rank_main(sys.argv[1])
+    except BaseException as error:
+        if not (isinstance(error, SystemExit) and error.code in (0, None)):
+            _record_error(sys.argv[1], error)
+        raise

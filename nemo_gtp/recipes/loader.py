@@ -45,6 +45,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_gtp.recipes.config import load_recipe  # noqa: F401  (re-exported)
+from nemo_gtp.recipes.fault_callbacks import fault_callbacks
 from nemo_gtp.recipes.resume import resume_path
 from nemo_gtp.recipes.schema import ACTIVATIONS, default_layer_spec_name
 from nemo_gtp.recipes.validate import TE_MISSING, validate_recipe
@@ -187,6 +188,7 @@ def build_fit(
     # the metrics first: a progress line of the same step reads them (ProgressLog)
     metrics = [GTPMetricsCallback()] if log_dir is not None else []
     callbacks = [GTPDrainCallback(), *metrics, *(callbacks or [])]
+    callbacks += fault_callbacks(cfg)
     if cfg.get("checkpoint"):
         callbacks.append(_model_checkpoint(_plain(cfg.checkpoint)))
         trainer_kwargs["enable_checkpointing"] = True
@@ -203,6 +205,23 @@ def build_fit(
         setup_nemo_logger(trainer, log_dir)
     ckpt_path = resume_target(resume_path(cfg))
     return Fit(trainer, model, data, ckpt_path=ckpt_path, restore=cfg.get("restore"))
+
+
+def progress_callbacks(cfg: DictConfig, loss_log: str | None = None) -> list[Any]:
+    """What a run of ``python -m nemo_gtp.run`` prints and logs: :class:`ProgressLog` every
+    ``trainer.log_every_n_steps`` steps, and rank 0's per-step losses to ``loss_log``
+    (:class:`LossLog`) if given. Example: ``build_fit(cfg, callbacks=progress_callbacks(cfg))``.
+    """
+    data, trainer = cfg.data, cfg.trainer
+    made: list[Any] = [
+        ProgressLog(
+            tokens_per_step=int(data.global_batch_size) * int(data.seq_length),
+            every_n_steps=int(trainer.get("log_every_n_steps", 50)),  # Lightning's default
+        )
+    ]
+    if loss_log:
+        made.append(LossLog(loss_log))
+    return made
 
 
 def peft_method(section: dict[str, Any], gated_mlp: bool = False) -> Any:
