@@ -306,6 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     resumes = resume is not None
     if rank0 and not resumes:  # a resumed run continues its curve
         fresh_tensorboard_dir(log_dir)
+    if "RANK" not in os.environ and int(trainer.get("num_nodes", 1)) == 1:  # not torchrun's
+        from nemo_gtp.recipes.launch import run_recipe  # watches the ranks, says why one failed
+
+        status = run_recipe(
+            args.config, args.overrides, loss_log=args.loss_log, log_dir=str(log_dir)
+        )
+        if status == 0:
+            print(f"TensorBoard logs: {log_dir}; plot: python -m nemo_gtp.report {log_dir}")
+        return status
     fit = build_fit(cfg, callbacks=callbacks, log_dir=str(log_dir))  # type: ignore[arg-type]
     fit.run()
     if fit.trainer.global_rank == 0:

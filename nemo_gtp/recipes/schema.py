@@ -37,6 +37,8 @@ SECTIONS = (
     "fp8",
     "muon",
     "peft",
+    "faults",
+    "callbacks",
 )
 SCALAR_SECTIONS = ("cpu_compat", "precision", "resume", "restore")
 MAPPING_SECTIONS = tuple(s for s in SECTIONS if s not in SCALAR_SECTIONS)
@@ -57,6 +59,10 @@ MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("bfloat16", "float32")
 OPTIMIZERS = ("adam", "sgd", "muon")
 CHECKPOINT_KEYS = ("dir", "every_n_train_steps", "context")
+# The faults section (nemo_gtp.strategy.faults): every process group's timeout, and whether a
+# SIGTERM saves at the next step boundary (on by default where the recipe saves checkpoints).
+FAULTS_KEYS = ("collective_timeout_s", "preemption")
+COLLECTIVE_TIMEOUT_S = 300.0  # well under NCCL's 10 and gloo's 30 minutes
 # context: NeMo's context/ beside each save (what llm.export_ckpt and llm.peft.merge_lora read)
 CHECKPOINT_REQUIRED = ("dir", "every_n_train_steps")
 # The peft section: NeMo's llm.peft.LoRA / CanonicalLoRA(dim=, alpha=, dropout=,
@@ -102,6 +108,8 @@ _INT, _FLOAT, _BOOL, _STR = "an integer", "a number", "true or false", "a string
 # Keys with a known type; "+" in the kind: must also be >= 1.
 TYPED: dict[str, str] = {
     "cpu_compat": _BOOL,
+    "faults.collective_timeout_s": _FLOAT,
+    "faults.preemption": _BOOL,
     "trainer.max_steps": _INT,
     "trainer.devices": _INT + "+",
     "trainer.num_nodes": _INT + "+",

@@ -30,6 +30,7 @@ from nemo_gtp.recipes.schema import (
     CHECKPOINT_REQUIRED,
     DATASETS,
     DTYPES,
+    FAULTS_KEYS,
     GATED_MLP_TARGETS,
     LAYER_SPECS,
     MAPPING_SECTIONS,
@@ -88,6 +89,7 @@ def validate_recipe(cfg: DictConfig) -> None:
         check_type(key, value, kind)
     _check_gtp_section(raw.get("gtp") or {})
     _check_checkpoint_section(raw.get("checkpoint"))
+    _check_faults(raw.get("faults") or {}, raw.get("callbacks") or {})
     _check_muon(raw)
     _check_peft(raw)
     _check_names(raw)
@@ -217,6 +219,32 @@ def _check_checkpoint_section(section: Any) -> None:
     for key in CHECKPOINT_REQUIRED:
         if key not in section:
             raise RecipeError(f"checkpoint.{key} is missing: add +checkpoint.{key}=...")
+
+
+def _check_faults(faults: dict[str, Any], callbacks: dict[str, Any]) -> None:
+    """``faults`` keys and values; each ``callbacks.NAME`` a mapping with ``target`` (a Lightning
+    callback class by import path, its module installed) and its keyword arguments."""
+    check_keys("faults", faults, FAULTS_KEYS, "a faults setting")
+    timeout = faults.get("collective_timeout_s")  # its type: TYPED
+    if timeout is not None and not timeout > 0:
+        raise RecipeError(
+            f"faults.collective_timeout_s={timeout!r} must be > 0 seconds: set e.g. "
+            "faults.collective_timeout_s=300"
+        )
+    for name, entry in callbacks.items():
+        target = entry.get("target") if isinstance(entry, dict) else None
+        module = target.rpartition(".")[0] if isinstance(target, str) else ""
+        if not module:
+            raise RecipeError(
+                f"callbacks.{name} needs target=package.module.Class (a Lightning callback), "
+                f"e.g. +callbacks.{name}.target=nemo_gtp.strategy.GTPProgressBar"
+            )
+        try:
+            found = importable(module)
+        except ImportError:  # a package on the way is missing
+            found = False
+        if not found:
+            raise RecipeError(f"callbacks.{name}.target={target!r}: module {module} not found")
 
 
 def _check_section_keys(raw: dict[str, Any]) -> None:
