@@ -383,11 +383,12 @@ def _table(plans: list[Plan], best: Plan | None) -> str:
     return "\n".join(rows)
 
 
-def model_from_recipe(path: str) -> tuple[ModelShape, int]:
-    """The :class:`ModelShape` and sequence length of a recipe YAML's ``model``/``data``."""
+def model_from_recipe(path: str, overrides: list[str] = ()) -> tuple[ModelShape, int]:
+    """The :class:`ModelShape` and sequence length of a recipe YAML's ``model``/``data``
+    (after OmegaConf ``key=value`` ``overrides``, as ``python -m nemo_gtp.run`` takes them)."""
     from nemo_gtp.recipes.config import load_recipe
 
-    cfg = load_recipe(path)  # a missing or malformed file: RecipeError naming it
+    cfg = load_recipe(path, list(overrides))  # a missing or malformed file: RecipeError
     m, d = cfg.get("model", {}), cfg.get("data", {})
     vocab = int(d.get("vocab_size", m.get("vocab_size", 0)) or 0)
     return ModelShape(
@@ -405,18 +406,50 @@ def model_from_recipe(path: str) -> tuple[ModelShape, int]:
     ), int(d.get("seq_length", 2048))
 
 
+def model_from_nemo_recipe(name: str, overrides: list[str] = ()) -> tuple[ModelShape, int]:
+    """The :class:`ModelShape` and sequence length of NeMo's own recipe
+    ``nemo.collections.llm.recipes.<name>.pretrain_recipe()`` after NeMo-Run ``key=value``
+    ``overrides``, read from its model config without building anything
+    (:func:`nemo_gtp.recipes.model_shape.nemo_recipe_model_sizes`). ``ValueError``
+    (``RecipeError``) naming a bad recipe or override; MoE recipes: ``ModelShape``'s refusal.
+
+    Example::
+
+        shape, seq = model_from_nemo_recipe("llama3_70b", ["model.config.num_layers=40"])
+    """
+    from nemo_gtp.recipes.model_shape import nemo_recipe_model_sizes
+
+    sizes = nemo_recipe_model_sizes(name, list(overrides))
+    return ModelShape(**sizes), sizes["seq"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m nemo_gtp.plan``."""
     parser = argparse.ArgumentParser(
         prog="python -m nemo_gtp.plan", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("recipe", nargs="?", help="recipe YAML (model and data sections)")
+    parser.add_argument(
+        "items",
+        nargs="*",
+        metavar="RECIPE.yaml | key=value",
+        help="a recipe YAML (model and data sections) and its overrides, or with --recipe "
+        "NeMo-Run overrides of NeMo's recipe (model.config.num_layers=40)",
+    )
+    parser.add_argument(
+        "--recipe",
+        metavar="NAME",
+        help="NeMo's own recipe: nemo.collections.llm.recipes.NAME.pretrain_recipe() (e.g. "
+        "llama3_70b); its model config is read, nothing is built",
+    )
     for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq"):
         parser.add_argument(f"--{name}", type=int, help=f"model {name} (overrides the recipe)")
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--gpu-memory-gib", type=float, required=True)
     parser.add_argument(
-        "--tokens-per-gpu", type=int, required=True, help="micro-batch x sequence length"
+        "--tokens-per-gpu",
+        type=int,
+        help="micro-batch x sequence length / CP (default: one sequence of the recipe's "
+        "length per micro batch)",
     )
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument(
@@ -468,9 +501,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         fields = {}
-        if args.recipe:
-            shape, _ = model_from_recipe(args.recipe)
+        overrides = [item for item in args.items if "=" in item]
+        paths = [item for item in args.items if "=" not in item]
+        if len(paths) > 1 or (paths and args.recipe):
+            raise ValueError(f"give one recipe, got {' and '.join(paths + [args.recipe or ''])}")
+        if args.recipe or paths:
+            shape, _ = (
+                model_from_nemo_recipe(args.recipe, overrides)
+                if args.recipe
+                else model_from_recipe(paths[0], overrides)
+            )
             fields = {k: getattr(shape, k) for k in ModelShape.__dataclass_fields__}
+        elif overrides:
+            raise ValueError(f"overrides {' '.join(overrides)} need a recipe")
         for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq"):
             if getattr(args, name) is not None:
                 fields[name] = getattr(args, name)
@@ -479,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"give a recipe or --{' --'.join(missing)}")
         fields.setdefault("ffn", 4 * fields["hidden"])
         model = ModelShape(**fields)
+        if args.tokens_per_gpu is None:
+            args.tokens_per_gpu = max(model.seq // max(args.context_parallel, 1), 1)
         plans = plan_layouts(
             model,
             gpus=args.gpus,

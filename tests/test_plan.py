@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_gtp.plan import GIB, Layout, ModelShape, estimate, main, plan_layouts, recommend
+from nemo_gtp.plan import (
+    GIB,
+    Layout,
+    ModelShape,
+    estimate,
+    main,
+    model_from_nemo_recipe,
+    plan_layouts,
+    recommend,
+)
 
 MODEL_1B = ModelShape(layers=24, hidden=2048, ffn=8192, heads=16, vocab=32000, seq=2048)
 
@@ -247,3 +256,20 @@ def test_prediction_within_10_percent_of_largest_model_peaks(key: tuple, measure
     )
     predicted = sum(estimate(model, layout, tokens_per_gpu=4096, overhead_gib=0.0).values()) / GIB
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
+def test_model_from_nemo_recipe_reads_the_config_and_the_cli_takes_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    shape, seq = model_from_nemo_recipe("llama3_8b", ["model.config.num_layers=2"])
+    assert (shape.layers, shape.hidden, shape.ffn, shape.heads, shape.query_groups) == (
+        2, 4096, 14336, 32, 8
+    )  # fmt: skip
+    assert (shape.vocab, seq, shape.gated, shape.tied_embeddings) == (128256, 8192, True, False)
+    with pytest.raises(ValueError, match="did you mean 'model.config.num_layers'"):
+        model_from_nemo_recipe("llama3_8b", ["model.config.num_layrs=2"])
+    with pytest.raises(ValueError, match="did you mean 'llama3_8b'"):
+        model_from_nemo_recipe("llama3_8x")
+    argv = ["--recipe", "llama3_8b", "model.config.num_layers=2", "--gpus", "2"]
+    assert main([*argv, "--gpu-memory-gib", "80"]) == 0
+    assert "8192 tokens per GPU" in capsys.readouterr().out
