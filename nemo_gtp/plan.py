@@ -3,7 +3,7 @@
 ``--pipeline-parallel PP`` plans TP × PP × GTP × DP layouts (each GPU its stage's layers; the
 first stage keeps PP microbatches' activations in flight under 1F1B, the last the logits).
 
-``python -m nemo_gtp.plan configs/gpt_1b.yaml --gpus 8 --gpu-memory-gib 80 --tokens-per-gpu 4096``
+``python -m nemo_gtp.plan --recipe llama31_405b --gpus 128 --gpu-memory-gib 80 --flash-attention``
 lists every candidate layout (TP × GTP × DP, activation recompute on/off,
 ``shard_replicated_params_over_gtp``) with its per-GPU bytes split into weights, gradients,
 optimizer state, GTP gather buffers and activations, marks which fit, and recommends the one
@@ -331,6 +331,8 @@ def plan_layouts(
     for layout in candidate_layouts(
         gpus, gpus_per_node=gpus_per_node, cp=cp, shard_replicated=distributed, pp=pp
     ):
+        if model.heads % layout.tp or (model.query_groups or model.heads) % layout.tp:
+            continue  # megatron splits attention heads and key/value groups over TP
         plan = Plan(
             layout,
             estimate(model, layout, tokens_per_gpu=tokens_per_gpu, **estimate_kwargs),
@@ -366,9 +368,12 @@ def recommend(plans: list[Plan]) -> Plan:
 
 
 def _table(plans: list[Plan], best: Plan | None) -> str:
+    width = max(len("layout"), *(len(plan.layout.name) for plan in plans))
+    columns = ("weights", "grads", "optim", "gather", "activ", "total")
+    span = len(columns) * 9 - 1
     rows = [
-        f"{'layout':<40} {'weights':>8} {'grads':>8} {'optim':>8} {'gather':>8} "
-        f"{'activ':>8} {'total':>8}  fits"
+        f"{'':<{width}} {' GiB per GPU (overhead in total) '.center(span, '-')}",
+        f"{'layout':<{width}} " + " ".join(f"{c:>8}" for c in columns) + "  fits",
     ]
     for plan in plans:
         b = {k: v / GIB for k, v in plan.bytes.items()}
@@ -376,11 +381,35 @@ def _table(plans: list[Plan], best: Plan | None) -> str:
         if plan is best:
             mark += "  <- recommended"
         rows.append(
-            f"{plan.layout.name:<40} {b['weights']:8.2f} {b['grads']:8.2f} "
+            f"{plan.layout.name:<{width}} {b['weights']:8.2f} {b['grads']:8.2f} "
             f"{b['optimizer']:8.2f} {b['gather']:8.2f} {b['activations']:8.2f} "
             f"{plan.total / GIB:8.2f}  {mark}"
         )
     return "\n".join(rows)
+
+
+def why(plans: list[Plan], best: Plan) -> str:
+    """Why ``best`` is recommended over plain TP + DP (and over recompute): one clause.
+
+    Example: ``without GTP nothing fits: the smallest, TP8·GTP1·DP4 +recompute, needs 80.5 GiB
+    per GPU`` (design §1.7).
+    """
+    plain = [plan for plan in plans if plan.layout.gtp == 1]
+    fitting = [plan for plan in plain if plan.fits]
+    if best.layout.gtp == 1:
+        return "fits without GTP: plain TP + DP, no gathers"
+    if not fitting:
+        smallest = min(plain, key=lambda plan: plan.total)
+        return (
+            f"without GTP nothing fits: the smallest, {smallest.layout.name}, needs "
+            f"{smallest.total / GIB:.1f} GiB per GPU"
+        )
+    if not best.layout.recompute and all(plan.layout.recompute for plan in fitting):
+        return (
+            f"without GTP only {fitting[0].layout.name} fits ({fitting[0].total / GIB:.1f} GiB "
+            "per GPU), and recompute re-runs the forward"
+        )
+    return "the fewest weight shards that fit"  # a GTP layout preferred among fitting TP + DP
 
 
 def model_from_recipe(path: str, overrides: list[str] = ()) -> tuple[ModelShape, int]:
@@ -417,6 +446,9 @@ def model_from_nemo_recipe(name: str, overrides: list[str] = ()) -> tuple[ModelS
 
         shape, seq = model_from_nemo_recipe("llama3_70b", ["model.config.num_layers=40"])
     """
+    from nemo_gtp.recipes.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # NeMo's import-time notices (the planner prints a table)
     from nemo_gtp.recipes.model_shape import nemo_recipe_model_sizes
 
     sizes = nemo_recipe_model_sizes(name, list(overrides))
@@ -551,7 +583,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{parser.prog}: error: {err}", file=sys.stderr)
             return 1
         print(_table(plans, best))
-        print(f"recommended: {best.layout.name} ({best.total / GIB:.1f} GiB per GPU)")
+        print(
+            f"recommended: {best.layout.name} ({best.total / GIB:.1f} of {args.gpu_memory_gib:g}"
+            f" GiB per GPU): {why(plans, best)}"
+        )
         return 0
     except (ValueError, OSError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)

@@ -17,6 +17,7 @@ from nemo_gtp.plan import (
     model_from_nemo_recipe,
     plan_layouts,
     recommend,
+    why,
 )
 
 MODEL_1B = ModelShape(layers=24, hidden=2048, ffn=8192, heads=16, vocab=32000, seq=2048)
@@ -273,3 +274,29 @@ def test_model_from_nemo_recipe_reads_the_config_and_the_cli_takes_it(
     argv = ["--recipe", "llama3_8b", "model.config.num_layers=2", "--gpus", "2"]
     assert main([*argv, "--gpu-memory-gib", "80"]) == 0
     assert "8192 tokens per GPU" in capsys.readouterr().out
+
+
+def test_the_recommended_line_says_why_and_the_table_has_units(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    shape = ["--layers", "126", "--hidden", "16384", "--ffn", "53248", "--heads", "128"]
+    argv = [*shape, "--vocab", "128256", "--seq", "8192", "--flash-attention"]
+    assert main([*argv, "--gpus", "128", "--gpu-memory-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "GiB per GPU" in out.splitlines()[1]  # the unit over the byte columns
+    recommended = out.splitlines()[-1]
+    assert recommended.startswith("recommended: TP8·GTP")
+    assert "of 80 GiB per GPU): without GTP nothing fits: the smallest, TP8·GTP1·DP16" in (
+        recommended
+    )
+    plans = plan_layouts(MODEL_1B, gpus=2, gpu_memory_gib=141, tokens_per_gpu=4096)
+    assert why(plans, recommend(plans)) == "fits without GTP: plain TP + DP, no gathers"
+    kwargs = dict(gpus=2, gpu_memory_gib=30, tokens_per_gpu=4096, gpus_per_node=1)
+    plans = plan_layouts(MODEL_1B, **kwargs)  # 30.9 GiB for TP1·DP2, 29.6 for TP1·GTP2
+    best = recommend(plans)  # TP1·DP2 fits only with recompute; GTP2 without it
+    assert best.layout.gtp == 2 and not best.layout.recompute
+    assert why(plans, best).startswith("without GTP only TP1·GTP1·DP2 +recompute fits")
+    # megatron splits heads and key/value groups over TP: no TP that does not divide them
+    odd = ModelShape(layers=2, hidden=96, ffn=384, heads=6, vocab=100, seq=16, query_groups=3)
+    tps = {p.layout.tp for p in plan_layouts(odd, gpus=8, gpu_memory_gib=80, tokens_per_gpu=16)}
+    assert tps == {1}  # 8 GPUs: TP 1, 2, 4, 8; only 1 divides 6 heads in 3 groups

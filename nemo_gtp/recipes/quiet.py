@@ -22,6 +22,7 @@ WARNING_MESSAGES = (
     r"Transformer Engine and Apex are not installed",  # megatron's torch fallbacks on CPU
     r"Failed to create unified memory mempool",  # megatron inference, not used by training
     r"`zarr` distributed checkpoint backend is deprecated",
+    r"The pynvml package is deprecated",  # torch.cuda's import, in every process
 )
 # Log records, by logger name -> message regexes (a logger's filter sees only its own records).
 LOG_MESSAGES: dict[str, tuple[str, ...]] = {
