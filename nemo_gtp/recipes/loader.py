@@ -141,6 +141,7 @@ def build_fit(
     from nemo.collections import llm
     from nemo.collections.llm.gpt.model.base import local_layer_spec
 
+    from nemo_gtp.checkpoint.io import CheckpointSafety
     from nemo_gtp.data.synthetic import (
         ArithmeticGPTDataModule,
         ExportableNullTokenizer,
@@ -184,6 +185,8 @@ def build_fit(
         gtp_config=GTPConfig(**_plain(cfg.get("gtp"))),
         **strategy_kwargs(cfg, model_cfg),
     )
+    # checkpoint.on_save_error / checkpoint.verify (stop; checksums at a resume)
+    strategy.checkpoint_safety = CheckpointSafety.from_recipe(_plain(cfg.get("checkpoint")))
     trainer_kwargs = _plain(cfg.trainer)
     # the metrics first: a progress line of the same step reads them (ProgressLog)
     metrics = [GTPMetricsCallback()] if log_dir is not None else []

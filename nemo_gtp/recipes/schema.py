@@ -58,7 +58,11 @@ MUON_ORTHOGONALIZE = ("owner", "every_rank")
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 MUON_NS_DTYPES = ("bfloat16", "float32")
 OPTIMIZERS = ("adam", "sgd", "muon")
-CHECKPOINT_KEYS = ("dir", "every_n_train_steps", "context")
+CHECKPOINT_KEYS = ("dir", "every_n_train_steps", "context", "on_save_error", "verify")
+# on_save_error: a save that fails (disk full) stops the run, or warns and trains on; verify:
+# what a load checks against the commit's manifest (nemo_gtp.checkpoint.manifest)
+CHECKPOINT_ON_SAVE_ERROR = ("stop", "warn")
+CHECKPOINT_VERIFY = ("checksums", "sizes")
 # The faults section (nemo_gtp.strategy.faults): every process group's timeout, and whether a
 # SIGTERM saves at the next step boundary (on by default where the recipe saves checkpoints).
 FAULTS_KEYS = ("collective_timeout_s", "preemption")
@@ -180,6 +184,8 @@ TYPED: dict[str, str] = {
     "checkpoint.dir": _STR,
     "checkpoint.every_n_train_steps": _INT + "+",
     "checkpoint.context": _BOOL,
+    "checkpoint.on_save_error": _STR,
+    "checkpoint.verify": _STR,
     "fp8.format": _STR,
     "fp8.recipe": _STR,
     "fp8.param_gather": _BOOL,

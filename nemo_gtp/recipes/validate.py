@@ -27,7 +27,9 @@ from nemo_gtp.recipes.resume import LATEST, latest_checkpoint
 from nemo_gtp.recipes.schema import (
     ACTIVATIONS,
     CHECKPOINT_KEYS,
+    CHECKPOINT_ON_SAVE_ERROR,
     CHECKPOINT_REQUIRED,
+    CHECKPOINT_VERIFY,
     DATASETS,
     DTYPES,
     FAULTS_KEYS,
@@ -219,6 +221,15 @@ def _check_checkpoint_section(section: Any) -> None:
     for key in CHECKPOINT_REQUIRED:
         if key not in section:
             raise RecipeError(f"checkpoint.{key} is missing: add +checkpoint.{key}=...")
+    for key, choices in (
+        ("on_save_error", CHECKPOINT_ON_SAVE_ERROR),
+        ("verify", CHECKPOINT_VERIFY),
+    ):
+        if key in section and section[key] not in choices:
+            raise RecipeError(
+                f"checkpoint.{key}={section[key]!r}: one of {', '.join(choices)}, e.g. "
+                f"+checkpoint.{key}={choices[0]}"
+            )
 
 
 def _check_faults(faults: dict[str, Any], callbacks: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from nemo.lightning.pytorch.strategies import MegatronStrategy
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
+from nemo_gtp.checkpoint.io import CheckpointSafety
 from nemo_gtp.checkpoint.optimizer import DEFAULT_SHARDING_TYPE
 from nemo_gtp.strategy.checkpoint_io import (
     GTPCheckpointIO,
@@ -32,6 +33,10 @@ class GTPCheckpointHooks:
     ``gtp_dims``, ``gtp_groups``, ``gtp_runtimes`` and ``_fit_commits_async_saves``); see the
     module docstring. Not a strategy on its own."""
 
+    checkpoint_safety: CheckpointSafety = CheckpointSafety()
+    """What a failed save does and what a load verifies (read at each save and load; the recipe
+    loader sets it from ``checkpoint.on_save_error`` / ``checkpoint.verify``)."""
+
     @property
     def checkpoint_io(self) -> Any:
         """NeMo's checkpoint IO; under GTP a :class:`GTPCheckpointIO` (atomic commit, layout)."""
@@ -46,6 +51,7 @@ class GTPCheckpointHooks:
         NeMo's async wrapper goes around it)."""
         return GTPCheckpointIO(
             lambda: self.gtp_groups,
+            safety=lambda: self.checkpoint_safety,
             save_ckpt_format=self.save_ckpt_format,
             async_save=self.async_save,
             torch_dist_multiproc=self.torch_dist_multiproc,

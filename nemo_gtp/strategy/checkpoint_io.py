@@ -42,6 +42,7 @@ from nemo.lightning.megatron_parallel import getattr_proxy
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_gtp.checkpoint.io import (
+    CheckpointSafety,
     check_global_shapes,
     is_complete,
     previous_dir,
@@ -49,6 +50,7 @@ from nemo_gtp.checkpoint.io import (
     save_checkpoint,
 )
 from nemo_gtp.checkpoint.layout import LAYOUT_KEY
+from nemo_gtp.checkpoint.manifest import checks_checksums, previous_committed, verify_checkpoint
 from nemo_gtp.checkpoint.optimizer import (
     DEFAULT_SHARDING_TYPE,
     load_optimizer_state,
@@ -224,18 +226,26 @@ class GTPCheckpointIO(MegatronCheckpointIO):
     """NeMo's ``MegatronCheckpointIO`` with an atomic commit, a layout record and shape checks.
 
     ``groups`` returns the run's GTP groups when called (they exist only after the strategy's
-    distributed setup, the IO object is created before). Every ``MegatronCheckpointIO``
-    argument is accepted unchanged; NeMo wraps this in its async IO when ``async_save=True``
-    (the commit then runs as the save's finalize step).
+    distributed setup, the IO object is created before); ``safety`` returns the
+    :class:`~nemo_gtp.checkpoint.io.CheckpointSafety` in force (what a failed save does, what a
+    load verifies against the commit's manifest; default: stop, sizes). Every
+    ``MegatronCheckpointIO`` argument is accepted unchanged; NeMo wraps this in its async IO
+    when ``async_save=True`` (the commit then runs as the save's finalize step).
 
     Example::
 
         io = GTPCheckpointIO(lambda: strategy.gtp_groups, save_ckpt_format="torch_dist")
     """
 
-    def __init__(self, groups: Callable[[], GTPGroups | None], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        groups: Callable[[], GTPGroups | None],
+        safety: Callable[[], CheckpointSafety] = CheckpointSafety,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self._groups = groups
+        self._safety = safety
 
     def save_checkpoint(
         self,
@@ -260,6 +270,7 @@ class GTPCheckpointIO(MegatronCheckpointIO):
             async_save=self.async_save,
             content_metadata=(storage_options or {}).get("content_metadata"),
             extra_files=extra_files,
+            on_save_error=self._safety().on_save_error,
         )
 
     def load_checkpoint(
@@ -269,14 +280,18 @@ class GTPCheckpointIO(MegatronCheckpointIO):
         map_location: Any = None,
         strict: Any = None,
     ) -> dict[str, Any]:
-        """Shape-check, then NeMo's load; falls back to a checkpoint a crashed commit set aside.
+        """Verify the files against the commit's manifest, shape-check, then NeMo's load (every
+        rank); falls back to a checkpoint a crashed commit set aside.
 
-        A load that fails on truncated or missing data files raises
+        A damaged file raises :class:`~nemo_gtp.checkpoint.manifest.CheckpointCorruptError`
+        naming it (its size always, its CRC-32 with ``verify="checksums"``); without a manifest,
+        a load that fails on truncated or missing data files raises
         :class:`~nemo_gtp.checkpoint.io.CheckpointIncompleteError` naming the checkpoint and
         the files (megatron's ``CheckpointException`` names neither).
         """
         path = _committed(Path(path))
-        weights = ckpt_to_weights_subdir(path, is_saving=False)
+        weights = _committed_weights(path)
+        verify_checkpoint(weights, checksums=self._checksums(), shared=True)
         check_global_shapes(sharded_state_dict, weights)
         try:
             loaded = super().load_checkpoint(path, sharded_state_dict, map_location, strict)
@@ -287,10 +302,32 @@ class GTPCheckpointIO(MegatronCheckpointIO):
         return loaded
 
     def load_content_metadata(self, path: Any = None, preloaded_state_dict: Any = None) -> Any:
-        """NeMo reads the saved format flags from here before building the load request."""
+        """NeMo reads the saved format flags from here before building the load request (the
+        first read of a checkpoint: its sizes and metadata files are verified first, on each
+        rank alone)."""
         if path is not None:
             path = _committed(Path(path))
+            weights = _committed_weights(path)
+            verify_checkpoint(weights, checksums=self._checksums(), shared=False)
         return super().load_content_metadata(path, preloaded_state_dict)
+
+    def _checksums(self) -> bool:
+        return checks_checksums(self._safety().verify)
+
+
+def _committed_weights(path: Path) -> Path:
+    """The committed weights directory of ``path`` (a NeMo ``step=N`` or its ``weights``);
+    ``FileNotFoundError`` naming the previous committed checkpoint when there is none (a save
+    that failed or was cut short leaves ``step=N`` without a committed ``weights/``)."""
+    weights = ckpt_to_weights_subdir(path, is_saving=False)
+    if is_complete(Path(weights)):
+        return Path(weights)
+    previous = previous_committed(path)
+    instead = f"+resume={previous}" if previous is not None else "no earlier one is there"
+    raise FileNotFoundError(
+        f"{path} holds no committed checkpoint (no {Path(weights).name}/metadata.json: its save "
+        f"failed or was cut short); resume from the previous committed checkpoint: {instead}"
+    )
 
 
 def _committed(path: Path) -> Path:

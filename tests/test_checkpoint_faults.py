@@ -1,0 +1,214 @@
+"""Checkpoint faults: a save that fails (a full disk) and a committed checkpoint that is damaged.
+
+Promise: a failed save commits nothing under its name, leaves no staging directory and never
+touches what was committed (bit for bit against a copy taken just before the fault); the run
+stops with one line naming the path and the errno (``checkpoint.on_save_error=stop``, the
+default) or warns and trains on, the next save trying again (``warn``); ``+resume=latest``
+picks the last good checkpoint. A committed checkpoint's manifest (every file's size and
+CRC-32, written at the commit) is checked before a load: a flipped byte or a truncated file is
+named, with the previous committed checkpoint to resume from, instead of loading garbage.
+
+The launch tests run the recipe CLI's launcher (``launch_fits``: the ranks forked from the
+preloaded server, NeMo's ``ModelCheckpoint``, GTP's checkpoint IO); the disk fills up through
+``tests.harness.checkpoint_faults.FillDiskAtSave`` in the recipe's ``callbacks`` section.
+"""
+
+from __future__ import annotations
+
+import errno
+import filecmp
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nemo_gtp.checkpoint.manifest import (
+    MANIFEST_NAME,
+    CheckpointCorruptError,
+    FileRecord,
+    check_files,
+    checkpoint_files,
+    file_crc32,
+    owner_rank,
+    previous_committed,
+    read_manifest,
+    record_files,
+    verify_checkpoint,
+    write_manifest,
+)
+from nemo_gtp.checkpoint.save_faults import CheckpointSaveError, describe_error
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
+
+
+def _fake_checkpoint(step_dir: Path, sizes: dict[str, int]) -> Path:
+    weights = step_dir / "weights"
+    weights.mkdir(parents=True)
+    for i, (name, size) in enumerate(sizes.items()):
+        (weights / name).write_bytes(bytes((i + k) % 251 for k in range(size)))
+    write_manifest(weights, record_files(weights, checkpoint_files(weights)))
+    return weights
+
+
+def test_manifest_names_a_flipped_byte_a_truncated_and_a_missing_file(tmp_path: Path) -> None:
+    files = {"__0_0.distcp": 3000, "__1_0.distcp": 2000, "common.pt": 500, "metadata.json": 40}
+    older = _fake_checkpoint(tmp_path / "step=3", files)
+    _fake_checkpoint(tmp_path / "step=5", files)  # committed, then its save marked unfinished
+    (tmp_path / "step=5-unfinished").touch()
+    weights = _fake_checkpoint(tmp_path / "step=7", files)
+    manifest = read_manifest(weights)
+    assert manifest is not None and set(manifest) == set(files)
+    assert manifest["common.pt"] == FileRecord(500, file_crc32(weights / "common.pt"))
+    assert verify_checkpoint(weights, checksums=True, shared=True)
+    assert check_files(weights, manifest, manifest) == []
+
+    data = bytearray((weights / "__1_0.distcp").read_bytes())
+    data[1234] ^= 0x01  # one bit: same size, other CRC
+    (weights / "__1_0.distcp").write_bytes(bytes(data))
+    assert verify_checkpoint(weights, checksums=False, shared=True)  # sizes alone pass
+    with pytest.raises(CheckpointCorruptError) as caught:
+        verify_checkpoint(weights, checksums=True, shared=True)
+    text = str(caught.value)
+    want = manifest["__1_0.distcp"]
+    assert f"__1_0.distcp: manifest 2000 bytes crc32 {want.crc32}, found 2000 bytes crc32" in text
+    # the newest committed one before it; step=5 is not (NeMo's unfinished marker)
+    assert caught.value.previous == older.parent
+    assert f"+resume={older.parent}" in text
+
+    with open(weights / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    (weights / "metadata.json").unlink()
+    with pytest.raises(CheckpointCorruptError) as caught:  # the fast path: sizes only
+        verify_checkpoint(weights, checksums=False, shared=False)
+    names = [m.name for m in caught.value.mismatches]
+    assert names == ["__0_0.distcp", "metadata.json"], names
+    assert "__0_0.distcp: manifest 3000 bytes crc32" in str(caught.value)
+    assert "found 1000 bytes" in str(caught.value) and "found missing" in str(caught.value)
+
+    (weights / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(CheckpointCorruptError, match="manifest.json is unreadable"):
+        verify_checkpoint(weights, checksums=False, shared=False)
+    (weights / MANIFEST_NAME).unlink()
+    assert not verify_checkpoint(weights, checksums=True, shared=True)  # none: nothing to check
+    assert previous_committed(older) is None
+    assert [owner_rank(n, 2) for n in ("__3_1.distcp", "__2_0.distcp", "common.pt")] == [1, 0, 0]
+
+
+def test_a_failed_write_is_one_line_with_the_errno() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/c/.weights.saving/__1_0.distcp")
+    assert describe_error(full) == (
+        "ENOSPC [Errno 28] No space left on device: '/c/.weights.saving/__1_0.distcp'"
+    )
+    try:
+        try:
+            raise full
+        except OSError as err:
+            raise RuntimeError("Worker failure") from err
+    except RuntimeError as chained:
+        assert describe_error(chained).startswith("ENOSPC [Errno 28]")
+    # megatron's writer failures reach rank 0 as text (pickled without their cause)
+    text = RuntimeError(f"Worker failure: {full}")
+    assert describe_error(text).startswith("ENOSPC Worker failure: [Errno 28]")
+    dcp = CheckpointException("write", {3: (text, None), 1: (text, None), 2: (text, None)})
+    assert describe_error(dcp).startswith("rank 1: ENOSPC Worker failure: [Errno 28]")
+    assert describe_error(dcp).endswith("__1_0.distcp' (and on rank 2, 3)")
+    error = CheckpointSaveError(Path("/c/step=5"), describe_error(full), Path("/c/step=3"))
+    assert "\n" not in str(error)
+    assert str(error).startswith("saving checkpoint /c/step=5 failed: ENOSPC [Errno 28]")
+    assert str(error).endswith("the last committed checkpoint /c/step=3 is intact")
+
+
+def test_checkpoint_safety_settings_are_checked() -> None:
+    from nemo_gtp.checkpoint.io import CheckpointSafety
+
+    assert CheckpointSafety() == CheckpointSafety("stop", "sizes")  # the API's default
+    assert CheckpointSafety.from_recipe(None) == CheckpointSafety("stop", "checksums")
+    assert CheckpointSafety.from_recipe({"on_save_error": "warn"}).on_save_error == "warn"
+    with pytest.raises(ValueError, match="on_save_error='wran': one of stop, warn"):
+        CheckpointSafety(on_save_error="wran")
+    with pytest.raises(ValueError, match="verify='crc': one of checksums, sizes"):
+        CheckpointSafety(verify="crc")
+
+
+def _same_tree(got: Path, want: Path) -> None:
+    """``got`` holds exactly ``want``'s files, byte for byte."""
+    names = sorted(p.relative_to(want) for p in want.rglob("*"))
+    assert sorted(p.relative_to(got) for p in got.rglob("*")) == names
+    for name in names:
+        if (want / name).is_file():
+            assert filecmp.cmp(want / name, got / name, shallow=False), name
+
+
+def _committed(ckpts: Path) -> list[str]:
+    from nemo_gtp.recipes.resume import is_committed
+
+    return sorted(p.name for p in ckpts.iterdir() if p.is_dir() and is_committed(p))
+
+
+DISK = "tests.harness.checkpoint_faults.FillDiskAtSave"
+
+
+def test_disk_full_during_saves_warns_or_stops_and_keeps_what_was_committed(
+    tmp_path: Path,
+) -> None:
+    """One launch, two fits in the same ranks. ``warn``: saves at steps 1, 3, 5, 7; the second
+    fails on rank 1's data writer (ENOSPC mid-file), the third on rank 0's ``metadata.json``
+    (EDQUOT, rank 0 alone: the other ranks must not wait for it forever); training goes on and
+    the fourth commits. ``stop``: ``+resume=latest`` continues from step 7 (checksums verified)
+    and its first save fails on every rank's writer: the run stops, naming the path and errno.
+    """
+    from nemo_gtp.recipes.launch import launch_fits
+    from nemo_gtp.recipes.resume import latest_checkpoint
+
+    ckpts = tmp_path / "ckpts"
+    saving = [f"+checkpoint.dir={ckpts}", "+checkpoint.every_n_train_steps=2"]
+    warn = [
+        *saving,
+        "trainer.max_steps=8",
+        "+checkpoint.on_save_error=warn",
+        f"+callbacks.disk.target={DISK}",
+        "+callbacks.disk.save=2",
+        "+callbacks.disk.rank=1",
+        f"+callbacks.disk.warnings_to={tmp_path / 'warnings.txt'}",
+        f"+callbacks.meta.target={DISK}",
+        "+callbacks.meta.save=3",
+        "+callbacks.meta.rank=0",
+        "+callbacks.meta.errno=EDQUOT",
+        "+callbacks.meta.file=metadata.json",
+        "+callbacks.meta.module=core",
+    ]
+    stop = [
+        *saving,
+        "trainer.max_steps=10",
+        "+resume=latest",
+        f"+callbacks.disk.target={DISK}",
+        "+callbacks.disk.save=1",
+        f"+callbacks.disk.snapshot_to={tmp_path / 'before_stop'}",
+    ]
+    with pytest.raises(RuntimeError) as caught:
+        launch_fits(TINY, {"warn": warn, "stop": stop})
+    failure = str(caught.value)
+    # stop: one line naming the checkpoint, the errno and the file; what is kept
+    line = next(x for x in failure.splitlines() if "CheckpointSaveError" in x)
+    assert f"saving checkpoint {ckpts / 'step=9'} failed: " in line, line
+    assert "ENOSPC" in line and ".weights.saving/__" in line, line
+    assert f"the last committed checkpoint {ckpts / 'step=7'} is intact" in line, line
+    # warn: steps 3 and 5 were not committed, 7 was; nothing staged is left anywhere
+    warned = (tmp_path / "warnings.txt").read_text().splitlines()
+    assert len(warned) == 2, warned
+    for step, what in ((3, "rank 1: ENOSPC"), (5, "rank 0: EDQUOT")):
+        assert f"saving checkpoint {ckpts / f'step={step}'} failed: {what}" in warned[step // 2 - 1]
+    assert "metadata.json" in warned[1] and "Training continues" in warned[1]
+    assert _committed(ckpts) == ["step=1", "step=7"]
+    assert not list(ckpts.rglob(".weights.*"))
+    assert latest_checkpoint(ckpts) == ckpts / "step=7"
+    # what was committed before the stop's failed save is bit for bit what is there now
+    snapshot = tmp_path / "before_stop"
+    for name in ("step=1", "step=7"):
+        _same_tree(ckpts / name / "weights", snapshot / name / "weights")
+        assert (ckpts / name / "weights" / MANIFEST_NAME).is_file()
+        assert verify_checkpoint(ckpts / name / "weights", checksums=True, shared=False)
+    shutil.rmtree(snapshot)
