@@ -155,7 +155,9 @@ def check_recipe(recipe: Any) -> None:
     import fiddle as fdl
 
     from nemo_gtp.recipes.convert import config_arg
+    from nemo_gtp.recipes.ranges import check_nemo_recipe_settings
 
+    check_nemo_recipe_settings(recipe)  # value ranges, the YAML recipes' rules (one place)
     strategy = recipe.trainer.strategy
     try:
         fdl.build(strategy)

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.recipes.config import RecipeError
+from nemo_gtp.recipes.ranges import check_settings
 from nemo_gtp.recipes.resume import LATEST, latest_checkpoint
 from nemo_gtp.recipes.schema import (
     ACTIVATIONS,
@@ -89,6 +90,7 @@ def validate_recipe(cfg: DictConfig) -> None:
     for key, kind in TYPED.items():
         value = OmegaConf.select(cfg, key, default=None)
         check_type(key, value, kind)
+    check_settings(lambda key: OmegaConf.select(cfg, key, default=None))  # value ranges
     _check_gtp_section(raw.get("gtp") or {})
     _check_checkpoint_section(raw.get("checkpoint"))
     _check_faults(raw.get("faults") or {}, raw.get("callbacks") or {})
