@@ -73,7 +73,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import ROOT, free_port, module_argv, with_root
+from bench.common import ROOT, free_port, mfu_text, module_argv, with_root
 
 MODES = {
     "dp2_local": ("configs/gpt_1b.yaml", ["strategy.num_weight_shards=1"]),
@@ -235,7 +235,11 @@ GRAPH_KINDS = {  # mode modifier -> recipe overrides (design §3.5)
         "model.cuda_graph_scope=attn",
         "strategy.use_te_rng_tracker=true",
     ),
+    # no CUDA graphs, whatever the recipe says (the GPU recipes turn per-layer graphs on)
+    "eager": ("model.cuda_graph_impl=none", "model.cuda_graph_scope=full"),
 }
+EAGER = "eager"
+"""The :data:`GRAPH_KINDS` modifier that turns graphs off; every other kind turns them on."""
 
 
 def file_stem(text: str) -> str:
@@ -275,10 +279,11 @@ def world_overrides(world: int, shared_device: bool) -> list[str]:
 def shared_device_refusal(mode: str) -> str | None:
     """Why ``mode`` cannot run under ``--shared-device`` (None: it can)."""
     base, *knobs = mode.split("#")[0].split("@")
-    if any(k in GRAPH_KINDS for k in knobs):
+    graphed = [k for k in knobs if k in GRAPH_KINDS and k != EAGER]
+    if graphed:
         return (
             f"{mode}: CUDA graphs cannot capture the staged backend's host copies; drop "
-            f"@{'/@'.join(k for k in knobs if k in GRAPH_KINDS)} under --shared-device"
+            f"@{'/@'.join(graphed)} under --shared-device"
         )
     if base == "mfsdp_te":
         return f"{mode}: Megatron-FSDP needs an NCCL backend; not under --shared-device"
@@ -317,6 +322,8 @@ def launch_plan(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
             shape = []
             if args.shared_device and not args.full_size and config not in CPU_CONFIGS:
                 shape = list(SHARED_DEVICE_SHAPE)  # first: a mode's @model.key=value wins
+            if args.shared_device:  # the GPU recipes' default graphs cannot capture staging
+                shape += [f"+{k}" for k in GRAPH_KINDS[EAGER]]
             run = {
                 "mode": mode if repeat == 0 else f"{mode}#{repeat}",
                 "tokens_per_gpu": tokens,
@@ -679,7 +686,7 @@ def timed_fit(
 def _rank_main(spec_path: str) -> None:
     import torch
 
-    from bench.common import start_recording, stop_and_report
+    from bench.common import mfu_fields, start_recording, stop_and_report
     from nemo_gtp.recipes.launch import teardown_fit
     from nemo_gtp.recipes.loader import load_recipe
 
@@ -718,6 +725,9 @@ def _rank_main(spec_path: str) -> None:
             if trace:  # from before the model is built: setup's blocks are in the replay too
                 start_recording()
             record.update(timed_fit(cfg, [steps], steps, store, world, run["tokens_per_gpu"]))
+            if not spec.get("shared_device"):  # model FLOPs per step against the device's peak
+                device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+                record.update(mfu_fields(cfg, world, record["step_ms"], device), device=device)
             if trace:
                 report = stop_and_report(top=30, stack=True)
                 Path(spec["out"], f"memory_peak_{name}.txt").write_text(report)
@@ -774,17 +784,17 @@ def report(records: list[dict], out: Path) -> str:
     ``--shared-device`` also the step-time ratio plot ``bench_nemo_ratio.png``."""
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records}
     lines = [
-        "| mode | tokens/GPU | step ms | vs baseline | tokens/s/GPU | peak GiB | "
+        "| mode | tokens/GPU | step ms | MFU | vs baseline | tokens/s/GPU | peak GiB | "
         "exposed gather / RS ms | host issue / GPU tail ms | GPU idle | "
         "compute / NCCL kernel ms | skipped prefetch / fallback | gathered MiB/step | "
         "max loss rel diff vs baseline |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         if "error" in r:
             lines.append(
                 f"| {r['mode']} | {r['tokens_per_gpu']} | failed: {r['error'][:160]} "
-                "| | | | | | | | | | |"
+                "| | | | | | | | | | | |"
             )
             continue
         base_mode = resolve_mode(r["mode"])[2] or ""
@@ -808,7 +818,8 @@ def report(records: list[dict], out: Path) -> str:
         misses = f"{stats['prefetch_skipped']} / {stats['fallback_allocations']}" if stats else ""
         gathered = f"{stats['gather_bytes'] / 2**20:.1f}" if stats else ""
         lines.append(
-            f"| {r['mode']} | {r['tokens_per_gpu']} | {r['step_ms']:.1f} | {ratio} | "
+            f"| {r['mode']} | {r['tokens_per_gpu']} | {r['step_ms']:.1f} | {mfu_text(r)} | "
+            f"{ratio} | "
             f"{r['tokens_per_s_per_gpu']} | {r['peak_gib']} | "
             f"{exposed.get('gather', 0):.2f} / {exposed.get('reduce_scatter', 0):.2f} | "
             f"{split_text} | {'' if idle is None else f'{idle:.0%}'} | {kernels} | {misses} | "
@@ -975,12 +986,27 @@ def _thread_summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _eager_twin(mode: str) -> str | None:
-    """``gtp2_te@graph`` -> ``gtp2_te``: the same mode without CUDA graphs (None: no graphs)."""
+def _eager_twins(mode: str) -> list[str]:
+    """``gtp2_te@graph`` -> ``[gtp2_te@eager, gtp2_te]``: the same mode without CUDA graphs,
+    explicitly eager (the GPU recipes are graphed by default) or as its recipe has it (an
+    eager recipe); empty for a mode without a graph modifier."""
     base, *knobs = mode.split("#")[0].split("@")
-    if not any(k in GRAPH_KINDS for k in knobs):
-        return None
-    return "@".join([base, *(k for k in knobs if k not in GRAPH_KINDS)])
+    if not any(k in GRAPH_KINDS and k != EAGER for k in knobs):
+        return []
+    rest = [k for k in knobs if k not in GRAPH_KINDS]
+    twins = ["@".join([base, EAGER, *rest])]
+    if base in MODES and not recipe_graphed(MODES[base][0]):
+        twins.append("@".join([base, *rest]))
+    return twins
+
+
+def recipe_graphed(config: str) -> bool:
+    """Whether the recipe ``config`` (a path under the repository root) turns CUDA graphs on by
+    itself (``model.cuda_graph_impl`` other than ``none``)."""
+    from omegaconf import OmegaConf
+
+    impl = OmegaConf.select(OmegaConf.load(ROOT / config), "model.cuda_graph_impl", default=None)
+    return impl not in (None, "none")
 
 
 def max_rel(a: list | None, b: list | None) -> float | None:
@@ -997,7 +1023,7 @@ def _graph_vs_eager(records: list[dict]) -> str:
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records if "error" not in r}
     lines = []
     for (mode, tokens), r in by.items():
-        twin = by.get((_eager_twin(mode) or "", tokens))
+        twin = next((by[(t, tokens)] for t in _eager_twins(mode) if (t, tokens) in by), None)
         if twin is None:
             continue
         first = (r["losses"] or [None])[0], (twin["losses"] or [None])[0]

@@ -602,3 +602,104 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float)
         extra = f", {close} within rtol {rtol:g}" if close else ""
         lines.append(f"WEIGHTS: equal ({keys} keys: {keys - close} bit for bit{extra})")
     return lines
+
+
+# ------------------------------------------------------------------------------- model FLOPs
+PEAK_DENSE_TFLOPS = (  # (device-name substring, bf16, fp8): dense peaks, no sparsity
+    ("H100 PCIe", 756.0, 1513.0),
+    ("H100 NVL", 835.0, 1671.0),
+    ("H100", 989.0, 1979.0),  # SXM (HBM3): "NVIDIA H100 80GB HBM3"
+    ("H200", 989.0, 1979.0),  # "NVIDIA H200", also "NVIDIA GH200 ..."
+    ("A100", 312.0, None),
+)
+"""Each device's dense peak TFLOP/s in bf16 and FP8 (None: no FP8 tensor cores), matched in
+order against ``torch.cuda.get_device_name()``; a device matching none gets no MFU."""
+
+
+def peak_tflops(device_name: str, fp8: bool = False) -> float | None:
+    """The dense peak TFLOP/s of ``device_name`` (bf16, or FP8 when ``fp8``), None when unknown:
+    an MFU against a guessed peak would be a made-up number."""
+    for key, bf16, fp8_peak in PEAK_DENSE_TFLOPS:
+        if key in device_name:
+            return fp8_peak if fp8 else bf16
+    return None
+
+
+def gpt_flops(model: dict[str, Any], seq_length: int, sequences: int) -> float:
+    """Model FLOPs (forward + backward) of a GPT over ``sequences`` sequences of
+    ``seq_length`` tokens: Megatron-LM's ``num_floating_point_operations`` (its
+    ``transformer_flops``: causal attention, GQA, gated MLP, routed and shared experts, logits)
+    for ``model``, a recipe's ``model`` section (GPTConfig's names and defaults).
+
+    Per token, each GEMM counted 3 times (forward, data and weight gradient) at 2 FLOPs per
+    multiply-add, with ``h`` hidden, ``q = kv_channels * heads`` the query width, ``g`` the
+    query groups, ``a`` the heads, ``s`` the sequence, ``L`` the layers and ``V`` the vocabulary
+    padded to a multiple of 128 (megatron's ``make_vocab_size_divisible_by``)::
+
+        attention  12 L h q (1 + g/a + s/(2h))   QKV and output projections, QK^T and AV
+                                                 (half of s x s: causal)
+        MLP        12 L h f m                    m = 3/2 gated (three GEMMs), else 1; MoE
+                                                 layers: f = moe_ffn_hidden_size x topk
+                                                 (+ the shared experts' width)
+        logits     6 h V
+
+    Recompute, the router and the norms are not counted (model FLOPs, not hardware FLOPs).
+    """
+    h = model["hidden_size"]
+    layers = model["num_layers"]
+    heads = model["num_attention_heads"]
+    kv = model.get("kv_channels") or h // heads
+    groups = model.get("num_query_groups") or heads
+    gated = 1.5 if model.get("gated_linear_unit") else 1.0
+    ffn = model.get("ffn_hidden_size") or 4 * h
+    if model.get("num_moe_experts"):  # every layer a MoE layer (moe_layer_freq 1)
+        routed = (model.get("moe_ffn_hidden_size") or ffn) * model.get("moe_router_topk", 2)
+        ffn = routed + (model.get("moe_shared_expert_intermediate_size") or 0)
+    vocab = model["vocab_size"]
+    vocab = -(-vocab // 128) * 128
+    q = kv * heads
+    attention = 12 * layers * h * q * (1 + groups / heads + seq_length / (2 * h))
+    mlp = 12 * layers * h * ffn * gated
+    logits = 6 * h * vocab
+    return float(sequences * seq_length * (attention + mlp + logits))
+
+
+def recipe_flops_per_gpu(cfg: Any, world: int) -> float:
+    """Model FLOPs each of ``world`` GPUs does per optimizer step of the loaded recipe ``cfg``
+    (an OmegaConf recipe): the global batch's FLOPs over the world, whatever the layout (GTP,
+    DP, TP and CP split the same model math, every GPU its share)."""
+    from omegaconf import OmegaConf
+
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model["vocab_size"] = cfg.data.vocab_size
+    total = gpt_flops(model, cfg.data.seq_length, cfg.data.global_batch_size)
+    return total / world
+
+
+def mfu(flops_per_gpu: float, step_ms: float, peak: float | None) -> float | None:
+    """Model FLOPs utilization: ``flops_per_gpu`` per step of ``step_ms`` against ``peak``
+    TFLOP/s (None when the peak is unknown)."""
+    if peak is None or step_ms <= 0:
+        return None
+    return flops_per_gpu / (step_ms / 1000) / (peak * 1e12)
+
+
+def mfu_fields(cfg: Any, world: int, step_ms: float, device_name: str) -> dict[str, Any]:
+    """The FLOP fields of a benchmark record: model TFLOP per GPU per step, achieved TFLOP/s,
+    the device's dense peak (FP8 for an FP8 recipe) and MFU (None off known GPUs)."""
+    flops = recipe_flops_per_gpu(cfg, world)
+    fp8 = bool(cfg.get("fp8")) and cfg.fp8.get("format") is not None
+    peak = peak_tflops(device_name, fp8=fp8)
+    value = mfu(flops, step_ms, peak)
+    return {
+        "model_tflop_per_gpu_step": round(flops / 1e12, 4),
+        "tflops_per_gpu": round(flops / (step_ms / 1000) / 1e12, 1) if step_ms > 0 else None,
+        "peak_tflops": peak,
+        "mfu": None if value is None else round(value, 4),
+    }
+
+
+def mfu_text(record: dict[str, Any]) -> str:
+    """A record's MFU as a table cell: ``"42.1 %"``, or ``""`` (no peak known, or no record)."""
+    value = record.get("mfu")
+    return "" if value is None else f"{100 * value:.1f} %"

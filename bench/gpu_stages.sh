@@ -26,6 +26,7 @@ T0=$(date +%s)
 
 # stage -> "how ranks talk | GPUs | minutes | what it answers"
 declare -A INFO=(
+  [fusions]="fake | 1 | 8 | the graphed GPU recipes: eager / per-layer / full-iteration graphs, each fusion off, MFU, peak"
   [eager]="NCCL | 2 | 7 | NeMo path GTP2 vs DP2, TE spec, eager, 1k/2k/4k/8k tokens per GPU, host timer"
   [layergraph]="NCCL | 2 | 8 | the same with megatron's per-layer CUDA graphs (and the wgrad ring)"
   [host]="fake | 1 | 9 | host_fake: GTP2 vs DP2 eager and per-layer graphs, 1k-8k, no communication"
@@ -43,8 +44,8 @@ declare -A INFO=(
   [megatron_graphs]="NCCL | 2 | 3 | per-layer CUDA graphs at megatron level: graphed == eager, replays"
   [strategy]="NCCL | 2 | 9 | NeMo's default TE spec, ~1B compare, strategy checkpoints and resumes"
 )
-ORDER="eager layergraph host exact moe fp8 fp8param fp8units grouped muon peft mfsdp layouts4 nccl megatron_graphs strategy"
-ONE_GPU_STAGES=" host exact moe fp8 fp8param grouped peft "  # these take ONE_GPU=1 (shared / fake)
+ORDER="fusions eager layergraph host exact moe fp8 fp8param fp8units grouped muon peft mfsdp layouts4 nccl megatron_graphs strategy"
+ONE_GPU_STAGES=" fusions host exact moe fp8 fp8param grouped peft "  # these take ONE_GPU=1 (shared / fake)
 
 if [ "${1:-}" = --list ] || [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
   printf '%-16s %-7s %-5s %-4s %s\n' stage ranks GPUs min "question"
@@ -76,8 +77,8 @@ GPUS=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
 mkdir -p "$OUT"
 exec 3>&1
 
-# run SECONDS COMMAND...: bounded; CHECK=1 only parses it (bench_nemo / bench_moe: --dry-run,
-# which also checks every mode's recipe; any other module: --help)
+# run SECONDS COMMAND...: bounded; CHECK=1 only parses it (bench_nemo / bench_moe / host_fake:
+# --dry-run, which also checks every mode's recipe; any other module: --help)
 run() {
   local limit=$1; shift
   if [ "$CHECK" != 1 ]; then timeout "$limit" "$@"; return; fi
@@ -87,7 +88,7 @@ run() {
     prev=$a; args+=("$a")
   done
   case $mod in
-    bench.bench_nemo | bench.bench_moe)
+    bench.bench_nemo | bench.bench_moe | bench.host_fake)
       "${args[@]}" --dry-run > "$OUT/check.log" 2>&1 ;;
     *) "$PY" -m "$mod" --help > "$OUT/check.log" 2>&1 ;;
   esac
@@ -101,7 +102,7 @@ pack() {
 TORCHRUN="torchrun --nproc-per-node"
 
 stage_eager() {  # the 2k eager TE gap and its neighbours, GTP2's host split beside it
-  run 420 $PY -m bench.bench_nemo --modes dp2_te,gtp2_te --tokens 1024,2048,4096,8192 \
+  run 420 $PY -m bench.bench_nemo --modes dp2_te@eager,gtp2_te@eager --tokens 1024,2048,4096,8192 \
     --host-timer --warmup 5 --timed 19 --fit-timeout 80 --out "$OUT/eager" | tail -14
 }
 stage_layergraph() {  # target <= 1.03x graphed DP2; the segment heads (design §3.5) in
@@ -112,8 +113,26 @@ stage_layergraph() {  # target <= 1.03x graphed DP2; the segment heads (design �
 }
 stage_host() {  # one device, rank 0 of a fake 2-rank world: the one-GPU regression check
   run 560 $PY -m bench.host_fake \
-    --modes dp2_te,gtp2_te,dp2_te@layergraph,gtp2_te@layergraph --tokens 1024,2048,4096,8192 \
+    --modes dp2_te@eager,gtp2_te@eager,dp2_te@layergraph,gtp2_te@layergraph \
+    --tokens 1024,2048,4096,8192 \
     --profile 0 --steps 15 --out "$OUT/host" | grep "^|"
+}
+# the GPU recipes' graphs and fusions on one GPU (fake world): every fit in ONE process (NeMo and
+# TE imported once), repeats interleaved; --budget stops starting fits in time (the later
+# repeats are what a slow machine drops). Per repeat, most wanted first: eager vs per-layer
+# graphs at 4k; each fusion off against the all-on recipe (DP2, per-layer graphs, 4k: the row's
+# "vs recipe"), and all of them off (the recipes before); 2k; the FP8 recipe graphed (does
+# it capture); the full-iteration graph last (a failed capture costs a fresh process).
+# (apply_rope_fusion stays off in the recipes: it acts on RoPE positions only, theirs are learned.)
+stage_fusions() {
+  local L=dp2_te@layergraph@model F OFF
+  F="$L.bias_dropout_fusion=false,$L.cross_entropy_loss_fusion=false"
+  OFF="$L.bias_dropout_fusion=false@model.cross_entropy_loss_fusion=false"
+  local CORE=dp2_te@eager,gtp2_te@eager,dp2_te@layergraph,gtp2_te@layergraph
+  run 480 $PY -m bench.host_fake --one-process --budget 430 --fit-timeout 150 --repeat 3 \
+    --modes $CORE --tokens 4096 --also "4096:$F,$OFF" --also "2048:$CORE" \
+    --also "4096:dp2_fp8,gtp2_fp8" --also "4096:dp2_te@graph,gtp2_te@graph" \
+    --warmup 5 --steps 12 --profile 0 --out "$OUT/fusions" | grep -v '^{'
 }
 stage_exact() {  # design §3.1 "Exact init": GTP2 starts from DP2's weights, first loss DP2's
   local pairs="dp2_te,gtp2_te dp2_fp8param,gtp2_fp8param" pair base T starts
@@ -152,7 +171,7 @@ stage_fp8() {  # the 0.02 loss bound over 50 steps, against DP2's own noise floo
     --lr 1e-4 --lr-warmup 10 --steps $steps --out "$OUT/fp8/warmup" 2>&1 | grep -v Warn | tail -8
   # the step-time target (GTP2-FP8 <= 1.05x DP2-FP8 at 4k) on the 1B recipe, 2 GPUs
   [ "$ONE_GPU" = 1 ] || run 290 $PY -m bench.bench_nemo \
-    --modes dp2_fp8,gtp2_fp8,dp2_fp8block,gtp2_fp8block,dp2_fp8blockparam,gtp2_fp8blockparam \
+    --modes dp2_fp8@eager,gtp2_fp8@eager,dp2_fp8block@eager,gtp2_fp8block@eager,dp2_fp8blockparam@eager,gtp2_fp8blockparam@eager \
     --tokens 4096 --warmup 5 --timed 19 --fit-timeout 45 --out "$OUT/fp8/nemo" | tail -10
 }
 stage_fp8param() {  # FP8 primary weights on real TE: bits, then the 1B FP8 recipe
@@ -161,12 +180,12 @@ stage_fp8param() {  # FP8 primary weights on real TE: bits, then the 1B FP8 reci
     --modes fp8param_dp2,fp8param_gtp2,fp8blockparam_dp2,fp8blockparam_gtp2 --lr 1e-4 \
     --lr-warmup 10 --steps $steps --out "$OUT/fp8param" 2>&1 | grep -v Warn | tail -8
   run 290 $PY -m bench.bench_nemo $SHARED \
-    --modes dp2_fp8param,gtp2_fp8param,dp2_fp8blockparam,gtp2_fp8blockparam \
+    --modes dp2_fp8param@eager,gtp2_fp8param@eager,dp2_fp8blockparam@eager,gtp2_fp8blockparam@eager \
     --tokens 2048 --warmup 5 --timed 10 --fit-timeout 120 --out "$OUT/fp8param/nemo" | tail -8
 }
 stage_fp8units() {  # new units vs the float8-sized ones (coalesce_mb=384), 4k
   run 230 $PY -m bench.bench_nemo \
-    --modes dp2_fp8blockparam,gtp2_fp8blockparam,gtp2_fp8blockparam@coalesce_mb=384 \
+    --modes dp2_fp8blockparam@eager,gtp2_fp8blockparam@eager,gtp2_fp8blockparam@eager@coalesce_mb=384 \
     --tokens 4096 --warmup 5 --timed 19 --fit-timeout 60 --out "$OUT/fp8units" | tail -8
 }
 stage_grouped() {  # TF32 off (the script sets NVIDIA_TF32_OVERRIDE=0)
@@ -174,7 +193,7 @@ stage_grouped() {  # TF32 off (the script sets NVIDIA_TF32_OVERRIDE=0)
     | grep -v Warn | tail -6
 }
 stage_muon() {  # design §1.6: owner split (two all-to-alls per bucket) vs every replica
-  local m="@optim.optimizer=muon@optim.use_distributed_optimizer=false"
+  local m="@eager@optim.optimizer=muon@optim.use_distributed_optimizer=false"
   m="$m@ddp.use_distributed_optimizer=false"
   run 260 $PY -m bench.bench_nemo --modes "dp2_te$m,gtp2_te$m@preshard_linears=none" \
     --tokens 2048,4096 --warmup 5 --timed 15 --fit-timeout 100 --out "$OUT/muon" | tail -10
@@ -233,12 +252,12 @@ PY
   for d in pre_run save load; do mkdir -p "$O/$d"; cp "$T/$d"/*.md "$T/$d"/*.json "$O/$d/" 2>/dev/null; done
 }
 stage_mfsdp() {  # eager 1k and 4k beside NeMo's Megatron-FSDP
-  run 150 $PY -m bench.bench_nemo --modes dp2_te,gtp2_te,mfsdp_te --tokens 1024,4096 \
+  run 150 $PY -m bench.bench_nemo --modes dp2_te@eager,gtp2_te@eager,mfsdp_te@eager --tokens 1024,4096 \
     --warmup 5 --timed 19 --fit-timeout 60 --out "$OUT/mfsdp" | tail -10
 }
 stage_layouts4() {  # the layouts only the CPU suite has run; 4k tokens per GPU
   if [ "$CHECK" != 1 ] && [ "$GPUS" -lt 4 ]; then echo "layouts4 skipped: needs 4 GPUs"; return; fi
-  local tp="@strategy.tensor_model_parallel_size=2"
+  local tp="@eager@strategy.tensor_model_parallel_size=2"
   # TP2·GTP2 vs TP2·DP2 (same global batch: 2 micro-batches; the pair is listed explicitly,
   # TP is not a modifier the baseline shares)
   run 230 $PY -m bench.bench_nemo --devices 4 --modes \
@@ -246,11 +265,11 @@ stage_layouts4() {  # the layouts only the CPU suite has run; 4k tokens per GPU
     --tokens 4096 --warmup 5 --timed 19 --fit-timeout 80 --out "$OUT/layouts4/tp2" | tail -8
   # GTP4 vs DP4 (global batch 4 micro-batches, shared with the baseline)
   run 200 $PY -m bench.bench_nemo --devices 4 --modes \
-    "dp2_te@data.global_batch_size=8,gtp2_te@strategy.num_weight_shards=4@data.global_batch_size=8" \
+    "dp2_te@eager@data.global_batch_size=8,gtp2_te@eager@strategy.num_weight_shards=4@data.global_batch_size=8" \
     --tokens 4096 --warmup 5 --timed 19 --fit-timeout 80 --out "$OUT/layouts4/gtp4" | tail -8
   # TP1·CP2·GTP2 vs TP1·CP2·DP2
   run 230 $PY -m bench.bench_nemo --devices 4 --modes \
-    "dp2_te@strategy.context_parallel_size=2,gtp2_te@strategy.context_parallel_size=2@preshard_linears=none" \
+    "dp2_te@eager@strategy.context_parallel_size=2,gtp2_te@eager@strategy.context_parallel_size=2@preshard_linears=none" \
     --tokens 4096 --warmup 5 --timed 19 --fit-timeout 80 --out "$OUT/layouts4/cp2" | tail -8
   # EP2·EGTP2 vs EP4 (speed) and vs EP2·DP2 (loss)
   run 230 $PY -m bench.bench_moe --modes grouped_ep2_egtp2,grouped_ep4,grouped_ep2_dp2 \
@@ -274,7 +293,7 @@ stage_strategy() {  # GTPMegatronStrategy through nl.Trainer: TE spec, ~1B, chec
   mkdir -p "$O"; rm -rf "$CK"
   run 300 $PY -m nemo_gtp.run configs/gpt_1b_te.yaml trainer.max_steps=10 model.num_layers=4 \
     --compare-baseline > "$O/te_spec_compare.out" 2>&1; tail -6 "$O/te_spec_compare.out"
-  run 240 $PY -m bench.bench_nemo --modes gtp2_te@graph,gtp2_te --tokens 2048 --timed 10 \
+  run 240 $PY -m bench.bench_nemo --modes gtp2_te@graph,gtp2_te@eager --tokens 2048 --timed 10 \
     --out "$O/graph" | tail -6
   run 300 $PY -m nemo_gtp.run configs/gpt_1b.yaml trainer.max_steps=20 --compare-baseline \
     > "$O/gpt1b_compare.out" 2>&1; tail -6 "$O/gpt1b_compare.out"

@@ -52,9 +52,10 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import ROOT, module_argv, with_root
+from bench.common import ROOT, mfu_text, module_argv, with_root
 
 CPU_MODES = {  # a host-bound tiny GPT: many small layers (CPU, fp32)
     "dp2_cpu": ("configs/tiny_cpu.yaml", ["strategy.num_weight_shards=1"]),
@@ -279,41 +280,61 @@ def _init_fake_world(world: int) -> None:
     dist.init_process_group, dist.new_group = fake_init, fake_new_group
 
 
-def _rank_main(spec: dict) -> dict:
+_GC_TIME = {"s": 0.0, "start": 0.0, "runs": [0, 0, 0]}
+"""Python's cyclic collector over the current fit's timed window (``gc.callbacks``)."""
+
+_PROCESS: dict = {}
+"""What one process sets up once for all its fits: the fake world's patch and the host timer."""
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC_TIME["start"] = time.perf_counter()
+    else:
+        _GC_TIME["s"] += time.perf_counter() - _GC_TIME["start"]
+        _GC_TIME["runs"][info["generation"]] += 1
+
+
+def _process_setup(world: int, patches: list[str]) -> object:
+    """Once per process: rank 0 of a fake ``world``, the GC clock, the host timer (before any
+    model is built: TE's pre-hooks bind then) and the mode's host-path ``patches``; the timer."""
+    if _PROCESS:
+        return _PROCESS["timer"]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    _init_fake_world(world)  # every fit's init_process_group: a fresh fake group
+    gc.callbacks.append(_on_gc)
+    from bench.common import GTP_ENTRIES, GTPHostTimer, te_entries
+
+    entries = GTP_ENTRIES + (te_entries() if "te" in patches else ())
+    timer = GTPHostTimer.install(entries)
+    if "te" in patches:
+        wrapped = sum(c.startswith(("te.", "tex.")) for c in timer.category.values())
+        print(f"TE_ENTRIES wrapped {wrapped}", flush=True)
+    for patch in patches:
+        PATCHES[patch]()
+    _PROCESS["timer"] = timer
+    return timer
+
+
+def _patches(mode: str) -> list[str]:
+    return mode.split("#")[0].split("%")[1:]
+
+
+def _fit(spec: dict, timer: object) -> dict:
+    """One fit of ``spec``'s mode on the fake world; its record."""
     import lightning.pytorch as pl
     import torch
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(spec["world"]))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    _init_fake_world(spec["world"])
     from bench.bench_nemo import thread_cpu_per_step, thread_cpu_seconds
-    from bench.common import GTPHostTimer
+    from bench.common import mfu_fields
     from nemo_gtp.recipes.loader import build_fit, load_recipe
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     warmup, steps, profiled = spec["warmup"], spec["steps"], spec["profile"]
     prof = cProfile.Profile()  # outside the callback: NeMo deep-copies callbacks
-
-    gc_time = {"s": 0.0, "start": 0.0, "runs": [0, 0, 0]}
-
-    def on_gc(phase: str, info: dict) -> None:  # Python's cyclic collector: time per step
-        if phase == "start":
-            gc_time["start"] = time.perf_counter()
-        else:
-            gc_time["s"] += time.perf_counter() - gc_time["start"]
-            gc_time["runs"][info["generation"]] += 1
-
-    gc.callbacks.append(on_gc)
-    from bench.common import GTP_ENTRIES, te_entries
-
-    patches = spec["mode"].split("#")[0].split("%")[1:]
-    entries = GTP_ENTRIES + (te_entries() if "te" in patches else ())
-    timer = GTPHostTimer.install(entries)  # before the model is built: TE's pre-hooks bind then
-    if "te" in patches:
-        wrapped = sum(c.startswith(("te.", "tex.")) for c in timer.category.values())
-        print(f"TE_ENTRIES wrapped {wrapped}", flush=True)
 
     class _Times(pl.Callback):
         def __init__(self) -> None:
@@ -325,15 +346,15 @@ def _rank_main(spec: dict) -> dict:
             sync()
             if trainer.global_step == warmup:
                 self.threads = thread_cpu_seconds()
-                gc_time.update(s=0.0, runs=[0, 0, 0])
+                _GC_TIME.update(s=0.0, runs=[0, 0, 0])
                 self.timer_start = timer.snapshot()
                 if GEMM_VARIANTS is not None:
                     GEMM_VARIANTS.clear()
             if trainer.global_step == warmup + steps:
                 self.threads = thread_cpu_per_step(self.threads, thread_cpu_seconds(), steps)
                 self.gc = {
-                    "ms_per_step": round(1000 * gc_time["s"] / steps, 2),
-                    "collections_per_generation": list(gc_time["runs"]),
+                    "ms_per_step": round(1000 * _GC_TIME["s"] / steps, 2),
+                    "collections_per_generation": list(_GC_TIME["runs"]),
                 }
                 self.inside = timer.per_step(self.timer_start, timer.snapshot(), steps)
                 self.gemms = {  # per step: calls, µs per call
@@ -353,8 +374,6 @@ def _rank_main(spec: dict) -> dict:
             if trainer.global_step == warmup + steps + profiled:
                 prof.disable()
 
-    for patch in patches:
-        PATCHES[patch]()
     config, overrides = _resolve(spec["mode"], spec["tokens"])
     cfg = load_recipe(
         str(ROOT / config),
@@ -367,7 +386,12 @@ def _rank_main(spec: dict) -> dict:
         ],
     )
     times = _Times()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    leftover = torch.cuda.memory_allocated() if cuda else 0  # what earlier fits left allocated
+    started = time.perf_counter()
     build_fit(cfg, callbacks=[times]).run()
+    fit_s = time.perf_counter() - started
     out = Path(spec["out"])
     name = spec["file_stem"]
     if profiled:
@@ -376,13 +400,21 @@ def _rank_main(spec: dict) -> dict:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
         (out / f"host_profile_{name}.txt").write_text(text.getvalue())
     window = slice(warmup, warmup + steps)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    step_ms = statistics.median(times.wall[window])
     return {
         "mode": spec["mode"],
         "tokens_per_gpu": spec["tokens"],
         "world": spec["world"],
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "step_ms": round(statistics.median(times.wall[window]), 3),
+        "ranks": "fake process group, " + ("one GPU" if cuda else "CPU"),
+        "device": device,
+        "step_ms": round(step_ms, 3),
         "issue_ms": round(statistics.median(times.issue[window]), 3),
+        **mfu_fields(cfg, spec["world"], step_ms, device),
+        "peak_gib": round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2)
+        if cuda
+        else None,
+        "fit_s": round(fit_s, 1),
         "profiled_steps": profiled,
         "thread_cpu_ms_per_step": times.threads,
         "python_gc": times.gc,
@@ -391,10 +423,148 @@ def _rank_main(spec: dict) -> dict:
     }
 
 
+def _rank_main(spec: dict) -> dict:
+    """Per-process mode: this process runs ``spec``'s one fit."""
+    return _fit(spec, _process_setup(spec["world"], _patches(spec["mode"])))
+
+
+def _one_process_main(specs: list[dict], budget_s: float, fit_timeout_s: float = 0) -> None:
+    """``--one-process``: every fit of ``specs`` in this process, one after another, megatron's
+    and NeMo's process-global state torn down in between (``teardown_fit``: parallel state,
+    the microbatch calculator, RNG tracker, CUDA graphs, the fake process group; the next fit's
+    strategy inits a fresh fake group). One ``RECORD`` line per fit. A fit that fails is
+    recorded; if the device is unusable after it the process exits (the parent starts a fresh
+    one for the rest). ``budget_s`` (from process start, import included; 0: none): no fit is
+    started that the mean fit so far says would end past it (``SKIPPED`` lines).
+    ``fit_timeout_s`` (0: none): a fit (teardown included) running longer dumps every thread's
+    stack and ends the process (the parent records it and goes on in a fresh one)."""
+    import faulthandler
+
+    import torch
+
+    from nemo_gtp.recipes.launch import teardown_fit
+
+    timer = _process_setup(specs[0]["world"], [])
+    durations: list[float] = []
+    for i, spec in enumerate(specs):
+        elapsed = time.perf_counter() - _T0
+        if budget_s and durations and elapsed + statistics.mean(durations) > budget_s:
+            for rest in specs[i:]:
+                print(f"SKIPPED {json.dumps(rest['mode'])} {rest['tokens']}", flush=True)
+            return
+        started = time.perf_counter()
+        if fit_timeout_s:
+            faulthandler.dump_traceback_later(fit_timeout_s, exit=True)
+        try:
+            record = _fit(spec, timer)
+        except Exception as err:  # record and go on: one broken mode must not hide the rest
+            import traceback
+
+            traceback.print_exc()
+            record = {
+                "mode": spec["mode"],
+                "tokens_per_gpu": spec["tokens"],
+                "error": f"{type(err).__name__}: {err}"[:600],
+            }
+        print("RECORD " + json.dumps(record), flush=True)
+        durations.append(time.perf_counter() - started)
+        try:
+            teardown_fit()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        except Exception as err:  # a poisoned context (a failed capture): a fresh process
+            print(f"DEVICE_LOST after {spec['mode']}: {type(err).__name__}: {err}", flush=True)
+            sys.exit(3)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+
+_T0 = time.perf_counter()
+
+
+def _plan(args: argparse.Namespace) -> list[dict]:
+    """Every fit in launch order: per repeat k, the ``--modes`` at each of ``--tokens``, then
+    each ``--also TOKENS:MODES`` group; ``mode#k`` names repeat k > 0 (interleaved repeats)."""
+    from bench.bench_nemo import file_stem
+
+    groups = [(int(t), args.modes.split(",")) for t in args.tokens.split(",")]
+    for item in args.also or ():
+        tokens, _, modes = item.partition(":")
+        groups += [(int(t), modes.split(",")) for t in tokens.split("+")]
+    specs = []
+    for k in range(args.repeat):
+        for tokens, modes in groups:
+            for base in modes:
+                mode = base if k == 0 else f"{base}#{k}"
+                specs.append(
+                    dict(
+                        mode=mode,
+                        file_stem=file_stem(f"{mode}_{tokens}"),  # log and profile names
+                        tokens=tokens,
+                        world=args.world,
+                        warmup=args.warmup,
+                        steps=args.steps,
+                        profile=args.profile,
+                        out=str(Path(args.out).resolve()),
+                    )
+                )
+    return specs
+
+
+def dry_run(specs: list[dict]) -> int:
+    """Check each fit's recipe as the fit would load it (``validate_recipe``: keys, types,
+    layout; not what needs a GPU or TE) and print the plan; 1 when any fails."""
+    from nemo_gtp.recipes.config import RecipeError, load_recipe
+    from nemo_gtp.recipes.validate import validate_recipe
+
+    failed = 0
+    for spec in specs:
+        config, overrides = _resolve(spec["mode"], spec["tokens"])
+        try:
+            validate_recipe(
+                load_recipe(
+                    str(ROOT / config),
+                    [*overrides, "trainer.devices=1", f"+trainer.num_nodes={spec['world']}"],
+                )
+            )
+            verdict = "ok"
+        except (RecipeError, ValueError) as err:
+            failed, verdict = failed + 1, f"FAILED: {err}"
+        print(f"{spec['mode']} @ {spec['tokens']}: {config} {verdict}")
+    print(f"{len(specs)} fits, {failed} refused")
+    return 1 if failed else 0
+
+
+def _run_child(argv: list[str], log: Path, on_record: Callable[[dict], None]) -> int:
+    """Run a child ``python -m bench.host_fake`` with ``argv``, its output into ``log``, each
+    ``RECORD`` line handed to ``on_record`` as it comes; the exit status."""
+    with open(log, "a") as f:
+        proc = subprocess.Popen(
+            module_argv("bench.host_fake", *argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            # one intra-op thread per rank, as bench_nemo's ranks have
+            env=with_root({"OMP_NUM_THREADS": "1", **os.environ}),
+        )
+        for line in proc.stdout:
+            f.write(line)
+            f.flush()
+            if line.startswith("RECORD "):
+                on_record(json.loads(line[7:]))
+        return proc.wait()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="dp2_te,gtp2_te")
     parser.add_argument("--tokens", default="2048")
+    parser.add_argument(
+        "--also",
+        action="append",
+        help="TOKENS:MODES, more modes at their own tokens per GPU (e.g. 4096:dp2_te@x=1,...; "
+        "TOKENS may be 2048+4096); repeatable",
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
@@ -402,55 +572,99 @@ def main() -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="run the modes this many times, interleaved"
     )
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="every fit in one process (NeMo/TE imported once; state torn down between fits); "
+        "default: a process per fit. Host-path patches (%%name) need a process per fit",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0,
+        help="--one-process: seconds (import included) after which no fit is started that "
+        "would likely end past it; 0: no limit",
+    )
+    parser.add_argument(
+        "--fit-timeout",
+        type=float,
+        default=0,
+        help="--one-process: seconds one fit may take before its process is ended (every "
+        "thread's stack in the log) and the rest go on in a fresh one; 0: no limit",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every fit's recipe (the CLI's checks) and print the plan; run nothing",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank-main", help=argparse.SUPPRESS)
+    parser.add_argument("--fits", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_main:
         print("RECORD " + json.dumps(_rank_main(json.loads(args.rank_main))), flush=True)
         return 0
-    from bench.bench_nemo import file_stem
-
+    if args.fits:
+        _one_process_main(json.loads(Path(args.fits).read_text()), args.budget, args.fit_timeout)
+        return 0
+    specs = _plan(args)
+    if args.one_process and any(_patches(s["mode"]) for s in specs):
+        parser.error("--one-process: host-path patches (%name) change the process; drop them")
+    if args.dry_run:
+        return dry_run(specs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    records = []
-    names = [
-        mode if k == 0 else f"{mode}#{k}"
-        for k in range(args.repeat)
-        for mode in args.modes.split(",")
-    ]
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        for mode in names:
-            spec = dict(
-                mode=mode,
-                file_stem=file_stem(f"{mode}_{tokens}"),  # the mode's log and profile names
-                tokens=tokens,
-                world=args.world,
-                warmup=args.warmup,
-                steps=args.steps,
-                profile=args.profile,
-                out=str(out.resolve()),
+    records: list[dict] = []
+
+    def keep(record: dict) -> None:
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        # after every fit: a launch cut short by its time limit keeps what it measured
+        (out / "host_fake.json").write_text(json.dumps(records, indent=1))
+
+    if args.one_process:
+        started, rest, round_ = time.perf_counter(), specs, 0
+        while rest:
+            fits = out / f"fits_{round_}.json"
+            fits.write_text(json.dumps(rest))
+            budget = max(args.budget - (time.perf_counter() - started), 1) if args.budget else 0
+            before = len(records)
+            code = _run_child(
+                [
+                    *("--out", str(out), "--fits", str(fits), "--budget", str(budget)),
+                    *("--fit-timeout", str(args.fit_timeout)),
+                ],
+                out / "host_fake_one_process.log",
+                keep,
             )
+            done = len(records) - before
+            if code == 0 or done == len(rest):
+                break
+            # the child died in the fit after its last record: that fit failed, the rest go on
+            keep(
+                {
+                    "mode": rest[done]["mode"],
+                    "tokens_per_gpu": rest[done]["tokens"],
+                    "error": f"process exit {code}, see host_fake_one_process.log",
+                }
+            )
+            rest, round_ = rest[done + 1 :], round_ + 1
+    else:
+        for spec in specs:
             log = out / f"{spec['file_stem']}.log"
-            with open(log, "w") as f:
-                proc = subprocess.run(
-                    module_argv(
-                        "bench.host_fake", "--out", str(out), "--rank-main", json.dumps(spec)
-                    ),
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    # one intra-op thread per rank, as bench_nemo's ranks have
-                    env=with_root({"OMP_NUM_THREADS": "1", **os.environ}),
+            log.unlink(missing_ok=True)
+            before = len(records)
+            code = _run_child(["--out", str(out), "--rank-main", json.dumps(spec)], log, keep)
+            if code and len(records) > before:
+                records[-1]["error"] = f"exit {code}, see {log.name}"
+            elif len(records) == before:
+                keep(
+                    {
+                        "mode": spec["mode"],
+                        "tokens_per_gpu": spec["tokens"],
+                        "error": f"exit {code}, see {log.name}",
+                    }
                 )
-            lines = [x for x in log.read_text().splitlines() if x.startswith("RECORD ")]
-            record = {"mode": mode, "tokens_per_gpu": tokens}
-            if lines:
-                record = json.loads(lines[-1][7:])
-            if proc.returncode:
-                record["error"] = f"exit {proc.returncode}, see {log.name}"
-            records.append(record)
-            print(json.dumps(record), flush=True)
-            # after every fit: a launch cut short by its time limit keeps what it measured
-            (out / "host_fake.json").write_text(json.dumps(records, indent=1))
     profiles = sorted(out.glob("host_profile_*"))
     with tarfile.open(out / "host_profiles.tgz", "w:gz") as tar:  # one file to fetch
         for path in profiles:
@@ -472,33 +686,62 @@ def _baseline(mode: str) -> str | None:
     return f"{twin}#{repeat}" if twin and repeat else twin
 
 
+def _recipe_twin(mode: str) -> str | None:
+    """``dp2_te@layergraph@model.bias_dropout_fusion=false#1`` -> ``dp2_te@layergraph#1``: the
+    same mode with the recipe's own model settings (None: the mode overrides none)."""
+    name, _, repeat = mode.partition("#")
+    base, *knobs = name.split("@")
+    if not any(k.startswith("model.") for k in knobs):
+        return None
+    twin = "@".join([base, *(k for k in knobs if not k.startswith("model."))])
+    return f"{twin}#{repeat}" if repeat else twin
+
+
+def label(records: list[dict]) -> str:
+    """How the ranks of ``records`` talked, for every table: never an NCCL figure."""
+    devices = sorted({r["device"] for r in records if r.get("device")})
+    where = "CPU" if devices in ([], ["cpu"]) else f"one GPU ({', '.join(devices)})"
+    return (
+        f"Ranks: fake process group, {where}: rank 0 of a fake world, collectives move "
+        "nothing (host time without communication; not an NCCL result)."
+    )
+
+
 def _table(records: list[dict]) -> str:
-    """Step and host-issue time per mode, each GTP mode against its DP2 twin of the same repeat,
-    and the median of those ratios per mode."""
+    """Step and host-issue time per mode with MFU and peak memory, each GTP mode against its
+    DP2 twin of the same repeat, each ``@model.*`` override against the recipe's own settings
+    of the same repeat, and the median of those ratios per mode."""
     by = {(r["mode"], r["tokens_per_gpu"]): r for r in records}
     lines = [
-        "| mode | tokens/GPU | step ms | host issue ms (fwd+bwd) | inside GTP ms | optimizer ms "
-        "| vs DP2 (step) |",
-        "|---|---|---|---|---|---|---|",
+        label(records),
+        "",
+        "| mode | tokens/GPU | step ms | MFU | TFLOP/s | peak GiB | host issue ms (fwd+bwd) "
+        "| inside GTP ms | optimizer ms | vs DP2 (step) | vs recipe (step) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    ratios: dict[tuple[str, int], list[float]] = {}
+    ratios: dict[tuple[str, str, int], list[float]] = {}
     for r in records:
-        twin = by.get((_baseline(r["mode"]), r["tokens_per_gpu"]))
-        ratio = ""
-        if twin and "step_ms" in r and "step_ms" in twin:
-            value = r["step_ms"] / twin["step_ms"]
-            ratio = f"{value:.3f}×"
-            key = (r["mode"].split("#")[0], r["tokens_per_gpu"])
-            ratios.setdefault(key, []).append(value)
+        cells = []
+        for what, twin_mode in (("DP2", _baseline(r["mode"])), ("recipe", _recipe_twin(r["mode"]))):
+            twin = by.get((twin_mode, r["tokens_per_gpu"]))
+            if twin and "step_ms" in r and "step_ms" in twin:
+                value = r["step_ms"] / twin["step_ms"]
+                cells.append(f"{value:.3f}×")
+                key = (what, r["mode"].split("#")[0], r["tokens_per_gpu"])
+                ratios.setdefault(key, []).append(value)
+            else:
+                cells.append("")
         inside = r.get("host_inside", {})
         lines.append(
             f"| {r['mode']} | {r['tokens_per_gpu']} | {r.get('step_ms', r.get('error'))} | "
+            f"{mfu_text(r)} | {r.get('tflops_per_gpu') or ''} | "
+            f"{'' if r.get('peak_gib') is None else r['peak_gib']} | "
             f"{r.get('issue_ms', '')} | {inside.get('gtp_ms', '')} | "
-            f"{inside.get('optimizer_ms', '')} | {ratio} |"
+            f"{inside.get('optimizer_ms', '')} | {cells[0]} | {cells[1]} |"
         )
-    for (mode, tokens), values in ratios.items():
+    for (what, mode, tokens), values in ratios.items():
         lines.append(
-            f"\n{mode} at {tokens}: median {statistics.median(values):.3f}× DP2 over "
+            f"\n{mode} at {tokens}: median {statistics.median(values):.3f}× {what} over "
             f"{len(values)} interleaved pair(s) ({', '.join(f'{v:.3f}' for v in values)})"
         )
     return "\n".join(lines) + "\n"
