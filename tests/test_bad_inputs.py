@@ -10,6 +10,7 @@ holds the cases it already had, this module adds the rest).
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import time
@@ -258,6 +259,97 @@ def test_bad_recipe_override(overrides: list[str], message: str) -> None:
     assert "\n" not in str(err.value)  # one line
 
 
+# A value out of range, one per class of setting: refused before launch by recipes.ranges
+# (Lightning, megatron, torch or NeMo would refuse it only after the ranks started, or never).
+BAD_RANGES = [
+    (["trainer.max_steps=-5"], "trainer.max_steps=-5 must be an integer >= 1"),  # steps
+    (["trainer.max_steps=0"], "trainer.max_steps=0 must be an integer >= 1"),
+    (["optim.lr=-0.1"], "optim.lr=-0.1 must be a number > 0"),  # learning rates
+    (["optim.lr=0.0"], "optim.lr=0.0 must be a number > 0"),
+    (["+optim.min_lr=0.1"], "optim.min_lr=0.1 is above optim.lr=0.003"),
+    (["data.micro_batch_size=0"], "data.micro_batch_size=0 must be >= 1"),  # batch sizes
+    (["data.global_batch_size=-16"], "data.global_batch_size=-16 must be >= 1"),
+    (["optim.clip_grad=-1.0"], "optim.clip_grad=-1.0 must be a number >= 0"),  # clip values
+    (["+trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val=-1 must be a number >= 0"),
+    (["model.hidden_dropout=1.0"], "model.hidden_dropout=1.0 must be a number in [0, 1)"),
+    (["model.attention_dropout=-0.1"], "model.attention_dropout=-0.1 must be a number in [0, 1)"),
+    (["+peft.method=lora", "+peft.dropout=1.5"], "peft.dropout=1.5 must be a number in [0, 1)"),
+    (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0 must be >= 1"),  # intervals
+    (["+trainer.val_check_interval=0"], "trainer.val_check_interval=0 must be an integer >= 1"),
+    (
+        ["+checkpoint.dir=c", "+checkpoint.every_n_train_steps=100"],
+        "checkpoint.every_n_train_steps=100 is longer than trainer.max_steps=30",
+    ),
+    (["trainer.limit_val_batches=2.5"], "trainer.limit_val_batches=2.5 must be an integer >= 0"),
+    (["trainer.num_sanity_val_steps=-2"], "trainer.num_sanity_val_steps=-2 must be an integer"),
+    (["+trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be"),
+    (["+optim.adam_beta2=1.0"], "optim.adam_beta2=1.0 must be a number in [0, 1)"),  # optimizer
+    (["+optim.weight_decay=-0.01"], "optim.weight_decay=-0.01 must be a number >= 0"),
+    (["+optim.adam_eps=0"], "optim.adam_eps=0 must be a number > 0"),
+    (["+model.layernorm_epsilon=0"], "model.layernorm_epsilon=0 must be a number > 0"),  # model
+    (["+model.normalization=rmsnorm"], "model.normalization='rmsnorm' must be one of LayerNorm"),
+    (["+model.position_embedding_type=alibi"], "must be one of learned_absolute, rope"),
+    (["+model.recompute_granularity=some"], "must be one of full, selective"),
+    (["strategy.process_group_backend=mpi"], "must be one of nccl, gloo"),  # strategy
+    (["+trainer.gradient_clip_algorithm=max"], "must be one of norm, value"),
+    (["+data.seed=-1"], "data.seed=-1 must be an integer >= 0"),  # data
+    (
+        ["optim.optimizer=muon", "optim.use_distributed_optimizer=false", "+muon.momentum=1.0"],
+        "muon.momentum=1.0 must be a number in [0, 1)",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_RANGES, ids=lambda x: str(x))
+def test_value_out_of_range_is_refused_naming_a_valid_value(
+    overrides: list[str], message: str
+) -> None:
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(load_recipe(TINY, overrides))
+    assert message in str(err.value) and ": set e.g. " in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_range_rules_name_settings_their_classes_take() -> None:
+    """Each rule's key is a keyword of the class its section feeds (read from source, as the
+    key checks read them), so no rule guards a misspelt setting."""
+    from nemo_gtp.recipes.ranges import RULES
+    from nemo_gtp.recipes.schema import MUON_KEYS, PEFT_KEYS
+    from nemo_gtp.recipes.signatures import SECTION_CLASSES, section_keywords
+
+    known = {"peft": frozenset(PEFT_KEYS), "muon": frozenset(MUON_KEYS)}
+    known |= {section: section_keywords(section) for section in SECTION_CLASSES}
+    for key in RULES:
+        section, _, name = key.partition(".")
+        if section != "scheduler":  # NeMo recipes' optim.lr_scheduler (no YAML section)
+            assert name in known[section], key
+
+
+def test_nemo_recipe_overrides_meet_the_same_rules() -> None:
+    """The NeMo-recipe CLI's check_recipe runs the same rules, naming NeMo-Run's keys; every
+    shipped recipe of a few families passes them unchanged."""
+    from nemo_gtp.recipes.nemo_cli import apply_overrides, load_nemo_recipe
+    from nemo_gtp.recipes.ranges import check_nemo_recipe_settings
+
+    def recipe(name: str = "llama3_8b") -> Any:
+        return load_nemo_recipe(name, run_name="t", directory="/tmp", nodes=1, devices=8)
+
+    for name in ("llama3_8b", "mixtral_8x7b", "qwen2_7b", "nemotron4_15b", "gemma_7b"):
+        check_nemo_recipe_settings(recipe(name))
+    cases = {
+        "trainer.max_steps=-5": "trainer.max_steps=-5 must be an integer >= 1",
+        "optim.config.lr=-0.1": "optim.config.lr=-0.1 must be a number > 0",
+        "optim.lr_scheduler.warmup_steps=-1": "optim.lr_scheduler.warmup_steps=-1 must be",
+        "optim.lr_scheduler.min_lr=0.1": "optim.lr_scheduler.min_lr=0.1 is above optim.config.lr",
+        "data.global_batch_size=0": "data.global_batch_size=0 must be an integer >= 1",
+        "model.config.hidden_dropout=1.0": "model.config.hidden_dropout=1.0 must be a number in",
+        "optim.config.clip_grad=-1": "optim.config.clip_grad=-1.0 must be a number >= 0",
+    }
+    for override, message in cases.items():
+        with pytest.raises(RecipeError, match=re.escape(message)):
+            check_nemo_recipe_settings(apply_overrides(recipe(), [override]))
+
+
 def test_resume_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "step=4" / "weights").mkdir(parents=True)
     (tmp_path / "step=4" / "weights" / "metadata.json").touch()
@@ -372,6 +464,8 @@ BAD_COMMAND_LINES = [
     ([TINY, "strategy.num_weight_shards=3"], "strategy.num_weight_shards"),
     ([TINY, "data.global_batch_size=12", "--compare-baseline"], "data.global_batch_size"),
     ([TINY, "+resume=nowhere/step=3"], "resume="),
+    ([TINY, "trainer.max_steps=-5"], "trainer.max_steps=-5 must be an integer >= 1"),
+    ([TINY, "optim.lr=-0.1", "--compare-baseline"], "optim.lr=-0.1 must be a number > 0"),
     ([TINY, "+strategy.save_ckpt_format=zarr", "--compare-baseline"], "save_ckpt_format"),
     (  # both fits would save into (and resume=latest load from) the same directory
         [TINY, "+checkpoint.dir=c", "+checkpoint.every_n_train_steps=2", "--compare-baseline"],
