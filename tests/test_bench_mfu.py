@@ -1,0 +1,133 @@
+"""The benchmarks' model FLOPs and MFU, and how ``bench.host_fake`` plans and labels its fits.
+
+In-process and cheap: no fit runs here (``python -m bench.host_fake --modes dp2_cpu,gtp2_cpu
+[--one-process]`` runs the real thing on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.bench_nemo import _eager_twins, resolve_mode, shared_device_refusal
+from bench.common import ROOT, gpt_flops, mfu, mfu_fields, peak_tflops, recipe_flops_per_gpu
+from bench.host_fake import _baseline, _plan, _recipe_twin, _table, label
+from nemo_gtp.recipes.config import load_recipe
+
+GPT_1B = dict(  # configs/gpt_1b_te.yaml's shape
+    num_layers=24,
+    hidden_size=2048,
+    ffn_hidden_size=8192,
+    num_attention_heads=16,
+    vocab_size=32000,
+)
+
+
+def test_gpt_flops_pins_the_1b_recipe_by_hand() -> None:
+    """Per token: 12 L h q (1 + g/a + s/2h) attention, 12 L h f MLP, 6 h V logits (h 2048,
+    q 2048, g = a, s 2048, f 8192, V 32000: already a multiple of 128)."""
+    L, h, s, f, V = 24, 2048, 2048, 8192, 32000
+    per_token = 12 * L * h * h * (1 + 1 + s / (2 * h)) + 12 * L * h * f + 6 * h * V
+    assert gpt_flops(GPT_1B, s, 2) == pytest.approx(2 * s * per_token, rel=1e-12)
+    assert gpt_flops(GPT_1B, s, 2) == pytest.approx(33.7713e12, rel=1e-5)  # 4096 tokens
+
+
+def test_gpt_flops_counts_gqa_gated_mlp_moe_and_pads_the_vocabulary() -> None:
+    base = gpt_flops(GPT_1B, 1024, 1)
+    h, L, s = 2048, 24, 1024
+    gqa = gpt_flops({**GPT_1B, "num_query_groups": 4}, s, 1)
+    assert base - gqa == pytest.approx(s * 12 * L * h * h * (1 - 4 / 16))
+    gated = gpt_flops({**GPT_1B, "gated_linear_unit": True}, s, 1)
+    assert gated - base == pytest.approx(s * 12 * L * h * 8192 * 0.5)
+    moe = {**GPT_1B, "num_moe_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 2048}
+    assert gpt_flops(moe, s, 1) - base == pytest.approx(s * 12 * L * h * (2 * 2048 - 8192))
+    padded = gpt_flops({**GPT_1B, "vocab_size": 32001}, s, 1)  # 32001 -> 32128
+    assert padded - base == pytest.approx(s * 6 * h * 128)
+
+
+def test_recipe_flops_split_the_global_batch_over_the_world() -> None:
+    """4k tokens per GPU on two GPUs (micro-batch 2 x 2048, global batch 4): each GPU does half
+    of the global batch's FLOPs, GTP or DP alike."""
+    cfg = load_recipe(str(ROOT / "configs" / "gpt_1b_te.yaml"))
+    per_gpu = recipe_flops_per_gpu(cfg, 2)
+    assert per_gpu == pytest.approx(gpt_flops(GPT_1B, 2048, 4) / 2)
+    assert per_gpu == pytest.approx(33.7713e12, rel=1e-5)
+
+
+def test_peak_and_mfu_only_for_known_devices() -> None:
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3", fp8=True) == 1979.0
+    assert peak_tflops("NVIDIA H200") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("cpu") is None and peak_tflops("NVIDIA RTX 9000") is None
+    assert mfu(989e12 * 0.1, 100.0, 989.0) == pytest.approx(1.0)
+    assert mfu(1e12, 100.0, None) is None
+    cfg = load_recipe(str(ROOT / "configs" / "gpt_1b_te.yaml"))
+    fields = mfu_fields(cfg, 2, 80.0, "NVIDIA H100 80GB HBM3")
+    assert fields["mfu"] == pytest.approx(33.7713e12 / 0.08 / 989e12, abs=1e-4)
+    assert fields["peak_tflops"] == 989.0
+    fp8 = mfu_fields(load_recipe(str(ROOT / "configs" / "gpt_1b_fp8.yaml")), 2, 80.0, "NVIDIA H200")
+    assert fp8["peak_tflops"] == 1979.0  # an FP8 recipe against the FP8 peak
+    assert mfu_fields(cfg, 2, 80.0, "cpu")["mfu"] is None
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = dict(
+        modes="dp2_te@eager,gtp2_te@eager",
+        tokens="4096",
+        also=["2048+4096:dp2_te@graph", "4096:dp2_te@layergraph@model.bias_dropout_fusion=false"],
+        repeat=2,
+        world=2,
+        warmup=5,
+        steps=10,
+        profile=0,
+        out="/tmp/x",
+    )
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_host_fake_plan_interleaves_repeats_over_every_group() -> None:
+    plan = [(s["mode"], s["tokens"]) for s in _plan(_args())]
+    one = [
+        ("dp2_te@eager", 4096),
+        ("gtp2_te@eager", 4096),
+        ("dp2_te@graph", 2048),
+        ("dp2_te@graph", 4096),
+        ("dp2_te@layergraph@model.bias_dropout_fusion=false", 4096),
+    ]
+    assert plan == one + [(f"{m}#1", t) for m, t in one]
+
+
+def test_host_fake_twins_and_label() -> None:
+    assert _baseline("gtp2_te@layergraph#1") == "dp2_te@layergraph#1"
+    assert _recipe_twin("dp2_te@layergraph@model.bias_dropout_fusion=false#2") == (
+        "dp2_te@layergraph#2"
+    )
+    assert _recipe_twin("dp2_te@layergraph") is None
+    records = [
+        dict(mode="dp2_te@layergraph", tokens_per_gpu=4096, step_ms=100.0, device="NVIDIA H200"),
+        dict(
+            mode="dp2_te@layergraph@model.bias_dropout_fusion=false",
+            tokens_per_gpu=4096,
+            step_ms=110.0,
+            device="NVIDIA H200",
+            mfu=0.3,
+        ),
+    ]
+    table = _table(records)
+    assert table.startswith("Ranks: fake process group, one GPU (NVIDIA H200)")
+    assert "| 30.0 % |" in table and "1.100×" in table
+    assert label([dict(device="cpu")]).startswith("Ranks: fake process group, CPU")
+
+
+def test_eager_modifier_turns_a_graphed_recipe_eager() -> None:
+    """The GPU recipes are graphed: ``@eager`` turns graphs off (and goes to the baseline), a
+    graphed mode's eager twin is its ``@eager`` mode, and ``--shared-device`` accepts it."""
+    _, overrides, baseline = resolve_mode("gtp2_te@eager")
+    assert "+model.cuda_graph_impl=none" in overrides and baseline == "dp2_te@eager"
+    assert _eager_twins("gtp2_te@graph") == ["gtp2_te@eager"]  # the recipe itself is graphed
+    assert _eager_twins("gtp2_local@graph") == ["gtp2_local@eager", "gtp2_local"]
+    assert _eager_twins("gtp2_te@eager") == []
+    assert shared_device_refusal("gtp2_te@eager") is None
+    assert "drop @layergraph" in shared_device_refusal("gtp2_te@layergraph")
