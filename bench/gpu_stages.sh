@@ -135,18 +135,28 @@ stage_fusions() {
     --warmup 5 --steps 12 --profile 0 --out "$OUT/fusions" | grep -v '^{'
 }
 stage_exact() {  # design §3.1 "Exact init": GTP2 starts from DP2's weights, first loss DP2's
-  local pairs="dp2_te,gtp2_te dp2_fp8param,gtp2_fp8param" pair base T starts
+  # FP8 primary (per-tensor): GTP2's start is the bf16 run's start quantized as one tensor
+  # (compare-weights --quantize-second); DP2 on TE's own FP8 params is printed beside it, it is
+  # not that quantization (bench/results/2026-12-06_fp8_primary_start_1xH100.md)
+  local pairs="dp2_te,gtp2_te dp2_te,dp2_fp8param,gtp2_fp8param" pair base T
   [ "$MODE" = cpu ] && pairs="dp2_cpu,gtp2_cpu@preshard_linears=all"  # local linears as shards
   mkdir -p "$OUT/exact"
   for pair in $pairs; do
-    base=${pair%%,*}; T=/tmp/exact_$base; rm -rf "$T"
-    run 200 $PY -m bench.bench_nemo --shared-device --tokens 2048 --warmup 1 --timed 9 \
+    base=${pair%%,*}; T=/tmp/exact_${pair//,/_}; rm -rf "$T"
+    run 260 $PY -m bench.bench_nemo --shared-device --tokens 2048 --warmup 1 --timed 9 \
       --fit-timeout 90 --dump-weights --modes "$pair" --out "$T" 2>&1 \
       | grep -E "PARITY|failed" | cut -c1-400 | tee -a "$OUT/exact/parity.txt"
-    starts=($(ls "$T"/weights_*_start.pt 2>/dev/null))
-    echo "== $pair: start weights (${starts[*]##*/})" | tee -a "$OUT/exact/compare.txt"
-    run 120 $PY -m bench.tools compare-weights "${starts[0]:-}" "${starts[1]:-}" 2>&1 \
-      | grep -v -i warn | tail -4 | tee -a "$OUT/exact/compare.txt"
+    local modes=(${pair//,/ }) quantize=()
+    [[ "$pair" == *fp8param* ]] && quantize=(--quantize-second tensorwise)
+    for mode in "${modes[@]:1}"; do
+      local first ref  # the dumps' names: bench_nemo's file_stem of "<mode>_<tokens>"
+      first="$T/weights_$(sed 's/[^A-Za-z0-9._-]\+/_/g' <<< "${mode}_2048")_start.pt"
+      ref="$T/weights_$(sed 's/[^A-Za-z0-9._-]\+/_/g' <<< "${base}_2048")_start.pt"
+      [[ "$mode" == *fp8param* ]] || quantize=()
+      echo "== start weights: $mode vs $base ${quantize[*]}" | tee -a "$OUT/exact/compare.txt"
+      run 120 $PY -m bench.tools compare-weights "$first" "$ref" "${quantize[@]}" 2>&1 \
+        | grep -v -i warn | tail -4 | tee -a "$OUT/exact/compare.txt"
+    done
     mkdir -p "$OUT/exact/$base"; cp "$T"/*.md "$T"/*.json "$OUT/exact/$base/" 2>/dev/null
   done
 }

@@ -72,3 +72,24 @@ def test_a_layout_modifier_goes_to_the_baseline_too() -> None:
     _, overrides, baseline = resolve_mode("gtp2_te@peft.method=lora@peft.dim=8")
     assert overrides[-2:] == ["+peft.method=lora", "+peft.dim=8"]
     assert baseline == "dp2_te@peft.method=lora@peft.dim=8"
+
+
+def test_compare_against_the_fp8_quantization_of_a_bf16_dump() -> None:
+    """``compare-weights --quantize-second tensorwise``: an FP8 primary start (each GTP shard cast
+    with the full weight's agreed scale) equals the bf16 dump quantized as one tensor; other keys
+    stay as they are."""
+    from bench.tools import quantized_linears
+    from nemo_gtp.engine.fp8 import FP8Scaling, cast_to_fp8, quantize_shard
+
+    torch.manual_seed(0)
+    weight = (torch.randn(64, 32) * 0.02).bfloat16()
+    bf16 = {"layers.0.mlp.linear_fc1.weight": weight, "layers.0.norm.weight": torch.ones(32)}
+    q = quantized_linears(bf16, "tensorwise")
+    assert q["layers.0.norm.weight"] is bf16["layers.0.norm.weight"]
+    assert not torch.equal(q["layers.0.mlp.linear_fc1.weight"], weight)  # it was cast
+    scaling = FP8Scaling("tensorwise")
+    full = quantize_shard(weight, scaling)  # the agreed scale: the full weight's amax
+    halves = [cast_to_fp8(h.float(), full.scale, scaling).float() for h in weight.chunk(2)]
+    gtp_start = (torch.cat(halves) * full.scale_inv).bfloat16()
+    dump = {"layers.0.mlp.linear_fc1.weight": gtp_start, "layers.0.norm.weight": torch.ones(32)}
+    assert compare(dump, q, 0.0) == ["WEIGHTS: equal (2 keys: 2 bit for bit)"]
