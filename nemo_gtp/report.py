@@ -153,26 +153,82 @@ def summary(runs: list[RunLog]) -> str:
 
 
 def _plot(
-    ax: object, run: RunLog, tags: tuple[str, ...], scale: float = 1.0, label: str = "", **style
+    ax: object, run: RunLog, tags: tuple[str, ...], scale: float = 1.0, **style: object
 ) -> None:
-    """One series of ``run`` on ``ax`` (nothing when the run did not log it)."""
+    """One series of ``run`` on ``ax`` (nothing when the run did not log it), its steps
+    numbered as the console numbers them (TensorBoard's step 0 is the console's step 1)."""
     points = run.series(*tags)
     if points:
         steps, values = zip(*points, strict=True)
-        name = f"{run.name} {label}".strip()
-        ax.plot(steps, [v * scale for v in values], label=name, **style)  # type: ignore[attr-defined]
+        ax.plot([s + 1 for s in steps], [v * scale for v in values], **style)  # type: ignore[attr-defined]
+
+
+def _steady_scale(ax: object, runs: list[RunLog], tags: tuple[str, ...], colors: list) -> None:
+    """Scale ``ax`` to the steady state (the steps past :data:`WARMUP_STEPS`), shade the warm-up
+    steps and mark each value above the scale at the top edge with its number, in ms."""
+    series = [run.series(*tags) for run in runs]
+    steady = [
+        1000 * v
+        for points in series
+        if points
+        for s, v in points
+        if s >= points[0][0] + WARMUP_STEPS
+    ]
+    if not steady:
+        return
+    top = 1.3 * max(steady)
+    ax.set_ylim(0, top)  # type: ignore[attr-defined]
+    first = min(points[0][0] for points in series if points) + 1
+    ax.axvspan(first - 0.5, first + WARMUP_STEPS - 0.5, color="0.92", zorder=0)  # type: ignore[attr-defined]
+    for i, points in enumerate(series):
+        if points:
+            median = 1000 * median_after_warmup(points)
+            ax.axhline(median, color=colors[i % len(colors)], ls="--", lw=0.8)  # type: ignore[attr-defined]
+        for step, value in points:
+            if 1000 * value > top:
+                ax.plot(step + 1, top, marker="^", color=colors[i % len(colors)], clip_on=False)  # type: ignore[attr-defined]
+                ax.annotate(  # type: ignore[attr-defined]
+                    f"{1000 * value:.0f} ms",
+                    (step + 1, top),
+                    xytext=(6, -4 - 10 * i),
+                    textcoords="offset points",
+                    fontsize=7,
+                    va="top",
+                    color=colors[i % len(colors)],
+                )
 
 
 def draw(runs: list[RunLog], png: str | Path) -> Path:
     """Loss, step time, exposed GTP communication and memory per step of ``runs``, overlaid,
-    into ``png`` (its directory is created). Returns the path written."""
+    into ``png`` (its directory is created; the :func:`figure`). Returns the path written."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(runs)
+    path = Path(png)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def figure(runs: list[RunLog]) -> object:
+    """The report's matplotlib figure: four panels (loss, step time, exposed GTP
+    communication, memory) of ``runs`` overlaid.
+
+    Steps are numbered as the console numbers them (from 1); the legend sits above the panels;
+    the step-time and communication panels are scaled to the steady state, their warm-up steps
+    (:data:`WARMUP_STEPS`, left out of the medians) shaded, off-scale values marked at the top
+    with their number, each run's median a dashed line.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     loss_ax, time_ax, comm_ax, mem_ax = axes.flat
     state_ax = mem_ax.twinx()  # a model's state can be far below the process's memory
     state_gib = max((v for r in runs for _, v in r.series(*MODEL_STATE)), default=0.0)
@@ -181,34 +237,59 @@ def draw(runs: list[RunLog], png: str | Path) -> Path:
     for i, run in enumerate(runs):
         color = colors[i % len(colors)]
         _plot(loss_ax, run, LOSS, color=color)
-        _plot(loss_ax, run, VAL_LOSS, color=color, label="val", marker="o", linestyle="--")
+        _plot(loss_ax, run, VAL_LOSS, color=color, marker="o", linestyle="--")
         _plot(time_ax, run, STEP_TIME, scale=1000, color=color)
         _plot(comm_ax, run, EXPOSED_COMM, scale=1000, color=color)
         _plot(mem_ax, run, MEMORY, color=color)
-        _plot(state_ax, run, MODEL_STATE, state_scale, "model state", color=color, ls=":")
-    loss_ax.set(ylabel="loss", title="loss")
-    time_ax.set(ylabel="ms", title="step time (rank 0)")
-    comm_ax.set(ylabel="ms", title="exposed GTP communication (rank 0)")
+        _plot(state_ax, run, MODEL_STATE, state_scale, color=color, ls=":")
+    last = max((s + 1 for r in runs for s, _ in r.series(*LOSS, *STEP_TIME)), default=0)
+    _steady_scale(time_ax, runs, STEP_TIME, colors)
+    _steady_scale(comm_ax, runs, EXPOSED_COMM, colors)
+    loss_ax.set(ylabel="loss (cross-entropy, nats per token)", title="training loss")
+    time_ax.set(ylabel="step time, ms", title="step time (rank 0)")
+    comm_ax.set(
+        ylabel="exposed communication, ms per step", title="exposed GTP communication (rank 0)"
+    )
     memory_kind = "peak allocated" if any(r.series(MEMORY[0]) for r in runs) else "resident"
-    mem_ax.set(ylabel="GiB", title=f"memory (rank 0): {memory_kind} —, model state ⋯")
+    mem_ax.set(ylabel=f"{memory_kind} memory, GiB", title="memory (rank 0)")
     state_ax.set(ylabel=f"weights + grads + optimizer, {state_unit}")
     for ax in axes.flat:
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if ax.lines:
-            ax.legend(fontsize=7, loc="upper left")
-        else:
+        ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+        if last:
+            ax.set_xlim(0.5, last + 0.5)
+        if not ax.lines and ax is not mem_ax:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
     if state_ax.lines:
         state_ax.set_ylim(bottom=0)
-        state_ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle(" vs ".join(run.name for run in runs), fontsize=10)
-    fig.tight_layout()
-    path = Path(png)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    # One legend for the figure, above the panels: no panel's data hides behind it.
+    handles = [
+        Line2D([], [], color=colors[i % len(colors)], label=r.name) for i, r in enumerate(runs)
+    ]
+    if any(r.series(*VAL_LOSS) for r in runs):
+        handles.append(Line2D([], [], color="0.3", marker="o", ls="--", label="validation loss"))
+    if time_ax.lines or comm_ax.lines:
+        handles.append(
+            Line2D([], [], color="0.3", ls="--", lw=0.8, label=f"median past step {WARMUP_STEPS}")
+        )
+        handles.append(
+            Patch(color="0.92", label=f"first {WARMUP_STEPS} steps: warm-up (▲ off scale)")
+        )
+    if state_ax.lines:
+        handles.append(
+            Line2D([], [], color="0.3", ls=":", label=f"model state ({state_unit}, right axis)")
+        )
+    fig.suptitle(" vs ".join(run.name for run in runs), fontsize=11)
+    fig.legend(
+        handles=handles,
+        loc="upper center",
+        ncol=min(len(handles), 6),
+        fontsize=8,
+        bbox_to_anchor=(0.5, 0.955),
+        frameon=False,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.935))
+    return fig
 
 
 def report(log_dirs: list[str | Path], png: str | Path) -> tuple[list[RunLog], str]:

@@ -87,3 +87,29 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "no TensorBoard event files" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         report.main(["a", "b", "c"])
+
+
+def test_the_plot_reads_at_a_glance() -> None:
+    """One legend above the panels (none over the data); steps numbered from 1 as the console
+    numbers them; the step-time panel scaled to the steady state, the slow first step off
+    scale and marked; a unit on every axis."""
+    from nemo_gtp.report import LOSS, MODEL_STATE, STEP_TIME, RunLog, figure
+
+    def run(name: str, first_s: float) -> RunLog:
+        times = [(0, first_s)] + [(s, 0.05 + 0.001 * s) for s in range(1, 30)]
+        loss = [(s, 5.0 - 0.1 * s) for s in range(30)]
+        state = [(s, 0.001) for s in range(30)]
+        scalars = {LOSS[0]: loss, STEP_TIME[0]: times, MODEL_STATE[0]: state}
+        return RunLog(name, Path(name), scalars)
+
+    fig = figure([run("gtp", 0.65), run("baseline", 0.1)])
+    loss_ax, time_ax, comm_ax, mem_ax = fig.axes[:4]
+    assert fig.legends and not any(ax.get_legend() for ax in fig.axes)
+    assert list(loss_ax.lines[0].get_xdata())[:2] == [1, 2]  # the console's step 1 and 2
+    bottom, top = time_ax.get_ylim()
+    assert 0.079 * 1000 <= top < 650 and bottom == 0  # steady state: 50-79 ms
+    assert any("650 ms" in text.get_text() for text in time_ax.texts)  # the first step, marked
+    for ax in fig.axes:
+        if ax.get_ylabel():
+            assert any(unit in ax.get_ylabel() for unit in ("ms", "GiB", "MiB", "nats")), ax
+    assert comm_ax.texts[0].get_text() == "not logged"
