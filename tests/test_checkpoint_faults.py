@@ -151,19 +151,19 @@ def _committed(ckpts: Path) -> list[str]:
 DISK = "tests.harness.checkpoint_faults.FillDiskAtSave"
 
 
-def test_disk_full_during_saves_warns_or_stops_and_keeps_what_was_committed(
-    tmp_path: Path,
-) -> None:
-    """One launch, two fits in the same ranks. ``warn``: saves at steps 1, 3, 5, 7; the second
+@pytest.fixture(scope="module")
+def disk_full(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One launch, three fits in the same ranks. ``warn``: saves at steps 1, 3, 5, 7; the second
     fails on rank 1's data writer (ENOSPC mid-file), the third on rank 0's ``metadata.json``
     (EDQUOT, rank 0 alone: the other ranks must not wait for it forever); training goes on and
-    the fourth commits. ``stop``: ``+resume=latest`` continues from step 7 (checksums verified)
-    and its first save fails on every rank's writer: the run stops, naming the path and errno.
-    """
+    the fourth commits. ``async_warn``: the same with NeMo's asynchronous saves (the failure
+    found when the save is finalized, steps later). ``stop``: ``+resume=latest`` continues from
+    step 7 (checksums verified) and its first save fails on every rank's writer (the directory
+    copied just before)."""
     from nemo_gtp.recipes.launch import launch_fits
-    from nemo_gtp.recipes.resume import latest_checkpoint
 
-    ckpts = tmp_path / "ckpts"
+    tmp = tmp_path_factory.mktemp("disk_full")
+    ckpts = tmp / "ckpts"
     saving = [f"+checkpoint.dir={ckpts}", "+checkpoint.every_n_train_steps=2"]
     warn = [
         *saving,
@@ -172,7 +172,7 @@ def test_disk_full_during_saves_warns_or_stops_and_keeps_what_was_committed(
         f"+callbacks.disk.target={DISK}",
         "+callbacks.disk.save=2",
         "+callbacks.disk.rank=1",
-        f"+callbacks.disk.warnings_to={tmp_path / 'warnings.txt'}",
+        f"+callbacks.disk.warnings_to={tmp / 'warnings.txt'}",
         f"+callbacks.meta.target={DISK}",
         "+callbacks.meta.save=3",
         "+callbacks.meta.rank=0",
@@ -186,29 +186,95 @@ def test_disk_full_during_saves_warns_or_stops_and_keeps_what_was_committed(
         "+resume=latest",
         f"+callbacks.disk.target={DISK}",
         "+callbacks.disk.save=1",
-        f"+callbacks.disk.snapshot_to={tmp_path / 'before_stop'}",
+        f"+callbacks.disk.snapshot_to={tmp / 'before_stop'}",
+    ]
+    async_warn = [  # NeMo's default: the writers run beside training, the commit later
+        f"+checkpoint.dir={tmp / 'async'}",
+        "+checkpoint.every_n_train_steps=2",
+        "trainer.max_steps=4",
+        "strategy.ckpt_async_save=true",
+        "+checkpoint.on_save_error=warn",
+        f"+callbacks.disk.target={DISK}",
+        "+callbacks.disk.save=1",
+        "+callbacks.disk.rank=2",
+        f"+callbacks.disk.warnings_to={tmp / 'warnings.txt'}",
     ]
     with pytest.raises(RuntimeError) as caught:
-        launch_fits(TINY, {"warn": warn, "stop": stop})
-    failure = str(caught.value)
-    # stop: one line naming the checkpoint, the errno and the file; what is kept
-    line = next(x for x in failure.splitlines() if "CheckpointSaveError" in x)
-    assert f"saving checkpoint {ckpts / 'step=9'} failed: " in line, line
-    assert "ENOSPC" in line and ".weights.saving/__" in line, line
-    assert f"the last committed checkpoint {ckpts / 'step=7'} is intact" in line, line
-    # warn: steps 3 and 5 were not committed, 7 was; nothing staged is left anywhere
-    warned = (tmp_path / "warnings.txt").read_text().splitlines()
-    assert len(warned) == 2, warned
+        launch_fits(TINY, {"warn": warn, "async_warn": async_warn, "stop": stop})
+    return {"tmp": tmp, "ckpts": ckpts, "failure": str(caught.value)}
+
+
+def test_disk_full_during_saves_warns_or_stops_and_keeps_what_was_committed(
+    disk_full: dict,
+) -> None:
+    """The ``disk_full`` launch: ``warn`` trained on past two failed saves and committed the
+    next; ``stop`` ended the run with one line naming the checkpoint, the errno, the file and
+    the checkpoint kept; nothing staged is left, ``+resume=latest`` finds step 7, and every
+    committed checkpoint is bit for bit what it was before the failed save."""
+    from nemo_gtp.recipes.resume import latest_checkpoint
+
+    tmp, ckpts = disk_full["tmp"], disk_full["ckpts"]
+    line = next(x for x in disk_full["failure"].splitlines() if "CheckpointSaveError:" in x)
+    assert f"saving checkpoint {ckpts / 'step=9'} failed: rank 0: ENOSPC " in line, line
+    assert f"{ckpts / 'step=9'}/.weights.saving/__0_0.distcp' (and on rank 1, 2, 3)" in line
+    assert line.endswith(f"the last committed checkpoint {ckpts / 'step=7'} is intact"), line
+    warned = (tmp / "warnings.txt").read_text().splitlines()
+    assert len(warned) == 3, warned
     for step, what in ((3, "rank 1: ENOSPC"), (5, "rank 0: EDQUOT")):
         assert f"saving checkpoint {ckpts / f'step={step}'} failed: {what}" in warned[step // 2 - 1]
     assert "metadata.json" in warned[1] and "Training continues" in warned[1]
+    assert f"saving checkpoint {tmp / 'async' / 'step=1'} failed: rank 2: ENOSPC" in warned[2]
+    assert warned[2].endswith(
+        "no earlier checkpoint was committed. Training continues "
+        "(checkpoint.on_save_error=warn); the next save tries again."
+    )
     assert _committed(ckpts) == ["step=1", "step=7"]
-    assert not list(ckpts.rglob(".weights.*"))
+    assert _committed(tmp / "async") == ["step=3"]
+    assert not list(tmp.rglob(".weights.*"))
     assert latest_checkpoint(ckpts) == ckpts / "step=7"
-    # what was committed before the stop's failed save is bit for bit what is there now
-    snapshot = tmp_path / "before_stop"
     for name in ("step=1", "step=7"):
-        _same_tree(ckpts / name / "weights", snapshot / name / "weights")
+        _same_tree(ckpts / name / "weights", tmp / "before_stop" / name / "weights")
         assert (ckpts / name / "weights" / MANIFEST_NAME).is_file()
         assert verify_checkpoint(ckpts / name / "weights", checksums=True, shared=False)
-    shutil.rmtree(snapshot)
+
+
+def test_a_flipped_byte_or_a_truncated_file_is_named_before_loading(
+    disk_full: dict, tmp_path: Path
+) -> None:
+    """A copy of the committed step 7 with one bit flipped in rank 1's first data file:
+    ``+resume`` (checksums, the recipes' default) stops before loading anything, naming the
+    file, its recorded and found size and CRC-32, and step 1 to resume from; nothing of the
+    copy is changed by the attempt. A truncated file is caught by the sizes alone (the fast
+    path every load takes)."""
+    from nemo_gtp.recipes.launch import launch_fits
+
+    copy = tmp_path / "ckpts"
+    for name in ("step=1", "step=7"):
+        shutil.copytree(disk_full["ckpts"] / name, copy / name)
+    shard = copy / "step=7" / "weights" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    before = tmp_path / "before"
+    shutil.copytree(copy, before)
+    resume = [f"+resume={copy / 'step=7'}", "trainer.max_steps=9"]
+    with pytest.raises(RuntimeError) as caught:
+        launch_fits(TINY, {"corrupt": resume})
+    failure = str(caught.value)
+    assert f"CheckpointCorruptError: checkpoint {copy / 'step=7' / 'weights'} is damaged" in failure
+    recorded = read_manifest(shard.parent)["__1_0.distcp"]  # type: ignore[index]
+    size = shard.stat().st_size
+    assert (
+        f"__1_0.distcp: manifest {size} bytes crc32 {recorded.crc32}, found {size} bytes "
+        f"crc32 {file_crc32(shard)}"
+    ) in failure, failure[-3000:]
+    assert f"+resume={copy / 'step=1'}" in failure
+    _same_tree(copy, before)
+
+    with open(shard, "r+b") as f:  # the size fast path
+        f.truncate(size - 1)
+    with pytest.raises(CheckpointCorruptError) as found:
+        verify_checkpoint(shard.parent, checksums=False, shared=False)
+    assert [m.describe() for m in found.value.mismatches] == [
+        f"__1_0.distcp: manifest {size} bytes crc32 {recorded.crc32}, found {size - 1} bytes"
+    ]

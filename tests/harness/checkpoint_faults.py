@@ -103,6 +103,7 @@ class FillDiskAtSave(pl.Callback):
                     f.write(" ".join(str(message).split()) + "\n")
             shown(message, category, *rest, **kw)
 
+        self._shown = shown  # put back at teardown: the next fit of the process has its own
         warnings.showwarning = record
 
     @property
@@ -122,3 +123,5 @@ class FillDiskAtSave(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self.module.__dict__.pop("open", None)
+        if getattr(self, "_shown", None) is not None:
+            warnings.showwarning, self._shown = self._shown, None
