@@ -92,13 +92,15 @@ nemo_lora_without_te        nemo/collections/llm/peft/lora.py:LoRA.transform (co
 (NeMo)                      module's class with ``te.Linear``, which raises without TE),
                             peft/utils.py:HAVE_TE (isinstance on non-classes) -> ``te`` a
                             namespace whose ``Linear`` matches no module; ``HAVE_TE`` False
+nemo_mock_data_mask (NeMo)  nemo/collections/llm/gpt/data/mock.py:MockDataModule.setup
+                            (``create_attention_mask`` passed as the dataset's ``seed``:
+                            no mask) -> both passed by keyword (recipes' mock data on CPU)
 cpu_gpt_data_step           nemo/collections/llm/gpt/model/base.py:gpt_data_step
 (function, not a patch)     (val.cuda()) -> :func:`cpu_gpt_data_step`
 ==========================  ===================================================================
 
-Not here: NeMo's ``MockDataModule`` never emits an attention mask (it passes
-``create_attention_mask`` into the dataset's ``seed`` slot), which
-``nemo_gtp.data.synthetic.SyntheticGPTDataModule`` fixes. Not covered either:
+``nemo_gtp.data.synthetic.SyntheticGPTDataModule`` fixes NeMo's ``MockDataModule`` in its own
+class, for the harnesses that build their data module. Not covered:
 pipeline/context/sequence parallelism, MoE's alltoall / flex token dispatchers (CUDA events;
 the allgather dispatcher runs), asynchronous checkpoint save, the NeMo memory logging
 (``log_memory_usage``).

@@ -165,3 +165,35 @@ def _patch_nemo_lora_without_te(patcher: Patcher) -> None:
     # TE some are not classes: its isinstance checks on them raise
     if not all(isinstance(cls, type) for cls in (*utils.TECL, *utils.TERL)):
         patcher.set(utils, "HAVE_TE", False)
+
+
+@register(
+    "nemo/collections/llm/gpt/data/mock.py:MockDataModule.setup (create_attention_mask passed "
+    "into the dataset's seed slot)",
+    nemo=True,
+)
+def _patch_nemo_mock_data_mask(patcher: Patcher) -> None:
+    """NeMo's ``MockDataModule.setup`` builds its datasets with ``create_attention_mask`` as the
+    fifth positional argument, which is ``_MockGPTDataset``'s ``seed``: the samples never carry
+    an attention mask (megatron's local attention needs one) and the seed is 0 or 1. The
+    patched ``setup`` passes both by keyword (seed 42, the dataset's default): NeMo's recipes
+    with mock data (``llm.*.pretrain_recipe``) run on CPU. On GPUs TE's attention needs no mask.
+    """
+    from nemo.collections.llm.gpt.data import mock
+
+    def setup(self: Any, stage: str = "") -> None:
+        for attr, split, samples in (
+            ("_train_ds", "train", self.num_train_samples),
+            ("_validation_ds", "valid", self.num_val_samples),
+            ("_test_ds", "test", self.num_test_samples),
+        ):
+            dataset = mock._MockGPTDataset(
+                self.tokenizer,
+                split,
+                samples,
+                self.seq_length,
+                create_attention_mask=self.create_attention_mask,
+            )
+            setattr(self, attr, dataset)
+
+    patcher.set(mock.MockDataModule, "setup", setup)

@@ -263,6 +263,13 @@ def _build_recipes(args: Any) -> tuple[Any, Any | None, dict[str, Path]]:
             recipe.data = pretraining_data(args.data, args.tokenizer, like=recipe.data)
         except ValueError as err:
             raise RecipeError(str(err)) from None
+    elif args.tokenizer:  # the recipe's own (mock) data with this tokenizer, e.g. "byte" offline
+        from nemo_gtp.data.tokenizers import tokenizer_config
+
+        try:
+            recipe.data.tokenizer = tokenizer_config(args.tokenizer)
+        except ValueError as err:
+            raise RecipeError(str(err)) from None
     if args.cpu:
         from nemo_gtp.recipes.cpu import on_cpu
 

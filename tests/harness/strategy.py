@@ -122,6 +122,12 @@ class Fit:
     # parameter-efficient fine-tuning as ``llm.finetune(..., peft=...)`` sets it up
     # (objects.make_peft: "lora", NeMo's LoRA; "freeze_attention")
     peft: str | None = None
+    # a NeMo recipe (``llm.<recipe>.pretrain_recipe``) instead of the tiny model: built and
+    # shrunk as the CLI does (tests.harness.families: its overrides, or ``recipe_overrides``),
+    # trained through ``llm.pretrain``; ``expert_gtp``: expert GTP (``expert_num_weight_shards``)
+    recipe: str | None = None
+    recipe_overrides: tuple[str, ...] | None = None
+    expert_gtp: int = 1
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -587,7 +593,13 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
         )
         start = time.perf_counter()
         try:
-            result = _fit(fit, world, str(Path(out_dir, f"store{index}")))
+            store = str(Path(out_dir, f"store{index}"))
+            if fit.recipe is not None:
+                from tests.harness.families import recipe_fit
+
+                result = recipe_fit(fit, world, store, out_dir)
+            else:
+                result = _fit(fit, world, store)
         except Exception as err:
             if not fit.expect_error:
                 _report(fit, rank, out_dir)
