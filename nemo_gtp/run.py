@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     nemo.add_argument(
         "--tokenizer",
         metavar="SPEC",
-        help="the tokenizer --data was built with: sentencepiece:PATH, huggingface:DIR, byte",
+        help="the tokenizer --data was built with: sentencepiece:PATH, huggingface:DIR, byte; "
+        "without --data, the tokenizer of the recipe's mock data (byte: offline)",
     )
     nemo.add_argument("--executor", choices=("local", "slurm"), default="local")
     nemo.add_argument("--slurm-account")
