@@ -9,6 +9,12 @@ after a barrier) does rank 0 commit with two atomic renames::
     .<name>.saving    -> <name>
     rm -r .<name>.previous
 
+Just before the renames rank 0 writes ``manifest.json`` into the staged directory: every file's
+size and CRC-32, hashed by the rank that wrote it (:mod:`nemo_gtp.checkpoint.manifest`), which
+:func:`load_checkpoint` checks first. A save that fails writing (a full disk) fails on every rank
+alike, commits nothing and removes its staging directory ([Note: failed saves] in
+:mod:`nemo_gtp.checkpoint.save_faults`).
+
 An interrupted save therefore never touches ``<name>``: a crash before the commit leaves only a
 stale staging directory (deleted by the next save), a crash between the two renames leaves the
 last good checkpoint in ``.<name>.previous``, which :func:`resolve_checkpoint` falls back to.

@@ -13,11 +13,13 @@ rank reading its share; a mismatch raises :class:`CheckpointCorruptError` on eve
 the file, what the manifest says and what is there, and the previous committed checkpoint.
 
 CRC-32 (``zlib.crc32``) is the checksum: it catches every burst error up to 32 bits (a flipped
-bit, a torn sector) and hashes at 3.6 GB/s in memory, against 0.8 GB/s for BLAKE2b and 1.6 GB/s
-for SHA-1 on the same core (a 2-core EPYC); reading the file, not the hash, sets the pace. A
-~1B-parameter run on 8 GPUs writes ~2 GB per rank (bf16 weights, fp32 main weights, two Adam
-moments): hashing that share costs each rank about 1.5 s at commit. It guards against damage,
-not against tampering. The manifest records the algorithm, so a later one can differ.
+bit, a torn sector) and is fast enough that reading the file sets the pace. A ~1B-parameter run
+on 8 GPUs writes ~2.15 GB per rank (bf16 weights, fp32 main weights, two Adam moments; two
+files a rank): on an H100 host's Xeon that share takes 0.75 s to hash from the page cache right
+after the write (2.9 GB/s, two threads) and 1.7 s from disk at a load (1.3 GB/s); BLAKE2b runs
+at 0.41 GB/s a thread there, SHA-1 at half CRC-32's speed on the 2-core test machine. A ``stat``
+per file (the sizes) costs about a millisecond. CRC-32 guards against damage, not tampering;
+the manifest records the algorithm, so a later one can differ.
 """
 
 from __future__ import annotations
