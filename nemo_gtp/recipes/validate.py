@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +259,18 @@ def _check_faults(faults: dict[str, Any], callbacks: dict[str, Any]) -> None:
             found = False
         if not found:
             raise RecipeError(f"callbacks.{name}.target={target!r}: module {module} not found")
+        if target.endswith(".FaultToleranceCallback") and not os.environ.get(FT_MONITOR_ENV):
+            raise RecipeError(FT_REFUSED.format(key=f"callbacks.{name}"))
+
+
+FT_MONITOR_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # set by nvidia-resiliency-ext's ft_launcher
+FT_REFUSED = (
+    "{key}: nvidia-resiliency-ext's FaultToleranceCallback sends its heartbeats to the rank "
+    "monitor that its ft_launcher starts beside each rank (FT_RANK_MONITOR_IPC_SOCKET is not "
+    "set: it would fail in every rank's setup). Launch the recipe with ft_launcher (as torchrun: "
+    "ft_launcher --nproc-per-node N -m nemo_gtp.run RECIPE ...), or drop {key}: "
+    "python -m nemo_gtp.run watches the ranks itself (faults.collective_timeout_s)"
+)
 
 
 def _check_section_keys(raw: dict[str, Any]) -> None:
