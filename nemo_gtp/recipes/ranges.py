@@ -82,6 +82,21 @@ def choice(*names: str) -> Rule:
     return Rule(lambda v: v in names, f"one of {', '.join(names)}", names[0])
 
 
+def _backend(value: object) -> bool:
+    """A ``torch.distributed`` backend the strategy can start: ``nccl``, ``gloo``, or a
+    ``device:backend`` list of those and ``staged_gloo`` (``nemo_gtp.cpu.staged_gloo``: ranks
+    sharing one GPU, the benchmarks' ``--shared-device``)."""
+    if value in ("nccl", "gloo"):
+        return True
+    if not isinstance(value, str) or ":" not in value:
+        return False
+    pairs = [part.split(":") for part in value.split(",")]
+    return all(
+        len(pair) == 2 and pair[0] in ("cpu", "cuda") and pair[1] in ("nccl", "gloo", "staged_gloo")
+        for pair in pairs
+    )
+
+
 _STEPS = " (optimizer steps to train)"
 # Setting (its YAML-recipe key) -> rule. A key of schema.TYPED whose kind ends in "+" (an
 # integer >= 1) has that rule without an entry here (rule_for).
@@ -145,7 +160,11 @@ RULES: dict[str, Rule] = {
     "model.recompute_num_layers": at_least(1, "1", integer=True),
     # data, strategy, LoRA, Muon
     "data.seed": at_least(0, "1234", integer=True),
-    "strategy.process_group_backend": choice("nccl", "gloo"),
+    "strategy.process_group_backend": Rule(
+        lambda v: _backend(v),
+        "nccl, gloo, or per device as torch writes it (e.g. cpu:gloo,cuda:staged_gloo)",
+        "nccl",
+    ),
     "peft.dropout": fraction("0.0"),
     "muon.momentum": fraction("0.95"),
     "muon.eps": above(0, "1e-07"),
