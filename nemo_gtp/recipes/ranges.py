@@ -162,7 +162,7 @@ RULES: dict[str, Rule] = {
     "data.seed": at_least(0, "1234", integer=True),
     "strategy.process_group_backend": Rule(
         lambda v: _backend(v),
-        "nccl, gloo, or per device as torch writes it (e.g. cpu:gloo,cuda:staged_gloo)",
+        "one of nccl, gloo (or per device: cpu:gloo,cuda:staged_gloo)",
         "nccl",
     ),
     "peft.dropout": fraction("0.0"),
