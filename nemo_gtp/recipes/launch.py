@@ -315,7 +315,11 @@ def run_recipe(
         options.append(f"--log-dir {log_dir}")
     resume = ["+resume=latest"] if checkpoint else []
     again = " ".join([PROG, config, *kept, *resume, *options])
+    if os.environ.get("NEMO_GTP_DEBUG_SUPERVISE"):
+        print(outcomes, file=sys.stderr)
     if not any(o.failed for o in outcomes):
+        if any(o.preempted for o in outcomes) and checkpoint:
+            print(f"preempted; continue with: {again}", file=sys.stderr, flush=True)
         return 0
     lines = failure_summary(outcomes, last and str(last), again, checkpoints=bool(checkpoint))
     sys.stdout.flush()
@@ -421,9 +425,15 @@ def _rank_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     world = int(os.environ["WORLD_SIZE"])
     freeze_imports()
+    from nemo_gtp.strategy.faults import add_error_sink, install_preemption_handler
+
+    rank = int(os.environ["RANK"])
+    add_error_sink(lambda error: write_rank_error(spec["dir"], rank, error))
     plain = spec.get("plain")
     for i, args in enumerate(spec["runs"].values()):
         cfg = load_recipe(spec["config"], args)
+        if cfg.get("checkpoint") and (cfg.get("faults") or {}).get("preemption", True):
+            install_preemption_handler()  # a SIGTERM from now on: saved at a step boundary
         if plain is None:  # launch_fits: rank 0's losses for the parent
             callbacks = [LossLog(str(Path(spec["dir"], f"{i}.jsonl")))]
         else:  # run_recipe: the progress lines, and the loss log asked for

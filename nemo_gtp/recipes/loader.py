@@ -148,8 +148,10 @@ def build_fit(
         SyntheticGPTDataModule,
     )
     from nemo_gtp.engine import GTPConfig
+    from nemo_gtp.recipes.quiet import quiet_console
     from nemo_gtp.strategy import GTPDrainCallback, GTPMegatronStrategy, GTPMetricsCallback
 
+    quiet_console(log_dir)  # NeMo's and Lightning's notices to the log files (unless --verbose)
     data_cfg = _plain(cfg.data)
     vocab = data_cfg.pop("vocab_size")
     kind = data_cfg.pop("dataset", "arithmetic")
@@ -190,8 +192,8 @@ def build_fit(
     trainer_kwargs = _plain(cfg.trainer)
     # the metrics first: a progress line of the same step reads them (ProgressLog)
     metrics = [GTPMetricsCallback()] if log_dir is not None else []
-    callbacks = [GTPDrainCallback(), *metrics, *(callbacks or [])]
-    callbacks += fault_callbacks(cfg)
+    # the fault callbacks first: their on_exception records a failure before any other waits
+    callbacks = [*fault_callbacks(cfg), GTPDrainCallback(), *metrics, *(callbacks or [])]
     if cfg.get("checkpoint"):
         callbacks.append(_model_checkpoint(_plain(cfg.checkpoint)))
         trainer_kwargs["enable_checkpointing"] = True

@@ -70,6 +70,7 @@ class RankOutcome:
     error: dict[str, Any] | None = None
     stopped: bool = False
     ended: float = float("inf")
+    preempted: bool = False  # a SIGTERM to the launcher was passed on to it
 
     @property
     def failed(self) -> bool:
@@ -124,14 +125,29 @@ def write_rank_error(directory: str | Path, rank: int, exc: BaseException) -> No
         pass
 
 
+_WAIT_HELPERS = ("wait", "complete", "timed_wait", "wrapper", "_wrapper")
+_WAITS = ("torch/distributed/", "nemo_gtp/engine/slots.py", "nemo_gtp/engine/collectives.py")
+
+
 def _collective(frames: traceback.StackSummary) -> str | None:
-    for frame in reversed(frames):
-        path = frame.filename.replace(os.sep, "/")
-        if "torch/distributed/" in path and frame.name not in ("wrapper", "_wrapper"):
-            return frame.name
-        if "nemo_gtp/engine/" in path and "wait" in frame.name:
-            return f"GTP {frame.name} ({Path(path).stem})"
-    return None
+    """``all_reduce in finish_grad_sync (param_and_grad_buffer)``, ``GTP materialize
+    (gather)``: the collective a failing wait was for and who issued it; None when the
+    exception did not come out of a collective."""
+    paths = [frame.filename.replace(os.sep, "/") for frame in frames]
+    if not any(marker in path for path in paths for marker in _WAITS):
+        return None
+    name = None
+    for frame, path in zip(reversed(frames), reversed(paths), strict=True):
+        if "torch/distributed/" in path:
+            if name is None and frame.name not in _WAIT_HELPERS:
+                name = frame.name
+            continue
+        if frame.name in _WAIT_HELPERS:
+            continue
+        owner = "GTP " if "nemo_gtp/engine/" in path else ""
+        issuer = f"{owner}{frame.name} ({Path(path).stem})"
+        return f"{name} in {issuer}" if name else issuer
+    return name
 
 
 def _where(frames: traceback.StackSummary) -> str | None:
@@ -241,6 +257,7 @@ def supervise(
         for proc in ranks:  # helpers a rank left behind (its group outlives it)
             kill_group(proc.pid)
     for out in outcomes.values():
+        out.preempted = watch.terms > 0
         if out.error is None:
             out.error = _read_error(watch.error_dir, out.rank)
         if out.stopped:

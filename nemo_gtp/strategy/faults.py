@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -36,13 +37,30 @@ import torch.distributed as dist
 
 from nemo_gtp.strategy.callbacks import drain_all
 
-_state: dict[str, Any] = {"step": None, "preempted": False}
+_state: dict[str, Any] = {"step": None, "preempted": False, "reported": None}
+_error_sinks: list[Callable[[BaseException], None]] = []
 
 
 def current_step() -> int | None:
     """The training step this rank is in (None before the first), as the fault callbacks saw
     it start."""
     return _state["step"]
+
+
+def add_error_sink(sink: Callable[[BaseException], None]) -> None:
+    """Call ``sink(exception)`` as soon as the fit fails on this rank (the callbacks'
+    ``on_exception``, before Lightning's teardown, which may wait on dead peers), once per
+    exception. The recipe launcher records it for its summary this way."""
+    _error_sinks.append(sink)
+
+
+def report_error(exception: BaseException) -> None:
+    """Hand ``exception`` to every sink once (see :func:`add_error_sink`)."""
+    if _state["reported"] is exception:
+        return
+    _state["reported"] = exception
+    for sink in _error_sinks:
+        sink(exception)
 
 
 def _flag_device() -> torch.device:
@@ -57,6 +75,9 @@ def _flag_device() -> torch.device:
 class _StepTracker(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         _state["step"] = trainer.global_step
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
+        report_error(exception)
 
 
 class CollectiveTimeout(_StepTracker):
@@ -85,8 +106,13 @@ class CollectiveTimeout(_StepTracker):
         for group in list(c10d._world.pg_map):
             if dist.get_rank(group) < 0:  # not a member
                 continue
-            c10d._set_pg_timeout(self.timeout, group)
-            count += 1
+            # torch's _set_pg_timeout, without its check of the backend's class, which refuses
+            # the CPU runs' shared-device gloo class (nemo_gtp.cpu.gloo_device) with a warning
+            for device in group._device_types:
+                setter = getattr(group._get_backend(device), "_set_default_timeout", None)
+                if setter is not None:
+                    setter(self.timeout)
+                    count += 1
         return count
 
     def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
@@ -128,6 +154,11 @@ class GTPPreemption(_StepTracker):
         self.saved: str | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        install_preemption_handler(self.sig)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        # Lightning's own SIGTERM handler, set up since, would raise SIGTERMException at the end
+        # of the step (exit 1, after or without the save): this one alone decides.
         install_preemption_handler(self.sig)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:

@@ -6,6 +6,8 @@ start of step ``step`` (``trainer.global_step``), rank ``rank`` first copies ``s
 (the checkpoint directory: everything committed so far) to ``snapshot_to``, then does ``kind``:
 
 - ``kill``: SIGKILL itself;
+- ``kill_writer``: SIGKILL the first process it starts from now on (megatron's checkpoint
+  writer, forked for the next save);
 - ``raise``: raise ``RuntimeError("injected fault")``;
 - ``hang``: sleep (stops entering collectives);
 - ``sigterm_all``: SIGTERM every rank (as Slurm does on preemption);
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,8 @@ class InjectFault(pl.Callback):
             shutil.copytree(source, target)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "kill_writer":
+            threading.Thread(target=_kill_next_child, daemon=True).start()
         elif self.kind == "raise":
             raise RuntimeError("injected fault")
         elif self.kind == "hang":
@@ -71,3 +76,25 @@ class InjectFault(pl.Callback):
             raise AssertionError("no GTP-sharded weight to poison")
         else:
             raise ValueError(f"unknown fault {self.kind!r}")
+
+
+def _children() -> set[int]:
+    pid = os.getpid()
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found.update(int(c) for c in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return found
+
+
+def _kill_next_child(deadline_s: float = 120.0) -> None:
+    before = _children()
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        new = _children() - before
+        if new:
+            os.kill(min(new), signal.SIGKILL)
+            return
+        time.sleep(0.002)
