@@ -25,6 +25,7 @@ import pytest
 from nemo_gtp.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointCorruptError,
+    CheckpointIncompleteError,
     FileRecord,
     check_files,
     checkpoint_files,
@@ -79,12 +80,20 @@ def test_manifest_names_a_flipped_byte_a_truncated_and_a_missing_file(tmp_path: 
     with open(weights / "__0_0.distcp", "r+b") as f:
         f.truncate(1000)
     (weights / "metadata.json").unlink()
-    with pytest.raises(CheckpointCorruptError) as caught:  # the fast path: sizes only
+    with pytest.raises(CheckpointIncompleteError) as short:  # the fast path: sizes only
         verify_checkpoint(weights, checksums=False, shared=False)
-    names = [m.name for m in caught.value.mismatches]
-    assert names == ["__0_0.distcp", "metadata.json"], names
-    assert "__0_0.distcp: manifest 3000 bytes crc32" in str(caught.value)
-    assert "found 1000 bytes" in str(caught.value) and "found missing" in str(caught.value)
+    assert short.value.damaged == {"__0_0.distcp": (1000, 3000), "metadata.json": (None, 40)}
+    assert "__0_0.distcp: 1000 bytes, the metadata needs 3000" in str(short.value)
+    assert "metadata.json: missing" in str(short.value)
+    assert f"(the previous committed one: +resume={older.parent})" in str(short.value)
+    (weights / "metadata.json").write_text("x" * 41)  # longer: damaged, not merely cut short
+    with pytest.raises(CheckpointCorruptError) as caught:
+        verify_checkpoint(weights, checksums=False, shared=False)
+    assert [m.describe() for m in caught.value.mismatches] == [
+        f"__0_0.distcp: manifest 3000 bytes crc32 {manifest['__0_0.distcp'].crc32}, found 1000 "
+        "bytes",
+        f"metadata.json: manifest 40 bytes crc32 {manifest['metadata.json'].crc32}, found 41 bytes",
+    ]
 
     (weights / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(CheckpointCorruptError, match="manifest.json is unreadable"):
@@ -273,8 +282,6 @@ def test_a_flipped_byte_or_a_truncated_file_is_named_before_loading(
 
     with open(shard, "r+b") as f:  # the size fast path
         f.truncate(size - 1)
-    with pytest.raises(CheckpointCorruptError) as found:
+    with pytest.raises(CheckpointIncompleteError) as short:
         verify_checkpoint(shard.parent, checksums=False, shared=False)
-    assert [m.describe() for m in found.value.mismatches] == [
-        f"__1_0.distcp: manifest {size} bytes crc32 {recorded.crc32}, found {size - 1} bytes"
-    ]
+    assert short.value.damaged == {"__1_0.distcp": (size - 1, size)}

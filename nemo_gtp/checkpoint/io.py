@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from nemo_gtp.checkpoint.layout import LAYOUT_KEY, CheckpointLayout
 from nemo_gtp.checkpoint.manifest import (
+    CheckpointIncompleteError,
     checkpoint_files,
     checks_checksums,
     owner_rank,
@@ -100,34 +101,6 @@ class CheckpointShapeMismatchError(ValueError):
     """The model's tensors do not have the global shapes stored in the checkpoint."""
 
 
-class CheckpointIncompleteError(RuntimeError):
-    """A checkpoint's data files are shorter than (or missing from) what its metadata records.
-
-    Attributes:
-        checkpoint_dir: the checkpoint's weights directory.
-        damaged: ``{file name: (bytes on disk or None if missing, bytes the metadata needs)}``.
-    """
-
-    def __init__(
-        self, checkpoint_dir: str | Path, damaged: dict[str, tuple[int | None, int]]
-    ) -> None:
-        self.checkpoint_dir = Path(checkpoint_dir)
-        self.damaged = damaged
-        lines = [
-            f"  {name}: "
-            + ("missing" if have is None else f"{have} bytes")
-            + f", the metadata needs {need}"
-            for name, (have, need) in sorted(damaged.items())
-        ]
-        super().__init__(
-            f"checkpoint {self.checkpoint_dir} is incomplete (truncated or partly copied): "
-            f"{len(damaged)} data file(s) hold less than its metadata records:\n"
-            + "\n".join(lines)
-            + "\nResume from another checkpoint, or copy these files again; loading with "
-            "ckpt_load_strictness=False does not repair missing tensor data."
-        )
-
-
 def damaged_files(checkpoint_dir: str | Path) -> dict[str, tuple[int | None, int]]:
     """Data files of a ``torch_dist`` checkpoint shorter than its metadata says (local, cheap).
 
@@ -166,7 +139,8 @@ def raise_if_incomplete(checkpoint_dir: str | Path, error: BaseException) -> Non
     checkpoint nor the file); return otherwise, so the caller re-raises ``error`` itself."""
     damaged = damaged_files(checkpoint_dir)
     if damaged:
-        raise CheckpointIncompleteError(checkpoint_dir, damaged) from error
+        previous = previous_committed(checkpoint_dir)
+        raise CheckpointIncompleteError(checkpoint_dir, damaged, previous) from error
 
 
 def staging_dir(checkpoint_dir: str | Path) -> Path:

@@ -71,6 +71,41 @@ def _text(record: FileRecord) -> str:
     return f"{record.size} bytes{crc}"
 
 
+class CheckpointIncompleteError(RuntimeError):
+    """A checkpoint's data files are shorter than (or missing from) what its metadata records
+    (the commit's manifest, or torch DCP's ``.metadata`` for a checkpoint without one).
+
+    Attributes:
+        checkpoint_dir: the checkpoint's weights directory.
+        damaged: ``{file name: (bytes on disk or None if missing, bytes the metadata needs)}``.
+        previous: the newest committed checkpoint before it, where known (None otherwise).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        damaged: dict[str, tuple[int | None, int]],
+        previous: Path | None = None,
+    ) -> None:
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.damaged = damaged
+        self.previous = previous
+        lines = [
+            f"  {name}: "
+            + ("missing" if have is None else f"{have} bytes")
+            + f", the metadata needs {need}"
+            for name, (have, need) in sorted(damaged.items())
+        ]
+        other = f" (the previous committed one: +resume={previous})" if previous else ""
+        super().__init__(
+            f"checkpoint {self.checkpoint_dir} is incomplete (truncated or partly copied): "
+            f"{len(damaged)} data file(s) hold less than its metadata records:\n"
+            + "\n".join(lines)
+            + f"\nResume from another checkpoint{other}, or copy these files again; loading "
+            "with ckpt_load_strictness=False does not repair missing tensor data."
+        )
+
+
 class CheckpointCorruptError(RuntimeError):
     """A committed checkpoint's files differ from the manifest its commit wrote.
 
@@ -250,8 +285,9 @@ def verify_checkpoint(directory: str | Path, *, checksums: bool, shared: bool) -
     ``common.pt``, ``metadata.json``: every rank reads them in a load anyway) and, with
     ``shared``, of the data files too, each rank reading its share (:func:`owner_rank`) and the
     verdicts gathered. ``shared`` is collective over the default group (when one is
-    initialized); without it no rank waits for another. Raises :class:`CheckpointCorruptError`
-    (on every rank alike) naming each file that differs. Example::
+    initialized); without it no rank waits for another. Raises (on every rank alike)
+    :class:`CheckpointIncompleteError` when files are only shorter or missing (truncated, partly
+    copied), else :class:`CheckpointCorruptError`, naming each file that differs. Example::
 
         verify_checkpoint("ckpts/step=9/weights", checksums=True, shared=True)
     """
@@ -281,6 +317,10 @@ def verify_checkpoint(directory: str | Path, *, checksums: bool, shared: bool) -
         every: list[list[Mismatch]] = [[] for _ in range(world)]
         dist.all_gather_object(every, found)
         found = sorted({m.name: m for ms in every for m in ms}.values(), key=lambda m: m.name)
-    if found:
-        raise CheckpointCorruptError(directory, found, previous_committed(directory))
-    return True
+    if not found:
+        return True
+    previous = previous_committed(directory)
+    if all(m.found is None or m.found.size < m.expected.size for m in found):
+        damaged = {m.name: (m.found and m.found.size, m.expected.size) for m in found}
+        raise CheckpointIncompleteError(directory, damaged, previous)
+    raise CheckpointCorruptError(directory, found, previous)
