@@ -181,6 +181,33 @@ def kill_group(pid: int, sig: int = signal.SIGKILL) -> None:
             pass
 
 
+def group_members(pgids: Sequence[int]) -> list[int]:
+    """Live processes (not zombies) of the process groups ``pgids`` (Linux ``/proc``; elsewhere
+    none are seen)."""
+    wanted, found = set(pgids), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) in wanted and fields[0] not in ("Z", "X"):
+            found.append(int(stat.parent.name))
+    return found
+
+
+def wait_groups_gone(pgids: Sequence[int], timeout_s: float = 10.0) -> list[int]:
+    """Kill what is left of the groups ``pgids`` until none is alive (SIGKILL is delivered
+    asynchronously); returns the pids still alive after ``timeout_s`` (none, normally)."""
+    end = time.monotonic() + timeout_s
+    left = group_members(pgids)
+    while left and time.monotonic() < end:
+        for pgid in pgids:
+            kill_group(pgid)
+        time.sleep(0.05)
+        left = group_members(pgids)
+    return left
+
+
 @dataclass
 class _Watch:
     ranks: Sequence[RankProcess]
@@ -256,6 +283,7 @@ def supervise(
             signal.signal(signal.SIGTERM, old)
         for proc in ranks:  # helpers a rank left behind (its group outlives it)
             kill_group(proc.pid)
+        wait_groups_gone([proc.pid for proc in ranks])
     for out in outcomes.values():
         out.preempted = watch.terms > 0
         if out.error is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -95,6 +96,9 @@ def _kill_next_child(deadline_s: float = 120.0) -> None:
     while time.monotonic() < end:
         new = _children() - before
         if new:
-            os.kill(min(new), signal.SIGKILL)
+            child = min(new)
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
+            os.kill(child, signal.SIGKILL)
+            print(f"InjectFault: killed {child} ({cmd.decode(errors='replace')})", file=sys.stderr)
             return
         time.sleep(0.002)
