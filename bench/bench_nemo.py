@@ -31,8 +31,10 @@ otherwise). Tokens per GPU T: sequence 2048 (1024 for T=1024), micro-batch T / s
 global batch = micro-batch x 2. A mode takes modifiers: ``gtp2_local@coalesce_mb=96`` (a
 ``GTPConfig`` field), ``@model.key=value`` (any recipe key), ``@graph`` (megatron's
 full-iteration CUDA graph, TE's RNG tracker: needs TE), ``@layergraph`` /
-``@layergraph_attn`` (megatron's per-layer graphs, scope ``full`` / ``attn``, TE's RNG tracker);
-its baseline is its base mode's, with the same graphs.
+``@layergraph_attn`` (megatron's per-layer graphs, scope ``full`` / ``attn``, TE's RNG tracker),
+``@eager`` (no graphs: the TE and FP8 recipes are graphed per layer by default); its baseline is
+its base mode's, with the same graphs. Each fit's record and row has its MFU: model FLOPs per
+step per GPU (``bench.common.gpt_flops``) over the step time against the device's dense peak.
 Per fit the table also splits three steps into the host's time to issue forward + backward
 from an idle GPU and what the GPU still had to do after it (a GPU tail near 0: host-bound).
 

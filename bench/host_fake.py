@@ -30,12 +30,20 @@ and C++ functions beside GTP's, in a DP2 and a GTP2 mode alike
 (``--modes dp2_te%te,gtp2_te%te``: the same TE call's host µs in both fits, TE's GEMMs per
 variant in ``gemm_variants``).
 
-Per mode (one process each): median step wall time and median host time to issue forward +
-backward (batch start → before the optimizer step, no device sync), over ``--steps`` steps after
-``--warmup``; CPU time per thread and Python GC time over those steps; then ``--profile`` steps
-under cProfile. Hosts are noisy (the same DP2 fit moved by up to 30 % between launches on a
-shared VM): ``--repeat N`` runs the modes N times interleaved, and the table gives each GTP
-mode's ratio to its DP2 twin per repeat and their median.
+Per mode (one process each; ``--one-process``: every fit in one process, NeMo and TE
+imported once, megatron's and NeMo's process-global state torn down between fits, ``--budget``
+seconds after which no fit is started): median step wall time and median host time to issue
+forward + backward (batch start → before the optimizer step, no device sync), over ``--steps``
+steps after ``--warmup``; model FLOPs per step, TFLOP/s and MFU against the device's dense peak
+(``bench.common.gpt_flops``; none off known GPUs), peak memory; CPU time per thread and Python
+GC time over those steps; then ``--profile`` steps under cProfile. Hosts are noisy (the same DP2
+fit moved by up to 30 % between launches on a shared VM): ``--repeat N`` runs the modes N times
+interleaved, and the table gives each GTP mode's ratio to its DP2 twin and each ``@model.*``
+override's ratio to the recipe's own settings per repeat, and their median. ``--also
+4096:MODES`` adds modes at their own tokens per GPU:
+
+    python -m bench.host_fake --one-process --repeat 3 --modes dp2_te@eager,dp2_te@layergraph \
+        --tokens 4096 --also 4096:dp2_te@layergraph@model.bias_dropout_fusion=false --out hf
 """
 
 from __future__ import annotations
