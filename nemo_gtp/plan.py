@@ -32,10 +32,17 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
 from nemo_gtp.engine.grid import check_pipeline_split, layout_dims
+from nemo_gtp.recipes.model_size import (
+    embedding_params,
+    linear_params_per_layer,
+    parameter_count,
+    yaml_model_sizes,
+)
 
 GIB = 2**30
 
@@ -71,10 +78,9 @@ class ModelShape:
     @property
     def linear_params_per_layer(self) -> int:
         """qkv + projection + fc1 + fc2 weights of one layer (what GTP shards, design §1.5)."""
-        kv = self.hidden * (self.query_groups or self.heads) // self.heads
-        qkv = self.hidden * (self.hidden + 2 * kv)
-        fc1 = self.hidden * self.ffn * (2 if self.gated else 1)
-        return qkv + self.hidden * self.hidden + fc1 + self.ffn * self.hidden
+        return linear_params_per_layer(
+            self.hidden, self.ffn, self.heads, self.query_groups, self.gated
+        )
 
     @property
     def largest_linear(self) -> int:
@@ -87,13 +93,12 @@ class ModelShape:
     @property
     def embedding_params(self) -> int:
         """Input embedding plus output layer (one matrix when tied)."""
-        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return embedding_params(self.vocab, self.hidden, self.tied_embeddings)
 
     @property
     def parameters(self) -> int:
         """Every parameter (norms included), for reporting."""
-        norms = (2 * self.layers + 1) * self.hidden
-        return self.layers * self.linear_params_per_layer + self.embedding_params + norms
+        return parameter_count(**dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)
@@ -418,21 +423,8 @@ def model_from_recipe(path: str, overrides: list[str] = ()) -> tuple[ModelShape,
     from nemo_gtp.recipes.config import load_recipe
 
     cfg = load_recipe(path, list(overrides))  # a missing or malformed file: RecipeError
-    m, d = cfg.get("model", {}), cfg.get("data", {})
-    vocab = int(d.get("vocab_size", m.get("vocab_size", 0)) or 0)
-    return ModelShape(
-        layers=int(m.num_layers),
-        hidden=int(m.hidden_size),
-        ffn=int(m.get("ffn_hidden_size") or 4 * m.hidden_size),
-        heads=int(m.num_attention_heads),
-        vocab=vocab,
-        seq=int(d.get("seq_length", 2048)),
-        query_groups=m.get("num_query_groups"),
-        gated=bool(m.get("gated_linear_unit", False)),
-        tied_embeddings=bool(m.get("share_embeddings_and_output_weights", False)),
-        experts=int(m.get("num_moe_experts") or 0),
-        softmax_fp32=bool(m.get("attention_softmax_in_fp32", False)),  # NeMo's default
-    ), int(d.get("seq_length", 2048))
+    sizes = yaml_model_sizes(cfg)
+    return ModelShape(**sizes), sizes["seq"]
 
 
 def model_from_nemo_recipe(name: str, overrides: list[str] = ()) -> tuple[ModelShape, int]:

@@ -119,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
         "that does not resume replaces the TensorBoard logs it finds there",
     )
     parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print NeMo's, Lightning's and megatron's own messages (config dumps, gradient "
+        "buckets, model summary) and the known-harmless warnings too; by default the first "
+        "lines are the layout, model size and log directory, then one line per logged step, "
+        "and those messages are in the log directory's *_log_globalrank-*.txt files",
+    )
+    parser.add_argument(
         "--plot",
         metavar="PNG",
         help="with --compare-baseline: where to draw both runs' loss, step time, exposed GTP "
@@ -200,6 +208,40 @@ def fresh_tensorboard_dir(log_dir: Path) -> None:
     shutil.rmtree(log_dir / TB_SUBDIR, ignore_errors=True)
 
 
+def describe_run(cfg: object, log_dir: Path) -> list[str]:
+    """What a user needs before the first step: the layout, the model's size and where the
+    logs go (``python -m nemo_gtp.run`` prints these lines first).
+
+    Example::
+
+        describe_run(check("configs/tiny_cpu.yaml", []), Path("runs/tiny_cpu"))
+        # ["layout: TP1·GTP2·DP2 on 4 CPU processes (gloo); GPT of ~0.11 M parameters (2 layers,
+        #   hidden 64, vocab 128); 30 steps of 16 x 32 tokens", "logs: runs/tiny_cpu (...)"]
+    """
+    from nemo_gtp.engine.grid import layout_dims
+    from nemo_gtp.recipes.model_size import parameter_count, yaml_model_sizes
+
+    trainer, strategy = cfg.trainer, cfg.strategy  # type: ignore[attr-defined]
+    world = int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
+    dims = layout_dims(strategy, "strategy").with_world_size(world)
+    parts = [f"TP{dims.tensor_model_parallel_size}"]
+    parts += [f"PP{dims.pipeline_model_parallel_size}"] * (dims.pipeline_model_parallel_size > 1)
+    parts += [f"CP{dims.context_parallel_size}"] * (dims.context_parallel_size > 1)
+    parts += [f"GTP{dims.gtp}", f"DP{dims.dp}"]
+    cpu = str(trainer.get("accelerator", "")) == "cpu"
+    where = f"{world} CPU processes (gloo)" if cpu else f"{world} GPUs"
+    sizes = yaml_model_sizes(cfg)
+    data = cfg.data  # type: ignore[attr-defined]
+    return [
+        f"layout: {'·'.join(parts)} on {where}; GPT of ~"
+        f"{parameter_count(**sizes) / 1e6:.2f} M parameters ({sizes['layers']} layers, hidden "
+        f"{sizes['hidden']}, vocab {sizes['vocab']}); {trainer.get('max_steps')} steps of "
+        f"{data.global_batch_size} x {data.seq_length} tokens",
+        f"logs: {log_dir} (TensorBoard; NeMo's and Lightning's messages in its "
+        "*_log_globalrank-*.txt, or here with --verbose)",
+    ]
+
+
 def check(config: str, overrides: list[str]) -> object:
     """Load and check a recipe in this process (no torch / NeMo): the config, or RecipeError."""
     from nemo_gtp.recipes.config import load_recipe
@@ -243,6 +285,7 @@ def _compare(
     for directory in dirs.values():
         fresh_tensorboard_dir(directory)
     start = time.perf_counter()
+    print("\n".join(describe_run(cfg, root)), flush=True)
     for name, args in runs.items():
         print(f"=== {name}: {PROG} {config} {' '.join(args)}", flush=True)
     try:
@@ -275,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:  # a user error: one line, no traceback, before any worker
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
+    if args.verbose:  # inherited by every process started below
+        from nemo_gtp.recipes.quiet import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     quiet_known_warnings()  # not inherited: every process started below installs it too
     if str(cfg.trainer.get("accelerator", "")) == "cpu":  # type: ignore[attr-defined]
         # No NCCL, so no flight recorder to quiet; set the new name so GTP's quiet_flight_recorder
@@ -307,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     resumes = resume is not None
     if rank0 and not resumes:  # a resumed run continues its curve
         fresh_tensorboard_dir(log_dir)
+    if rank0:
+        print("\n".join(describe_run(cfg, log_dir)), flush=True)
     if "RANK" not in os.environ and int(trainer.get("num_nodes", 1)) == 1:  # not torchrun's
         from nemo_gtp.recipes.launch import run_recipe  # watches the ranks, says why one failed
 
