@@ -84,7 +84,12 @@ def _tail(err: str, n: int) -> list[str]:
         ("kill", 2, "job failed: rank 2 was killed by SIGKILL", []),
         ("raise", 1, "job failed: rank 1 raised RuntimeError at step 5: injected fault", []),
         # megatron's asynchronous save forks a writer per save: the step=5 one is killed
-        ("kill_writer", 3, "job failed: rank 3 ", ["strategy.ckpt_async_save=true"]),
+        (
+            "kill_writer",
+            3,
+            "raised CheckpointSaveError at step 5: saving checkpoint",
+            ["strategy.ckpt_async_save=true"],
+        ),
     ],
 )
 def test_a_dead_rank_ends_the_job_naming_it_and_the_checkpoint_to_resume(
@@ -101,7 +106,8 @@ def test_a_dead_rank_ends_the_job_naming_it_and_the_checkpoint_to_resume(
     status, _, err, seconds = _run(_job(tmp_path, kind, rank, 5, *extra), capsys)
     assert status == 1, err[-3000:]
     failed, *_, last, resume = _tail(err, 4)
-    assert failed.startswith(expect), err[-3000:]
+    assert failed.startswith("job failed: ") and expect in failed, err[-3000:]
+    assert f"rank {rank}" in failed, failed
     assert last == f"last committed checkpoint: {tmp_path / 'ckpts' / 'step=3'}"
     assert resume.startswith("resume: python -m nemo_gtp.run configs/tiny_cpu.yaml")
     assert "+resume=latest" in resume and f"--log-dir {tmp_path / 'logs'}" in resume

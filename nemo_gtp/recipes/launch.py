@@ -315,8 +315,6 @@ def run_recipe(
         options.append(f"--log-dir {log_dir}")
     resume = ["+resume=latest"] if checkpoint else []
     again = " ".join([PROG, config, *kept, *resume, *options])
-    if os.environ.get("NEMO_GTP_DEBUG_SUPERVISE"):
-        print(outcomes, file=sys.stderr)
     if not any(o.failed for o in outcomes):
         if any(o.preempted for o in outcomes) and checkpoint:
             print(f"preempted; continue with: {again}", file=sys.stderr, flush=True)

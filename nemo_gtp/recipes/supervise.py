@@ -320,6 +320,11 @@ def _at_step(error: dict[str, Any] | None) -> str:
     return f" at step {step}" if step is not None else ""
 
 
+def _same(a: RankOutcome, b: RankOutcome) -> bool:
+    keys = ("type", "message", "step")
+    return [(a.error or {}).get(k) for k in keys] == [(b.error or {}).get(k) for k in keys]
+
+
 def _short(outcome: RankOutcome) -> str:
     """The first sentence of a rank's error, without gloo's ``[file:line]`` prefix."""
     message = (outcome.error or {}).get("message", "").splitlines()[0] if outcome.error else ""
@@ -367,8 +372,14 @@ def failure_summary(
         at = ""
         if causes[0].error is None and steps:
             at = f" (the other ranks were at step {steps[0]})"
-        lines.append(f"job failed: {describe(causes[0])}{at}")
-        lines += [f"  also: {describe(o)}" for o in causes[1:]]
+        # the ranks that raised the same error (one agreed on by all) are named together
+        same = [o for o in causes if o.error and causes[0].error and _same(o, causes[0])]
+        if len(same) > 1:
+            text = describe(causes[0]).split(" raised ", 1)[1]
+            lines.append(f"job failed: {_ranks(same)} raised {text}")
+        else:
+            lines.append(f"job failed: {describe(causes[0])}{at}")
+        lines += [f"  also: {describe(o)}" for o in causes[1:] if o not in same]
     if timeouts:
         first = timeouts[0].error or {}
         what = first.get("collective") or "a collective"
