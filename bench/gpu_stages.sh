@@ -112,10 +112,11 @@ stage_layergraph() {  # target <= 1.03x graphed DP2; the segment heads (design Â
     --out "$OUT/layergraph" | tail -14
 }
 stage_host() {  # one device, rank 0 of a fake 2-rank world: the one-GPU regression check
-  run 560 $PY -m bench.host_fake \
+  # one process for every fit (NeMo + TE imported once); 8k last, what --budget drops first
+  run 560 $PY -m bench.host_fake --one-process --budget 510 --fit-timeout 150 \
     --modes dp2_te@eager,gtp2_te@eager,dp2_te@layergraph,gtp2_te@layergraph \
-    --tokens 1024,2048,4096,8192 \
-    --profile 0 --steps 15 --out "$OUT/host" | grep "^|"
+    --tokens 2048,4096,1024,8192 \
+    --profile 0 --steps 15 --out "$OUT/host" | grep "^|\|^Ranks\|median"
 }
 # the GPU recipes' graphs and fusions on one GPU (fake world): every fit in ONE process (NeMo and
 # TE imported once, ~100 s on the device), repeats interleaved; --budget stops starting fits in
