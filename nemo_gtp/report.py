@@ -195,6 +195,7 @@ def _steady_scale(ax: object, runs: list[RunLog], tags: tuple[str, ...], colors:
                     fontsize=7,
                     va="top",
                     color=colors[i % len(colors)],
+                    bbox={"fc": "white", "ec": "none", "pad": 0.5},
                 )
 
 

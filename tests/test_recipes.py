@@ -62,6 +62,11 @@ def test_main_job_gtp_matches_baseline_in_one_launch(tmp_path: Path) -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    # a quiet start: what the run is first (layout, model size, logs), no third-party notices
+    first = result.stdout.splitlines()[:2]
+    assert first[0].startswith("layout: TP1·GTP2·DP2 on 4 CPU processes (gloo); GPT of ~0.11 M")
+    assert first[1].startswith(f"logs: {logs} ")
+    assert "pynvml" not in result.stderr and "[NeMo" not in result.stdout + result.stderr
     rows = re.findall(
         r"^\s+(\d+) \|\s+([\d.]+) \|\s+([\d.]+) \| ([\d.e+-]+)$", result.stdout, flags=re.M
     )
@@ -473,3 +478,44 @@ def test_first_process_before_torch_distributed(
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert is_first_process() is first
+
+
+def test_quiet_console_sends_lightnings_notices_to_the_log_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a run prints by default: Lightning's (and NeMo's) informational records leave the
+    console for the run's log files, warnings stay, known-harmless warnings go; ``--verbose``
+    (its environment variable) changes nothing."""
+    import logging
+
+    import lightning.pytorch  # noqa: F401  (installs Lightning's console handler)
+
+    from nemo_gtp.recipes.quiet import VERBOSE_ENV, quiet_console
+
+    logger = logging.getLogger("lightning.pytorch")
+    console = logging.StreamHandler(io.StringIO())
+    logger.addHandler(console)
+    child = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    try:
+        monkeypatch.setenv(VERBOSE_ENV, "1")
+        assert quiet_console(tmp_path) is None
+        child.info("GPU available: False, used: False")
+        assert "GPU available" in console.stream.getvalue()
+        monkeypatch.delenv(VERBOSE_ENV)
+        monkeypatch.setenv("RANK", "3")
+        path = quiet_console(tmp_path)
+        assert path == tmp_path / "lightning_log_globalrank-3.txt"
+        console.stream = io.StringIO()
+        child.info("TPU available: False, using: 0 TPU cores")
+        child.warning('"update_logger_directory" is True. Overwriting tensorboard logger')
+        child.warning("a warning worth reading")
+        assert console.stream.getvalue() == "a warning worth reading\n"
+        assert "TPU available" in path.read_text() and "worth reading" in path.read_text()
+    finally:
+        logger.removeHandler(console)
+        for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "nemo_logger"):
+            for handler in list(logging.getLogger(name).handlers):
+                if type(handler).__name__ == "_RunLogFile":
+                    logging.getLogger(name).removeHandler(handler)
+                    handler.close()
+                handler.filters = [f for f in handler.filters if "Console" not in type(f).__name__]
