@@ -3,7 +3,8 @@
 
 Every rank writes its pid to ``pid_dir`` at ``setup`` (the test checks none is left). At the
 start of step ``step`` (``trainer.global_step``), rank ``rank`` first copies ``snapshot_from``
-(the checkpoint directory: everything committed so far) to ``snapshot_to``, then does ``kind``:
+(the checkpoint directory: everything committed so far) to ``snapshot_to``, writes the time
+to ``fault_at`` beside ``pid_dir``, then does ``kind``:
 
 - ``kill``: SIGKILL itself;
 - ``kill_writer``: SIGKILL the first process it starts from now on (megatron's checkpoint
@@ -55,6 +56,7 @@ class InjectFault(pl.Callback):
         source, target = self.snapshot
         if source is not None and target is not None:
             shutil.copytree(source, target)
+        self.pid_dir.with_name("fault_at").write_text(repr(time.time()))  # beside pid_dir
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "kill_writer":
