@@ -244,3 +244,33 @@ def _left_behind_groups(groups: list[int]) -> list[int]:
     from nemo_gtp.recipes.supervise import group_members
 
     return group_members(groups)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("+faults.collective_timeout_s=0", "faults.collective_timeout_s=0 must be > 0 seconds"),
+        (
+            "+faults.collective_timeout_s=soon",
+            "faults.collective_timeout_s='soon' must be a number",
+        ),
+        ("+faults.preemption=maybe", "faults.preemption='maybe' must be true or false"),
+        ("+faults.timeout_s=5", "faults.timeout_s is not a faults setting"),
+        ("+callbacks.x.target=Nope", "callbacks.x needs target=package.module.Class"),
+        ("+callbacks.x.target=nope_pkg.mod.C", "module nope_pkg.mod not found"),
+        (
+            "+callbacks.ft.target=nvidia_resiliency_ext.ptl_resiliency.FaultToleranceCallback",
+            "callbacks.ft: nvidia-resiliency-ext's FaultToleranceCallback sends its heartbeats",
+        ),
+    ],
+)
+def test_fault_settings_are_checked_before_launch(
+    override: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The faults and callbacks sections are refused with one line naming the key, before any
+    rank starts (nvidia-resiliency-ext's FaultToleranceCallback outside its ft_launcher too)."""
+    from nemo_gtp.run import main
+
+    assert main([TINY, override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
