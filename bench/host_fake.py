@@ -460,6 +460,7 @@ def _one_process_main(specs: list[dict], budget_s: float, fit_timeout_s: float =
             for rest in specs[i:]:
                 print(f"SKIPPED {json.dumps(rest['mode'])} {rest['tokens']}", flush=True)
             return
+        print(f"FIT {i}", flush=True)
         started = time.perf_counter()
         if fit_timeout_s:
             faulthandler.dump_traceback_later(fit_timeout_s, exit=True)
@@ -543,9 +544,16 @@ def dry_run(specs: list[dict]) -> int:
     return 1 if failed else 0
 
 
-def _run_child(argv: list[str], log: Path, on_record: Callable[[dict], None]) -> int:
+def _stub(spec: dict) -> dict:
+    return {"mode": spec["mode"], "tokens_per_gpu": spec["tokens"]}
+
+
+def _run_child(
+    argv: list[str], log: Path, on_record: Callable[[dict], None], started: list[int] | None = None
+) -> int:
     """Run a child ``python -m bench.host_fake`` with ``argv``, its output into ``log``, each
-    ``RECORD`` line handed to ``on_record`` as it comes; the exit status."""
+    ``RECORD`` line handed to ``on_record`` as it comes, each ``FIT <i>`` (fit i starts)
+    appended to ``started``; the exit status."""
     with open(log, "a") as f:
         proc = subprocess.Popen(
             module_argv("bench.host_fake", *argv),
@@ -560,6 +568,8 @@ def _run_child(argv: list[str], log: Path, on_record: Callable[[dict], None]) ->
             f.flush()
             if line.startswith("RECORD "):
                 on_record(json.loads(line[7:]))
+            elif line.startswith("FIT ") and started is not None:
+                started.append(int(line.split()[1]))
         return proc.wait()
 
 
@@ -636,7 +646,7 @@ def main() -> int:
             fits = out / f"fits_{round_}.json"
             fits.write_text(json.dumps(rest))
             budget = max(args.budget - (time.perf_counter() - started), 1) if args.budget else 0
-            before = len(records)
+            before, begun = len(records), []
             code = _run_child(
                 [
                     *("--out", str(out), "--fits", str(fits), "--budget", str(budget)),
@@ -644,19 +654,39 @@ def main() -> int:
                 ],
                 out / "host_fake_one_process.log",
                 keep,
+                begun,
             )
-            done = len(records) - before
-            if code == 0 or done == len(rest):
+            last = begun[-1] if begun else -1
+            if code == 0:
                 break
-            # the child died in the fit after its last record: that fit failed, the rest go on
-            keep(
-                {
-                    "mode": rest[done]["mode"],
-                    "tokens_per_gpu": rest[done]["tokens"],
-                    "error": f"process exit {code}, see host_fake_one_process.log",
-                }
-            )
-            rest, round_ = rest[done + 1 :], round_ + 1
+            if last < 0:  # it died before its first fit: a fresh one would too
+                for spec in rest:
+                    keep(
+                        {
+                            "mode": spec["mode"],
+                            "tokens_per_gpu": spec["tokens"],
+                            "error": f"not run: process exit {code} before its first fit",
+                        }
+                    )
+                break
+            if len(records) - before <= last:  # the child died in fit `last`: it failed
+                keep(
+                    {
+                        "mode": rest[last]["mode"],
+                        "tokens_per_gpu": rest[last]["tokens"],
+                        "error": f"process exit {code}, see host_fake_one_process.log",
+                    }
+                )
+            # the rest in a fresh process, if the budget still has room for its imports
+            if last + 1 >= len(rest) or (
+                args.budget and args.budget - (time.perf_counter() - started) < 150
+            ):
+                break
+            rest, round_ = rest[last + 1 :], round_ + 1
+        ran = {(r["mode"], r["tokens_per_gpu"]) for r in records}
+        for spec in specs:  # what the budget (or a lost process) left out, said so
+            if (spec["mode"], spec["tokens"]) not in ran:
+                keep({**_stub(spec), "error": "not run: --budget spent (or its process lost)"})
     else:
         for spec in specs:
             log = out / f"{spec['file_stem']}.log"
