@@ -293,6 +293,10 @@ BAD_RANGES = [
     (["strategy.process_group_backend=mpi"], "must be one of nccl, gloo"),  # strategy
     (["+trainer.gradient_clip_algorithm=max"], "must be one of norm, value"),
     (["+data.seed=-1"], "data.seed=-1 must be an integer >= 0"),  # data
+    (["+data.num_val_samples=-1"], "data.num_val_samples=-1 must be an integer >= 0"),
+    (["model.hidden_size=66"], "model.hidden_size=66 must be a multiple of model.num_attention"),
+    (["+model.num_query_groups=3"], "model.num_attention_heads=4 must be a multiple of model.num"),
+    (["+model.rotary_base=-1"], "model.rotary_base=-1 must be a number > 0"),
     (
         ["optim.optimizer=muon", "optim.use_distributed_optimizer=false", "+muon.momentum=1.0"],
         "muon.momentum=1.0 must be a number in [0, 1)",
@@ -334,7 +338,7 @@ def test_nemo_recipe_overrides_meet_the_same_rules() -> None:
     def recipe(name: str = "llama3_8b") -> Any:
         return load_nemo_recipe(name, run_name="t", directory="/tmp", nodes=1, devices=8)
 
-    for name in ("llama3_8b", "mixtral_8x7b", "qwen2_7b", "nemotron4_15b", "gemma_7b"):
+    for name in ("llama3_8b", "mixtral_8x7b", "qwen2_7b", "nemotron4_15b", "gemma3_1b"):
         check_nemo_recipe_settings(recipe(name))
     cases = {
         "trainer.max_steps=-5": "trainer.max_steps=-5 must be an integer >= 1",

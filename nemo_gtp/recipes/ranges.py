@@ -149,7 +149,11 @@ RULES: dict[str, Rule] = {
     "model.layernorm_epsilon": above(0, "1e-05"),
     "model.init_method_std": above(0, "0.02"),
     "model.rotary_percent": fraction("1.0", one=True, zero=False),
-    "model.rotary_base": above(0, "10000"),
+    "model.rotary_base": Rule(  # Gemma 3: (local, global) bases
+        lambda v: all(_number(b) and b > 0 for b in (v if isinstance(v, tuple | list) else [v])),
+        "a number > 0 (or one per attention kind)",
+        "10000",
+    ),
     "model.kv_channels": at_least(1, "64", integer=True),
     "model.normalization": choice("LayerNorm", "RMSNorm"),
     "model.position_embedding_type": choice("learned_absolute", "rope", "none"),
@@ -160,6 +164,8 @@ RULES: dict[str, Rule] = {
     "model.recompute_num_layers": at_least(1, "1", integer=True),
     # data, strategy, LoRA, Muon
     "data.seed": at_least(0, "1234", integer=True),
+    "data.num_val_samples": at_least(0, "1000", integer=True),
+    "data.num_test_samples": at_least(0, "1000", integer=True),
     "strategy.process_group_backend": Rule(
         lambda v: _backend(v),
         "one of nccl, gloo (or per device: cpu:gloo,cuda:staged_gloo)",
@@ -194,7 +200,8 @@ def check_setting(key: str, value: Any, name: str | None = None) -> None:
 def check_settings(get: Callable[[str], Any], name: Callable[[str], str] = str) -> None:
     """Every rule over a recipe: ``get(key)`` reads a setting by its YAML key (None: unset),
     ``name(key)`` says how this CLI's user writes it; then the rules across settings (a minimum
-    learning rate above the peak, more routed experts per token than experts, a checkpoint
+    learning rate above the peak, heads not divisible into key/value groups, a hidden size that
+    is not a whole number of heads, more routed experts per token than experts, a checkpoint
     interval longer than the run)."""
     keys = list(RULES) + [k for k, kind in TYPED.items() if kind.endswith("+")]
     for key in dict.fromkeys(keys):
@@ -206,6 +213,22 @@ def check_settings(get: Callable[[str], Any], name: Callable[[str], str] = str) 
             raise RecipeError(
                 f"{name(key)}={low!r} is above {name('optim.lr')}={lr!r} (the peak learning "
                 f"rate, which NeMo's scheduler refuses): set e.g. {name(key)}={lr / 10:g}"
+            )
+    heads, groups = get("model.num_attention_heads"), get("model.num_query_groups")
+    if _integer(heads) and _integer(groups) and groups >= 1 and heads % groups:
+        raise RecipeError(
+            f"{name('model.num_attention_heads')}={heads} must be a multiple of "
+            f"{name('model.num_query_groups')}={groups} (each key/value group serves whole "
+            f"heads): set e.g. {name('model.num_query_groups')}=1"
+        )
+    hidden = get("model.hidden_size")
+    if _integer(hidden) and _integer(heads) and heads >= 1 and hidden % heads:
+        if get("model.kv_channels") is None:  # megatron's head size: hidden / heads
+            raise RecipeError(
+                f"{name('model.hidden_size')}={hidden} must be a multiple of "
+                f"{name('model.num_attention_heads')}={heads} (megatron's head size is their "
+                f"quotient): set e.g. {name('model.hidden_size')}={hidden - hidden % heads}, or "
+                f"{name('model.kv_channels')}"
             )
     topk, experts = get("model.moe_router_topk"), get("model.num_moe_experts")
     if _integer(topk) and _integer(experts) and topk > experts:
