@@ -120,9 +120,9 @@ def test_a_failed_write_is_one_line_with_the_errno() -> None:
         assert describe_error(chained).startswith("ENOSPC [Errno 28]")
     # megatron's writer failures reach rank 0 as text (pickled without their cause)
     text = RuntimeError(f"Worker failure: {full}")
-    assert describe_error(text).startswith("ENOSPC Worker failure: [Errno 28]")
+    assert describe_error(text) == describe_error(full)
     dcp = CheckpointException("write", {3: (text, None), 1: (text, None), 2: (text, None)})
-    assert describe_error(dcp).startswith("rank 1: ENOSPC Worker failure: [Errno 28]")
+    assert describe_error(dcp).startswith("rank 1: ENOSPC [Errno 28] No space left on device")
     assert describe_error(dcp).endswith("__1_0.distcp' (and on rank 2, 3)")
     error = CheckpointSaveError(Path("/c/step=5"), describe_error(full), Path("/c/step=3"))
     assert "\n" not in str(error)
@@ -248,13 +248,13 @@ def test_disk_full_during_saves_warns_or_stops_and_keeps_what_was_committed(
 
 
 def test_a_flipped_byte_or_a_truncated_file_is_named_before_loading(
-    disk_full: dict, tmp_path: Path
+    disk_full: dict, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """A copy of the committed step 7 with one bit flipped in rank 1's first data file:
     ``+resume`` (checksums, the recipes' default) stops before loading anything, naming the
     file, its recorded and found size and CRC-32, and step 1 to resume from; nothing of the
-    copy is changed by the attempt. A truncated file is caught by the sizes alone (the fast
-    path every load takes)."""
+    copy is changed by the attempt; ``python -m nemo_gtp.checkpoint.show --verify`` names it
+    too. A truncated file is caught by the sizes alone (the fast path every load takes)."""
     from nemo_gtp.recipes.launch import launch_fits
 
     copy = tmp_path / "ckpts"
@@ -279,6 +279,13 @@ def test_a_flipped_byte_or_a_truncated_file_is_named_before_loading(
     ) in failure, failure[-3000:]
     assert f"+resume={copy / 'step=1'}" in failure
     _same_tree(copy, before)
+    # the operator's check before a resume says the same
+    from nemo_gtp.checkpoint.show import main as show
+
+    assert show([str(copy / "step=7"), "--verify", "--filter", "nothing"]) == 1
+    assert f"__1_0.distcp: manifest {size} bytes crc32 {recorded.crc32}" in capsys.readouterr().err
+    assert show([str(copy / "step=1"), "--verify", "--filter", "nothing"]) == 0
+    assert "manifest: all 11 files match" in capsys.readouterr().out
 
     with open(shard, "r+b") as f:  # the size fast path
         f.truncate(size - 1)

@@ -283,11 +283,12 @@ def verify_checkpoint(directory: str | Path, *, checksums: bool, shared: bool) -
 
     Sizes of every file always; with ``checksums`` the CRC-32 of the metadata files (``.metadata``,
     ``common.pt``, ``metadata.json``: every rank reads them in a load anyway) and, with
-    ``shared``, of the data files too, each rank reading its share (:func:`owner_rank`) and the
-    verdicts gathered. ``shared`` is collective over the default group (when one is
-    initialized); without it no rank waits for another. Raises (on every rank alike)
-    :class:`CheckpointIncompleteError` when files are only shorter or missing (truncated, partly
-    copied), else :class:`CheckpointCorruptError`, naming each file that differs. Example::
+    ``shared``, of the data files too: spread over the ranks of the default group when one is
+    initialized (collective: each rank reads its share, :func:`owner_rank`, the verdicts are
+    gathered), else all read by this process. Without ``shared`` no rank waits for another.
+    Raises (on every rank alike) :class:`CheckpointIncompleteError` when files are only shorter
+    or missing (truncated, partly copied), else :class:`CheckpointCorruptError`, naming each
+    file that differs. Example::
 
         verify_checkpoint("ckpts/step=9/weights", checksums=True, shared=True)
     """

@@ -69,6 +69,7 @@ def describe_error(err: BaseException) -> str:
             return f"{name} {cause}"
         cause = cause.__cause__ or cause.__context__
     text = " ".join(str(err).split()) or type(err).__name__
+    text = text.removeprefix("Worker failure: ")  # megatron's wrapper of a writer's error
     match = _ERRNO_TEXT.search(text)
     if match and int(match.group(1)) in errno.errorcode:
         return f"{errno.errorcode[int(match.group(1))]} {text}"

@@ -6,6 +6,8 @@ given to ``+resume=`` works as it is.
 Shows the layout it was saved with (:mod:`nemo_gtp.checkpoint.layout`; "not recorded" for a
 checkpoint nemo_gtp did not write), then every tensor key with its global shape and dtype, and
 the sharded objects. Reads only the checkpoint's metadata files; no process group is needed.
+``--verify`` first checks every file against the manifest of its commit (size and CRC-32;
+exit 1 naming a damaged file).
 
 Example::
 
@@ -29,6 +31,31 @@ from pathlib import Path
 
 from nemo_gtp.checkpoint.io import resolve_checkpoint
 from nemo_gtp.checkpoint.layout import read_layout
+from nemo_gtp.checkpoint.manifest import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    read_manifest,
+    verify_checkpoint,
+)
+
+
+def weights_dir(checkpoint_dir: str | Path) -> Path:
+    """The committed ``torch_dist`` directory of a checkpoint: ``checkpoint_dir`` itself, or its
+    ``weights/`` for a NeMo checkpoint (what ``+resume=`` takes)."""
+    path = Path(checkpoint_dir)
+    if (path / "weights").is_dir():
+        path = path / "weights"
+    return resolve_checkpoint(path)
+
+
+def verify(checkpoint_dir: str | Path) -> str:
+    """One line on a checkpoint's files against the manifest of its commit (sizes and CRC-32,
+    :func:`~nemo_gtp.checkpoint.manifest.verify_checkpoint`); raises naming a damaged file."""
+    path = weights_dir(checkpoint_dir)
+    if not verify_checkpoint(path, checksums=True, shared=True):  # no group here: all files
+        return "manifest: none (written without one): nothing to verify"
+    count = len(read_manifest(path) or {})
+    return f"manifest: all {count} files match their recorded size and crc32"
 
 
 def describe(checkpoint_dir: str | Path, key_filter: str = "") -> dict:
@@ -36,10 +63,7 @@ def describe(checkpoint_dir: str | Path, key_filter: str = "") -> dict:
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    path = Path(checkpoint_dir)
-    if (path / "weights").is_dir():  # a NeMo checkpoint (what ``+resume=`` takes): its weights
-        path = path / "weights"
-    path = resolve_checkpoint(path)
+    path = weights_dir(checkpoint_dir)
     tensors = {
         key: (tuple(meta.global_shape), str(meta.dtype))
         for key, meta in sorted(load_tensors_metadata(str(path)).items())
@@ -93,7 +117,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--filter", default="", help="only keys containing this substring")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every file's size and CRC-32 against the manifest of the commit first "
+        "(exit 1 naming a damaged file)",
+    )
     args = parser.parse_args(argv)
+    if args.verify:
+        try:
+            print(verify(args.checkpoint_dir))
+        except (CheckpointCorruptError, CheckpointIncompleteError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     try:
         info = describe(args.checkpoint_dir, args.filter)
     except FileNotFoundError as err:
