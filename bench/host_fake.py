@@ -65,11 +65,7 @@ from pathlib import Path
 
 from bench.common import ROOT, mfu_text, module_argv, with_root
 
-CPU_MODES = {  # a host-bound tiny GPT: many small layers (CPU, fp32)
-    "dp2_cpu": ("configs/tiny_cpu.yaml", ["strategy.num_weight_shards=1"]),
-    "gtp2_cpu": ("configs/tiny_cpu.yaml", []),
-}
-CPU_SHAPE = [
+CPU_SHAPE = [  # a host-bound tiny GPT: many small layers (CPU, fp32)
     "model.num_layers=24",
     "model.hidden_size=64",
     "model.ffn_hidden_size=128",
@@ -258,14 +254,15 @@ call by call across the pair; every other suffix is GTP2's own."""
 
 
 def _resolve(mode: str, tokens: int) -> tuple[str, list[str]]:
-    mode = mode.split("#")[0].split("%")[0]  # repeat k of a mode (--repeat), host-path patches
-    if mode.split("@")[0] in CPU_MODES:
-        config, overrides = CPU_MODES[mode.split("@")[0]]
-        extra = [f"+gtp.{k}" for k in mode.split("@")[1:]]
-        return config, [*overrides, *CPU_SHAPE, *extra]
-    from bench.bench_nemo import resolve_mode, token_overrides
+    """``mode``'s recipe and overrides (``bench.bench_nemo``'s modes and ``@`` modifiers) at
+    ``tokens`` per GPU; the CPU modes (``dp2_cpu`` / ``gtp2_cpu``) at :data:`CPU_SHAPE`, a
+    host-bound tiny GPT (a mode's own ``@model.*`` wins)."""
+    from bench.bench_nemo import CPU_CONFIGS, resolve_mode, token_overrides
 
+    mode = mode.split("#")[0].split("%")[0]  # repeat k of a mode (--repeat), host-path patches
     config, overrides, _ = resolve_mode(mode)
+    if config in CPU_CONFIGS:
+        return config, [*CPU_SHAPE, *overrides]
     return config, [*overrides, *token_overrides(tokens)]
 
 

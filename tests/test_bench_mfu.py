@@ -12,7 +12,7 @@ import pytest
 
 from bench.bench_nemo import _eager_twins, resolve_mode, shared_device_refusal
 from bench.common import ROOT, gpt_flops, mfu, mfu_fields, peak_tflops, recipe_flops_per_gpu
-from bench.host_fake import _baseline, _plan, _recipe_twin, _table, label
+from bench.host_fake import CPU_SHAPE, _baseline, _plan, _recipe_twin, _resolve, _table, label
 from nemo_gtp.recipes.config import load_recipe
 
 GPT_1B = dict(  # configs/gpt_1b_te.yaml's shape
@@ -131,3 +131,15 @@ def test_eager_modifier_turns_a_graphed_recipe_eager() -> None:
     assert _eager_twins("gtp2_te@eager") == []
     assert shared_device_refusal("gtp2_te@eager") is None
     assert "drop @layergraph" in shared_device_refusal("gtp2_te@layergraph")
+
+
+def test_host_fake_modes_take_bench_nemos_modifiers() -> None:
+    """A CPU mode at the host-bound tiny shape, its own ``@model.*`` after it (so it wins); a
+    GPU mode with its modifiers and tokens per GPU."""
+    config, overrides = _resolve("gtp2_cpu@model.num_layers=4@coalesce_mb=1#1", 2048)
+    assert config == "configs/tiny_cpu.yaml"
+    assert overrides == [*CPU_SHAPE, "+model.num_layers=4", "+gtp.coalesce_mb=1"]
+    config, overrides = _resolve("dp2_te@graph", 4096)
+    assert config == "configs/gpt_1b_te.yaml"
+    assert "+model.cuda_graph_scope=full_iteration" in overrides
+    assert overrides[-2:] == ["data.micro_batch_size=2", "data.global_batch_size=4"]
