@@ -1064,17 +1064,21 @@ def _repeat_summary(records: list[dict]) -> str:
     if not any("#" in r["mode"] for r in records):
         return ""
     steps: dict[tuple[str, int], list[float]] = {}
+    work: dict[tuple[str, int], float] = {}  # MFU x step ms: the same for every repeat
     for r in records:
         if "error" not in r:
             key = (r["mode"].split("#")[0], r["tokens_per_gpu"])
             steps.setdefault(key, []).append(r["step_ms"])
+            if r.get("mfu") is not None:
+                work[key] = r["mfu"] * r["step_ms"]
     lines = [
         "",
         "",
         "Over the repeats (modes interleaved in each repeat):",
         "",
-        "| mode | tokens/GPU | repeats | median step ms | steps ms | ratio of medians |",
-        "|---|---|---|---|---|---|",
+        "| mode | tokens/GPU | repeats | median step ms | MFU at the median | steps ms | "
+        "ratio of medians |",
+        "|---|---|---|---|---|---|---|",
     ]
     for (mode, tokens), values in steps.items():
         base = resolve_mode(mode)[2]
@@ -1084,8 +1088,10 @@ def _repeat_summary(records: list[dict]) -> str:
                 f"{statistics.median(values) / statistics.median(steps[(base, tokens)]):.3f}"
                 f"× {base}"
             )
+        median = statistics.median(values)
+        mfu = f"{100 * work[(mode, tokens)] / median:.1f} %" if (mode, tokens) in work else ""
         lines.append(
-            f"| {mode} | {tokens} | {len(values)} | {statistics.median(values):.1f} | "
+            f"| {mode} | {tokens} | {len(values)} | {median:.1f} | {mfu} | "
             f"{', '.join(f'{v:.1f}' for v in values)} | {ratio} |"
         )
     return "\n".join(lines)

@@ -143,3 +143,13 @@ def test_host_fake_modes_take_bench_nemos_modifiers() -> None:
     assert config == "configs/gpt_1b_te.yaml"
     assert "+model.cuda_graph_scope=full_iteration" in overrides
     assert overrides[-2:] == ["data.micro_batch_size=2", "data.global_batch_size=4"]
+
+
+def test_bench_nemo_rows_and_repeat_medians_carry_mfu() -> None:
+    from bench.bench_nemo import _repeat_summary
+
+    records = [
+        dict(mode="dp2_te", tokens_per_gpu=4096, step_ms=100.0, mfu=0.4),
+        dict(mode="dp2_te#1", tokens_per_gpu=4096, step_ms=80.0, mfu=0.5),
+    ]
+    assert "| dp2_te | 4096 | 2 | 90.0 | 44.4 % |" in _repeat_summary(records)
