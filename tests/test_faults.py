@@ -274,3 +274,25 @@ def test_fault_settings_are_checked_before_launch(
     assert main([TINY, override]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_the_strategy_adds_the_named_nan_check_for_megatrons_flag() -> None:
+    """Under GTP, ``GTPMegatronStrategy.setup`` gives a NeMo user's trainer the check when
+    ``ddp.check_for_nan_in_grad`` is on (once; megatron's per-bucket check, which names no
+    parameter, is then left to it); without the flag, nothing is added."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from nemo_gtp.strategy.faults import NonFiniteGradCheck, ensure_nonfinite_check
+
+    ddp = DistributedDataParallelConfig(check_for_nan_in_grad=True)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(ddp_config=ddp), callbacks=[])
+    trainer.lightning_module = None
+    check = ensure_nonfinite_check(trainer)
+    assert isinstance(check, NonFiniteGradCheck) and trainer.callbacks == [check]
+    assert not ddp.check_for_nan_in_grad  # megatron's own check: replaced by the named one
+    assert ensure_nonfinite_check(trainer) is None and len(trainer.callbacks) == 1
+    off = SimpleNamespace(strategy=SimpleNamespace(ddp_config=DistributedDataParallelConfig()))
+    off.callbacks = []
+    assert ensure_nonfinite_check(off) is None and off.callbacks == []

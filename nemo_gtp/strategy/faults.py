@@ -233,3 +233,19 @@ class NonFiniteGradCheck(_StepTracker):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss).all()):
             raise FloatingPointError(f"non-finite loss at step {trainer.global_step}: {loss}")
+
+
+def ensure_nonfinite_check(trainer: pl.Trainer) -> NonFiniteGradCheck | None:
+    """Give ``trainer`` a :class:`NonFiniteGradCheck` when its strategy's DDP config has
+    megatron's ``check_for_nan_in_grad`` on and it has none yet (set up at once: the callbacks'
+    ``setup`` hooks have run). ``GTPMegatronStrategy.setup`` calls it, so a NeMo user's flag
+    names the parameter under GTP too. Returns the callback added, if any."""
+    ddp = getattr(trainer.strategy, "ddp_config", None)
+    if not getattr(ddp, "check_for_nan_in_grad", False):
+        return None
+    if any(isinstance(c, NonFiniteGradCheck) for c in trainer.callbacks):
+        return None
+    check = NonFiniteGradCheck()
+    trainer.callbacks.insert(0, check)
+    check.setup(trainer, trainer.lightning_module, "fit")
+    return check

@@ -75,6 +75,7 @@ from nemo_gtp.strategy.cuda_graphs import (
 )
 from nemo_gtp.strategy.ddp import gtp_ddp_class, nemo_ddp_class
 from nemo_gtp.strategy.evaluation import KeptShards, keep_shards
+from nemo_gtp.strategy.faults import ensure_nonfinite_check
 from nemo_gtp.strategy.model_transform import convert_then_shard, shard_model_chunk
 from nemo_gtp.strategy.optimizer import megatron_optimizer_pg_collection
 from nemo_gtp.strategy.peft import install_gtp_adapter_io
@@ -360,6 +361,8 @@ class GTPMegatronStrategy(GTPCheckpointHooks, MegatronStrategy):
             configure_nemo_telemetry(trainer)
         if self.gtp_enabled and not any(isinstance(c, GTPDrainCallback) for c in trainer.callbacks):
             trainer.callbacks.append(GTPDrainCallback())
+        if self.gtp_enabled and fitting:  # ddp.check_for_nan_in_grad names the parameter
+            ensure_nonfinite_check(trainer)
         if self.gtp_enabled:  # NeMo's PEFT callback set its adapter IO up: GTP's beneath it
             install_gtp_adapter_io(self, self.gtp_checkpoint_io)
         super().setup(trainer)
