@@ -7,6 +7,7 @@
 #   ONE_GPU=1 bash bench/gpu_stages.sh exact peft   # one GPU: ranks share it (numerics only)
 #   CHECK=1 bash bench/gpu_stages.sh all            # CPU: every stage's command lines parse
 #   MODE=cpu bash bench/gpu_stages.sh exact         # the stages' CPU twins (exact, peft)
+#   BUDGET=300 bash bench/gpu_stages.sh fusions     # a one-process stage's seconds (fusions, host)
 #
 # On the GPU machine, from the repository root (bench/README.md "Running on a GPU machine"):
 # the stages source bench/device_env.sh (the wheel set from .whl, TransformerEngine through
@@ -113,7 +114,8 @@ stage_layergraph() {  # target <= 1.03x graphed DP2; the segment heads (design Â
 }
 stage_host() {  # one device, rank 0 of a fake 2-rank world: the one-GPU regression check
   # one process for every fit (NeMo + TE imported once); 8k last, what --budget drops first
-  run 560 $PY -m bench.host_fake --one-process --budget 510 --fit-timeout 150 \
+  local B=${BUDGET:-510}
+  run $((B + 50)) $PY -m bench.host_fake --one-process --budget $B --fit-timeout 150 \
     --modes dp2_te@eager,gtp2_te@eager,dp2_te@layergraph,gtp2_te@layergraph \
     --tokens 2048,4096,1024,8192 \
     --profile 0 --steps 15 --out "$OUT/host" | grep "^|\|^Ranks\|median"
@@ -131,7 +133,8 @@ stage_fusions() {
   OFF="$L.bias_dropout_fusion=false@model.cross_entropy_loss_fusion=false"
   local CORE=dp2_te@eager,gtp2_te@eager,dp2_te@layergraph,gtp2_te@layergraph
   local GRAPH=dp2_te@graph,gtp2_te@graph
-  run 480 $PY -m bench.host_fake --one-process --budget 430 --fit-timeout 150 --repeat 3 \
+  local B=${BUDGET:-430}  # seconds from the stage's start; BUDGET=300: a shorter device call
+  run $((B + 50)) $PY -m bench.host_fake --one-process --budget $B --fit-timeout 150 --repeat 3 \
     --modes $CORE --tokens 4096 --also "4096:$GRAPH" --also "4096:$F,$OFF" \
     --also "4096:dp2_fp8,gtp2_fp8" --also "2048:$CORE,$GRAPH" \
     --warmup 5 --steps 12 --profile 0 --out "$OUT/fusions" | grep -v '^{'
