@@ -419,6 +419,8 @@ def _fit(spec: dict, timer: object) -> dict:
         "peak_gib": round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2)
         if cuda
         else None,
+        # what earlier fits of this process left allocated (the peak is above it)
+        "leftover_gib": round(leftover / 2**30, 2) if cuda else None,
         "fit_s": round(fit_s, 1),
         "profiled_steps": profiled,
         "thread_cpu_ms_per_step": times.threads,
