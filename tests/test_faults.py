@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import time
 from pathlib import Path
 
@@ -224,7 +225,7 @@ def test_the_supervisor_stops_a_hung_rank_and_names_who_waited(tmp_path: Path) -
         proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
         ranks.append(RankProcess(rank, proc.pid, proc.poll))
     start = time.monotonic()
-    outcomes = supervise(ranks, tmp_path, grace_s=0.5)
+    outcomes = supervise(ranks, tmp_path, grace_s=3.0)  # ample for 3 interpreters to start
     assert time.monotonic() - start < 20
     assert [o.kind for o in outcomes] == ["timeout", "stopped", "timeout", "timeout"]
     lines = failure_summary(
@@ -296,3 +297,29 @@ def test_the_strategy_adds_the_named_nan_check_for_megatrons_flag() -> None:
     off = SimpleNamespace(strategy=SimpleNamespace(ddp_config=DistributedDataParallelConfig()))
     off.callbacks = []
     assert ensure_nonfinite_check(off) is None and off.callbacks == []
+
+
+def test_a_sigterm_to_the_launcher_reaches_every_rank(tmp_path: Path) -> None:
+    """Slurm may signal the launcher alone: the supervisor passes the SIGTERM on to each rank
+    (which saves and exits 0 in a real run; here it exits 0 at once) and reports the job as
+    preempted, not failed."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from nemo_gtp.recipes.supervise import RankProcess, supervise
+
+    code = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+        "print('ready', flush=True); time.sleep(60); sys.exit(3)"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready"  # its handler is installed
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    outcomes = supervise([RankProcess(r, p.pid, p.poll) for r, p in enumerate(procs)], tmp_path)
+    assert [(o.status, o.failed, o.preempted) for o in outcomes] == [(0, False, True)] * 2
