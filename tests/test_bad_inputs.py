@@ -329,11 +329,15 @@ def test_range_rules_name_settings_their_classes_take() -> None:
             assert name in known[section], key
 
 
-def test_nemo_recipe_overrides_meet_the_same_rules() -> None:
+def test_nemo_recipe_overrides_meet_the_same_rules(capsys: pytest.CaptureFixture[str]) -> None:
     """The NeMo-recipe CLI's check_recipe runs the same rules, naming NeMo-Run's keys; every
-    shipped recipe of a few families passes them unchanged."""
+    shipped recipe of a few families passes them unchanged. A misspelt override is one line:
+    NeMo-Run's own log of it (the whole recipe) is dropped."""
     from nemo_gtp.recipes.nemo_cli import apply_overrides, load_nemo_recipe
+    from nemo_gtp.recipes.quiet import quiet_known_warnings
     from nemo_gtp.recipes.ranges import check_nemo_recipe_settings
+
+    quiet_known_warnings()  # as the CLI installs it
 
     def recipe(name: str = "llama3_8b") -> Any:
         return load_nemo_recipe(name, run_name="t", directory="/tmp", nodes=1, devices=8)
@@ -352,6 +356,10 @@ def test_nemo_recipe_overrides_meet_the_same_rules() -> None:
     for override, message in cases.items():
         with pytest.raises(RecipeError, match=re.escape(message)):
             check_nemo_recipe_settings(apply_overrides(recipe(), [override]))
+    capsys.readouterr()
+    with pytest.raises(RecipeError, match="did you mean 'model.config.num_layers'"):
+        apply_overrides(recipe(), ["model.config.num_layrs=2"])
+    assert "Error processing argument" not in "".join(capsys.readouterr())
 
 
 def test_resume_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:

@@ -61,15 +61,23 @@ LOG_MESSAGES: dict[str, tuple[str, ...]] = {
 }
 
 
-class _DropMessages(logging.Filter):
-    """Drops records whose message matches one of ``patterns``."""
+# Errors a library logs (with the whole recipe) and then raises, which the CLI reports again as
+# its one ``error:`` line: NeMo-Run's override parser (nemo_cli.apply_overrides).
+RERAISED_ERRORS: dict[str, tuple[str, ...]] = {
+    "nemo_run.cli.cli_parser": (r"^Error processing argument", r"^Unexpected error: "),
+}
 
-    def __init__(self, patterns: tuple[str, ...]) -> None:
+
+class _DropMessages(logging.Filter):
+    """Drops records whose message matches one of ``patterns`` (``errors``: errors too)."""
+
+    def __init__(self, patterns: tuple[str, ...], errors: bool = False) -> None:
         super().__init__()
         self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
+        self.errors = errors
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
+        if record.levelno >= logging.ERROR and not self.errors:
             return True  # never hide an error
         try:
             message = record.getMessage()
@@ -89,6 +97,10 @@ def quiet_known_warnings() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
             logger.addFilter(_DropMessages(patterns))
+    for name, patterns in RERAISED_ERRORS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(patterns, errors=True))
 
 
 VERBOSE_ENV = "NEMO_GTP_VERBOSE"
