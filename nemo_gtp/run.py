@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     nemo.add_argument("--num-weight-shards", type=int, metavar="N", help="TP x GTP")
     nemo.add_argument(
+        "--expert-num-weight-shards",
+        type=int,
+        metavar="N",
+        help="MoE: shards per routed-expert weight, ETP x EGTP (default: experts whole)",
+    )
+    nemo.add_argument(
         "--gtp",
         action="append",
         default=[],
@@ -231,12 +237,19 @@ def describe_run(cfg: object, log_dir: Path) -> list[str]:
     cpu = str(trainer.get("accelerator", "")) == "cpu"
     where = f"{world} CPU processes (gloo)" if cpu else f"{world} GPUs"
     sizes = yaml_model_sizes(cfg)
+    model = cfg.model  # type: ignore[attr-defined]
+    shape = f"{sizes['layers']} layers, hidden {sizes['hidden']}, vocab {sizes['vocab']}"
+    layout = "·".join(parts)
+    if sizes["experts"]:
+        layout += f", experts EP{dims.expert_model_parallel_size}·EGTP{dims.egtp}"
+        shape += f", {sizes['experts']} experts, top-{model.get('moe_router_topk', 2)}"
+    expert_ffn = model.get("moe_ffn_hidden_size")
+    count = parameter_count(**sizes, expert_ffn=expert_ffn) / 1e6
     data = cfg.data  # type: ignore[attr-defined]
     return [
-        f"layout: {'·'.join(parts)} on {where}; GPT of ~"
-        f"{parameter_count(**sizes) / 1e6:.2f} M parameters ({sizes['layers']} layers, hidden "
-        f"{sizes['hidden']}, vocab {sizes['vocab']}); {trainer.get('max_steps')} steps of "
-        f"{data.global_batch_size} x {data.seq_length} tokens",
+        f"layout: {layout} on {where}; GPT of ~{count:.2f} M parameters ({shape}); "
+        f"{trainer.get('max_steps')} steps of {data.global_batch_size} x {data.seq_length} "
+        "tokens",
         f"logs: {log_dir} (TensorBoard; NeMo's and Lightning's messages in its "
         "*_log_globalrank-*.txt, or here with --verbose)",
     ]

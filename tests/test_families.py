@@ -126,9 +126,12 @@ def test_family_trains_under_gtp_as_without(name: str, families: dict) -> None:
 
 # ------------------------------------------------------------------------------- CLI (item 2)
 def cli_argv(name: str) -> list[str]:
-    """``python -m nemo_gtp.run``'s arguments for ``name`` on 2 CPU processes at GTP2 (the
-    README's line per family): the mock data with the byte tokenizer, the shrinking overrides."""
+    """``python -m nemo_gtp.run``'s arguments for ``name`` on 2 CPU processes at GTP2 (EGTP2 for
+    routed experts; the README's line per family): the mock data with the byte tokenizer, the
+    shrinking overrides."""
     argv = ["--recipe", name, "--num-weight-shards", "2", "--devices", "2", "--cpu"]
+    if name in MOE_FAMILIES:
+        argv += ["--expert-num-weight-shards", "2"]
     return [*argv, "--tokenizer", TOKENIZER, *FAMILIES[name]]
 
 
@@ -163,8 +166,8 @@ def test_cli_builds_and_checks_each_family(
     gtp, base = [ZlibJSONSerializer().deserialize(text) for text in partial.recipes]
     assert gtp.trainer.strategy.__fn_or_cls__.__name__ == "GTPMegatronStrategy"
     assert gtp.trainer.strategy.num_weight_shards == 2
-    if name in MOE_FAMILIES:  # experts whole unless asked: dense GTP only from the CLI
-        assert getattr(gtp.trainer.strategy, "expert_num_weight_shards", None) is None
+    if name in MOE_FAMILIES:  # expert GTP: the routed experts' weights in 2 shards too
+        assert gtp.trainer.strategy.expert_num_weight_shards == 2
     assert base.trainer.strategy.__fn_or_cls__.__name__ == "MegatronStrategy"
     assert gtp.model.config.num_layers == 2 and gtp.model.config.hidden_size == 64
 

@@ -68,6 +68,10 @@ rejected                    LanguageModule.setup_embeddings_and_output_layer (PP
 moe_router_gemm             megatron/core/transformer/moe/moe_utils.py:
                             RouterGatingLinearFunction (``te_general_gemm`` unbound without
                             TE: ``NameError``) -> the name bound to ``None`` (torch.mm path)
+fusions_off                 megatron/core/transformer/transformer_config.py:
+                            TransformerConfig.__post_init__ (raises for fused kernels that
+                            need TE / Apex / CUDA, e.g. the configs NeMo's HF importers build)
+                            -> every fusion off first (the same maths, unfused)
 gloo_shared_device          torch/distributed/distributed_c10d.py:
                             _new_process_group_helper (a TCP device and its polling
                             thread per gloo group) -> one device per process

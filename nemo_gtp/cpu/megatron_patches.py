@@ -318,3 +318,43 @@ def _patch_moe_router_gemm(patcher: Patcher) -> None:
 
     if "te_general_gemm" not in vars(moe_utils):
         patcher.set(moe_utils, "te_general_gemm", None)
+
+
+# The fused kernels a megatron config may ask for; none exists on CPU (TE, Apex or CUDA-only).
+# nemo_gtp.recipes.cpu.FUSIONS is the same list for recipes (set off before building).
+CPU_UNAVAILABLE_FUSIONS = (
+    "apply_rope_fusion",
+    "masked_softmax_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+    "gradient_accumulation_fusion",
+    "moe_permute_fusion",
+    "moe_router_fusion",
+)
+
+
+@register("megatron/core/transformer/transformer_config.py:TransformerConfig.__post_init__")
+def _patch_fusions_off(patcher: Patcher) -> None:
+    """Configs built by NeMo itself ask for fused kernels that do not exist on CPU.
+
+    NeMo's Hugging Face importers (``llm.import_ckpt``) build the model config from the HF
+    config with the family's defaults (Llama's ``apply_rope_fusion=True``), and megatron's
+    ``__post_init__`` raises without TE ("apply_rope_fusion is not available"). A recipe can
+    turn them off (``nemo_gtp.recipes.cpu.on_cpu`` does); a config NeMo builds internally
+    cannot. The patch turns every fusion of :data:`CPU_UNAVAILABLE_FUSIONS` off before
+    megatron's checks: the same maths, unfused.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    original = TransformerConfig.__dict__["__post_init__"]
+
+    @functools.wraps(original)
+    def __post_init__(self: Any) -> None:
+        for name in CPU_UNAVAILABLE_FUSIONS:
+            if getattr(self, name, False):
+                setattr(self, name, False)
+        original(self)
+
+    patcher.set(TransformerConfig, "__post_init__", __post_init__)

@@ -244,9 +244,19 @@ class Chain:
                     for j in range(n - 1, max(-1, n - 1 - depth), -1)
                     if seg[j] == -1
                 )
-        for u, unit in enumerate(units):  # the chain head, and each graph segment's head
-            if u == 0 or seg[u] != seg[u - 1]:
-                unit[0].gtp_state.is_head = True
+        # The head unit of the chain and of each graph segment reduces synchronously: its
+        # backward is the last, and nothing after it would finalize a deferred reduce-scatter
+        # before the next microbatch (whose grad-ready hooks DDP counts as its own). With
+        # frozen weights (design §1.1) that is the first unit holding a trained weight, and the
+        # marked weight its first trained one (the backward's last of the unit): a frozen
+        # weight issues no reduce-scatter to finalize the deferred ones.
+        for u in range(n):
+            if u > 0 and seg[u] == seg[u - 1]:
+                continue
+            end = next((j for j in range(u, n) if seg[j] != seg[u]), n)
+            head = next((j for j in range(u, end) if any(q.requires_grad for q in units[j])), u)
+            first = next((q for q in units[head] if q.requires_grad), units[head][0])
+            first.gtp_state.is_head = True
 
     def observe_recompute(self, param: GTPShardedParam) -> None:
         """Record a recompute-forward consume of the first backward that has any (design §3.1

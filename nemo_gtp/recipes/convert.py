@@ -132,7 +132,8 @@ def with_gtp(
         num_weight_shards: shards per dense linear weight, TP x GTP (design §2.1); equal to
             ``tensor_model_parallel_size`` keeps GTP off (the strategy is then plain
             ``MegatronStrategy``, e.g. for a baseline or an MoE model).
-        expert_num_weight_shards: the expert twin; only ETP (expert GTP off) is supported.
+        expert_num_weight_shards: the expert twin for routed experts, ETP x EGTP (expert GTP,
+            design §1.4); None keeps the experts whole.
         **gtp_options: ``GTPConfig`` fields (design §2.4), e.g. ``pad_for_alignment=16``.
 
     Returns a new ``run.Partial``; the argument is not changed. Raises :class:`RecipeError`

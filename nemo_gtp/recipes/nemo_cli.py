@@ -308,7 +308,12 @@ def _build_recipes(args: Any) -> tuple[Any, Any | None, dict[str, Path]]:
         if which in logs:
             path = str(logs[which])
             _add_callback(target, run.Config(LossLog, path=path, val_path=_val_log(path)))
-    gtp = with_gtp(recipe, args.num_weight_shards, **_parse_gtp_options(args.gtp))
+    gtp = with_gtp(
+        recipe,
+        args.num_weight_shards,
+        expert_num_weight_shards=getattr(args, "expert_num_weight_shards", None),
+        **_parse_gtp_options(args.gtp),
+    )
     check_recipe(gtp)
     return gtp, baseline, logs
 

@@ -128,6 +128,13 @@ class Fit:
     recipe: str | None = None
     recipe_overrides: tuple[str, ...] | None = None
     expert_gtp: int = 1
+    # parameters whose names contain one of these are frozen (requires_grad=False) as the model
+    # is built, before GTP shards it and DDP and the optimizer see it (e.g. a fine-tune that
+    # leaves the attention as it was imported)
+    freeze: tuple[str, ...] = ()
+    # after the fit, the model's logits on LOGITS_BATCH fixed token sequences (every rank runs
+    # the forward; rank 0 saves {"tokens", "logits"} there)
+    logits_to: str | None = None
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -344,6 +351,8 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     model_class = LlamaModel if fit.llama else TestableGPTModel if evaluates else llm.GPTModel
     config = _gpt_config(fit.tp, fit.llama, fit.grouped_experts, **fit.model_kwargs)
     model = model_class(config, tokenizer=tokenizer, optim=optim)
+    if fit.freeze:
+        _freeze_when_built(model, fit.freeze)
     data = SyntheticGPTDataModule(
         seq_length=SEQ,
         tokenizer=tokenizer,
@@ -457,6 +466,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         weights = full_weights(strategy)
         if dist.get_rank() == 0:
             torch.save(weights, fit.weights_to)
+    if fit.logits_to:
+        logits = model_logits(strategy)
+        if dist.get_rank() == 0:
+            torch.save(logits, fit.logits_to)
     runtimes = getattr(strategy, "gtp_runtimes", [])
     ddp = strategy.megatron_parallel[0].module
     optimizer = strategy.optimizers[0].mcore_optimizer
@@ -520,6 +533,42 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     return out
 
 
+LOGITS_BATCH = 2
+
+
+def model_logits(strategy: Any, seed: int = 1234) -> dict[str, torch.Tensor]:
+    """``{"tokens", "logits"}``: the trained megatron model's logits ``[b, s, vocab]`` (eval
+    mode, causal mask) on ``LOGITS_BATCH`` random sequences of ``SEQ`` tokens (collective: every
+    rank runs the forward, GTP gathering its weights)."""
+    from nemo_gtp.integrations.megatron import unwrapped_module
+
+    module = unwrapped_module(strategy)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (LOGITS_BATCH, SEQ), generator=generator)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(LOGITS_BATCH, -1)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True: masked
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        logits = module(tokens, positions, mask)
+    module.train(was_training)
+    return {"tokens": tokens, "logits": logits.detach().clone()}
+
+
+def _freeze_when_built(model: Any, names: tuple[str, ...]) -> None:
+    """Freeze ``model``'s parameters named by ``names`` right after ``configure_model``."""
+    configure = model.configure_model
+
+    def configure_then_freeze(*args: Any, **kwargs: Any) -> Any:
+        out = configure(*args, **kwargs)
+        for name, param in model.module.named_parameters():
+            if any(part in name for part in names):
+                param.requires_grad_(False)
+        return out
+
+    model.configure_model = configure_then_freeze
+
+
 def _fp8_primary_state(runtimes: list, ddp: Any, optimizer: Any) -> dict[str, Any]:
     """What the model transform made of megatron's ``fp8_param`` (design §1.3 "FP8 primary
     weights"): shard and master dtypes, the megatron hooks, the last step's gathers, and the
@@ -553,6 +602,7 @@ def _under(fit: Fit, out_dir: str) -> Fit:
         "weights_to",
         "save_to",
         "state_to",
+        "logits_to",
     )
     paths = {key: getattr(fit, key) for key in keys}
     return dataclasses.replace(
@@ -654,11 +704,13 @@ class SharedLaunch:
     def __init__(self, world: int) -> None:
         self.world = world
         self.fits: list[Fit] = []
+        self.prepares: list[Any] = []
         self.out_dir: Path | None = None
         self._by_name: dict[str, list[dict[str, Any]]] | None = None
 
-    def add(self, fits: list[Fit]) -> None:
-        """Register ``fits`` (names unique across every registering module)."""
+    def add(self, fits: list[Fit], prepare: Any = None) -> None:
+        """Register ``fits`` (names unique across every registering module); ``prepare(out_dir)``
+        runs in this process before the spawn (e.g. writes a checkpoint a fit restores)."""
         if self._by_name is not None:
             raise RuntimeError("fits added after the shared launch ran")
         taken = {fit.name for fit in self.fits}
@@ -666,12 +718,16 @@ class SharedLaunch:
         if clashes:
             raise ValueError(f"fit names registered twice: {sorted(clashes)}")
         self.fits.extend(fits)
+        if prepare is not None:
+            self.prepares.append(prepare)
 
     def results(self, tmp_path_factory: Any) -> dict[str, list[dict[str, Any]]]:
         """``{fit name: [rank 0 result, rank 1 result, ...]}`` of every registered fit (the
         spawn runs on the first call)."""
         if self._by_name is None:
             self.out_dir = tmp_path_factory.mktemp(f"shared_launch{self.world}")
+            for prepare in self.prepares:
+                prepare(self.out_dir)
             per_rank = run_fits(self.fits, self.world, self.out_dir)
             self._by_name = {
                 fit.name: [rank[i] for rank in per_rank] for i, fit in enumerate(self.fits)

@@ -1,0 +1,129 @@
+"""Tiny Hugging Face checkpoints built here (no download) and NeMo's importer run on CPU.
+
+:func:`make_tiny_llama` writes a ``LlamaForCausalLM`` of the harness's tiny Llama shape
+(:mod:`tests.harness.strategy`, ``Fit(llama=True)``: 2 layers, width 64, 4 heads in 2 query
+groups, SwiGLU 128, vocabulary 128, RoPE base 500000, untied output layer) with a word-level
+tokenizer of 128 ids, as ``save_pretrained`` writes them.
+
+:func:`import_llama` is ``llm.import_ckpt(model=llm.LlamaModel(...), source="hf://DIR")`` in a
+process of its own. NeMo's ``HFLlamaImporter`` maps the Hugging Face norms onto TE's fused
+layernorm-linear parameters (``linear_qkv.layer_norm_weight``); without TE NeMo builds the
+local spec, whose norms are modules of their own (``input_layernorm.weight``), and the mapping
+finds no target. The importing process therefore builds NeMo's model with
+:class:`LayerNormColumnLinear`, a CPU stand-in of TE's ``LayerNormColumnParallelLinear`` with
+its parameter names (the norm's weight on the linear). Megatron's local spec checkpoints its
+norms under those same names, so the imported checkpoint restores into the local-spec model the
+fine-tune trains.
+
+Example::
+
+    make_tiny_llama(hf_dir)
+    start_ranks(import_llama, (str(hf_dir), str(nemo_dir)), 1, join=True)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 128
+
+
+def make_tiny_llama(path: str | Path, seed: int = 0) -> None:
+    """A random tiny ``LlamaForCausalLM`` (fp32) and its tokenizer saved under ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # HF initializes norms to 1: random ones show a mapping mix-up
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+
+
+def _column_parallel_linear() -> type:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    return ColumnParallelLinear
+
+
+class LayerNormColumnLinear(_column_parallel_linear()):
+    """Megatron's ``ColumnParallelLinear`` with the RMSNorm before it owned as
+    ``layer_norm_weight``: TE's ``LayerNormColumnParallelLinear`` names, on CPU."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any) -> None:
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size))
+        self.eps = config.layernorm_epsilon
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """RMSNorm with ``layer_norm_weight``, then the linear."""
+        x = F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps)
+        return super().forward(x, *args, **kwargs)
+
+
+def te_named_spec(config: Any) -> Any:
+    """Megatron's local GPT layer spec with TE's parameter names: the input and pre-MLP norms
+    folded into ``linear_qkv`` / ``linear_fc1`` (:class:`LayerNormColumnLinear`)."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec = copy.deepcopy(
+        get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm,
+            normalization=config.normalization,
+        )
+    )
+    layer = spec.submodules
+    layer.input_layernorm = IdentityOp
+    layer.self_attention.submodules.linear_qkv = LayerNormColumnLinear
+    layer.pre_mlp_layernorm = IdentityOp
+    layer.mlp.submodules.linear_fc1 = LayerNormColumnLinear
+    layer.sharded_state_dict_keys_map = {}
+    return spec
+
+
+def import_llama(rank: int, hf_dir: str, out: str) -> None:
+    """NeMo's ``llm.import_ckpt`` of the Hugging Face Llama in ``hf_dir`` into the NeMo
+    checkpoint ``out`` (run it in a process of its own: see the module docstring)."""
+    del rank
+    from nemo_gtp.cpu.compat import enable_cpu_compat
+
+    enable_cpu_compat()
+    from nemo.collections import llm
+    from nemo.collections.llm.gpt.model import base
+
+    # without TE, NeMo's default spec is base.local_layer_spec (looked up at call time)
+    base.local_layer_spec = te_named_spec
+    model = llm.LlamaModel(llm.LlamaConfig(num_layers=2, hidden_size=64, num_attention_heads=4))
+    llm.import_ckpt(model=model, source=f"hf://{hf_dir}", output_path=out)
