@@ -232,8 +232,8 @@ def test_the_supervisor_stops_a_hung_rank_and_names_who_waited(tmp_path: Path) -
         outcomes, "ckpts/step=1", "python -m nemo_gtp.run x.yaml +resume=latest"
     )
     assert lines == [
-        "job failed: ranks 0, 2, 3 timed out waiting in GTP materialize (gather) at step 3 "
-        "(RuntimeError: [pair.cc:78] Timed out waiting 5000ms for recv operation to complete)",
+        "job failed: ranks 0, 2, 3 timed out waiting in a collective at step 3: ranks 0, 2, 3 in "
+        "GTP materialize (gather) (Timed out waiting 5000ms for recv operation to complete)",
         "  rank 1 never joined it (still running when stopped): the rank that hung",
         "last committed checkpoint: ckpts/step=1",
         "resume: python -m nemo_gtp.run x.yaml +resume=latest",

@@ -382,11 +382,14 @@ def failure_summary(
         lines += [f"  also: {describe(o)}" for o in causes[1:] if o not in same]
     if timeouts:
         first = timeouts[0].error or {}
-        what = first.get("collective") or "a collective"
+        where: dict[str, list[RankOutcome]] = {}
+        for out in timeouts:
+            where.setdefault((out.error or {}).get("collective") or "a collective", []).append(out)
+        places = "; ".join(f"{_ranks(outs)} in {name}" for name, outs in where.items())
         head = "job failed: " if not causes else "  "
         lines.append(
-            f"{head}{_ranks(timeouts)} timed out waiting in {what}{_at_step(first)}"
-            f" ({first.get('type')}: {first.get('message', '').splitlines()[0]})"
+            f"{head}{_ranks(timeouts)} timed out waiting in a collective{_at_step(first)}: "
+            f"{places} ({_short(timeouts[0])})"
         )
         if stopped:
             lines.append(

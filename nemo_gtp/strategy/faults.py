@@ -200,14 +200,16 @@ class NonFiniteGradCheck(_StepTracker):
             ddp.check_for_nan_in_grad = False
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
-        first = None
+        named = []
         for name, param in pl_module.named_parameters():
             grad = getattr(param, "main_grad", None)
-            if grad is None:
-                grad = param.grad
-            if grad is not None and not bool(torch.isfinite(grad).all()):
-                first = name
-                break
+            named.append((name, param.grad if grad is None else grad))
+        named = [(name, grad) for name, grad in named if grad is not None]
+        first = None
+        if named:  # one device sync for all parameters, not one each
+            finite = torch.stack([torch.isfinite(grad).all() for _, grad in named])
+            if not bool(finite.all()):
+                first = named[int((~finite).nonzero()[0])][0]
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         flags = torch.zeros(world, device=_flag_device())
