@@ -58,6 +58,12 @@ YAML recipe overrides (OmegaConf dot paths, checked before anything starts):
   strategy.num_weight_shards=TPxGTP
                         the GTP degree is num_weight_shards / tensor_model_parallel_size;
                         data.global_batch_size must be a multiple of micro_batch_size x DP x GTP
+  +faults.collective_timeout_s=S
+                        a rank that stops entering collectives ends the job after S s (300)
+  +faults.preemption=false
+                        a SIGTERM no longer saves at the next step boundary and exits 0
+  +callbacks.NAME.target=pkg.mod.Class +callbacks.NAME.ARG=VALUE
+                        add a Lightning callback by import path, with its arguments
 
 NeMo recipes (--recipe NAME: nemo.collections.llm.recipes.NAME.pretrain_recipe):
   overrides are NeMo-Run's dotted keys into the recipe, e.g. trainer.max_steps=10

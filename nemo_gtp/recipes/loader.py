@@ -19,7 +19,8 @@ from with ``trainer.fit(ckpt_path=...)``, at this recipe's layout, whatever layo
 yet, the restart of a requeued job: ``nemo_gtp.recipes.resume``; a PEFT run's adapter
 checkpoint is resumed as NeMo's ``AdapterPath``: the base it names first), and ``restore`` (a
 checkpoint whose weights a run that resumes nothing starts from, NeMo's ``RestoreConfig``: the
-pretrained model of a fine-tuning run).
+pretrained model of a fine-tuning run), ``faults`` and ``callbacks`` (a collective timeout, the
+preemption save, Lightning callbacks by import path: :mod:`nemo_gtp.recipes.fault_callbacks`).
 ``build_fit(..., log_dir=DIR)`` logs through NeMo's ``nl.NeMoLogger`` with its TensorBoard
 logger into ``DIR/tb_logs`` (``TB_SUBDIR``): loss, and
 :class:`~nemo_gtp.strategy.GTPMetricsCallback`'s step time, memory and GTP metrics, which
