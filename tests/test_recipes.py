@@ -519,3 +519,19 @@ def test_quiet_console_sends_lightnings_notices_to_the_log_file(
                     logging.getLogger(name).removeHandler(handler)
                     handler.close()
                 handler.filters = [f for f in handler.filters if "Console" not in type(f).__name__]
+
+
+def test_the_first_lines_say_layout_model_size_and_logs() -> None:
+    """What ``python -m nemo_gtp.run`` prints before the first step (no processes started)."""
+    from nemo_gtp.run import check, describe_run
+
+    layout, logs = describe_run(check(TINY, []), Path("runs/tiny_cpu"))
+    assert layout == (
+        "layout: TP1·GTP2·DP2 on 4 CPU processes (gloo); GPT of ~0.11 M parameters (2 layers, "
+        "hidden 64, vocab 128); 30 steps of 16 x 32 tokens"
+    )
+    assert logs.startswith("logs: runs/tiny_cpu (TensorBoard;") and "--verbose" in logs
+    moe = str(ROOT / "configs" / "moe_tiny_cpu.yaml")
+    layout, _ = describe_run(check(moe, []), Path("runs/moe"))
+    assert layout.startswith("layout: TP1·GTP2·DP2, experts EP2·EGTP2 on 4 CPU processes")
+    assert "4 experts, top-2" in layout

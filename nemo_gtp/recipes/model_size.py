@@ -37,11 +37,19 @@ def parameter_count(
     query_groups: int | None = None,
     gated: bool = False,
     tied_embeddings: bool = False,
+    experts: int = 0,
+    expert_ffn: int | None = None,
     **_: Any,
 ) -> int:
-    """Every weight of the GPT (linears, embeddings, layer norms; no biases)."""
+    """Every weight of the GPT (linears, embeddings, layer norms; no biases). With ``experts``
+    (MoE), each layer's MLP is that many experts of ``expert_ffn`` (default ``ffn``) and a
+    router."""
     norms = (2 * layers + 1) * hidden
     linears = layers * linear_params_per_layer(hidden, ffn, heads, query_groups, gated)
+    if experts:
+        mlp = hidden * ffn * (3 if gated else 2)
+        expert = hidden * (expert_ffn or ffn) * (3 if gated else 2)
+        linears += layers * (experts * expert + experts * hidden - mlp)
     return linears + embedding_params(vocab, hidden, tied_embeddings) + norms
 
 
