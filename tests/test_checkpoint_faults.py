@@ -167,8 +167,8 @@ def disk_full(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (EDQUOT, rank 0 alone: the other ranks must not wait for it forever); training goes on and
     the fourth commits. ``async_warn``: the same with NeMo's asynchronous saves (the failure
     found when the save is finalized, steps later). ``stop``: ``+resume=latest`` continues from
-    step 7 (checksums verified) and its first save fails on every rank's writer (the directory
-    copied just before)."""
+    step 7 (checksums verified) and its first save, asynchronous, fails on every rank's writer
+    (the directory copied just before)."""
     from nemo_gtp.recipes.launch import launch_fits
 
     tmp = tmp_path_factory.mktemp("disk_full")
@@ -192,6 +192,7 @@ def disk_full(tmp_path_factory: pytest.TempPathFactory) -> dict:
     stop = [
         *saving,
         "trainer.max_steps=10",
+        "strategy.ckpt_async_save=true",  # the failure surfaces in NeMo's finalize, later
         "+resume=latest",
         f"+callbacks.disk.target={DISK}",
         "+callbacks.disk.save=1",
