@@ -6,8 +6,11 @@ NeMo recipes (``--recipe``) are handled by :mod:`nemo_gtp.recipes.nemo_cli`: NeM
 through NeMo-Run (torchrun here, or Slurm). The rest of this docstring is about YAML recipes.
 
 The recipe and the overrides are checked in this process before any worker starts
-(:mod:`nemo_gtp.recipes.validate`): a wrong key or value exits with one ``error:`` line naming
-it. ``--compare-baseline`` trains the recipe twice, as written (GTP) and with
+(:mod:`nemo_gtp.recipes.validate`, value ranges in :mod:`nemo_gtp.recipes.ranges`): a wrong key
+or value exits with one ``error:`` line naming it. A run first prints its layout, model size and
+log directory (:func:`describe_run`), then one line per logged step; NeMo's and Lightning's own
+messages go to the log directory's files (:func:`nemo_gtp.recipes.quiet.quiet_console`) unless
+``--verbose``. ``--compare-baseline`` trains the recipe twice, as written (GTP) and with
 ``strategy.num_weight_shards`` (and ``strategy.expert_num_weight_shards``, if the recipe sets it)
 set to the tensor-parallel size (plain TP + DP, same global
 batch), both in one launch of ``trainer.devices`` processes (one after the other, see
