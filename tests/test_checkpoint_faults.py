@@ -140,6 +140,16 @@ def test_checkpoint_safety_settings_are_checked() -> None:
         CheckpointSafety(on_save_error="wran")
     with pytest.raises(ValueError, match="verify='crc': one of checksums, sizes"):
         CheckpointSafety(verify="crc")
+    # the recipe keys are refused before any process starts, naming the key and the choices
+    from nemo_gtp.recipes.config import RecipeError
+    from nemo_gtp.run import check
+
+    saving = ["+checkpoint.dir=ckpts", "+checkpoint.every_n_train_steps=2"]
+    check(TINY, [*saving, "+checkpoint.on_save_error=warn", "+checkpoint.verify=sizes"])
+    with pytest.raises(RecipeError, match=r"checkpoint.on_save_error='wran': one of stop, warn"):
+        check(TINY, [*saving, "+checkpoint.on_save_error=wran"])
+    with pytest.raises(RecipeError, match=r"checkpoint.verify='crc32': one of checksums, sizes"):
+        check(TINY, [*saving, "+checkpoint.verify=crc32"])
 
 
 def _same_tree(got: Path, want: Path) -> None:
