@@ -177,6 +177,7 @@ class GTPPreemption(_StepTracker):
             where = f"saved {self.saved}" if self.saved else "no checkpoint callback: nothing saved"
             print(f"preempted: stopping after step {trainer.global_step} ({where})", flush=True)
         trainer.should_stop = True
+        _state["preempted"] = False  # handled: a later fit in this process starts afresh
 
 
 class NonFiniteGradCheck(_StepTracker):
