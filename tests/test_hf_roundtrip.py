@@ -1,21 +1,22 @@
 """Hugging Face weights in and out of a GTP fine-tune: NeMo's own import and export, on CPU.
 
-A tiny ``LlamaForCausalLM`` is built here with ``transformers`` (no download:
-:func:`tests.harness.hf.make_tiny_llama`, random weights and norms, a word-level tokenizer) and
-NeMo's ``llm.import_ckpt`` turns it into a NeMo checkpoint. A fine-tune restores it
-(``RestoreConfig``, as ``llm.finetune`` starts) and trains 4 steps at TP1·GTP2 on 2 CPU/gloo
-ranks (the losses and grad norms those of the same fine-tune without GTP) with the attention
-frozen (``linear_qkv``, ``linear_proj`` and the input norms: GTP shards
-that no step changes); NeMo's ``ModelCheckpoint`` saves it with its ``context/`` and NeMo's
-``llm.export_ckpt(target="hf")`` exports it in a process of its own. Then, with
-``transformers``:
+A tiny ``LlamaForCausalLM`` and a tiny ``MixtralForCausalLM`` (4 experts, top-2) are built here
+with ``transformers`` (no download: :mod:`tests.harness.hf`, random weights and norms, a
+word-level tokenizer) and NeMo's ``llm.import_ckpt`` turns each into a NeMo checkpoint. A
+fine-tune restores it (``RestoreConfig``, as ``llm.finetune`` starts) and trains 4 steps at
+TP1·GTP2 (Mixtral: and EGTP2, its routed experts sharded too) on 2 CPU/gloo ranks with the
+attention frozen (``linear_qkv``, ``linear_proj`` and the input norms: GTP shards that no step
+changes); its losses and grad norms are those of the same fine-tune without GTP. NeMo's
+``ModelCheckpoint`` saves it with its ``context/`` and NeMo's ``llm.export_ckpt(target="hf")``
+exports it in a process of its own. Then, with ``transformers``:
 
-- the exported model's logits equal the fine-tuned NeMo model's (its GTP forward, fp32) to 1e-5;
+- the exported model's logits equal the fine-tuned NeMo model's (its GTP forward, fp32) to 1e-5
+  of their largest magnitude;
 - the frozen weights (q, k, v, o projections and input norms) are bit for bit the imported
   Hugging Face ones: import, GTP sharding, training, the gather of the export and the un-fusing
   of q/k/v lose nothing; every trained weight moved.
 
-The fine-tune is one fit of the suite's shared 2-rank launch; the import runs before it.
+The fine-tunes are fits of the suite's shared 2-rank launch; the imports run before it.
 """
 
 from __future__ import annotations
@@ -29,36 +30,45 @@ import torch
 from tests.harness.spawn import start_ranks
 from tests.harness.strategy import Fit, shared_launch
 
-HF_DIR, NEMO_DIR = "hf_llama", "hf_llama_nemo"
 FROZEN = ("self_attention.linear_qkv", "self_attention.linear_proj", "input_layernorm")
-FIT = Fit(
-    "hf_llama_gtp2_finetune",
-    llama=True,
-    gtp=2,
-    steps=4,
-    restore_from=NEMO_DIR,
-    freeze=FROZEN,
-    checkpoint_every=4,
-    checkpoint_dir="hf_llama_ft_ckpts",
-    checkpoint_context=True,
-    logits_to="hf_llama_ft_logits.pt",
-)
+KINDS = ("llama", "mixtral")
 
-# The same fine-tune without GTP (DP2): its losses are the oracle. At 2 ranks each step is 2
-# microbatches, so the frozen chain head (layer 1's linear_qkv) makes the first trained unit
-# the one whose reduce-scatter must not outlive its microbatch.
-BASE = Fit("hf_llama_base_finetune", llama=True, steps=4, restore_from=NEMO_DIR, freeze=FROZEN)
+
+def _fits(kind: str) -> tuple[Fit, Fit]:
+    """The GTP2 fine-tune of ``kind``'s import (Mixtral: EGTP2 for the routed experts too) and
+    the same fine-tune without GTP (DP2), whose losses are the oracle. At 2 ranks each step is
+    2 microbatches, so the frozen chain head (layer 1's linear_qkv) makes the first trained
+    unit the one whose reduce-scatter must not outlive its microbatch."""
+    model = {"llama": kind == "llama", "mixtral": kind == "mixtral"}
+    common = dict(steps=4, restore_from=f"hf_{kind}_nemo", freeze=FROZEN, **model)
+    # Mixtral's exporter saves the checkpoint's tokenizer: the imported Hugging Face one
+    expert = {"strategy_kwargs": {"expert_num_weight_shards": 2}} if kind == "mixtral" else {}
+    if kind == "mixtral":
+        common["tokenizer_dir"] = f"hf_{kind}"
+    gtp = Fit(
+        f"hf_{kind}_gtp2_finetune",
+        gtp=2,
+        checkpoint_every=4,
+        checkpoint_dir=f"hf_{kind}_ft_ckpts",
+        checkpoint_context=True,
+        logits_to=f"hf_{kind}_ft_logits.pt",
+        **expert,
+        **common,
+    )
+    return gtp, Fit(f"hf_{kind}_base_finetune", **common)
 
 
 def _import(out_dir: Path) -> None:
-    """The Hugging Face model, then NeMo's import of it (before the launch's fits start)."""
-    from tests.harness.hf import import_llama, make_tiny_llama
+    """The Hugging Face models, then NeMo's import of each (before the launch's fits start)."""
+    from tests.harness.hf import import_llama, make_tiny_llama, make_tiny_mixtral
 
-    make_tiny_llama(out_dir / HF_DIR)
-    start_ranks(import_llama, (str(out_dir / HF_DIR), str(out_dir / NEMO_DIR)), 1, join=True)
+    for kind, make in (("llama", make_tiny_llama), ("mixtral", make_tiny_mixtral)):
+        hf, nemo = out_dir / f"hf_{kind}", out_dir / f"hf_{kind}_nemo"
+        make(hf)
+        start_ranks(import_llama, (str(hf), str(nemo), kind == "mixtral"), 1, join=True)
 
 
-shared_launch(2).add([FIT, BASE], prepare=_import)
+shared_launch(2).add([fit for kind in KINDS for fit in _fits(kind)], prepare=_import)
 
 
 def _export(rank: int, checkpoint: str, out: str) -> None:
@@ -72,38 +82,45 @@ def _export(rank: int, checkpoint: str, out: str) -> None:
     llm.export_ckpt(path=checkpoint, target="hf", output_path=out)
 
 
-@pytest.fixture(scope="module")
-def roundtrip(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(scope="module", params=KINDS)
+def roundtrip(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from safetensors.torch import load_file
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    kind = request.param
+    gtp_fit, base_fit = _fits(kind)
     launch = shared_launch(2)
-    results = launch.results(tmp_path_factory)[FIT.name]
-    base = launch.results(tmp_path_factory)[BASE.name]
+    results = launch.results(tmp_path_factory)
     root: Path = launch.out_dir
-    saved = [p for p in (root / FIT.checkpoint_dir).iterdir() if not p.name.startswith(".")]
+    where = root / gtp_fit.checkpoint_dir
+    saved = [p for p in where.iterdir() if not p.name.startswith(".")]
     assert len(saved) == 1, saved
-    out = root / "hf_llama_export"
+    out = root / f"hf_{kind}_export"
     start_ranks(_export, (str(saved[0]), str(out)), 1, join=True)
-    nemo = torch.load(root / FIT.logits_to, weights_only=True)
-    model = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    nemo = torch.load(root / gtp_fit.logits_to, weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         hf_logits = model(input_ids=nemo["tokens"]).logits
     return {
-        "results": results,
-        "base": base,
+        "kind": kind,
+        "results": results[gtp_fit.name],
+        "base": results[base_fit.name],
         "nemo_logits": nemo["logits"],
         "hf_logits": hf_logits,
-        "imported": load_file(root / HF_DIR / "model.safetensors"),
+        "imported": load_file(root / f"hf_{kind}" / "model.safetensors"),
         "exported": load_file(out / "model.safetensors"),
     }
 
 
 def test_finetune_ran_under_gtp_with_frozen_shards(roundtrip: dict[str, Any]) -> None:
     for result in roundtrip["results"]:
-        assert result["global_step"] == FIT.steps
-        # 2 layers x (qkv, proj, fc1, fc2) sharded; the attention's 2 x 2 frozen
-        assert result["gtp_params"] == 8 and result["frozen_gtp_params"] == 4
+        assert result["global_step"] == 4
+        # 2 layers x (qkv, proj, fc1, fc2) sharded (Mixtral: x 4 experts' fc1 and fc2 on the
+        # expert runtime); the attention's 2 x 2 frozen
+        experts = 2 * 4 * 2 if roundtrip["kind"] == "mixtral" else 0
+        assert result["gtp_params"] == 8 - (4 if experts else 0) + experts
+        assert result["frozen_gtp_params"] == 4
+        assert result["gtp_runtimes"] == (2 if experts else 1)
 
 
 def test_finetune_matches_the_run_without_gtp(roundtrip: dict[str, Any]) -> None:
@@ -111,7 +128,7 @@ def test_finetune_matches_the_run_without_gtp(roundtrip: dict[str, Any]) -> None
         assert gtp["num_microbatches"] == base["num_microbatches"] == 2
         assert base["gtp_params"] == 0
         for key in ("losses", "grad_norms"):
-            assert len(gtp[key]) == FIT.steps
+            assert len(gtp[key]) == 4
             for a, b in zip(gtp[key], base[key], strict=True):
                 assert abs(a - b) <= 1e-5 * abs(b), (key, gtp[key], base[key])
 

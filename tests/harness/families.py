@@ -159,6 +159,17 @@ def model_features(module: torch.nn.Module, config: Any) -> dict[str, Any]:
     }
 
 
+def _forget_nemo_logger() -> None:
+    """Drop what ``llm.pretrain``'s NeMoLogger left in NeMo's process-wide ``AppState``: its
+    list of old log files to move, which the next fit's ``ModelCheckpoint`` would otherwise
+    move out of this fit's log directory (on rank 0, while rank 1 still writes there)."""
+    from nemo.utils.app_state import AppState
+
+    state = AppState()
+    state.files_to_move = []
+    state.files_to_copy = []
+
+
 def recipe_fit(fit: Any, world: int, store_path: str | None, out_dir: str) -> dict[str, Any]:
     """Train ``fit.recipe`` (GTP per ``fit.gtp`` / ``fit.expert_gtp``) through NeMo's
     ``llm.pretrain`` in this rank; the losses, grad norms and :func:`model_features`."""
@@ -184,7 +195,10 @@ def recipe_fit(fit: Any, world: int, store_path: str | None, out_dir: str) -> di
         trainer.strategy.store = dist.FileStore(store_path, world)
     recorder = Recorder()
     trainer.callbacks.append(recorder)
-    task()
+    try:
+        task()
+    finally:
+        _forget_nemo_logger()
     strategy = trainer.strategy
     runtimes = getattr(strategy, "gtp_runtimes", [])
     module = unwrapped_module(strategy)

@@ -67,6 +67,40 @@ def make_tiny_llama(path: str | Path, seed: int = 0) -> None:
     model.save_pretrained(path)
 
 
+def make_tiny_mixtral(path: str | Path, seed: int = 0) -> None:
+    """A random tiny ``MixtralForCausalLM`` (fp32): the Llama shape above with 4 experts of
+    width 128 in every layer, top-2 routing, RoPE base 1e6; the same tokenizer."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    make_tiny_llama(path, seed)  # the tokenizer (the Llama weights are replaced below)
+    for stale in Path(path).glob("model*.safetensors"):
+        stale.unlink()
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_theta=1e6,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+
+
 def _column_parallel_linear() -> type:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
@@ -107,15 +141,61 @@ def te_named_spec(config: Any) -> Any:
     layer = spec.submodules
     layer.input_layernorm = IdentityOp
     layer.self_attention.submodules.linear_qkv = LayerNormColumnLinear
-    layer.pre_mlp_layernorm = IdentityOp
-    layer.mlp.submodules.linear_fc1 = LayerNormColumnLinear
     layer.sharded_state_dict_keys_map = {}
+    if not config.num_moe_experts:  # TE's MoE layers keep their pre-MLP norm apart
+        layer.pre_mlp_layernorm = IdentityOp
+        layer.mlp.submodules.linear_fc1 = LayerNormColumnLinear
     return spec
 
 
-def import_llama(rank: int, hf_dir: str, out: str) -> None:
-    """NeMo's ``llm.import_ckpt`` of the Hugging Face Llama in ``hf_dir`` into the NeMo
-    checkpoint ``out`` (run it in a process of its own: see the module docstring)."""
+def _transformer_layer() -> type:
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return TransformerLayer
+
+
+def _input_norm_te_name(module: Any, state_dict: dict, prefix: str, metadata: Any) -> None:
+    local, te_name = "input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"
+    if prefix + local in state_dict:
+        state_dict[prefix + te_name] = state_dict.pop(prefix + local)
+
+
+class TENamedMoELayer(_transformer_layer()):
+    """A local-spec MoE ``TransformerLayer`` whose ``state_dict()`` names the input norm as TE's
+    spec does (the pre-MLP norm stays apart in TE's MoE layers too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._register_state_dict_hook(_input_norm_te_name)
+
+
+def te_named_moe_local_spec(config: Any) -> Any:
+    """Megatron's local MoE layer spec saved under TE's MoE names: the input norm as
+    ``linear_qkv.layer_norm_weight`` (state dict and dist checkpoint), ``pre_mlp_layernorm``
+    as it is (megatron's local spec would checkpoint it as ``linear_fc1``'s, which an MoE layer
+    does not have)."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(
+        get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm,
+            normalization=config.normalization,
+        )
+    )
+    spec.module = TENamedMoELayer
+    spec.submodules.sharded_state_dict_keys_map = {
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_"
+    }
+    return spec
+
+
+def import_llama(rank: int, hf_dir: str, out: str, mixtral: bool = False) -> None:
+    """NeMo's ``llm.import_ckpt`` of the Hugging Face Llama (``mixtral``: Mixtral) in ``hf_dir``
+    into the NeMo checkpoint ``out`` (run it in a process of its own: the module docstring)."""
     del rank
     from nemo_gtp.cpu.compat import enable_cpu_compat
 
@@ -125,5 +205,9 @@ def import_llama(rank: int, hf_dir: str, out: str) -> None:
 
     # without TE, NeMo's default spec is base.local_layer_spec (looked up at call time)
     base.local_layer_spec = te_named_spec
-    model = llm.LlamaModel(llm.LlamaConfig(num_layers=2, hidden_size=64, num_attention_heads=4))
+    sizes = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    if mixtral:
+        model = llm.MixtralModel(llm.MixtralConfig(**sizes))
+    else:
+        model = llm.LlamaModel(llm.LlamaConfig(**sizes))
     llm.import_ckpt(model=model, source=f"hf://{hf_dir}", output_path=out)

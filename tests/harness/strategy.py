@@ -101,6 +101,13 @@ class Fit:
     # untied output layer), the model class NeMo's Hugging Face exporter is registered for;
     # otherwise ``llm.GPTModel``
     llama: bool = False
+    # a tiny ``llm.MixtralModel`` (the Llama shape with 4 top-2 SequentialMLP experts per layer,
+    # RoPE base 1e6; TE's MoE state-dict names: tests.harness.hf.te_named_moe_local_spec), the
+    # model class NeMo's Mixtral Hugging Face exporter is registered for
+    mixtral: bool = False
+    # a Hugging Face tokenizer directory (NeMo's AutoTokenizer, recorded in context/ for the
+    # exporters that save it) instead of the vocabulary-free NullTokenizer
+    tokenizer_dir: str | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # more GPTConfig fields (MoE)
     # MoE experts as TEGroupedMLP of the CPU GroupedLinear stand-ins (tests.harness.te_grouped)
     # instead of NeMo's local spec's SequentialMLP
@@ -262,7 +269,11 @@ def _ddp_config() -> Any:
 
 
 def _gpt_config(
-    tp: int, llama: bool = False, grouped_experts: bool = False, **model_kwargs: Any
+    tp: int,
+    llama: bool = False,
+    grouped_experts: bool = False,
+    mixtral: bool = False,
+    **model_kwargs: Any,
 ) -> Any:
     """The tiny model's config: ``llm.GPTConfig``, or ``llm.Llama3Config`` when ``llama``;
     ``grouped_experts``: ``TEGroupedMLP`` experts of the CPU stand-ins."""
@@ -281,6 +292,14 @@ def _gpt_config(
         layer_spec = te_named_local_layer_spec
     if grouped_experts:
         from tests.harness.te_grouped import grouped_local_layer_spec as layer_spec
+    if mixtral:
+        from nemo.collections.llm.gpt.model.mixtral import MixtralConfig
+
+        from tests.harness.hf import te_named_moe_local_spec as layer_spec
+
+        config_class = MixtralConfig
+        extra = {**MOE_MODEL, "num_query_groups": 2, "moe_ffn_hidden_size": 128}
+        extra["rotary_base"] = 1e6
     settings = dict(
         num_layers=2,
         hidden_size=64,
@@ -324,6 +343,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
     if fit.checkpoint_context:  # serializable in context/, and what the HF exporters read
         from nemo_gtp.data.synthetic import ExportableNullTokenizer as tokenizer_class
     tokenizer = tokenizer_class(VOCAB - 1)
+    if fit.tokenizer_dir:
+        from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+
+        tokenizer = AutoTokenizer(fit.tokenizer_dir)
     optim_config = OptimizerConfig(
         optimizer="adam",
         use_distributed_optimizer=fit.distopt,
@@ -349,7 +372,9 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
 
     evaluates = bool(fit.val_every or fit.evaluate_after or fit.entry != "fit")
     model_class = LlamaModel if fit.llama else TestableGPTModel if evaluates else llm.GPTModel
-    config = _gpt_config(fit.tp, fit.llama, fit.grouped_experts, **fit.model_kwargs)
+    if fit.mixtral:
+        model_class = llm.MixtralModel
+    config = _gpt_config(fit.tp, fit.llama, fit.grouped_experts, fit.mixtral, **fit.model_kwargs)
     model = model_class(config, tokenizer=tokenizer, optim=optim)
     if fit.freeze:
         _freeze_when_built(model, fit.freeze)
@@ -603,6 +628,7 @@ def _under(fit: Fit, out_dir: str) -> Fit:
         "save_to",
         "state_to",
         "logits_to",
+        "tokenizer_dir",
     )
     paths = {key: getattr(fit, key) for key in keys}
     return dataclasses.replace(
