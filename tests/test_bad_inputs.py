@@ -286,6 +286,7 @@ BAD_RANGES = [
     (["+optim.adam_beta2=1.0"], "optim.adam_beta2=1.0 must be a number in [0, 1)"),  # optimizer
     (["+optim.weight_decay=-0.01"], "optim.weight_decay=-0.01 must be a number >= 0"),
     (["+optim.adam_eps=0"], "optim.adam_eps=0 must be a number > 0"),
+    (["optim.optimizer=sgd"], "optim.optimizer=sgd: megatron's distributed optimizer takes only"),
     (["+model.layernorm_epsilon=0"], "model.layernorm_epsilon=0 must be a number > 0"),  # model
     (["+model.normalization=rmsnorm"], "model.normalization='rmsnorm' must be one of LayerNorm"),
     (["+model.position_embedding_type=alibi"], "must be one of learned_absolute, rope"),

@@ -214,6 +214,12 @@ def check_settings(get: Callable[[str], Any], name: Callable[[str], str] = str) 
                 f"{name(key)}={low!r} is above {name('optim.lr')}={lr!r} (the peak learning "
                 f"rate, which NeMo's scheduler refuses): set e.g. {name(key)}={lr / 10:g}"
             )
+    if get("optim.optimizer") == "sgd" and get("optim.use_distributed_optimizer"):
+        raise RecipeError(  # megatron's DistributedOptimizer asserts it in every rank
+            f"{name('optim.optimizer')}=sgd: megatron's distributed optimizer takes only adam: "
+            f"set e.g. {name('optim.optimizer')}=adam, or {name('optim.use_distributed_optimizer')}"
+            "=false (and ddp.use_distributed_optimizer=false)"
+        )
     heads, groups = get("model.num_attention_heads"), get("model.num_query_groups")
     if _integer(heads) and _integer(groups) and groups >= 1 and heads % groups:
         raise RecipeError(
