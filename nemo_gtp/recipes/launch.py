@@ -305,7 +305,10 @@ def run_recipe(
         sources = [(Path(tmp, f"stdout{r}.txt"), sys.stdout) for r in range(world)]
         sources += [(Path(tmp, f"stderr{r}.txt"), sys.stderr) for r in range(world)]
         pump = OutputPump(sources)
-        outcomes = supervise(ranks, tmp, grace_s=grace_s, on_poll=pump.pump)
+        try:
+            outcomes = supervise(ranks, tmp, grace_s=grace_s, on_poll=pump.pump)
+        except KeyboardInterrupt:  # Ctrl-C: supervise has stopped every rank
+            outcomes = None
         pump.flush()
     checkpoint = cfg.get("checkpoint")
     last = latest_checkpoint(checkpoint.dir) if checkpoint else None
@@ -315,6 +318,10 @@ def run_recipe(
         options.append(f"--log-dir {log_dir}")
     resume = ["+resume=latest"] if checkpoint else []
     again = " ".join([PROG, config, *kept, *resume, *options])
+    if outcomes is None:
+        where = f"last committed checkpoint: {last or 'none yet'}" if checkpoint else "no saves"
+        print(f"interrupted: every rank stopped; {where}; resume: {again}", file=sys.stderr)
+        return 130
     if not any(o.failed for o in outcomes):
         if any(o.preempted for o in outcomes) and checkpoint:
             print(f"preempted; continue with: {again}", file=sys.stderr, flush=True)
