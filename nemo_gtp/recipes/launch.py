@@ -12,6 +12,12 @@ import that touched CUDA would poison a fork, and a GPU node has a core per rank
 rendezvous of each fit goes through its own ``FileStore`` (handed to the strategy's ``store``,
 which NeMo passes to ``init_process_group``), so no TCP port has to be picked in advance.
 
+:func:`run_recipe` is the same launch for one plain run of ``python -m nemo_gtp.run``. Both
+watch their ranks (:mod:`nemo_gtp.recipes.supervise`): each rank leads a process group of its
+own, records the exception that ends it, and when one fails the others are stopped and the
+launch says which rank failed and why (``run_recipe``: as its last lines, with the last
+committed checkpoint and the resume command).
+
 Example::
 
     logs = launch_fits("configs/tiny_cpu.yaml",
