@@ -474,6 +474,11 @@ def te_extension() -> Any:
     return transformer_engine_torch
 
 
+OUTER_ENTRIES = tuple(entry for entry in GTP_ENTRIES if not entry[3].startswith("in."))
+"""GTP's entry points without the split inside them: what the "inside GTP" total needs, at a
+tenth of the timed calls (``bench.host_fake`` without ``--fine-timer``)."""
+
+
 def te_entries() -> tuple:
     """:data:`TE_ENTRIES` and every C++ function of ``transformer_engine_torch`` (each its own
     category ``tex.<name>``); empty without TE."""
