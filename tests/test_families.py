@@ -124,7 +124,7 @@ def test_family_trains_under_gtp_as_without(name: str, families: dict) -> None:
     assert features["output_layer_weight"] is not features["tied_embeddings"]
 
 
-# ------------------------------------------------------------------------------- CLI (item 2)
+# ------------------------------------------------------------------------------- the CLI
 def cli_argv(name: str) -> list[str]:
     """``python -m nemo_gtp.run``'s arguments for ``name`` on 2 CPU processes at GTP2 (EGTP2 for
     routed experts; the README's line per family): the mock data with the byte tokenizer, the
