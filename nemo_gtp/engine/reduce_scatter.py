@@ -64,7 +64,9 @@ class ReduceScatterSide:
         """The reduce-scatter side's state: its communicator, the scaling of design §3.2 and the
         wgrad pool (called once, from ``GTPRuntime.__init__``). Collective when
         ``separate_reduce_scatter_group`` makes a communicator."""
-        self._nccl = dist.get_backend(self.group) == "nccl"
+        # Backends whose reduce-scatter takes ReduceOp.AVG: NCCL, and torch's fake backend (it
+        # moves nothing; taking NCCL's path keeps a fake world's host cost the NCCL run's).
+        self._nccl = dist.get_backend(self.group) in ("nccl", "fake")
         # A second communicator over the same ranks for the reduce-scatters (see GTPConfig).
         self._rs_group = self.group
         if self.config.separate_reduce_scatter_group and self.size > 1:
@@ -78,7 +80,8 @@ class ReduceScatterSide:
         """Whether reduce-scatters receive into fp32 buffers (``GTPConfig``'s
         ``reduce_scatter_with_fp32_accumulation`` at GTP > 2): each wgrad then reduces alone,
         never staged into a unit or the wgrad ring."""
-        # MEAN (design §3.2): NCCL averages inside the reduce-scatter; elsewhere a 1/GTP pre-scale.
+        # MEAN (design §3.2): NCCL averages inside the reduce-scatter; elsewhere (gloo, staged
+        # gloo) a 1/GTP pre-scale.
         self._average_in_collective = (
             not self.config.sums_over_gtp and self._nccl and not self.fp32_accumulation
         )
