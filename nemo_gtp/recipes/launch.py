@@ -257,6 +257,9 @@ def launch_fits(
         failed = [o for o in outcomes if o.failed]
         if failed:
             first = min(failed, key=lambda o: (o.kind not in ("signal", "error"), o.ended))
+            if first.error is None:  # ranks that ended alike without a word: the lowest
+                alike = [o for o in failed if o.error is None and o.status == first.status]
+                first = min(alike, key=lambda o: o.rank)
             rank, code = first.rank, first.status
             stderr = Path(tmp, f"stderr{rank}.txt")
             if not stderr.exists():  # died before its first line of its own
