@@ -15,6 +15,7 @@ recipe                        what the shard must get right
 ``mixtral_8x7b``              top-2 routed experts in every layer (expert GTP)
 ``qwen25_500m``               bias on the fused q/k/v rows
 ``qwen3_600m``                QK layernorm, tied embeddings
+``qwen3_30b_a3b``             QK layernorm with routed experts (expert GTP)
 ``nemotron3_4b``              squared ReLU without gating, LayerNorm1p, half-rotary
 ``gemma_2b``                  GeGLU, multi-query attention, zero-centered RMSNorm, scaled
                               embeddings, tied embeddings
@@ -68,6 +69,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "mixtral_8x7b": {"experts": 2, "dense_mlps": 0},
     "qwen25_500m": {"qkv_bias": True},
     "qwen3_600m": {"q_layernorm": True, "tied_embeddings": True},
+    "qwen3_30b_a3b": {"q_layernorm": True, "experts": 2, "dense_mlps": 0},
     # 2 norms per layer and the final one, each LayerNorm1p
     "nemotron3_4b": {
         "activation": "squared_relu",

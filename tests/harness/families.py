@@ -78,6 +78,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     # Gemma: tied embeddings, GeGLU, multi-query attention (1 group), zero-centered RMSNorm,
     # embeddings scaled by sqrt(hidden)
     "gemma_2b": (*COMMON, "model.config.num_query_groups=1"),
+    # Qwen 3 MoE: QK layernorm and top-k routed experts in every layer
+    "qwen3_30b_a3b": (*COMMON, *GQA, *MOE),
     # DeepSeek V2 Lite: multi-latent attention (YaRN RoPE), a dense first layer, then routed
     # experts beside a shared expert
     "deepseek_v2_lite": (
@@ -93,7 +95,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "model.config.v_head_dim=16",
     ),
 }
-MOE_FAMILIES = ("mixtral_8x7b", "deepseek_v2_lite")
+MOE_FAMILIES = ("mixtral_8x7b", "qwen3_30b_a3b", "deepseek_v2_lite")
 TOKENIZER = "byte"  # the mock data's tokenizer (NeMo's default one downloads GPT-2's files)
 
 
