@@ -10,6 +10,10 @@ imports nothing; each module is imported on its own:
     and ``nemo_patches``, their machinery in ``patching``, the CPU RNG tracker in ``rng``.
 ``gloo_device``
     Every gloo group of a process on one TCP device (megatron builds dozens of groups per layout).
+``layer_spec``
+    ``cpu_layer_spec``: a NeMo recipe's layers from megatron's local modules (multi-latent
+    attention, dense/MoE layer patterns, zero-centered norms included: ``CPUNorm``,
+    ``MLADotProductAttention``).
 ``staged_gloo``
     The ``staged_gloo`` torch.distributed backend: several ranks sharing one GPU, collectives
     staged through host memory over gloo (``--shared-device`` numerics checks).
