@@ -246,14 +246,12 @@ def describe_run(cfg: object, log_dir: Path) -> list[str]:
     cpu = str(trainer.get("accelerator", "")) == "cpu"
     where = f"{world} CPU processes (gloo)" if cpu else f"{world} GPUs"
     sizes = yaml_model_sizes(cfg)
-    model = cfg.model  # type: ignore[attr-defined]
     shape = f"{sizes['layers']} layers, hidden {sizes['hidden']}, vocab {sizes['vocab']}"
     layout = "·".join(parts)
     if sizes["experts"]:
         layout += f", experts EP{dims.expert_model_parallel_size}·EGTP{dims.egtp}"
-        shape += f", {sizes['experts']} experts, top-{model.get('moe_router_topk', 2)}"
-    expert_ffn = model.get("moe_ffn_hidden_size")
-    count = parameter_count(**sizes, expert_ffn=expert_ffn) / 1e6
+        shape += f", {sizes['experts']} experts, top-{sizes['topk']}"
+    count = parameter_count(**sizes) / 1e6
     data = cfg.data  # type: ignore[attr-defined]
     return [
         f"layout: {layout} on {where}; GPT of ~{count:.2f} M parameters ({shape}); "

@@ -191,27 +191,36 @@ def test_cpu_refuses_a_family_without_cpu_layers() -> None:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_planner_reads_each_family(name: str) -> None:
     """``python -m nemo_gtp.plan --recipe NAME`` with the family's overrides: the shape the
-    trained model has, and per-GPU bytes at GTP2 (weights, gradients and optimizer state
-    halved against GTP off, the gather buffers added). Routed experts: the planner refuses
-    them, naming ``num_moe_experts``."""
+    trained model has, and per-GPU bytes at GTP2 (the sharded linears' weights halved against
+    GTP off, the gather buffers added); routed experts read with their top-k, width, shared
+    expert and MoE layers, and halved again at EGTP2."""
     from nemo_gtp.plan import Layout, estimate, model_from_nemo_recipe
 
-    if name in MOE_FAMILIES:
-        with pytest.raises(ValueError, match="does not model MoE experts yet"):
-            model_from_nemo_recipe(name, list(FAMILIES[name]))
-        return
     shape, seq = model_from_nemo_recipe(name, list(FAMILIES[name]))
-    expected = {**COMMON, **EXPECTED.get(name, {})}
     assert (shape.layers, shape.hidden, shape.heads, shape.vocab, seq) == (2, 64, 4, 512, 32)
-    assert shape.ffn == 128 and shape.query_groups == expected["query_groups"]
-    assert shape.gated == expected["gated"]
-    assert shape.tied_embeddings == expected["tied_embeddings"]
+    moe = shape.moe_layer_count
+    if name in MOE_FAMILIES:
+        assert (shape.experts, shape.topk, shape.expert_ffn) == (4, 2, 48)
+        deepseek = name == "deepseek_v2_lite"  # a dense first layer, a shared expert
+        assert (moe, shape.shared_ffn) == ((1, 64) if deepseek else (2, 0))
+    else:
+        expected = {**COMMON, **EXPECTED.get(name, {})}
+        assert shape.ffn == 128 and shape.query_groups == expected["query_groups"]
+        assert shape.gated == expected["gated"]
+        assert shape.tied_embeddings == expected["tied_embeddings"]
+        assert moe == 0
     plain = estimate(shape, Layout(tp=1, gtp=1, dp=2), tokens_per_gpu=64)
     gtp2 = estimate(shape, Layout(tp=1, gtp=2, dp=1), tokens_per_gpu=64)
     assert set(gtp2) == set(plain) and all(value >= 0 for value in gtp2.values())
-    linears = shape.layers * shape.linear_params_per_layer
-    assert plain["weights"] - gtp2["weights"] == pytest.approx(linears * 2 / 2)  # bf16 halves
-    assert gtp2["weights"] > 0 and sum(gtp2.values()) > 0
+    sharded = (shape.layers - moe) * shape.linear_params_per_layer + moe * (
+        shape.attention_params_per_layer + shape.mlp_params(shape.shared_ffn)
+    )
+    assert plain["weights"] - gtp2["weights"] == pytest.approx(sharded * 2 / 2)  # bf16 halves
+    assert gtp2["gather"] > 0 == plain["gather"]
+    if moe:
+        egtp2 = estimate(shape, Layout(tp=1, gtp=2, dp=1, egtp=2), tokens_per_gpu=64)
+        routed = moe * shape.expert_params_per_layer
+        assert gtp2["weights"] - egtp2["weights"] == pytest.approx(routed * 2 / 2)
 
 
 # ------------------------------------------------------------------------------- CPU layers

@@ -6,6 +6,8 @@ Pure arithmetic, no processes. The last test holds the byte model to the peaks m
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from nemo_gtp.plan import (
@@ -141,8 +143,8 @@ def test_bad_planner_inputs(kwargs: dict, message: str) -> None:
         plan_layouts(MODEL_1B, **kwargs)
     with pytest.raises(ValueError, match="model.hidden must be >= 1"):
         ModelShape(layers=1, hidden=0, ffn=1, heads=1, vocab=1, seq=1)
-    with pytest.raises(ValueError, match="num_moe_experts"):
-        ModelShape(layers=1, hidden=8, ffn=8, heads=1, vocab=8, seq=8, experts=8)
+    with pytest.raises(ValueError, match="moe_router_topk=9 must be between 1 and num_moe_expe"):
+        ModelShape(layers=1, hidden=8, ffn=8, heads=1, vocab=8, seq=8, experts=8, topk=9)
 
 
 def test_cli(capsys: pytest.CaptureFixture[str]) -> None:
@@ -300,3 +302,43 @@ def test_the_recommended_line_says_why_and_the_table_has_units(
     odd = ModelShape(layers=2, hidden=96, ffn=384, heads=6, vocab=100, seq=16, query_groups=3)
     tps = {p.layout.tp for p in plan_layouts(odd, gpus=8, gpu_memory_gib=80, tokens_per_gpu=16)}
     assert tps == {1}  # 8 GPUs: TP 1, 2, 4, 8; only 1 divides 6 heads in 3 groups
+
+
+MOE = ModelShape(
+    layers=4, hidden=64, ffn=128, heads=4, vocab=100, seq=16, gated=True,
+    experts=8, expert_ffn=96, topk=2, shared_ffn=32, moe_layers=3,
+)  # fmt: skip
+
+
+def test_moe_experts_counted_and_split_over_ep_tp_egtp() -> None:
+    """Routed experts (Mixtral, DeepSeek): their weights and gradients split over EP × TP × EGTP,
+    their Adam state also over the expert data ranks; the router stays whole; the shared
+    expert and attention shard like dense linears; EGTP adds the experts' gather buffers."""
+    routed = 8 * 64 * 96 * 3  # one MoE layer's experts (gated fc1: 2 x 96)
+    assert MOE.expert_params_per_layer == routed and MOE.moe_layer_count == 3
+    dense = dataclasses.replace(MOE, experts=0)
+    swap = routed + 8 * 64 + 64 * 32 * 3 - 64 * 128 * 3  # experts + router + shared - dense MLP
+    assert MOE.parameters == dense.parameters + 3 * swap
+    base = dict(tokens_per_gpu=16, overhead_gib=0, param_bytes=2, grad_bytes=4)
+    one = estimate(MOE, Layout(tp=1, gtp=2, dp=2), **base)
+    split = estimate(MOE, Layout(tp=1, gtp=2, dp=2, ep=2, egtp=2), **base)
+    assert one["weights"] - split["weights"] == pytest.approx(3 * routed * 2 * (1 - 1 / 4))
+    assert one["grads"] - split["grads"] == pytest.approx(3 * routed * 4 * (1 - 1 / 4))
+    # Adam state over the expert data ranks: (GTP·DP)/(EP·EGTP) = 4 and 1: the same bytes
+    assert one["optimizer"] == pytest.approx(split["optimizer"])
+    assert split["gather"] > one["gather"] > 0  # EGTP gathers the experts too
+    assert Layout(tp=1, gtp=2, dp=2, ep=2, egtp=2).name == "TP1·GTP2·DP2 EP2·EGTP2"
+    plans = plan_layouts(MOE, gpus=4, gpu_memory_gib=80, tokens_per_gpu=16)
+    splits = {(p.layout.ep, p.layout.egtp) for p in plans if p.layout.gtp == 4}
+    assert splits == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)}
+    assert recommend(plans).layout.name == "TP1·GTP1·DP4"  # a tiny model: no shards at all
+
+
+def test_moe_layer_frequency_as_megatron_writes_it() -> None:
+    from nemo_gtp.recipes.model_size import moe_layer_count
+
+    assert moe_layer_count(1, 4) == 4 and moe_layer_count(2, 5) == 3
+    assert moe_layer_count([0, 1, 1], 3) == 2
+    assert moe_layer_count("([0]*1+[1]*26)", 27) == 26
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        moe_layer_count("__import__('os')", 3)

@@ -18,6 +18,7 @@ from typing import Any
 
 from nemo_gtp.recipes.config import RecipeError
 from nemo_gtp.recipes.convert import config_arg
+from nemo_gtp.recipes.model_size import moe_sizes
 from nemo_gtp.recipes.nemo_cli import apply_overrides, load_nemo_recipe
 
 # The tokenizer's vocabulary of the model families whose NeMo config leaves ``vocab_size``
@@ -81,8 +82,8 @@ def nemo_recipe_model_sizes(name: str, overrides: Sequence[str] = ()) -> dict[st
         "query_groups": get("num_query_groups"),
         "gated": bool(get("gated_linear_unit", False)),
         "tied_embeddings": bool(get("share_embeddings_and_output_weights", False)),
-        "experts": int(get("num_moe_experts", 0)),
         "softmax_fp32": bool(get("attention_softmax_in_fp32", False)),
+        **moe_sizes(get, int(get("num_layers"))),
     }
 
 

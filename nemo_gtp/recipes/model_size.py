@@ -39,18 +39,71 @@ def parameter_count(
     tied_embeddings: bool = False,
     experts: int = 0,
     expert_ffn: int | None = None,
+    shared_ffn: int = 0,
+    moe_layers: int | None = None,
     **_: Any,
 ) -> int:
     """Every weight of the GPT (linears, embeddings, layer norms; no biases). With ``experts``
-    (MoE), each layer's MLP is that many experts of ``expert_ffn`` (default ``ffn``) and a
-    router."""
+    (MoE), the MLP of each of ``moe_layers`` layers (default: all) is that many experts of
+    ``expert_ffn`` (default ``ffn``), a router and a shared expert of ``shared_ffn`` (0: none).
+    """
     norms = (2 * layers + 1) * hidden
     linears = layers * linear_params_per_layer(hidden, ffn, heads, query_groups, gated)
     if experts:
-        mlp = hidden * ffn * (3 if gated else 2)
-        expert = hidden * (expert_ffn or ffn) * (3 if gated else 2)
-        linears += layers * (experts * expert + experts * hidden - mlp)
+        width = 3 if gated else 2
+        moe = layers if moe_layers is None else moe_layers
+        expert = hidden * (expert_ffn or ffn) * width
+        swap = experts * expert + experts * hidden + hidden * shared_ffn * width
+        linears += moe * (swap - hidden * ffn * width)
     return linears + embedding_params(vocab, hidden, tied_embeddings) + norms
+
+
+def moe_layer_count(freq: Any, layers: int) -> int:
+    """Layers with routed experts under megatron's ``moe_layer_freq``: an int k (every k-th
+    layer, from the first), a 0/1 list per layer, or that list as megatron's string expression
+    (``"([0]*1+[1]*26)"``).
+
+    Example::
+
+        moe_layer_count(1, 4), moe_layer_count([0, 1, 1], 3), moe_layer_count("[0]+[1]*2", 3)
+        # (4, 2, 2)
+    """
+    if isinstance(freq, str):
+        import ast
+
+        freq = _list_expression(ast.parse(freq, mode="eval").body)
+    if isinstance(freq, int):
+        return -(-layers // max(freq, 1))
+    return sum(1 for flag in freq if flag)
+
+
+def _list_expression(node: Any) -> list[int]:
+    """megatron's ``moe_layer_freq`` string: lists of ints joined by ``+`` and repeated by
+    ``*`` (evaluated without ``eval``)."""
+    import ast
+
+    if isinstance(node, ast.List):
+        return [int(ast.literal_eval(item)) for item in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _list_expression(node.left) + _list_expression(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _list_expression(node.left) * int(ast.literal_eval(node.right))
+    raise ValueError(f"moe_layer_freq: cannot read {ast.unparse(node)!r}")
+
+
+def moe_sizes(get: Any, layers: int) -> dict[str, Any]:
+    """The MoE sizes of a model config read through ``get(key, default)``, as ``ModelShape``
+    keyword arguments (``experts``, ``expert_ffn``, ``topk``, ``shared_ffn``, ``moe_layers``)."""
+    experts = int(get("num_moe_experts", 0) or 0)
+    if not experts:
+        return {"experts": 0}
+    return {
+        "experts": experts,
+        "expert_ffn": int(get("moe_ffn_hidden_size", 0) or 0),
+        "topk": int(get("moe_router_topk", 2) or 2),
+        "shared_ffn": int(get("moe_shared_expert_intermediate_size", 0) or 0),
+        "moe_layers": moe_layer_count(get("moe_layer_freq", 1) or 1, layers),
+    }
 
 
 def yaml_model_sizes(cfg: Any) -> dict[str, Any]:
@@ -69,6 +122,6 @@ def yaml_model_sizes(cfg: Any) -> dict[str, Any]:
         "gated": bool(m.get("gated_linear_unit", False)),
         # NeMo's GPTConfig ties them unless told not to
         "tied_embeddings": bool(m.get("share_embeddings_and_output_weights", True)),
-        "experts": int(m.get("num_moe_experts") or 0),
         "softmax_fp32": bool(m.get("attention_softmax_in_fp32", False)),  # NeMo's default
+        **moe_sizes(lambda key, default=None: m.get(key, default), int(m.num_layers)),
     }
