@@ -262,6 +262,43 @@ def describe_run(cfg: object, log_dir: Path) -> list[str]:
     ]
 
 
+def describe_nemo_run(recipe: object, args: argparse.Namespace) -> list[str]:
+    """:func:`describe_run` for ``--recipe NAME``: the layout, the model's size and where the
+    logs go, read from NeMo's recipe after ``with_gtp`` (printed before NeMo-Run launches).
+
+    Example: ``describe_nemo_run(with_gtp(recipe, num_weight_shards=2), args)``.
+    """
+    from nemo_gtp.recipes.convert import strategy_dims
+    from nemo_gtp.recipes.model_shape import recipe_model_sizes
+    from nemo_gtp.recipes.model_size import parameter_count
+    from nemo_gtp.recipes.sequence import nemo_log_dir
+
+    trainer = recipe.trainer  # type: ignore[attr-defined]
+    world = int(args.nodes) * int(args.devices)
+    experts = getattr(args, "expert_num_weight_shards", None)
+    dims = strategy_dims(trainer.strategy, args.num_weight_shards, experts)
+    dims = dims.with_world_size(world)
+    parts = [f"TP{dims.tensor_model_parallel_size}"]
+    parts += [f"PP{dims.pipeline_model_parallel_size}"] * (dims.pipeline_model_parallel_size > 1)
+    parts += [f"CP{dims.context_parallel_size}"] * (dims.context_parallel_size > 1)
+    parts += [f"GTP{dims.gtp}", f"DP{dims.dp}"]
+    where = f"{world} CPU processes (gloo)" if args.cpu else f"{world} GPUs"
+    sizes = recipe_model_sizes(recipe, f"--recipe {args.recipe!r}")
+    shape = f"{sizes['layers']} layers, hidden {sizes['hidden']}, vocab {sizes['vocab']}"
+    layout = "·".join(parts)
+    if sizes["experts"]:
+        layout += f", experts EP{dims.expert_model_parallel_size}·EGTP{dims.egtp}"
+        shape += f", {sizes['experts']} experts, top-{sizes['topk']}"
+    count = parameter_count(**sizes) / 1e6
+    data = recipe.data  # type: ignore[attr-defined]
+    return [
+        f"layout: {layout} on {where}; GPT of ~{count:.2f} M parameters ({shape}); "
+        f"{trainer.max_steps} steps of {data.global_batch_size} x {data.seq_length} tokens",
+        f"logs: {nemo_log_dir(recipe.log)} (NeMo's and Lightning's messages in its "  # type: ignore[attr-defined]
+        "*_log_globalrank-*.txt, or here with --verbose)",
+    ]
+
+
 def check(config: str, overrides: list[str]) -> object:
     """Load and check a recipe in this process (no torch / NeMo): the config, or RecipeError."""
     from nemo_gtp.recipes.config import load_recipe
@@ -325,11 +362,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)  # options may sit between the overrides
+    if args.verbose:  # inherited by every process started below
+        from nemo_gtp.recipes.quiet import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     if args.recipe is not None:
         from nemo_gtp.recipes.nemo_cli import main_recipe
 
         args.overrides = args.args
-        return main_recipe(args)
+        return main_recipe(args, describe=describe_nemo_run)
     if not args.args:
         parser.error("give a recipe YAML (e.g. configs/tiny_cpu.yaml) or --recipe NAME")
     args.config, args.overrides = args.args[0], args.args[1:]
@@ -338,10 +379,6 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:  # a user error: one line, no traceback, before any worker
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return 2
-    if args.verbose:  # inherited by every process started below
-        from nemo_gtp.recipes.quiet import VERBOSE_ENV
-
-        os.environ[VERBOSE_ENV] = "1"
     quiet_known_warnings()  # not inherited: every process started below installs it too
     if str(cfg.trainer.get("accelerator", "")) == "cpu":  # type: ignore[attr-defined]
         # No NCCL, so no flight recorder to quiet; set the new name so GTP's quiet_flight_recorder

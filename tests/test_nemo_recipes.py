@@ -459,6 +459,13 @@ def one_node(corpus: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
 def test_llama3_recipe_gtp_matches_dp2_baseline_on_indexed_data(one_node: dict) -> None:
     out = one_node["out"]
     assert one_node["status"] == 0, out[-6000:]
+    # a quiet start: the layout and the logs first; Lightning's, NeMo's and torchrun's notices
+    # in the log files (NeMo-Run's own experiment lines stay)
+    first, second = out.lstrip().splitlines()[:2]
+    assert first.startswith("layout: TP1·GTP2·DP1 on 2 CPU processes (gloo); GPT of ~"), first
+    assert second.startswith(f"logs: {one_node['where'] / 'exp' / 'llama3_8b_gtp'} "), second
+    for noise in ("GPU available:", "Starting elastic_operator", "pynvml package is deprecated"):
+        assert noise not in out, noise
     rows = one_node["rows"]
     assert [int(r[0]) for r in rows] == list(range(1, 11)), out[-3000:]
     assert max(float(r[3]) for r in rows) <= 1e-5, out[-3000:]

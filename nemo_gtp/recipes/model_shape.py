@@ -56,9 +56,16 @@ def nemo_recipe_model_sizes(name: str, overrides: Sequence[str] = ()) -> dict[st
         name, run_name="plan", directory=tempfile.gettempdir(), nodes=1, devices=8
     )
     apply_overrides(recipe, list(overrides))
+    return recipe_model_sizes(recipe, f"--recipe {name!r}")
+
+
+def recipe_model_sizes(recipe: Any, label: str = "the recipe") -> dict[str, Any]:
+    """:func:`nemo_recipe_model_sizes` of a NeMo recipe already built (a ``run.Partial``);
+    ``label`` names it in errors. Example: ``recipe_model_sizes(recipe)["layers"]``."""
+    name = label
     config = config_arg(config_arg(recipe, "model"), "config")
     if config is None or config_arg(config, "hidden_size") is None:
-        raise RecipeError(f"--recipe {name!r}: its model has no GPT config (model.config)")
+        raise RecipeError(f"{name}: its model has no GPT config (model.config)")
 
     def get(key: str, default: Any = None) -> Any:
         value = config_arg(config, key, default)
@@ -68,7 +75,7 @@ def nemo_recipe_model_sizes(name: str, overrides: Sequence[str] = ()) -> dict[st
     vocab = get("vocab_size") or _family_vocab(config)
     if not vocab:
         raise RecipeError(
-            f"--recipe {name!r}: its model config sets no vocab_size and its family's tokenizer "
+            f"{name}: its model config sets no vocab_size and its family's tokenizer "
             "is not known here: add model.config.vocab_size=N"
         )
     seq = config_arg(config_arg(recipe, "data"), "seq_length") or get("seq_length", 2048)

@@ -348,8 +348,14 @@ def _val_log(path: str | Path) -> str:
 def _make_executor(args: Any) -> Any:
     """The NeMo-Run executor the arguments ask for (:mod:`nemo_gtp.recipes.executors`)."""
     from nemo_gtp.recipes.executors import local_executor, slurm_executor
+    from nemo_gtp.recipes.quiet import VERBOSE_ENV
 
     env = {"TORCH_FR_BUFFER_SIZE": "0"} if args.cpu else {}
+    if os.environ.get(VERBOSE_ENV) == "1":  # --verbose reaches the ranks
+        env[VERBOSE_ENV] = "1"
+    else:  # torchrun's agent: its launch settings at INFO, pynvml's notice at import
+        env["LOGLEVEL"] = "WARNING"
+        env["PYTHONWARNINGS"] = "ignore:The pynvml package is deprecated:FutureWarning"
     if args.executor == "local":
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if v not in os.environ]
         if args.nodes > 1 and missing and not args.dryrun:
@@ -380,8 +386,6 @@ def _launch_task(gtp: Any, baseline: Any | None, args: Any) -> Any:
 
     from nemo_gtp.recipes.sequence import run_recipes, serialize
 
-    if baseline is None and not args.cpu:
-        return gtp
     recipes = [serialize(gtp)] + ([serialize(baseline)] if baseline is not None else [])
     store_dir = ""
     if baseline is not None:
@@ -390,12 +394,15 @@ def _launch_task(gtp: Any, baseline: Any | None, args: Any) -> Any:
     return run.Partial(run_recipes, recipes=recipes, store_dir=store_dir, cpu_compat=args.cpu)
 
 
-def main_recipe(args: Any) -> int:
+def main_recipe(args: Any, describe: Any = None) -> int:
     """``python -m nemo_gtp.run --recipe ...``; returns the exit status (2: bad input).
 
     Example::
 
         main_recipe(build_parser().parse_intermixed_args(["--recipe", "llama3_8b", ...]))
+
+    ``describe(recipe, args)`` (``run.describe_nemo_run``) gives the lines printed before the
+    launch: the layout, the model's size, where the logs go.
     """
     from nemo_gtp.recipes.quiet import quiet_known_warnings
 
@@ -411,6 +418,12 @@ def main_recipe(args: Any) -> int:
     except RecipeError as err:  # a user error: one line, before anything is launched
         print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
         return 2
+    if describe is not None:
+        try:
+            lines = describe(gtp, args)
+        except RecipeError as err:  # the first lines only: the run itself goes on
+            lines = [f"layout: not described ({err})"]
+        print("\n".join(lines), flush=True)
     task = _launch_task(gtp, baseline, args)
     title = args.name or f"{args.recipe.split(':')[-1]}_gtp"
     with run.Experiment(title, executor=executor, log_level="WARNING") as exp:

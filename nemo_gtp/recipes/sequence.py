@@ -37,6 +37,19 @@ def serialize(recipe: Any) -> str:
     return ZlibJSONSerializer().serialize(recipe)
 
 
+def nemo_log_dir(log: Any) -> Path:
+    """Where a recipe's ``NeMoLogger`` (built, or its ``run.Config``) writes: its
+    ``explicit_log_dir``, else ``log_dir`` (NeMo's default ``nemo_experiments``) / ``name``.
+
+    Example: ``nemo_log_dir(recipe.log)``.
+    """
+    explicit = getattr(log, "explicit_log_dir", None)
+    if explicit:
+        return Path(explicit)
+    base = getattr(log, "log_dir", None) or "nemo_experiments"
+    return Path(base, getattr(log, "name", None) or "default")
+
+
 def run_recipes(recipes: list[str], store_dir: str = "", cpu_compat: bool = False) -> None:
     """Build and run each serialized recipe in order, tearing down between them (every rank).
 
@@ -49,7 +62,7 @@ def run_recipes(recipes: list[str], store_dir: str = "", cpu_compat: bool = Fals
     from nemo_run.core.serialization.zlib_json import ZlibJSONSerializer
 
     from nemo_gtp.recipes.launch import freeze_imports, teardown_fit
-    from nemo_gtp.recipes.quiet import quiet_known_warnings
+    from nemo_gtp.recipes.quiet import quiet_console, quiet_known_warnings
 
     quiet_known_warnings()
     if len(recipes) > 1 and not store_dir:
@@ -64,7 +77,11 @@ def run_recipes(recipes: list[str], store_dir: str = "", cpu_compat: bool = Fals
     world = int(os.environ.get("WORLD_SIZE", "1"))
     freeze_imports()
     for index, text in enumerate(recipes):
-        task = fdl.build(ZlibJSONSerializer().deserialize(text))
+        recipe = ZlibJSONSerializer().deserialize(text)
+        # NeMo's and Lightning's notices to the run's log files (unless --verbose), before the
+        # build: Lightning's Trainer announces its devices as it is made
+        quiet_console(nemo_log_dir(getattr(recipe, "log", None)))
+        task = fdl.build(recipe)
         if index > 0:
             Path(store_dir).mkdir(parents=True, exist_ok=True)
             store = dist.FileStore(str(Path(store_dir, f"store{index}")), world)
