@@ -36,6 +36,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 # The comparison's tolerance, VERDICT line and report are nemo_gtp.report's (the NeMo-recipe CLI
 # prints them too); re-exported here, the command they serve.
@@ -234,32 +235,16 @@ def describe_run(cfg: object, log_dir: Path) -> list[str]:
         #   hidden 64, vocab 128); 30 steps of 16 x 32 tokens", "logs: runs/tiny_cpu (...)"]
     """
     from nemo_gtp.engine.grid import layout_dims
-    from nemo_gtp.recipes.model_size import parameter_count, yaml_model_sizes
+    from nemo_gtp.recipes.model_size import yaml_model_sizes
 
     trainer, strategy = cfg.trainer, cfg.strategy  # type: ignore[attr-defined]
     world = int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
     dims = layout_dims(strategy, "strategy").with_world_size(world)
-    parts = [f"TP{dims.tensor_model_parallel_size}"]
-    parts += [f"PP{dims.pipeline_model_parallel_size}"] * (dims.pipeline_model_parallel_size > 1)
-    parts += [f"CP{dims.context_parallel_size}"] * (dims.context_parallel_size > 1)
-    parts += [f"GTP{dims.gtp}", f"DP{dims.dp}"]
     cpu = str(trainer.get("accelerator", "")) == "cpu"
-    where = f"{world} CPU processes (gloo)" if cpu else f"{world} GPUs"
-    sizes = yaml_model_sizes(cfg)
-    shape = f"{sizes['layers']} layers, hidden {sizes['hidden']}, vocab {sizes['vocab']}"
-    layout = "·".join(parts)
-    if sizes["experts"]:
-        layout += f", experts EP{dims.expert_model_parallel_size}·EGTP{dims.egtp}"
-        shape += f", {sizes['experts']} experts, top-{sizes['topk']}"
-    count = parameter_count(**sizes) / 1e6
     data = cfg.data  # type: ignore[attr-defined]
-    return [
-        f"layout: {layout} on {where}; GPT of ~{count:.2f} M parameters ({shape}); "
-        f"{trainer.get('max_steps')} steps of {data.global_batch_size} x {data.seq_length} "
-        "tokens",
-        f"logs: {log_dir} (TensorBoard; NeMo's and Lightning's messages in its "
-        "*_log_globalrank-*.txt, or here with --verbose)",
-    ]
+    steps = f"{trainer.get('max_steps')} steps of {data.global_batch_size} x {data.seq_length}"
+    logs = f"{log_dir} (TensorBoard; "
+    return _first_lines(dims, yaml_model_sizes(cfg), world, cpu, steps, logs)
 
 
 def describe_nemo_run(recipe: object, args: argparse.Namespace) -> list[str]:
@@ -270,32 +255,39 @@ def describe_nemo_run(recipe: object, args: argparse.Namespace) -> list[str]:
     """
     from nemo_gtp.recipes.convert import strategy_dims
     from nemo_gtp.recipes.model_shape import recipe_model_sizes
-    from nemo_gtp.recipes.model_size import parameter_count
     from nemo_gtp.recipes.sequence import nemo_log_dir
 
     trainer = recipe.trainer  # type: ignore[attr-defined]
     world = int(args.nodes) * int(args.devices)
     experts = getattr(args, "expert_num_weight_shards", None)
     dims = strategy_dims(trainer.strategy, args.num_weight_shards, experts)
-    dims = dims.with_world_size(world)
-    parts = [f"TP{dims.tensor_model_parallel_size}"]
-    parts += [f"PP{dims.pipeline_model_parallel_size}"] * (dims.pipeline_model_parallel_size > 1)
-    parts += [f"CP{dims.context_parallel_size}"] * (dims.context_parallel_size > 1)
-    parts += [f"GTP{dims.gtp}", f"DP{dims.dp}"]
-    where = f"{world} CPU processes (gloo)" if args.cpu else f"{world} GPUs"
     sizes = recipe_model_sizes(recipe, f"--recipe {args.recipe!r}")
+    data = recipe.data  # type: ignore[attr-defined]
+    steps = f"{trainer.max_steps} steps of {data.global_batch_size} x {data.seq_length}"
+    logs = f"{nemo_log_dir(recipe.log)} ("  # type: ignore[attr-defined]
+    return _first_lines(dims.with_world_size(world), sizes, world, args.cpu, steps, logs)
+
+
+def _first_lines(dims: Any, sizes: dict, world: int, cpu: bool, steps: str, logs: str) -> list[str]:
+    """The two first lines of :func:`describe_run` and :func:`describe_nemo_run` (``dims``: the
+    run's ``GTPParallelDims`` with its world size)."""
+    from nemo_gtp.recipes.model_size import parameter_count
+
+    tp, pp = dims.tensor_model_parallel_size, dims.pipeline_model_parallel_size
+    cp = dims.context_parallel_size
+    parts = [f"TP{tp}", *[f"PP{pp}"] * (pp > 1), *[f"CP{cp}"] * (cp > 1)]
+    parts += [f"GTP{dims.gtp}", f"DP{dims.dp}"]
+    where = f"{world} CPU processes (gloo)" if cpu else f"{world} GPUs"
     shape = f"{sizes['layers']} layers, hidden {sizes['hidden']}, vocab {sizes['vocab']}"
     layout = "·".join(parts)
     if sizes["experts"]:
         layout += f", experts EP{dims.expert_model_parallel_size}·EGTP{dims.egtp}"
         shape += f", {sizes['experts']} experts, top-{sizes['topk']}"
     count = parameter_count(**sizes) / 1e6
-    data = recipe.data  # type: ignore[attr-defined]
     return [
-        f"layout: {layout} on {where}; GPT of ~{count:.2f} M parameters ({shape}); "
-        f"{trainer.max_steps} steps of {data.global_batch_size} x {data.seq_length} tokens",
-        f"logs: {nemo_log_dir(recipe.log)} (NeMo's and Lightning's messages in its "  # type: ignore[attr-defined]
-        "*_log_globalrank-*.txt, or here with --verbose)",
+        f"layout: {layout} on {where}; GPT of ~{count:.2f} M parameters ({shape}); {steps} tokens",
+        f"logs: {logs}NeMo's and Lightning's messages in its *_log_globalrank-*.txt, or here "
+        "with --verbose)",
     ]
 
 

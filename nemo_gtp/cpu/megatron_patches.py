@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nemo_gtp.cpu.fusions import FUSIONS
 from nemo_gtp.cpu.patching import (
     HostStream,
     Patcher,
@@ -320,19 +321,8 @@ def _patch_moe_router_gemm(patcher: Patcher) -> None:
         patcher.set(moe_utils, "te_general_gemm", None)
 
 
-# The fused kernels a megatron config may ask for; none exists on CPU (TE, Apex or CUDA-only).
-# nemo_gtp.recipes.cpu.FUSIONS is the same list for recipes (set off before building).
-CPU_UNAVAILABLE_FUSIONS = (
-    "apply_rope_fusion",
-    "masked_softmax_fusion",
-    "bias_activation_fusion",
-    "bias_dropout_fusion",
-    "persist_layer_norm",
-    "cross_entropy_loss_fusion",
-    "gradient_accumulation_fusion",
-    "moe_permute_fusion",
-    "moe_router_fusion",
-)
+# The fused kernels a megatron config may ask for; none exists on CPU (nemo_gtp.cpu.fusions).
+CPU_UNAVAILABLE_FUSIONS = FUSIONS
 
 
 @register("megatron/core/transformer/transformer_config.py:TransformerConfig.__post_init__")

@@ -33,20 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Kernel fusions a model config may ask for: off on CPU (no fused kernels), and off in the
-# parent's check of a NeMo recipe (nemo_cli.check_recipe), which runs where the GPU workers'
-# TransformerEngine or Apex may be missing.
-FUSIONS = (
-    "apply_rope_fusion",
-    "masked_softmax_fusion",
-    "bias_activation_fusion",
-    "bias_dropout_fusion",
-    "persist_layer_norm",
-    "cross_entropy_loss_fusion",
-    "gradient_accumulation_fusion",
-    "moe_permute_fusion",
-    "moe_router_fusion",
-)
+from nemo_gtp.cpu.fusions import FUSIONS
 
 # NeMo's layer specs whose architecture cpu_layer_spec rebuilds from megatron's local modules
 # (every other spec, e.g. Gemma 2's softcapped attention or Llama 4's chunked attention, builds
