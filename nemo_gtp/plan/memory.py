@@ -140,7 +140,10 @@ def _stage_bytes(
     per_layer = tokens_per_gpu * (per_token + scores * a * s) / tp
     # an MoE layer: the dense MLP's share (19·h with dropout, for ffn = 4h) replaced by topk
     # routed copies of each token (2·h permuted) through an expert MLP, and the shared expert
-    mlp = lambda width: 2 * h + (6 if model.gated else 4) * width + (h if dropout else 0)  # noqa: E731
+
+    def mlp(width: int) -> float:  # an MLP's saved activations per token
+        return 2 * h + (6 if model.gated else 4) * width + (h if dropout else 0)
+
     routed = model.topk * (2 * h + mlp(model.expert_ffn or model.ffn))
     shared = mlp(model.shared_ffn) if model.shared_ffn else 0
     moe_token = per_token - (19 if dropout else 18) * h + routed + shared

@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -394,7 +395,7 @@ def _launch_task(gtp: Any, baseline: Any | None, args: Any) -> Any:
     return run.Partial(run_recipes, recipes=recipes, store_dir=store_dir, cpu_compat=args.cpu)
 
 
-def main_recipe(args: Any, describe: Any = None) -> int:
+def main_recipe(args: Any, describe: Callable[[Any, Any], list[str]] | None = None) -> int:
     """``python -m nemo_gtp.run --recipe ...``; returns the exit status (2: bad input).
 
     Example::

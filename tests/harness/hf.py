@@ -32,10 +32,18 @@ import torch.nn.functional as F
 VOCAB = 128
 
 
-def make_tiny_llama(path: str | Path, seed: int = 0) -> None:
-    """A random tiny ``LlamaForCausalLM`` (fp32) and its tokenizer saved under ``path``."""
+# The tiny shape both models share (fp32, 2 layers, GQA 4:2, untied output layer).
+_SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=64,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+)  # fmt: skip
+
+
+def _save_tokenizer(path: str | Path) -> None:
+    """A word-level tokenizer of ``VOCAB`` tokens (no download) saved under ``path``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -43,23 +51,14 @@ def make_tiny_llama(path: str | Path, seed: int = 0) -> None:
     PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     ).save_pretrained(path)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float32",
-    )
+
+
+def _save_random(model_class: type, config: Any, path: str | Path, seed: int) -> None:
+    """A random ``model_class(config)`` with random norms saved under ``path`` with the
+    tokenizer."""
+    _save_tokenizer(path)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():  # HF initializes norms to 1: random ones show a mapping mix-up
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -67,38 +66,20 @@ def make_tiny_llama(path: str | Path, seed: int = 0) -> None:
     model.save_pretrained(path)
 
 
+def make_tiny_llama(path: str | Path, seed: int = 0) -> None:
+    """A random tiny ``LlamaForCausalLM`` (fp32) and its tokenizer saved under ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _save_random(LlamaForCausalLM, LlamaConfig(**_SHAPE, rope_theta=500000.0), path, seed)
+
+
 def make_tiny_mixtral(path: str | Path, seed: int = 0) -> None:
     """A random tiny ``MixtralForCausalLM`` (fp32): the Llama shape above with 4 experts of
     width 128 in every layer, top-2 routing, RoPE base 1e6; the same tokenizer."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    make_tiny_llama(path, seed)  # the tokenizer (the Llama weights are replaced below)
-    for stale in Path(path).glob("model*.safetensors"):
-        stale.unlink()
-    config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        rope_theta=1e6,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
+    config = MixtralConfig(**_SHAPE, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6)
+    _save_random(MixtralForCausalLM, config, path, seed)
 
 
 def _column_parallel_linear() -> type:
