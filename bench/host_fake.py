@@ -15,10 +15,12 @@ GPU (or on CPU) GTP2 vs DP2 at the same per-rank shapes gives the host time GTP 
 and a cProfile dump (``host_profile_<mode>.pstats``) says where — without a second GPU
 (``python -m bench.tools pstats-diff`` diffs two dumps, packed into ``host_profiles.tgz``).
 NCCL's own launch cost, and anything that waits on a peer, is what this cannot see;
-``bench.bench_nemo`` measures the real thing on ≥ 2 GPUs. Two fake-world costs fall on GTP's
+``bench.bench_nemo`` measures the real thing on ≥ 2 GPUs. One fake-world cost falls on GTP's
 side only (its ratios are upper bounds): torch's fake backend copies every all-gather input
-into its output (a copy kernel per tensor), and without NCCL's AVG GTP's MEAN is a 1/GTP
-pre-scale (one ``mul_`` per weight).
+into its output (a copy kernel per tensor and rank, where NCCL launches one kernel per
+collective); the ``%nocopy`` twin of a GTP mode issues its collectives without them (a lower
+bound). The "inside GTP" timer (``--timer``) also falls on GTP's side: ratio runs take
+``--timer none``; ``--kernels`` profiles the device side (time per kernel kind per step).
 
     python -m bench.host_fake --modes dp2_te,gtp2_te --tokens 2048 --repeat 3 --out results/hf
     python -m bench.host_fake --modes dp2_cpu,gtp2_cpu --out /tmp/host_fake   # CPU, tiny GPT
@@ -55,6 +57,7 @@ import io
 import json
 import os
 import pstats
+import re
 import statistics
 import subprocess
 import sys
@@ -237,7 +240,46 @@ def _patch_gemm_variants() -> None:
     tex.generic_gemm = timed
 
 
+_NAMES_COPIED = ("all_gather", "reduce_scatter", "all_gather_coalesced", "reduce_scatter_coalesced")
+
+
+def set_no_copy(on: bool) -> None:
+    """``%nocopy`` on or off for the next fit: GTP's collectives (``GroupCollectives``) issue one
+    C++ call each on the fake group (an all-reduce of a one-element tensor: no kernel, no copy)
+    instead of the fake backend's all-gather / reduce-scatter, which copy every input into its
+    output (a copy kernel per tensor and rank: 2 per gathered weight at world 2, where NCCL
+    launches one kernel per collective). Bounds from below what the fake world's copies add to
+    GTP's side. Set per fit (``--one-process`` runs it beside unpatched fits); off restores
+    the methods themselves, so an unpatched fit pays no wrapper."""
+    import torch
+
+    from nemo_gtp.engine.collectives import GroupCollectives
+
+    originals = _NO_COPY.setdefault(
+        "originals", {name: vars(GroupCollectives)[name] for name in _NAMES_COPIED}
+    )
+    if not on:
+        for name, method in originals.items():
+            setattr(GroupCollectives, name, method)
+        return
+    token: dict = {}
+
+    def issue_nothing(self, outputs, inputs, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        device = (outputs[0] if isinstance(outputs, list) else outputs).device
+        one = token.get(device)
+        if one is None:
+            one = token[device] = [torch.zeros(1, device=device)]
+        return self.group.allreduce(one)
+
+    for name in _NAMES_COPIED:
+        setattr(GroupCollectives, name, issue_nothing)
+
+
+_NO_COPY: dict = {}
+
+
 PATCHES = {
+    "nocopy": lambda: set_no_copy(True),
     "general": _patch_general_consume,
     "flatten": _patch_flatten_allreduce,
     "why": _patch_count_bails,
@@ -247,6 +289,9 @@ PATCHES = {
 """Mode suffixes ``%name`` (e.g. ``gtp2_te%general%flatten``): an earlier host path restored in
 that mode's process, so old and new run interleaved in one launch (same machine, same hour), or
 something counted (``%why``) or timed (``%te``) without changing the path."""
+
+PER_FIT = {"nocopy"}
+"""Patches toggled per fit (so ``--one-process`` runs them beside unpatched fits)."""
 
 TIMED_ALIKE = {"te"}
 """Suffixes a GTP mode's DP2 twin carries too (:func:`_baseline`): what they time is compared
@@ -300,14 +345,27 @@ def _on_gc(phase: str, info: dict) -> None:
         _GC_TIME["runs"][info["generation"]] += 1
 
 
-def _process_setup(world: int, patches: list[str], fine_timer: bool = False) -> object:
+class _NoTimer:
+    """``--timer none``: the timer's interface, timing nothing."""
+
+    category: dict = {}
+
+    def snapshot(self) -> dict:
+        return {}
+
+    def per_step(self, before: dict, after: dict, steps: int) -> dict:
+        return {}
+
+
+def _process_setup(world: int, patches: list[str], timer_kind: str = "outer") -> object:
     """Once per process: rank 0 of a fake ``world``, the GC clock, the host timer (before any
     model is built: TE's pre-hooks bind then) and the mode's host-path ``patches``; the timer.
 
-    The timer wraps GTP's entry points only (``bench.common.OUTER_ENTRIES``: the "inside GTP"
-    total); ``fine_timer`` (``--fine-timer``) adds the split inside them (``in.*``), about 2,000
-    more timed calls per step of the 1B recipe at ~2 µs each, all on GTP's side: it moves the
-    GTP/DP ratio, so ratio runs leave it off."""
+    ``timer_kind`` (``--timer``): ``outer`` wraps GTP's entry points only
+    (``bench.common.OUTER_ENTRIES``: the "inside GTP" total, ~300 wrapped calls per step of the
+    1B recipe at ~2.5 µs each, on GTP's side only); ``fine`` adds the split inside them
+    (``in.*``, ~2,000 more); ``none`` wraps nothing — the ratio runs' setting, as any wrapper
+    falls on GTP's side only and moves the GTP/DP ratio."""
     if _PROCESS:
         return _PROCESS["timer"]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
@@ -317,21 +375,76 @@ def _process_setup(world: int, patches: list[str], fine_timer: bool = False) -> 
     gc.callbacks.append(_on_gc)
     from bench.common import GTP_ENTRIES, OUTER_ENTRIES, GTPHostTimer, te_entries
 
-    entries = (GTP_ENTRIES if fine_timer else OUTER_ENTRIES) + (
+    entries = {"fine": GTP_ENTRIES, "outer": OUTER_ENTRIES, "none": ()}[timer_kind] + (
         te_entries() if "te" in patches else ()
     )
-    timer = GTPHostTimer.install(entries)
+    timer = GTPHostTimer.install(entries) if entries else _NoTimer()
     if "te" in patches:
         wrapped = sum(c.startswith(("te.", "tex.")) for c in timer.category.values())
         print(f"TE_ENTRIES wrapped {wrapped}", flush=True)
     for patch in patches:
-        PATCHES[patch]()
+        if patch not in PER_FIT:
+            PATCHES[patch]()
     _PROCESS["timer"] = timer
     return timer
 
 
 def _patches(mode: str) -> list[str]:
     return mode.split("#")[0].split("%")[1:]
+
+
+KERNEL_KINDS = (
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas", re.I)),
+    ("attention", re.compile(r"flash|fmha|fused_attn|cudnn|attn", re.I)),
+    ("optimizer", re.compile(r"multi_tensor|adam", re.I)),
+    ("copy / fill", re.compile(r"memcpy|memset|copy|fill", re.I)),
+    ("norm", re.compile(r"norm", re.I)),
+)
+"""``--kernels``: each kernel's kind, the first pattern its name matches (else "other")."""
+
+
+def kernel_summary(averages: list, steps: int, top: int = 25) -> dict:
+    """Device ms and launches per step, by kind (:data:`KERNEL_KINDS`) and for the ``top``
+    kernels, from torch.profiler's ``key_averages()`` over ``steps`` steps. Kernels on
+    overlapping streams add up (``busy_ms`` may exceed the step on a device that overlaps)."""
+    kernels = []
+    for avg in averages:
+        us = getattr(avg, "self_device_time_total", None)
+        if us is None:
+            us = getattr(avg, "self_cuda_time_total", 0)
+        if us > 0:
+            kernels.append((avg.key, avg.count, us))
+    kernels.sort(key=lambda k: -k[2])
+    kinds: dict[str, list[float]] = {}
+    for name, count, us in kernels:
+        kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+        entry = kinds.setdefault(kind, [0.0, 0.0])
+        entry[0] += us / 1e3 / steps
+        entry[1] += count / steps
+    return {
+        "busy_ms": round(sum(us for _, _, us in kernels) / 1e3 / steps, 2),
+        "launches": round(sum(count for _, count, _ in kernels) / steps, 1),
+        "kinds": {k: [round(ms, 2), round(n, 1)] for k, (ms, n) in sorted(kinds.items())},
+        "top": [
+            [name[:120], round(count / steps, 1), round(us / 1e3 / steps, 3)]
+            for name, count, us in kernels[:top]
+        ],
+    }
+
+
+def _kernel_text(summary: dict) -> str:
+    lines = [
+        f"device busy {summary['busy_ms']} ms/step, {summary['launches']} kernels/step",
+        "",
+        "| kind | ms/step | kernels/step |",
+        "|---|---|---|",
+        *(f"| {k} | {ms} | {n} |" for k, (ms, n) in summary["kinds"].items()),
+        "",
+        "| kernel | calls/step | ms/step |",
+        "|---|---|---|",
+        *(f"| `{name}` | {n} | {ms} |" for name, n, ms in summary["top"]),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _fit(spec: dict, timer: object) -> dict:
@@ -346,7 +459,14 @@ def _fit(spec: dict, timer: object) -> dict:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     warmup, steps, profiled = spec["warmup"], spec["steps"], spec["profile"]
-    prof = cProfile.Profile()  # outside the callback: NeMo deep-copies callbacks
+    set_no_copy("nocopy" in _patches(spec["mode"]))
+    kernels = bool(spec.get("kernels")) and profiled and cuda
+    # outside the callback: NeMo deep-copies callbacks
+    if kernels:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        prof.enable, prof.disable = prof.start, prof.stop
+    else:
+        prof = cProfile.Profile()
 
     class _Times(pl.Callback):
         def __init__(self) -> None:
@@ -406,7 +526,11 @@ def _fit(spec: dict, timer: object) -> dict:
     fit_s = time.perf_counter() - started
     out = Path(spec["out"])
     name = spec["file_stem"]
-    if profiled:
+    kernel_record = {}
+    if kernels:
+        kernel_record = {"kernels": kernel_summary(prof.key_averages(), profiled)}
+        (out / f"kernels_{name}.md").write_text(_kernel_text(kernel_record["kernels"]))
+    elif profiled:
         prof.dump_stats(str(out / f"host_profile_{name}.pstats"))
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
@@ -434,13 +558,14 @@ def _fit(spec: dict, timer: object) -> dict:
         "python_gc": times.gc,
         "host_inside": times.inside,
         **({"gemm_variants": times.gemms} if GEMM_VARIANTS is not None else {}),
+        **kernel_record,
     }
 
 
 def _rank_main(spec: dict) -> dict:
     """Per-process mode: this process runs ``spec``'s one fit."""
     return _fit(
-        spec, _process_setup(spec["world"], _patches(spec["mode"]), spec.get("fine_timer", False))
+        spec, _process_setup(spec["world"], _patches(spec["mode"]), spec.get("timer", "outer"))
     )
 
 
@@ -460,7 +585,7 @@ def _one_process_main(specs: list[dict], budget_s: float, fit_timeout_s: float =
 
     from nemo_gtp.recipes.launch import teardown_fit
 
-    timer = _process_setup(specs[0]["world"], [], specs[0].get("fine_timer", False))
+    timer = _process_setup(specs[0]["world"], [], specs[0].get("timer", "outer"))
     durations: list[float] = []
     for i, spec in enumerate(specs):
         elapsed = time.perf_counter() - _T0
@@ -522,7 +647,8 @@ def _plan(args: argparse.Namespace) -> list[dict]:
                         warmup=args.warmup,
                         steps=args.steps,
                         profile=args.profile,
-                        fine_timer=getattr(args, "fine_timer", False),
+                        timer=getattr(args, "timer", "outer"),
+                        kernels=getattr(args, "kernels", False),
                         out=str(Path(args.out).resolve()),
                     )
                 )
@@ -625,10 +751,25 @@ def main() -> int:
         help="check every fit's recipe (the CLI's checks) and print the plan; run nothing",
     )
     parser.add_argument(
-        "--fine-timer",
+        "--timer",
+        choices=("outer", "fine", "none"),
+        default="outer",
+        help="'inside GTP' host timer: outer (GTP's entry points), fine (also the calls inside "
+        "them: where a consume's time goes), none. Its ~2.5 µs per wrapped call falls on GTP's "
+        "side only: ratio runs take none",
+    )
+    parser.add_argument(
+        "--kernels",
         action="store_true",
-        help="also time the calls inside GTP's entry points (in.*: where a consume's time goes); "
-        "its ~2 µs per call falls on GTP's side only, so ratio runs leave it off",
+        help="the --profile steps under torch.profiler instead of cProfile: device time per "
+        "kernel and per kind (GEMM, attention, optimizer, copies, ...) per step",
+    )
+    parser.add_argument(
+        "--fits-per-process",
+        type=int,
+        default=4,
+        help="--one-process: a fresh process after this many fits (a finished fit's GPU memory "
+        "is not all returned: ~6 fits of the 1B recipe fill an H100)",
     )
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank-main", help=argparse.SUPPRESS)
@@ -641,8 +782,11 @@ def main() -> int:
         _one_process_main(json.loads(Path(args.fits).read_text()), args.budget, args.fit_timeout)
         return 0
     specs = _plan(args)
-    if args.one_process and any(_patches(s["mode"]) for s in specs):
-        parser.error("--one-process: host-path patches (%name) change the process; drop them")
+    if args.one_process and any(set(_patches(s["mode"])) - PER_FIT for s in specs):
+        parser.error(
+            "--one-process: host-path patches (%name) change the process; drop them "
+            f"(only {', '.join(sorted(PER_FIT))} is set per fit)"
+        )
     if args.dry_run:
         return dry_run(specs)
     out = Path(args.out)
@@ -657,9 +801,10 @@ def main() -> int:
 
     if args.one_process:
         started, rest, round_ = time.perf_counter(), specs, 0
-        while rest:
+        while rest:  # a process per --fits-per-process fits, or after one that took it down
+            chunk = rest[: max(args.fits_per_process, 1)]
             fits = out / f"fits_{round_}.json"
-            fits.write_text(json.dumps(rest))
+            fits.write_text(json.dumps(chunk))
             budget = max(args.budget - (time.perf_counter() - started), 1) if args.budget else 0
             before, begun = len(records), []
             code = _run_child(
@@ -673,8 +818,10 @@ def main() -> int:
             )
             last = begun[-1] if begun else -1
             if code == 0:
-                break
-            if last < 0:  # it died before its first fit: a fresh one would too
+                if len(begun) < len(chunk):  # the budget stopped it
+                    break
+                done = len(chunk)
+            elif last < 0:  # it died before its first fit: a fresh one would too
                 for spec in rest:
                     keep(
                         {
@@ -684,20 +831,20 @@ def main() -> int:
                         }
                     )
                 break
-            if len(records) - before <= last:  # the child died in fit `last`: it failed
-                keep(
-                    {
-                        "mode": rest[last]["mode"],
-                        "tokens_per_gpu": rest[last]["tokens"],
-                        "error": f"process exit {code}, see host_fake_one_process.log",
-                    }
-                )
+            else:
+                if len(records) - before <= last:  # the child died in fit `last`: it failed
+                    keep(
+                        {
+                            "mode": chunk[last]["mode"],
+                            "tokens_per_gpu": chunk[last]["tokens"],
+                            "error": f"process exit {code}, see host_fake_one_process.log",
+                        }
+                    )
+                done = last + 1
+            rest, round_ = rest[done:], round_ + 1
             # the rest in a fresh process, if the budget still has room for its imports
-            if last + 1 >= len(rest) or (
-                args.budget and args.budget - (time.perf_counter() - started) < 150
-            ):
+            if rest and args.budget and args.budget - (time.perf_counter() - started) < 150:
                 break
-            rest, round_ = rest[last + 1 :], round_ + 1
         ran = {(r["mode"], r["tokens_per_gpu"]) for r in records}
         for spec in specs:  # what the budget (or a lost process) left out, said so
             if (spec["mode"], spec["tokens"]) not in ran:

@@ -12,7 +12,16 @@ import pytest
 
 from bench.bench_nemo import _eager_twins, resolve_mode, shared_device_refusal
 from bench.common import ROOT, gpt_flops, mfu, mfu_fields, peak_tflops, recipe_flops_per_gpu
-from bench.host_fake import CPU_SHAPE, _baseline, _plan, _recipe_twin, _resolve, _table, label
+from bench.host_fake import (
+    CPU_SHAPE,
+    _baseline,
+    _plan,
+    _recipe_twin,
+    _resolve,
+    _table,
+    kernel_summary,
+    label,
+)
 from nemo_gtp.recipes.config import load_recipe
 
 GPT_1B = dict(  # configs/gpt_1b_te.yaml's shape
@@ -153,3 +162,27 @@ def test_bench_nemo_rows_and_repeat_medians_carry_mfu() -> None:
         dict(mode="dp2_te#1", tokens_per_gpu=4096, step_ms=80.0, mfu=0.5),
     ]
     assert "| dp2_te | 4096 | 2 | 90.0 | 44.4 % |" in _repeat_summary(records)
+
+
+def test_kernel_summary_groups_device_time_by_kind() -> None:
+    """``host_fake --kernels``: torch.profiler's averages per step, by kind, host events out."""
+    from types import SimpleNamespace as Avg
+
+    averages = [
+        Avg(key="sm90_xmma_gemm_bf16", count=300, self_device_time_total=150_000.0),
+        Avg(key="flash_fwd_kernel", count=72, self_device_time_total=30_000.0),
+        Avg(key="multi_tensor_apply_kernel<AdamFunctor>", count=6, self_device_time_total=9_000.0),
+        Avg(key="Memcpy DtoD (Device -> Device)", count=30, self_device_time_total=3_000.0),
+        Avg(key="cudaLaunchKernel", count=900, self_device_time_total=0.0),  # host-side API
+        Avg(key="vectorized_elementwise_kernel", count=600, self_device_time_total=6_000.0),
+    ]
+    summary = kernel_summary(averages, steps=3, top=2)
+    assert summary["busy_ms"] == 66.0 and summary["launches"] == 336.0
+    assert summary["kinds"] == {
+        "attention": [10.0, 24.0],
+        "copy / fill": [1.0, 10.0],
+        "gemm": [50.0, 100.0],
+        "optimizer": [3.0, 2.0],
+        "other": [2.0, 200.0],
+    }
+    assert [row[0] for row in summary["top"]] == ["sm90_xmma_gemm_bf16", "flash_fwd_kernel"]
