@@ -107,3 +107,38 @@ def test_bias_activation_fusion_stays_off_without_linear_biases() -> None:
     _transformer_config(
         _recipe("gpt_1b_te", ["model.bias_activation_fusion=true", "model.add_bias_linear=true"])
     )
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "named"),
+    [
+        (
+            "moe_1b",
+            ["model.cuda_graph_impl=local", "+model.cuda_graph_scope=full"],
+            "model.num_moe_experts=8",
+        ),
+        ("gpt_1b_te", ["strategy.use_te_rng_tracker=false"], "strategy.use_te_rng_tracker=true"),
+        (
+            "gpt_1b_te",
+            ["trainer.devices=4", "+strategy.pipeline_model_parallel_size=2"],
+            "strategy.pipeline_model_parallel_size=2",
+        ),
+        (
+            "gpt_1b_te",
+            ["+model.recompute_granularity=selective"],
+            "model.recompute_granularity='selective'",
+        ),
+    ],
+)
+def test_the_yaml_check_refuses_uncapturable_graphs_before_launch(
+    recipe: str, overrides: list[str], named: str
+) -> None:
+    """The strategy's rule, run by the command line's pre-launch check with the recipe's keys;
+    the same recipe without GTP (the baseline of ``--compare-baseline``) is not GTP's to
+    refuse."""
+    from nemo_gtp.recipes.config import RecipeError
+
+    with pytest.raises(RecipeError, match=re.escape(named) + r".*model\.cuda_graph_impl='none'"):
+        validate_recipe(_recipe(recipe, overrides))
+    if recipe == "gpt_1b_te":
+        validate_recipe(_recipe(recipe, [*overrides, "strategy.num_weight_shards=1"]))

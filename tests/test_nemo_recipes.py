@@ -169,9 +169,9 @@ BAD = [
         8,
         {},
         _mutate("model.config.cuda_graph_impl", "local"),
-        "per-layer CUDA graphs (model.config, trainer.strategy): per-layer CUDA graphs "
-        "(cuda_graph_impl='local', cuda_graph_scope='full') need a capturable RNG tracker: "
-        "pass use_te_rng_tracker=True",
+        "per-layer CUDA graphs (model.config.cuda_graph_impl='local', "
+        "model.config.cuda_graph_scope='full') need a capturable RNG tracker: "
+        "set trainer.strategy.use_te_rng_tracker=true",
     ),  # fmt: skip
     (
         "llama3_8b",

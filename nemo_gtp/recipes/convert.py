@@ -60,7 +60,6 @@ import copy
 import dataclasses
 import difflib
 import logging
-import types
 from typing import Any
 
 from nemo_gtp.engine.grid import (
@@ -332,11 +331,7 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
     """Settings GTP cannot honour and that change what the user asked for."""
     import fiddle as fdl
 
-    from nemo_gtp.strategy.cuda_graphs import (
-        cuda_graphs_enabled,
-        full_iteration_graphs,
-        reject_cuda_graph_capture,
-    )
+    from nemo_gtp.engine.graph_rules import graph_settings, reject_cuda_graph_capture
 
     shards = f"num_weight_shards={config_arg(strategy, 'tensor_model_parallel_size', 1) * gtp}"
     off = "or leave GTP off (num_weight_shards = tensor_model_parallel_size)"
@@ -380,30 +375,17 @@ def _reject(recipe: Any, strategy: Any, gtp: int, egtp: int = 1) -> None:
         )
     except ValueError as err:
         raise RecipeError(str(err)) from None
-    if config is not None and cuda_graphs_enabled(config) and not full_iteration_graphs(config):
-        settings = types.SimpleNamespace(
-            **{
-                name: config_arg(config, name, default)
-                for name, default in (
-                    ("cuda_graph_impl", "none"),
-                    ("enable_cuda_graph", False),
-                    ("external_cuda_graph", False),
-                    ("cuda_graph_scope", "full"),
-                    ("num_moe_experts", None),
-                    ("recompute_granularity", None),
-                )
-            }
-        )
+    if config is not None:
         try:
             reject_cuda_graph_capture(
-                settings,
+                graph_settings(lambda name, default: config_arg(config, name, default)),
                 use_te_rng_tracker=bool(config_arg(strategy, "use_te_rng_tracker", False)),
                 pipeline_parallel=config_arg(strategy, "pipeline_model_parallel_size", 1) or 1,
+                model_key="model.config.",
+                strategy_key="trainer.strategy.",
             )
         except ValueError as err:
-            raise RecipeError(
-                f"per-layer CUDA graphs (model.config, trainer.strategy): {err} (design §3.5)"
-            ) from None
+            raise RecipeError(f"{err} (design §3.5)") from None
     plugins = config_arg(recipe.trainer, "plugins")
     for i, plugin in enumerate(plugins if isinstance(plugins, list) else [plugins]):
         if plugin is None:

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from nemo_gtp.engine.fp8_recipe import FP8_FORMATS, FP8_PRIMARY_RECIPES, FP8_RECIPES
+from nemo_gtp.engine.graph_rules import graph_settings, reject_cuda_graph_capture
 from nemo_gtp.engine.grid import (
     check_checkpoint_format,
     check_expert_shards,
@@ -64,6 +65,7 @@ def check_layout(raw: dict[str, Any]) -> None:
     _check_fp8(raw, dims)
     _check_context_parallel(raw, dims)
     _check_pipeline(raw, dims)
+    _check_cuda_graphs(raw, dims)
     data = raw.get("data") or {}
     micro, batch = data.get("micro_batch_size"), data.get("global_batch_size")
     if micro is None or batch is None:
@@ -72,6 +74,26 @@ def check_layout(raw: dict[str, Any]) -> None:
         check_global_batch(dims, micro, batch)
     except ValueError as err:
         raise RecipeError(str(err)) from None
+
+
+def _check_cuda_graphs(raw: dict[str, Any], dims: Any) -> None:
+    """The CUDA graphs a GTP model asks for (``model.cuda_graph_impl`` / ``cuda_graph_scope``)
+    against what GTP can capture (design §3.5; the strategy's rule, here before launch):
+    per-layer graphs without routed experts, PP, recompute, with ``strategy.use_te_rng_tracker``.
+    """
+    if not dims.gtp_enabled:
+        return
+    model, strategy = raw.get("model") or {}, raw.get("strategy") or {}
+    try:
+        reject_cuda_graph_capture(
+            graph_settings(lambda name, default: model.get(name, default)),
+            use_te_rng_tracker=bool(strategy.get("use_te_rng_tracker", False)),
+            pipeline_parallel=dims.pipeline_model_parallel_size,
+            model_key="model.",
+            strategy_key="strategy.",
+        )
+    except ValueError as err:
+        raise RecipeError(f"{err} (design §3.5)") from None
 
 
 def _check_context_parallel(raw: dict[str, Any], dims: Any) -> None:

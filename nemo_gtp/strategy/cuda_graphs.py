@@ -13,32 +13,30 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import os
 from typing import Any
 
 from nemo_gtp.engine.config import GTPConfig
-from nemo_gtp.integrations.megatron.layer_graphs import (
+from nemo_gtp.engine.graph_rules import (
+    SUPPORTED_LAYER_SCOPES,
+    cuda_graphs_enabled,
+    full_iteration_graphs,
     layer_graph_scope,
-    release_live_cuda_graphs,
+    reject_cuda_graph_capture,
 )
+from nemo_gtp.integrations.megatron.layer_graphs import release_live_cuda_graphs
+
+__all__ = [
+    "SUPPORTED_LAYER_SCOPES",
+    "cuda_graphs_enabled",
+    "enforce_cuda_graph_warmup",
+    "full_iteration_graphs",
+    "graph_safe_gtp_config",
+    "layer_graph_scope",
+    "reject_cuda_graph_capture",
+    "release_graphs_at_exit",
+]
 
 MIN_GTP_CUDA_GRAPH_WARMUP_STEPS = 2
-
-
-def cuda_graphs_enabled(config: Any) -> bool:
-    """Whether a megatron / NeMo model config asks for CUDA graphs (any implementation).
-
-    ``enable_cuda_graph`` / ``external_cuda_graph`` are the deprecated switches megatron-core 0.15
-    still honours; ``cuda_graph_impl`` is the current one. ``cuda_graph_scope`` alone does not
-    enable anything (its default is ``"full"``), except NeMo's ``"full_iteration"`` scope.
-    """
-    impl = getattr(config, "cuda_graph_impl", "none")
-    return bool(
-        getattr(config, "enable_cuda_graph", False)
-        or getattr(config, "external_cuda_graph", False)
-        or (impl not in (None, "none"))
-        or getattr(config, "cuda_graph_scope", None) == "full_iteration"
-    )
 
 
 def release_graphs_at_exit(config: Any) -> bool:
@@ -84,87 +82,6 @@ def enforce_cuda_graph_warmup(config: Any) -> str | None:
         f"{MIN_GTP_CUDA_GRAPH_WARMUP_STEPS} (the first warmup builds the weight-prefetch chain, "
         "the second exercises the prefetch path; design §2.4)"
     )
-
-
-def full_iteration_graphs(config: Any) -> bool:
-    """Whether ``config`` asks for megatron's full-iteration CUDA graph (one graph per step).
-
-    ``cuda_graph_scope="full_iteration"`` with the local implementation (``enable_cuda_graph`` or
-    ``cuda_graph_impl="local"``); NeMo wraps its step in megatron's ``FullCudaGraphWrapper``
-    for it (:func:`install_full_iteration_graph` does so under GTP with the warmup GTP needs).
-    """
-    return getattr(config, "cuda_graph_scope", None) == "full_iteration" and bool(
-        getattr(config, "enable_cuda_graph", False)
-        or getattr(config, "cuda_graph_impl", "none") == "local"
-    )
-
-
-SUPPORTED_LAYER_SCOPES = ("full", "attn")
-"""Per-layer scopes GTP supports with ``cuda_graph_impl="local"`` (megatron-core 0.15 captures
-the whole layer for both)."""
-
-
-def reject_cuda_graph_capture(
-    config: Any, *, use_te_rng_tracker: bool | None = None, pipeline_parallel: int = 1
-) -> None:
-    """``ValueError`` naming the setting when a GTP model asks for CUDA graphs GTP cannot take.
-
-    Supported (design §3.5): the full-iteration graph, and megatron's local per-layer graphs
-    with scope ``"full"`` or ``"attn"`` (one graph per transformer layer; the GTP chains are
-    split at every layer, see :mod:`nemo_gtp.integrations.megatron.layer_graphs`). Refused,
-    before any process group exists: TransformerEngine's graph helper
-    (``cuda_graph_impl="transformer_engine"`` / ``external_cuda_graph``: NeMo does not drive
-    it), other per-layer scopes, per-layer graphs with routed experts, with pipeline
-    parallelism, with activation recompute, without a capturable RNG tracker
-    (``use_te_rng_tracker``, when the caller knows it) and with ``expandable_segments``.
-
-    Example::
-
-        reject_cuda_graph_capture(gpt_config, use_te_rng_tracker=False)  # ValueError
-    """
-    if not cuda_graphs_enabled(config) or full_iteration_graphs(config):
-        return
-    off = "or turn graphs off (cuda_graph_impl='none')"
-    impl = getattr(config, "cuda_graph_impl", "none")
-    if impl == "transformer_engine" or getattr(config, "external_cuda_graph", False):
-        raise ValueError(
-            f"cuda_graph_impl={impl!r} (TransformerEngine's graph helper) is not supported with "
-            "GTP: use cuda_graph_impl='local' with cuda_graph_scope='full', 'attn' or "
-            f"'full_iteration' {off}"
-        )
-    scope = layer_graph_scope(config)
-    if scope not in SUPPORTED_LAYER_SCOPES:
-        raise ValueError(
-            f"cuda_graph_scope={scope!r} with per-layer CUDA graphs is not supported with GTP: "
-            f"use one of {SUPPORTED_LAYER_SCOPES} or 'full_iteration' {off}"
-        )
-    what = f"per-layer CUDA graphs (cuda_graph_impl='local', cuda_graph_scope={scope!r})"
-    if getattr(config, "num_moe_experts", None):
-        raise ValueError(
-            f"{what} of a GTP model with routed experts (num_moe_experts="
-            f"{config.num_moe_experts}) are not supported: the token dispatch is not "
-            f"capturable: turn graphs off (cuda_graph_impl='none')"
-        )
-    if pipeline_parallel > 1:
-        raise ValueError(
-            f"{what} with pipeline_model_parallel_size={pipeline_parallel} are not supported "
-            f"with GTP: use pipeline_model_parallel_size=1 {off}"
-        )
-    if getattr(config, "recompute_granularity", None):
-        raise ValueError(
-            f"{what} with recompute_granularity={config.recompute_granularity!r}: megatron "
-            f"captures no recomputed layer; set recompute_granularity=None {off}"
-        )
-    if use_te_rng_tracker is False:
-        raise ValueError(
-            f"{what} need a capturable RNG tracker: pass use_te_rng_tracker=True to the "
-            f"strategy (as NeMo requires for CUDA graphs) {off}"
-        )
-    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        raise ValueError(
-            f"{what} are unsafe with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (megatron "
-            f"refuses it): remove expandable_segments from PYTORCH_CUDA_ALLOC_CONF {off}"
-        )
 
 
 def graph_safe_gtp_config(

@@ -46,6 +46,7 @@ from megatron.core.transformer.cuda_graphs import (
 )
 
 from nemo_gtp.engine.config import GTPConfig
+from nemo_gtp.engine.graph_rules import layer_graph_scope
 from nemo_gtp.engine.param import GTPStateError, is_gtp_param
 from nemo_gtp.engine.runtime import GTPRuntime
 from nemo_gtp.integrations.te_grad_mode import drop_grad_mode_hooks
@@ -56,25 +57,6 @@ the first binds the layer's forward buffers after the chain was linked in step 1
 runs the steady state once, so the capture allocates and builds nothing."""
 
 _BOUNDARY = "_gtp_graph_boundary"
-
-
-def layer_graph_scope(config: Any) -> str | None:
-    """The scope of megatron's per-layer CUDA graphs ``config`` asks for, or None.
-
-    ``cuda_graph_impl="local"`` (or the deprecated ``enable_cuda_graph``) with any scope but
-    ``"full_iteration"`` (one graph per step, no layer boundary).
-
-    Example::
-
-        layer_graph_scope(TransformerConfig(..., cuda_graph_impl="local"))   # "full"
-    """
-    if config is None:
-        return None
-    local = getattr(config, "cuda_graph_impl", "none") == "local" or getattr(
-        config, "enable_cuda_graph", False
-    )
-    scope = getattr(config, "cuda_graph_scope", "full")
-    return scope if local and scope != "full_iteration" else None
 
 
 def check_layer_graph_settings(model_config: Any, gtp_config: GTPConfig, *, moe: bool) -> GTPConfig:

@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.fp8_primary import make_fp8_primary
+from nemo_gtp.engine.graph_rules import layer_graph_scope
 from nemo_gtp.engine.grid import GTPGroups, WeightAxis
 from nemo_gtp.engine.linear import TPComm, gtp_linear, shard_linear
 from nemo_gtp.engine.param import GTPShardedParam, is_gtp_param
@@ -39,7 +40,6 @@ from nemo_gtp.engine.runtime import ChainId, GTPRuntime
 from nemo_gtp.integrations.megatron.layer_graphs import (
     check_layer_graph_settings,
     install_layer_graphs,
-    layer_graph_scope,
 )
 from nemo_gtp.integrations.megatron.model_config import (
     fp8_primary_scaling,
