@@ -2,7 +2,9 @@
 
 Question: How many host microseconds does GTP add per weight per step?
 
-Ranks: NCCL, one rank per GPU (``torchrun``).
+Ranks: NCCL, one rank per GPU (``torchrun``); or, with ``--fake-world N``, rank 0 of a fake
+process group of N ranks in one process (one GPU, or CPU), the world ``bench.host_fake`` measures
+the NeMo step in, so the two per-weight figures compare like for like.
 
 The GEMMs are tiny, so the GPU is never the bottleneck and a step's wall time is the host time
 it takes to issue it. The difference between a GTP chain and a plain chain, divided by the
@@ -12,6 +14,7 @@ small-token step becomes host-bound.
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     torchrun --nproc-per-node 2 -m bench.host_cost --weights 64 --steps 200 --out host_cost.json
+    python -m bench.host_cost --fake-world 2 --modes te_plain,te_gtp_co4 --weights 96 ...
 
 Modes: ``plain`` (torch linears; megatron-style ``main_grad`` accumulation in a post-accumulate
 hook), ``gtp`` (GTP over all ranks, process-group gather), ``gtp_coN`` (coalescing units of N
@@ -131,6 +134,12 @@ def _te_chain(
 STACK_DEPTH = 0  # extra Python frames around each step (NeMo's call depth is ~60-100)
 
 
+def _sync() -> None:
+    """Wait for the device (nothing to wait for on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _step(model: torch.nn.Module, runtime: object, x: torch.Tensor, depth: int = -1) -> None:
     if depth < 0:
         depth = STACK_DEPTH
@@ -162,13 +171,13 @@ def _collectives_only(
 
     for _ in range(warmup):
         one()
-    torch.cuda.synchronize()
+    _sync()
     issue, wall = [], []
     for _ in range(steps):
         start = time.perf_counter()
         one()
         issue.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
+        _sync()
         wall.append(time.perf_counter() - start)
     return statistics.median(issue), statistics.median(wall)
 
@@ -184,14 +193,14 @@ def _time(
     """
     for _ in range(warmup):
         _step(model, runtime, x)
-    torch.cuda.synchronize()
+    _sync()
     dist.barrier()
     issue, wall = [], []
     for _ in range(steps):
         start = time.perf_counter()
         _step(model, runtime, x)
         issue.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
+        _sync()
         wall.append(time.perf_counter() - start)
     return statistics.median(issue), statistics.median(wall)
 
@@ -201,7 +210,7 @@ def _profile(model: torch.nn.Module, runtime: object, x: torch.Tensor, steps: in
     profiler.enable()
     for _ in range(steps):
         _step(model, runtime, x)
-    torch.cuda.synchronize()
+    _sync()
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
@@ -216,8 +225,23 @@ def _api_profile(model: torch.nn.Module, runtime: object, x: torch.Tensor, steps
     ) as prof:
         for _ in range(steps):
             _step(model, runtime, x)
-        torch.cuda.synchronize()
+        _sync()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+
+
+def _init_world(fake_world: int) -> torch.device:
+    """NCCL under torchrun (one rank per GPU), or rank 0 of a fake world of ``fake_world``
+    ranks (collectives return at once and move nothing, though torch's fake backend copies
+    each all-gather input into its output): the device this rank runs on."""
+    if fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    return torch.device("cuda", local_rank)
 
 
 def main() -> None:
@@ -234,15 +258,19 @@ def main() -> None:
         default=0,
         help="run each step under this many extra Python frames",
     )
+    parser.add_argument(
+        "--fake-world",
+        type=int,
+        default=0,
+        help="run as rank 0 of a fake world of this many ranks in this one process (torch's fake "
+        "backend, as bench.host_fake: one GPU, or CPU without one) instead of under torchrun",
+    )
     parser.add_argument("--profile", help="write a cProfile report of each GTP mode here (dir)")
     parser.add_argument("--out", help="JSON results (rank 0)")
     args = parser.parse_args()
     global STACK_DEPTH
     STACK_DEPTH = args.stack_depth
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    device = torch.device("cuda", local_rank)
+    device = _init_world(args.fake_world)
     x32 = torch.randn(args.tokens, args.hidden, device=device, requires_grad=True)
     x16 = x32.detach().to(torch.bfloat16).requires_grad_()  # TE chains run in bf16
     seconds: dict[str, float] = {}
@@ -278,6 +306,11 @@ def main() -> None:
             "hidden": args.hidden,
             "tokens": args.tokens,
             "stack_depth": args.stack_depth,
+            "ranks": (
+                f"fake process group, {'one GPU' if device.type == 'cuda' else 'CPU'}"
+                if args.fake_world
+                else f"NCCL, {dist.get_world_size()} GPUs"
+            ),
             "flight_recorder_env": {
                 k: os.environ.get(k)
                 for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
