@@ -113,12 +113,15 @@ stage_layergraph() {  # target <= 1.03x graphed DP2; the segment heads (design Â
     --out "$OUT/layergraph" | tail -14
 }
 stage_host() {  # one device, rank 0 of a fake 2-rank world: the one-GPU regression check
-  # one process for every fit (NeMo + TE imported once); 8k last, what --budget drops first
+  # a process per 4 fits (NeMo + TE imported once each); no host timer (it falls on GTP's side);
+  # each GTP mode beside its %nocopy twin (its collectives without the fake backend's copies);
+  # 8k last, what --budget drops first
   local B=${BUDGET:-510}
-  run $((B + 50)) $PY -m bench.host_fake --one-process --budget $B --fit-timeout 150 \
-    --modes dp2_te@eager,gtp2_te@eager,dp2_te@layergraph,gtp2_te@layergraph \
+  run $((B + 50)) $PY -m bench.host_fake --one-process --fits-per-process 4 --budget $B \
+    --fit-timeout 150 --timer none \
+    --modes dp2_te@eager,gtp2_te@eager,gtp2_te@eager%nocopy,dp2_te@layergraph,gtp2_te@layergraph \
     --tokens 2048,4096,1024,8192 \
-    --profile 0 --steps 15 --out "$OUT/host" | grep "^|\|^Ranks\|median"
+    --profile 0 --steps 20 --out "$OUT/host" | grep "^|\|^Ranks\|median"
 }
 # the GPU recipes' graphs and fusions on one GPU (fake world): every fit in ONE process (NeMo and
 # TE imported once, ~100 s on the device), repeats interleaved; --budget stops starting fits in

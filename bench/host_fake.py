@@ -586,6 +586,11 @@ def _one_process_main(specs: list[dict], budget_s: float, fit_timeout_s: float =
     from nemo_gtp.recipes.launch import teardown_fit
 
     timer = _process_setup(specs[0]["world"], [], specs[0].get("timer", "outer"))
+    # NeMo's imports before the first fit: an import made inside a fit (modelopt's `pulp`) keeps
+    # its ImportError's traceback, and with it that fit's frames and model, for good
+    import nemo.collections.llm  # noqa: F401
+    import nemo.lightning  # noqa: F401
+
     durations: list[float] = []
     for i, spec in enumerate(specs):
         elapsed = time.perf_counter() - _T0
