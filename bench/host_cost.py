@@ -131,6 +131,79 @@ def _te_chain(
     return model, runtime
 
 
+class _ProtocolLinearFn(torch.autograd.Function):
+    """TE ``Linear``'s calls on a weight, without TE (``proto_*`` modes; CPU too): the
+    DistributedWeight protocol in TE 2.20's order for a GTP weight (materialize for the forward;
+    in the backward ``grad_buffer()``, materialize for the dgrad, wgrad into the buffer,
+    ``finalize_group_grads``), the plain GEMMs and an autograd wgrad otherwise."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.distributed = getattr(weight, "is_distributed_weight", False)
+        full = weight.materialize_group_for_forward()[0] if ctx.distributed else weight
+        ctx.save_for_backward(x)
+        ctx.weight = weight
+        return x @ full.t()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        if not ctx.distributed:
+            return grad @ weight, grad.t() @ x
+        buffer = weight.grad_buffer()
+        full = weight.materialize_group_for_backward()[0]
+        dgrad = grad @ full
+        torch.mm(grad.t(), x, out=buffer)
+        weight.finalize_group_grads([buffer])
+        return dgrad, None
+
+
+class _ProtocolLinear(torch.nn.Module):
+    """A bias-free linear whose GEMMs go through :class:`_ProtocolLinearFn`."""
+
+    def __init__(self, hidden: int, device: torch.device) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(hidden, hidden, device=device))
+        torch.nn.init.normal_(self.weight, std=hidden**-0.5)
+        self.fuse_wgrad_accumulation = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ProtocolLinearFn.apply(x, self.weight)
+
+
+def _proto_chain(
+    n: int, hidden: int, device: torch.device, gtp: bool
+) -> tuple[torch.nn.Module, object]:
+    """``proto_plain`` / ``proto_gtp``: the protocol path of the NeMo TE recipes (GTP weights
+    adopted as TE linears are, default coalescing units) on any device, TE not needed."""
+    from nemo_gtp.integrations.megatron.sharding.te import adopt_te_linear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_ProtocolLinear(hidden, device) for _ in range(n)])
+    if not gtp:
+        for p in model.parameters():
+            p.main_grad = torch.zeros_like(p)
+
+            def accumulate(param: torch.Tensor) -> None:
+                param.main_grad.add_(param.grad)
+                param.grad = None
+
+            p.register_post_accumulate_grad_hook(accumulate)
+        return model, None
+    groups = GTPParallelDims(
+        world_size=dist.get_world_size(), num_weight_shards=dist.get_world_size()
+    ).build()
+    runtime = GTPRuntime(groups, GTPConfig(gather_backend="process_group"))
+    for i, layer in enumerate(model):
+        param = runtime.shard_parameter(layer, "weight", f"{i}.weight")
+        param.main_grad = torch.zeros_like(param)
+        param.register_grad_accum_hook(lambda: None)
+        adopt_te_linear(layer)
+    model.gtp_runtime = runtime
+    return model, runtime
+
+
 STACK_DEPTH = 0  # extra Python frames around each step (NeMo's call depth is ~60-100)
 
 
@@ -284,6 +357,8 @@ def main() -> None:
         x = x16 if mode.startswith("te_") else x32
         if mode == "plain":
             model, runtime = _plain(args.weights, args.hidden, device)
+        elif mode.startswith("proto_"):  # proto_plain, proto_gtp
+            model, runtime = _proto_chain(args.weights, args.hidden, device, mode == "proto_gtp")
         elif mode.startswith("te_"):  # te_plain, te_gtp, te_gtp_coN
             unit = int(mode[len("te_gtp_co") :]) if mode.startswith("te_gtp_co") else 1
             model, runtime = _te_chain(args.weights, args.hidden, device, mode != "te_plain", unit)
@@ -320,7 +395,11 @@ def main() -> None:
             "wall_us_per_step": {m: round(s * 1e6, 1) for m, s in walls.items()},
             "us_per_weight": {m: round(s * 1e6 / n, 2) for m, s in seconds.items()},
         }
-        for base, prefix in (("plain", "gtp"), ("te_plain", "te_gtp")):
+        for base, prefix in (
+            ("plain", "gtp"),
+            ("te_plain", "te_gtp"),
+            ("proto_plain", "proto_gtp"),
+        ):
             if base in seconds:
                 result.setdefault("gtp_extra_us_per_weight", {}).update(
                     {
