@@ -454,6 +454,9 @@ class GatherSide:
         """Complete and release every outstanding gather (e.g. an unconsumed prefetch)."""
         for chain in self.chains.values():
             chain.protocol_last = [None, None]
-        for param in self.params:
-            self.release(param, _FWD)
-            self.release(param, _BWD)
+        for param in self.params:  # the state test inline: most slots hold nothing here
+            state = param.gtp_state
+            if state.fwd.state is not _NONE:
+                self.release(param, _FWD)
+            if state.bwd.state is not _NONE:
+                self.release(param, _BWD)

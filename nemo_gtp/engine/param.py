@@ -79,6 +79,10 @@ class WeightOwner(Protocol):
     ) -> int:
         """Reduce-scatter one full wgrad per member of ``param``'s group; its size."""
 
+    def reduce_scatter_foreign_wgrad(self, param: GTPShardedParam, wgrad: torch.Tensor) -> None:
+        """Reduce-scatter one full wgrad of ``param`` (a dense linear's, the protocol's hot
+        path: what ``finalize_group_for_protocol`` does for a group of one)."""
+
 
 class GTPParamState:
     """Runtime bookkeeping the owning :class:`GTPRuntime` keeps on each param."""
@@ -306,15 +310,27 @@ class GTPShardedParam(torch.nn.Parameter):
     # wgrads through finalize_group_grads (or grad_buffer() under fuse_wgrad_accumulation).
     def materialize_group_for_forward(self) -> list[torch.Tensor]:
         """Full weights of this param's group for TE's forward GEMM (prefetches ahead)."""
-        return self.runtime.materialize_group_for_protocol(self, Direction.FWD)
+        ref = self.gtp_state.runtime  # the owner without the property's frame (hot path)
+        owner = ref() if ref is not None else None
+        if owner is None:
+            owner = self.runtime  # raises: no live runtime
+        return owner.materialize_group_for_protocol(self, Direction.FWD)
 
     def materialize_group_for_backward(self) -> list[torch.Tensor]:
         """Full weights of this param's group for TE's dgrad GEMM (prefetches ahead)."""
-        return self.runtime.materialize_group_for_protocol(self, Direction.BWD)
+        ref = self.gtp_state.runtime  # the owner without the property's frame (hot path)
+        owner = ref() if ref is not None else None
+        if owner is None:
+            owner = self.runtime  # raises: no live runtime
+        return owner.materialize_group_for_protocol(self, Direction.BWD)
 
     def grad_buffer(self) -> torch.Tensor:
         """Full-size (unpadded view) wgrad scratch TE's fused wgrad GEMM writes into."""
-        return self.runtime.protocol_grad_buffer(self)
+        ref = self.gtp_state.runtime  # the owner without the property's frame (hot path)
+        owner = ref() if ref is not None else None
+        if owner is None:
+            owner = self.runtime  # raises: no live runtime
+        return owner.protocol_grad_buffer(self)
 
     def finalize_group_grads(self, wgrads: torch.Tensor | list[torch.Tensor]) -> list[None] | None:
         """Reduce-scatter TE's full wgrad(s) of this param's group into ``main_grad``.
@@ -322,8 +338,16 @@ class GTPShardedParam(torch.nn.Parameter):
         Returns None for a group of one and N Nones for a group of N: TE returns them to
         autograd as the weights' grads (async: nothing reaches autograd).
         """
+        state = self.gtp_state
+        ref = state.runtime
+        owner = ref() if ref is not None else None
+        if owner is None:
+            owner = self.runtime  # raises: no live runtime
+        if state.group < 0 and isinstance(wgrads, torch.Tensor):  # a dense TE linear's one
+            owner.reduce_scatter_foreign_wgrad(self, wgrads)
+            return None
         grads = list(wgrads) if isinstance(wgrads, (list, tuple)) else (wgrads,)
-        size = self.runtime.finalize_group_for_protocol(self, grads)
+        size = owner.finalize_group_for_protocol(self, grads)
         return None if size == 1 else [None] * size
 
 

@@ -240,7 +240,15 @@ class ProtocolSide:
                 self.prefetch_units(targets)
         if not which and self.consumer_quantize is not None:
             self._note_forward(self.consumer_quantize, (param,))
-        return [self._protocol_alias(param, direction, slot.full)]
+        full, cached = slot.full, slot.alias
+        if (  # the steady state: this cache buffer's alias, made once (_protocol_alias)
+            cached is not None
+            and cached[0] is full
+            and full is slot.cache_full
+            and cached[1].requires_grad == param.requires_grad
+        ):
+            return [cached[1]]
+        return [self._protocol_alias(param, direction, full)]
 
     @staticmethod
     def _note_forward(requant: ConsumerQuantize, members: tuple[GTPShardedParam, ...]) -> None:
