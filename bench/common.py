@@ -476,7 +476,7 @@ def te_extension() -> Any:
 
 OUTER_ENTRIES = tuple(entry for entry in GTP_ENTRIES if not entry[3].startswith("in."))
 """GTP's entry points without the split inside them: what the "inside GTP" total needs, at a
-tenth of the timed calls (``bench.host_fake`` without ``--fine-timer``)."""
+tenth of the timed calls (``bench.host_fake --timer outer``, its default)."""
 
 
 def te_entries() -> tuple:
