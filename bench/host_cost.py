@@ -155,7 +155,7 @@ class _ProtocolLinearFn(torch.autograd.Function):
         full = weight.materialize_group_for_backward()[0]
         dgrad = grad @ full
         torch.mm(grad.t(), x, out=buffer)
-        weight.finalize_group_grads([buffer])
+        weight.finalize_group_grads(buffer)  # TE hands a group of one its wgrad alone
         return dgrad, None
 
 

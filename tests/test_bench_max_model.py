@@ -155,7 +155,7 @@ def test_probe_processes_ok_oom_on_one_rank_and_hang(tmp_path) -> None:  # noqa:
     jobs = {
         "ok": (parse_args(base), "gtp2", 2, 120.0),
         "oom": (parse_args([*base, "--fault", "oom"]), "dp2", 1, 120.0),
-        "hang": (parse_args([*base, "--fault", "hang"]), "dp2", 2, 10.0),
+        "hang": (parse_args([*base, "--fault", "hang"]), "dp2", 2, 6.0),
     }
     start = time.monotonic()
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -166,6 +166,6 @@ def test_probe_processes_ok_oom_on_one_rank_and_hang(tmp_path) -> None:  # noqa:
     assert ok["params"] > 0 and ok["step_ms"] > 0 and ok["peak_effective_gib"] > 0
     assert ok["gather_backend"] == "process_group" and len(ok["losses"]) == 2
     assert oom["outcome"] == OOM and "injected" in oom["error"]
-    assert hang["outcome"] == "timeout" and 10 <= hang["wall_s"] < 30
+    assert hang["outcome"] == "timeout" and 6 <= hang["wall_s"] < 30
     assert all(rc is not None for r in results.values() for rc in r["returncodes"])
     assert time.monotonic() - start < 120
