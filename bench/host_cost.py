@@ -86,24 +86,16 @@ def _gtp(
     return model, runtime
 
 
-def _te_chain(
-    n: int, hidden: int, device: torch.device, gtp: bool, unit: int = 1
+def _protocol_chain(
+    layers: list[torch.nn.Module], gtp: bool, coalesce_mb: float | None = None
 ) -> tuple[torch.nn.Module, object]:
-    """The same chain of TransformerEngine ``te.Linear`` s (bf16): plain (TE hands its wgrad to
-    autograd; a megatron-style hook adds it into ``main_grad``, as NeMo's recipes without
-    ``gradient_accumulation_fusion``), or with GTP weights driven through TE's DistributedWeight
-    protocol (wgrad written into GTP's scratch, ``adopt_te_linear``)."""
-    import transformer_engine.pytorch as te
-
+    """``layers`` (linears whose weight TE's protocol can drive) as one chain: plain (the wgrad
+    goes to autograd; a megatron-style hook adds it into an fp32 ``main_grad``, as NeMo's
+    recipes without ``gradient_accumulation_fusion``), or with GTP weights driven through TE's
+    DistributedWeight protocol (wgrad written into GTP's scratch, ``adopt_te_linear``)."""
     from nemo_gtp.integrations.megatron.sharding.te import adopt_te_linear
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        *[
-            te.Linear(hidden, hidden, bias=False, params_dtype=torch.bfloat16, device=device)
-            for _ in range(n)
-        ]
-    )
+    model = torch.nn.Sequential(*layers)
     if not gtp:
         for p in model.parameters():
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
@@ -117,11 +109,10 @@ def _te_chain(
     groups = GTPParallelDims(
         world_size=dist.get_world_size(), num_weight_shards=dist.get_world_size()
     ).build()
-    options = {"gather_backend": "process_group"}
-    if unit > 1:
-        options["coalesce_mb"] = unit * hidden * hidden * 2 / 2**20
-    config = GTPConfig(**options)
-    runtime = GTPRuntime(groups, config)
+    options: dict = {"gather_backend": "process_group"}
+    if coalesce_mb is not None:
+        options["coalesce_mb"] = coalesce_mb
+    runtime = GTPRuntime(groups, GTPConfig(**options))
     for i, layer in enumerate(model):
         param = runtime.shard_parameter(layer, "weight", f"{i}.weight")
         param.main_grad = torch.zeros_like(param, dtype=torch.float32)
@@ -129,6 +120,21 @@ def _te_chain(
         adopt_te_linear(layer)
     model.gtp_runtime = runtime
     return model, runtime
+
+
+def _te_chain(
+    n: int, hidden: int, device: torch.device, gtp: bool, unit: int = 1
+) -> tuple[torch.nn.Module, object]:
+    """The chain of TransformerEngine ``te.Linear`` s (bf16), plain or GTP (``_protocol_chain``);
+    ``unit`` > 1: coalescing units of that many weights."""
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(0)
+    layers = [
+        te.Linear(hidden, hidden, bias=False, params_dtype=torch.bfloat16, device=device)
+        for _ in range(n)
+    ]
+    return _protocol_chain(layers, gtp, unit * hidden * hidden * 2 / 2**20 if unit > 1 else None)
 
 
 class _ProtocolLinearFn(torch.autograd.Function):
@@ -177,31 +183,8 @@ def _proto_chain(
 ) -> tuple[torch.nn.Module, object]:
     """``proto_plain`` / ``proto_gtp``: the protocol path of the NeMo TE recipes (GTP weights
     adopted as TE linears are, default coalescing units) on any device, TE not needed."""
-    from nemo_gtp.integrations.megatron.sharding.te import adopt_te_linear
-
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[_ProtocolLinear(hidden, device) for _ in range(n)])
-    if not gtp:
-        for p in model.parameters():
-            p.main_grad = torch.zeros_like(p)
-
-            def accumulate(param: torch.Tensor) -> None:
-                param.main_grad.add_(param.grad)
-                param.grad = None
-
-            p.register_post_accumulate_grad_hook(accumulate)
-        return model, None
-    groups = GTPParallelDims(
-        world_size=dist.get_world_size(), num_weight_shards=dist.get_world_size()
-    ).build()
-    runtime = GTPRuntime(groups, GTPConfig(gather_backend="process_group"))
-    for i, layer in enumerate(model):
-        param = runtime.shard_parameter(layer, "weight", f"{i}.weight")
-        param.main_grad = torch.zeros_like(param)
-        param.register_grad_accum_hook(lambda: None)
-        adopt_te_linear(layer)
-    model.gtp_runtime = runtime
-    return model, runtime
+    return _protocol_chain([_ProtocolLinear(hidden, device) for _ in range(n)], gtp)
 
 
 STACK_DEPTH = 0  # extra Python frames around each step (NeMo's call depth is ~60-100)
