@@ -652,8 +652,8 @@ def _plan(args: argparse.Namespace) -> list[dict]:
                         warmup=args.warmup,
                         steps=args.steps,
                         profile=args.profile,
-                        timer=getattr(args, "timer", "outer"),
-                        kernels=getattr(args, "kernels", False),
+                        timer=args.timer,
+                        kernels=args.kernels,
                         out=str(Path(args.out).resolve()),
                     )
                 )

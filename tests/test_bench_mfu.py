@@ -91,6 +91,8 @@ def _args(**kw: object) -> argparse.Namespace:
         warmup=5,
         steps=10,
         profile=0,
+        timer="none",
+        kernels=False,
         out="/tmp/x",
     )
     return argparse.Namespace(**{**base, **kw})
