@@ -103,15 +103,13 @@ class LayerNormColumnLinear(_column_parallel_linear()):
         return super().forward(x, *args, **kwargs)
 
 
-def te_named_spec(config: Any) -> Any:
-    """Megatron's local GPT layer spec with TE's parameter names: the input and pre-MLP norms
-    folded into ``linear_qkv`` / ``linear_fc1`` (:class:`LayerNormColumnLinear`)."""
+def _local_spec(config: Any) -> Any:
+    """A copy of megatron's local GPT layer spec for ``config`` (experts, norms), to edit."""
     import copy
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.identity_op import IdentityOp
 
-    spec = copy.deepcopy(
+    return copy.deepcopy(
         get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts,
             moe_grouped_gemm=config.moe_grouped_gemm,
@@ -119,6 +117,14 @@ def te_named_spec(config: Any) -> Any:
             normalization=config.normalization,
         )
     )
+
+
+def te_named_spec(config: Any) -> Any:
+    """Megatron's local GPT layer spec with TE's parameter names: the input and pre-MLP norms
+    folded into ``linear_qkv`` / ``linear_fc1`` (:class:`LayerNormColumnLinear`)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    spec = _local_spec(config)
     layer = spec.submodules
     layer.input_layernorm = IdentityOp
     layer.self_attention.submodules.linear_qkv = LayerNormColumnLinear
@@ -155,18 +161,7 @@ def te_named_moe_local_spec(config: Any) -> Any:
     ``linear_qkv.layer_norm_weight`` (state dict and dist checkpoint), ``pre_mlp_layernorm``
     as it is (megatron's local spec would checkpoint it as ``linear_fc1``'s, which an MoE layer
     does not have)."""
-    import copy
-
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = copy.deepcopy(
-        get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts,
-            moe_grouped_gemm=config.moe_grouped_gemm,
-            qk_layernorm=config.qk_layernorm,
-            normalization=config.normalization,
-        )
-    )
+    spec = _local_spec(config)
     spec.module = TENamedMoELayer
     spec.submodules.sharded_state_dict_keys_map = {
         "input_layernorm.": "self_attention.linear_qkv.layer_norm_"
