@@ -24,7 +24,7 @@ recipe                        what the shard must get right
 ============================  ================================================================
 
 Llama 3 itself trains through the CLI in ``tests/test_nemo_recipes.py``. All fits share the
-2-rank launch of :func:`tests.harness.strategy.shared_launch` (one spawn for the suite).
+2-rank launch of :func:`tests.harness.shared_launch.shared_launch` (one spawn for the suite).
 
 Also, in this process: the CLI's pre-launch path for every family (``--dryrun``: the recipe
 built, shrunk, converted and checked, the launch written, nothing started), the memory planner
@@ -43,7 +43,8 @@ import pytest
 import torch
 
 from tests.harness.families import FAMILIES, MOE_FAMILIES, TOKENIZER
-from tests.harness.strategy import Fit, shared_launch
+from tests.harness.shared_launch import shared_launch
+from tests.harness.strategy import Fit
 
 TRAINED = [name for name in FAMILIES if name != "llama3_8b"]  # llama3_8b: test_nemo_recipes
 

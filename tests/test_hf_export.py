@@ -26,8 +26,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness.shared_launch import shared_launch
 from tests.harness.spawn import start_ranks
-from tests.harness.strategy import Fit, shared_launch
+from tests.harness.strategy import Fit
 
 HEADS, GROUPS, HIDDEN, LAYERS = 4, 2, 64, 2
 FIT = Fit(

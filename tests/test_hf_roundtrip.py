@@ -27,8 +27,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness.shared_launch import shared_launch
 from tests.harness.spawn import start_ranks
-from tests.harness.strategy import Fit, shared_launch
+from tests.harness.strategy import Fit
 
 FROZEN = ("self_attention.linear_qkv", "self_attention.linear_proj", "input_layernorm")
 KINDS = ("llama", "mixtral")

@@ -18,8 +18,9 @@ import pytest
 
 from nemo_gtp.engine import GTPParallelDims
 from tests.harness.gpt import Run, assert_parity, gtp_groups, rel_err, train
+from tests.harness.shared_launch import shared_launch
 from tests.harness.spawn import Outcome, case_values, run_cases
-from tests.harness.strategy import MOE_MODEL, Fit, shared_launch
+from tests.harness.strategy import MOE_MODEL, Fit
 
 MOE = Run(experts=4, topk=2, hidden=32, ffn=64, moe_ffn=48, steps=6)
 

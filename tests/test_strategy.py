@@ -4,7 +4,7 @@ Parity oracle: GTP at (TP=t, GTP=g, DP=d) reproduces plain ``MegatronStrategy`` 
 DP=g*d) at the same global batch: per-step loss and grad norm within 1e-5 relative (fp32), for
 10 steps of NeMo's llm.GPTModel (local spec), megatron DDP + distributed Adam, clip_grad=1.0, a
 cosine LR schedule with warmup. The 2-rank fits share one spawn; the 4-rank ones share theirs
-with ``test_strategy_checkpoint.py``'s first launch (``tests.harness.strategy.shared_launch``).
+with ``test_strategy_checkpoint.py``'s first launch (``tests.harness.shared_launch.shared_launch``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from nemo_gtp.engine import GTPConfig
 from tests.harness.cp_attention import cp_local_layer_spec
+from tests.harness.shared_launch import shared_launch
 from tests.harness.strategy import (
     BANNER_PREFIX,
     GBS,
@@ -28,7 +29,6 @@ from tests.harness.strategy import (
     VAL_BATCHES,
     Fit,
     pipelined,
-    shared_launch,
 )
 
 TOL = 1e-5

@@ -56,7 +56,8 @@ import pytest
 import torch
 
 from nemo_gtp.engine import GTPConfig
-from tests.harness.strategy import MOE_MODEL, Fit, pipelined, run_fits, shared_launch
+from tests.harness.shared_launch import shared_launch
+from tests.harness.strategy import MOE_MODEL, Fit, pipelined, run_fits
 
 WORLD = 4
 

@@ -3,7 +3,7 @@ primary weights"): megatron's ``fp8_param`` (NeMo's ``fp8_param_gather``) on CPU
 params emulated the way ``test_strategy.py``'s FP8 fits do (megatron-local linears, fp32 training
 dtype; the shards are float8 with an fp32 master in the distributed optimizer).
 
-The fits share ``test_strategy.py``'s 2-rank spawn (``tests.harness.strategy.shared_launch``):
+The fits share ``test_strategy.py``'s 2-rank spawn (``tests.harness.shared_launch.shared_launch``):
 
 ``fp8_full``          TP1·GTP2, 3 steps uninterrupted; NeMo's ``ModelCheckpoint`` after every
                       step (the full state recorded after step 1: FP8 bytes, scales, dequantized
@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness.strategy import Fit, shared_launch
+from tests.harness.shared_launch import shared_launch
+from tests.harness.strategy import Fit
 
 FP8_PARAM_FIT = dict(  # NeMo's precision plugin puts fp8_recipe into the OptimizerConfig too
     model_kwargs=dict(fp8="hybrid", fp8_recipe="tensorwise", fp8_param=True),
