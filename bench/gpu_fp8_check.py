@@ -186,6 +186,7 @@ PAIRS += [
     ("bf16_dp2_split", "bf16_dp2"),
 ]
 LOSS_TOLERANCE = 0.02
+GROWTH_STEPS = (1, 2, 3, 5, 10, 20, 30, 40, 50)  # the steps whose loss difference compare() keeps
 BWD_QUANTIZED_MODES = ("fp8_gtp2_bf16_gather", "fp8delayed_gtp2", "fp8block_gtp2_bf16_gather")
 RESULT: dict = {}
 
@@ -844,11 +845,21 @@ def cpu_backward_quantize_check() -> dict:
 
 # ------------------------------------------------------------------------------- reporting
 def compare(a: dict, b: dict) -> dict:
+    """Two runs' losses and grad norms step by step: the largest loss difference, where the two
+    first differ (a loss after step k reflects the weights of k-1 updates; a grad norm differs
+    at step 1 when only the reduction order differs), and how the difference grows (the same
+    growth in a pair and in its reference's noise twin: the divergence is the trajectory's, not
+    the pair's, design §2.5)."""
     n = min(len(a["losses"]), len(b["losses"]))
     diffs = [abs(x - y) for x, y in zip(a["losses"][:n], b["losses"][:n])]
+    norms = list(zip(a.get("norms", [])[:n], b.get("norms", [])[:n]))
     return dict(
         steps=n,
         max_abs_loss_diff=max(diffs),
+        max_at_step=1 + diffs.index(max(diffs)),
+        first_loss_diff_step=next((i + 1 for i, d in enumerate(diffs) if d > 0), None),
+        first_norm_diff_step=next((i + 1 for i, (x, y) in enumerate(norms) if x != y), None),
+        loss_diff_at={s: float(f"{diffs[s - 1]:.3g}") for s in GROWTH_STEPS if s <= n},
         final_losses=(a["losses"][n - 1], b["losses"][n - 1]),
         step_time_ratio=a["step_ms_median"] / b["step_ms_median"],
     )
@@ -1219,7 +1230,13 @@ def main() -> None:
     _watchdog(args)
     backend, device_index = world_plan(args.shared_device, int(os.environ.get("LOCAL_RANK", 0)))
     if CUDA:
+        # fp32 GEMMs in full fp32 (TF32 off), as in every parity check: a difference left is
+        # the run's own rounding, not TF32's (TE's fp32 GEMMs read cuBLAS's variable, not
+        # torch's flags; set before the first handle)
+        os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
         torch.cuda.set_device(device_index)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     else:
         from nemo_gtp.cpu.compat import enable_cpu_compat
 
@@ -1233,6 +1250,7 @@ def main() -> None:
         shared_device=args.shared_device,
         backend=backend,
         torch=torch.__version__,
+        nvidia_tf32_override=os.environ.get("NVIDIA_TF32_OVERRIDE"),
         world=dist.get_world_size(),
         records={},
         comparisons={},
