@@ -130,7 +130,9 @@ def teardown_fit() -> None:
     capturable tracker after one without it would get the first fit's tracker and fail graph
     capture ("RNG tracker does not support cudagraphs!"). And NeMo's attribute proxy, which its
     teardown leaves on a model class under virtual pipeline parallelism
-    (:func:`drop_leftover_getattr_proxies`).
+    (:func:`drop_leftover_getattr_proxies`). And megatron DDP's grad hooks, whose reference
+    cycle would keep the fit's model alive for the life of the process
+    (:func:`~nemo_gtp.integrations.megatron.ddp.release_finished_ddp_hooks`).
     """
     import gc
 
@@ -159,6 +161,7 @@ def teardown_fit() -> None:
             FullCudaGraphWrapper.cuda_graph[stage] = None
             FullCudaGraphWrapper.result[stage] = None
             StaticBufferLoader.static_buffers[stage] = []
+    from nemo_gtp.integrations.megatron.ddp import release_finished_ddp_hooks
     from nemo_gtp.integrations.megatron.layer_graphs import (
         release_live_cuda_graphs,
         reset_layer_graphs,
@@ -177,6 +180,7 @@ def teardown_fit() -> None:
         torch.cuda.synchronize()
     if dist.is_initialized():
         dist.destroy_process_group()
+    release_finished_ddp_hooks()  # else the fit's model, grads and optimizer outlive it
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

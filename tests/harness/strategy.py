@@ -13,6 +13,7 @@ down megatron / NeMo globals and the process group.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -649,6 +650,8 @@ def _report(fit: Fit, rank: int, out_dir: str) -> None:
 
 
 def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
+    from megatron.core.models.gpt import GPTModel as MegatronGPTModel
+
     from nemo_gtp.cpu.compat import enable_cpu_compat
     from nemo_gtp.recipes.launch import teardown_fit
 
@@ -686,6 +689,11 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             raise
         finally:
             teardown_fit()
+        # megatron GPTModels still alive once the fit is torn down (a finished fit's model must
+        # not outlive it: teardown_fit breaks megatron DDP's hook cycle)
+        result["models_alive_after_teardown"] = sum(
+            issubclass(type(obj), MegatronGPTModel) for obj in gc.get_objects()
+        )
         if fit.expect_error and "error" not in result:
             raise AssertionError(f"fit {fit.name} was expected to fail but succeeded")
         result["wall_s"] = time.perf_counter() - start

@@ -198,3 +198,37 @@ class GTPDistributedDataParallel(GTPDDPMixin, DistributedDataParallel):
         ddp = GTPDistributedDataParallel(config, ddp_config, model,
                                          pg_collection=gtp_process_groups(groups))
     """
+
+
+def release_finished_ddp_hooks() -> int:
+    """Break the reference cycle every megatron DDP leaves behind, so a finished fit's model,
+    gradient buffers and optimizer state can be freed (called by ``teardown_fit``).
+
+    megatron's DDP registers one grad hook per parameter on its ``AccumulateGrad`` node, a
+    closure over the DDP and the parameter: node -> hook -> DDP -> module -> parameter -> node.
+    The node is a C++ object whose hooks Python's collector does not see, so the cycle is never
+    collected: without this, a process that runs several fits keeps every earlier fit's model
+    alive (on one GPU, six fits of the 1B recipe filled an H100). Emptying the hooks' closure
+    cells cuts the cycle; call it only once the fits whose DDPs are alive are over (their
+    backward would find no DDP). Returns how many hooks it emptied.
+
+    Example::
+
+        trainer.fit(model, datamodule=data)
+        teardown_fit()  # calls release_finished_ddp_hooks()
+    """
+    import gc
+    import types
+
+    hook_name = f"{DistributedDataParallel.__qualname__}._make_backward_post_hook.<locals>.hook"
+    emptied = 0
+    for obj in gc.get_objects():  # type(), not isinstance(): some stand-ins raise on __class__
+        if (
+            type(obj) is types.FunctionType
+            and obj.__qualname__ == hook_name
+            and obj.__closure__ is not None
+        ):
+            for cell in obj.__closure__:
+                cell.cell_contents = None
+            emptied += 1
+    return emptied
