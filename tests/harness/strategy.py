@@ -670,6 +670,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             LOCAL_RANK=str(rank),
             NODE_RANK="0",
         )
+        before = sum(issubclass(type(obj), MegatronGPTModel) for obj in gc.get_objects())
         start = time.perf_counter()
         try:
             store = str(Path(out_dir, f"store{index}"))
@@ -689,11 +690,10 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             raise
         finally:
             teardown_fit()
-        # megatron GPTModels still alive once the fit is torn down (a finished fit's model must
-        # not outlive it: teardown_fit breaks megatron DDP's hook cycle)
-        result["models_alive_after_teardown"] = sum(
-            issubclass(type(obj), MegatronGPTModel) for obj in gc.get_objects()
-        )
+        # how many megatron GPTModels the fit left alive once torn down (a finished fit's model
+        # must not outlive it: teardown_fit breaks megatron DDP's hook cycle)
+        after = sum(issubclass(type(obj), MegatronGPTModel) for obj in gc.get_objects())
+        result["models_kept_by_fit"] = after - before
         if fit.expect_error and "error" not in result:
             raise AssertionError(f"fit {fit.name} was expected to fail but succeeded")
         result["wall_s"] = time.perf_counter() - start
