@@ -237,22 +237,18 @@ def test_parity_shard_replicated_params_over_gtp(two_ranks: dict) -> None:
     _assert_parity(two_ranks["tp1_gtp2_shard_replicated"], two_ranks["base_tp1_dp2"])
 
 
-# fits whose model outlives their teardown, each once: the first GTP fit after a plain fit with
-# evaluation (a holder not found yet; later fits keep none) and a fit that failed (the frames of
-# its exception)
-KEPT_ONCE = {"tp1_gtp2_dp2", "dora_gtp2"}
-
-
-def test_teardown_keeps_no_finished_fit_alive(two_ranks: dict, four_ranks: dict) -> None:
-    """A process that runs fit after fit does not accumulate them: megatron DDP's grad hooks
-    form a cycle through autograd's C++ nodes that Python's collector never frees (every fit
-    kept its model, grads and optimizer state), and ``teardown_fit`` breaks it. Every fit of
-    both launches, on every rank, leaves no megatron model alive but those of ``KEPT_ONCE``."""
+def test_teardown_keeps_no_finished_fit_alive(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A process that runs fit after fit does not accumulate them: every fit of both shared
+    launches (every test module's, on every rank) leaves no megatron model alive once torn
+    down. Three holders kept one each: megatron DDP's grad hooks (a cycle through autograd's
+    C++ nodes that the collector never frees), NeMo's one-per-process OneLogger callback (the
+    fit's ``log`` methods) and megatron's class-level RoPE cache; ``teardown_fit`` releases all
+    three. A fit that failed (``dora_gtp2``) keeps its model through its exception's frames."""
     kept = {
         name: [rank["models_kept_by_fit"] for rank in ranks]
-        for results in (two_ranks, four_ranks)
-        for name, ranks in results.items()
-        if name not in KEPT_ONCE
+        for world in (2, 4)
+        for name, ranks in shared_launch(world).results(tmp_path_factory).items()
+        if name != "dora_gtp2"
     }
     assert {name: counts for name, counts in kept.items() if any(counts)} == {}
 

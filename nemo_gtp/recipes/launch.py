@@ -132,7 +132,10 @@ def teardown_fit() -> None:
     teardown leaves on a model class under virtual pipeline parallelism
     (:func:`drop_leftover_getattr_proxies`). And megatron DDP's grad hooks, whose reference
     cycle would keep the fit's model alive for the life of the process
-    (:func:`~nemo_gtp.integrations.megatron.ddp.release_finished_ddp_hooks`).
+    (:func:`~nemo_gtp.integrations.megatron.ddp.release_finished_ddp_hooks`), and the model
+    methods Lightning attached to NeMo's one-per-process callback
+    (:func:`detach_singleton_callbacks`) and megatron's class-level RoPE caches
+    (:func:`clear_rotary_caches`), each of which would keep a finished fit's model alive.
     """
     import gc
 
@@ -181,9 +184,62 @@ def teardown_fit() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     release_finished_ddp_hooks()  # else the fit's model, grads and optimizer outlive it
+    detach_singleton_callbacks()  # the same, held by NeMo's one-per-process callback
+    clear_rotary_caches()  # the same, held by megatron's class-level RoPE caches
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def detach_singleton_callbacks() -> int:
+    """Drop what Lightning attached to NeMo's process-wide callback during the fit.
+
+    Lightning sets ``callback.log`` / ``callback.log_dict`` to the fit's ``LightningModule``
+    methods on every callback of the trainer. ``OneLoggerNeMoCallback`` is one object per
+    process (every NeMo trainer gets the same instance), so it would keep the last fit's model,
+    gradients and optimizer state alive after the fit. Returns how many attributes it dropped.
+
+    Example::
+
+        trainer.fit(model, datamodule=data)
+        detach_singleton_callbacks()  # 2: log and log_dict
+    """
+    module = sys.modules.get("nemo.lightning.one_logger_callback")  # never imported: nothing held
+    instance = getattr(getattr(module, "OneLoggerNeMoCallback", None), "_instance", None)
+    dropped = 0
+    for name in ("log", "log_dict"):
+        if instance is not None and name in vars(instance):
+            delattr(instance, name)
+            dropped += 1
+    return dropped
+
+
+def clear_rotary_caches() -> int:
+    """Empty megatron's class-level ``lru_cache``s of its rotary embeddings.
+
+    ``RotaryEmbedding.forward`` (and its YaRN kin) is cached per class, keyed by the module
+    itself, so the cache keeps the last fits' rotary modules alive, and through the forward
+    hooks megatron DDP registers on them, their whole models. Returns how many caches it
+    emptied.
+
+    Example::
+
+        trainer.fit(model, datamodule=data)   # a RoPE model
+        clear_rotary_caches()
+    """
+    prefix = "megatron.core.models.common.embeddings."
+    cleared = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(prefix) or module is None:
+            continue
+        for cls in vars(module).values():
+            if not isinstance(cls, type) or cls.__module__ != name:
+                continue
+            for attr in vars(cls).values():
+                if hasattr(attr, "cache_clear"):
+                    attr.cache_clear()
+                    cleared += 1
+    return cleared
 
 
 def drop_leftover_getattr_proxies() -> int:

@@ -691,7 +691,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
         finally:
             teardown_fit()
         # how many megatron GPTModels the fit left alive once torn down (a finished fit's model
-        # must not outlive it: teardown_fit breaks megatron DDP's hook cycle)
+        # must not outlive it: teardown_fit releases what held it)
         after = sum(issubclass(type(obj), MegatronGPTModel) for obj in gc.get_objects())
         result["models_kept_by_fit"] = after - before
         if fit.expect_error and "error" not in result:
