@@ -649,6 +649,12 @@ def _report(fit: Fit, rank: int, out_dir: str) -> None:
     Path(out_dir, f"error{rank}.txt").write_text(report)
 
 
+def _live(cls: type) -> int:
+    """How many objects of ``cls`` the collector tracks (``type()``: some NeMo stand-ins raise
+    on ``__class__``)."""
+    return sum(issubclass(type(obj), cls) for obj in gc.get_objects())
+
+
 def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
     from megatron.core.models.gpt import GPTModel as MegatronGPTModel
 
@@ -661,6 +667,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
     os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(COLLECTIVE_TIMEOUT_S))
     enable_cpu_compat()
     results = []
+    alive_before = _live(MegatronGPTModel)
     for index, fit in enumerate(fits):
         fit = _under(fit, out_dir)
         os.environ.update(
@@ -670,7 +677,6 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             LOCAL_RANK=str(rank),
             NODE_RANK="0",
         )
-        before = sum(issubclass(type(obj), MegatronGPTModel) for obj in gc.get_objects())
         start = time.perf_counter()
         try:
             store = str(Path(out_dir, f"store{index}"))
@@ -692,8 +698,9 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             teardown_fit()
         # how many megatron GPTModels the fit left alive once torn down (a finished fit's model
         # must not outlive it: teardown_fit releases what held it)
-        after = sum(issubclass(type(obj), MegatronGPTModel) for obj in gc.get_objects())
-        result["models_kept_by_fit"] = after - before
+        alive = _live(MegatronGPTModel)
+        result["models_kept_by_fit"] = alive - alive_before
+        alive_before = alive
         if fit.expect_error and "error" not in result:
             raise AssertionError(f"fit {fit.name} was expected to fail but succeeded")
         result["wall_s"] = time.perf_counter() - start
