@@ -773,8 +773,9 @@ def main() -> int:
         "--fits-per-process",
         type=int,
         default=4,
-        help="--one-process: a fresh process after this many fits (a finished fit's GPU memory "
-        "is not all returned: ~6 fits of the 1B recipe fill an H100)",
+        help="--one-process: a fresh process after this many fits (before teardown_fit released "
+        "megatron DDP's hook cycle, ~6 fits of the 1B recipe filled an H100; not re-measured on "
+        "a GPU since)",
     )
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank-main", help=argparse.SUPPRESS)

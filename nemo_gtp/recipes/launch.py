@@ -130,12 +130,12 @@ def teardown_fit() -> None:
     capturable tracker after one without it would get the first fit's tracker and fail graph
     capture ("RNG tracker does not support cudagraphs!"). And NeMo's attribute proxy, which its
     teardown leaves on a model class under virtual pipeline parallelism
-    (:func:`drop_leftover_getattr_proxies`). And megatron DDP's grad hooks, whose reference
-    cycle would keep the fit's model alive for the life of the process
-    (:func:`~nemo_gtp.integrations.megatron.ddp.release_finished_ddp_hooks`), and the model
+    (:func:`drop_leftover_getattr_proxies`). And three holders that would each keep the fit's
+    model, grads and optimizer state alive for the life of the process: megatron DDP's grad
+    hooks (:func:`~nemo_gtp.integrations.megatron.ddp.release_finished_ddp_hooks`), the model
     methods Lightning attached to NeMo's one-per-process callback
     (:func:`detach_singleton_callbacks`) and megatron's class-level RoPE caches
-    (:func:`clear_rotary_caches`), each of which would keep a finished fit's model alive.
+    (:func:`clear_rotary_caches`).
     """
     import gc
 
