@@ -215,48 +215,6 @@ def _fp8_backward_of_training_dtype_gathers(groups: object, rank: int) -> None:
     runtime.drain()
 
 
-class _FusableStandIn(torch.nn.Module):
-    """What :func:`fuse_te_wgrad_accumulation` reads of a TE module: its
-    ``fuse_wgrad_accumulation`` flag (megatron builds it from ``gradient_accumulation_fusion``)
-    and its own parameters' ``main_grad`` (megatron's DDP gives every trainable one)."""
-
-    def __init__(self, main_grad: bool = True, frozen: bool = False) -> None:
-        super().__init__()
-        self.fuse_wgrad_accumulation = False
-        self.weight = torch.nn.Parameter(torch.zeros(4, 4), requires_grad=not frozen)
-        self.layer_norm_weight = torch.nn.Parameter(torch.ones(4), requires_grad=not frozen)
-        if main_grad and not frozen:
-            for param in (self.weight, self.layer_norm_weight):
-                param.main_grad = torch.zeros_like(param)
-
-
-def _te_wgrad_fusion_selection(groups: object) -> None:
-    """TE's fused wgrad accumulation goes on for the TE modules whose trainable weights have
-    megatron's ``main_grad``, and only those: not a GTP shard's module (GTP hands TE its
-    scratch), a frozen one, one without DDP's ``main_grad``, or a module that is not TE's."""
-    from nemo_gtp.integrations.megatron.te_wgrad_fusion import fuse_te_wgrad_accumulation
-
-    runtime = GTPRuntime(groups, GTPConfig(pad_for_alignment=16))
-    sharded = _TEStandIn(16, 40)
-    sharded.fuse_wgrad_accumulation = False
-    shard_linear(sharded, runtime, "sharded.weight").main_grad = torch.zeros(20, 16)
-    model = torch.nn.ModuleDict(
-        {
-            "ddp": _FusableStandIn(),
-            "no_ddp": _FusableStandIn(main_grad=False),
-            "frozen": _FusableStandIn(frozen=True),
-            "sharded": sharded,
-            "not_te": torch.nn.Linear(4, 4),
-        }
-    )
-    model["not_te"].weight.main_grad = torch.zeros(4, 4)
-    assert fuse_te_wgrad_accumulation(model) == ["ddp"]
-    assert model["ddp"].fuse_wgrad_accumulation
-    assert not any(model[k].fuse_wgrad_accumulation for k in ("no_ddp", "frozen", "sharded"))
-    assert fuse_te_wgrad_accumulation(model) == []  # already on: nothing more
-    runtime.drain()
-
-
 def _worker(rank: int, world: int) -> None:
     groups = GTPParallelDims(world_size=world, num_weight_shards=world).build()
     torch.manual_seed(0)
@@ -302,7 +260,6 @@ def _worker(rank: int, world: int) -> None:
     fast = _chain_steady_state(groups, rank, world, general=False)
     assert fast == _chain_steady_state(groups, rank, world, general=True)
     _fp8_backward_of_training_dtype_gathers(groups, rank)
-    _te_wgrad_fusion_selection(groups)
 
     with pytest.raises(ValueError, match=r"wgrad shape \(8, 16\) != logical weight shape"):
         weight.finalize_group_grads(torch.zeros(8, 16))

@@ -14,7 +14,6 @@ from nemo_gtp.strategy.callbacks import (
 )
 from nemo_gtp.strategy.cuda_graphs import cuda_graphs_enabled, enforce_cuda_graph_warmup
 from nemo_gtp.strategy.megatron_strategy import GTPMegatronStrategy, gtp_banner
-from nemo_gtp.strategy.te_wgrad_fusion import TEWgradFusion
 
 __all__ = [
     "GTPDrainCallback",
@@ -23,7 +22,6 @@ __all__ = [
     "GTPProgressBar",
     "MemoryFootprint",
     "SyntheticGPTDataModule",
-    "TEWgradFusion",
     "cuda_graphs_enabled",
     "enforce_cuda_graph_warmup",
     "gtp_banner",
