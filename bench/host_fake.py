@@ -773,9 +773,9 @@ def main() -> int:
         "--fits-per-process",
         type=int,
         default=4,
-        help="--one-process: a fresh process after this many fits (before teardown_fit released "
-        "megatron DDP's hook cycle, ~6 fits of the 1B recipe filled an H100; not re-measured on "
-        "a GPU since)",
+        help="--one-process: a fresh process after this many fits (each fit returns its GPU "
+        "memory at teardown, but a GTP fit with per-layer graphs leaves ~5 GiB of the 1B recipe "
+        "until the next fit's teardown, measured on an H100)",
     )
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank-main", help=argparse.SUPPRESS)
