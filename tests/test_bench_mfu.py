@@ -129,6 +129,20 @@ def test_host_fake_twins_and_label() -> None:
     table = _table(records)
     assert table.startswith("Ranks: fake process group, one GPU (NVIDIA H200)")
     assert "| 30.0 % |" in table and "1.100×" in table
+    records += [
+        dict(mode="dp2_te@layergraph#1", tokens_per_gpu=4096, step_ms=200.0, device="NVIDIA H200"),
+        dict(
+            mode="dp2_te@layergraph@model.bias_dropout_fusion=false#1",
+            tokens_per_gpu=4096,
+            step_ms=200.0,
+            device="NVIDIA H200",
+        ),
+    ]
+    # pairs 1.1 and 1.0: median 1.05, summed steps 310 / 300
+    assert (
+        "median 1.050× recipe over 2 interleaved pair(s) (1.100, 1.000; summed steps "
+        "1.033×)" in _table(records)
+    )
     assert label([dict(device="cpu")]).startswith("Ranks: fake process group, CPU")
 
 
