@@ -176,6 +176,27 @@ def peak_breakdown(snapshot: dict, device: int | None = None) -> tuple[int, list
     return peak, _by_site(peak_live)
 
 
+def live_by_site(snapshot: dict) -> list[tuple[int, str]]:
+    """[(bytes, allocation site)] of the blocks allocated when ``snapshot``
+    (``torch.cuda.memory._snapshot()``) was taken, largest first; a block of a CUDA graph's
+    private pool says so. Sites need :func:`start_recording` before the blocks were allocated
+    (else ``<no frames>``). What holds a finished fit's memory: ``host_fake --leftover-sites``.
+
+    Example::
+
+        live_by_site(torch.cuda.memory._snapshot())[:3]
+        # [(5.2e9, "transformer/cuda_graphs.py:655 create_fwd_graph [graph pool]"), ...]
+    """
+    by_site: Counter[str] = Counter()
+    for segment in snapshot["segments"]:
+        graph_pool = tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                site = _site(block.get("frames", []))
+                by_site[f"{site} [graph pool]" if graph_pool else site] += block["size"]
+    return sorted(((b, s) for s, b in by_site.items()), reverse=True)
+
+
 def format_breakdown(result: tuple[int, list[tuple[int, str]]], top: int = 20) -> str:
     """Text table of :func:`peak_breakdown`'s result."""
     peak, rows = result

@@ -447,6 +447,10 @@ def _kernel_text(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+LEFTOVER_REPORT_BYTES = 2**28
+"""``--leftover-sites``: a fit finding more than this allocated at its start reports where."""
+
+
 def _fit(spec: dict, timer: object) -> dict:
     """One fit of ``spec``'s mode on the fake world; its record."""
     import lightning.pytorch as pl
@@ -521,6 +525,12 @@ def _fit(spec: dict, timer: object) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     leftover = torch.cuda.memory_allocated() if cuda else 0  # what earlier fits left allocated
+    holders = {}
+    if spec.get("leftover_sites") and leftover > LEFTOVER_REPORT_BYTES:
+        from bench.common import live_by_site
+
+        sites = live_by_site(torch.cuda.memory._snapshot())[:8]
+        holders = {"leftover_sites": [[round(b / 2**30, 3), site] for b, site in sites]}
     started = time.perf_counter()
     build_fit(cfg, callbacks=[times]).run()
     fit_s = time.perf_counter() - started
@@ -552,6 +562,7 @@ def _fit(spec: dict, timer: object) -> dict:
         else None,
         # what earlier fits of this process left allocated (the peak is above it)
         "leftover_gib": round(leftover / 2**30, 2) if cuda else None,
+        **holders,  # --leftover-sites: where the leftover was allocated
         "fit_s": round(fit_s, 1),
         "profiled_steps": profiled,
         "thread_cpu_ms_per_step": times.threads,
@@ -586,6 +597,10 @@ def _one_process_main(specs: list[dict], budget_s: float, fit_timeout_s: float =
     from nemo_gtp.recipes.launch import teardown_fit
 
     timer = _process_setup(specs[0]["world"], [], specs[0].get("timer", "outer"))
+    if specs[0].get("leftover_sites") and torch.cuda.is_available():
+        from bench.common import start_recording
+
+        start_recording()  # every fit's allocations, so a leftover names where it came from
     # NeMo's imports before the first fit: an import made inside a fit (modelopt's `pulp`) keeps
     # its ImportError's traceback, and with it that fit's frames and model, for good
     import nemo.collections.llm  # noqa: F401
@@ -654,6 +669,7 @@ def _plan(args: argparse.Namespace) -> list[dict]:
                         profile=args.profile,
                         timer=args.timer,
                         kernels=args.kernels,
+                        leftover_sites=args.leftover_sites,
                         out=str(Path(args.out).resolve()),
                     )
                 )
@@ -768,6 +784,13 @@ def main() -> int:
         action="store_true",
         help="the --profile steps under torch.profiler instead of cProfile: device time per "
         "kernel and per kind (GEMM, attention, optimizer, copies, ...) per step",
+    )
+    parser.add_argument(
+        "--leftover-sites",
+        action="store_true",
+        help="--one-process on a GPU: record every CUDA allocation's Python stack (slows the "
+        "host: not for timing) and, where a fit finds more than 0.25 GiB left by the fits "
+        "before it, record the allocation sites of what is left (leftover_sites)",
     )
     parser.add_argument(
         "--fits-per-process",

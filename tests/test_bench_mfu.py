@@ -11,7 +11,15 @@ import argparse
 import pytest
 
 from bench.bench_nemo import _eager_twins, resolve_mode, shared_device_refusal
-from bench.common import ROOT, gpt_flops, mfu, mfu_fields, peak_tflops, recipe_flops_per_gpu
+from bench.common import (
+    ROOT,
+    gpt_flops,
+    live_by_site,
+    mfu,
+    mfu_fields,
+    peak_tflops,
+    recipe_flops_per_gpu,
+)
 from bench.host_fake import (
     CPU_SHAPE,
     _baseline,
@@ -93,6 +101,7 @@ def _args(**kw: object) -> argparse.Namespace:
         profile=0,
         timer="none",
         kernels=False,
+        leftover_sites=False,
         out="/tmp/x",
     )
     return argparse.Namespace(**{**base, **kw})
@@ -190,3 +199,50 @@ def test_kernel_summary_groups_device_time_by_kind() -> None:
         "other": [2.0, 200.0],
     }
     assert [row[0] for row in summary["top"]] == ["sm90_xmma_gemm_bf16", "flash_fwd_kernel"]
+
+
+def test_leftover_sites_name_where_what_is_still_allocated_came_from() -> None:
+    """``host_fake --leftover-sites``: the blocks still allocated, summed by the innermost
+    megatron / nemo_gtp / bench frame of their allocation; a CUDA graph pool's are marked."""
+
+    def frames(path: str, line: int) -> list[dict]:
+        return [
+            dict(filename="/x/torch/nn/functional.py", line=1, name="linear"),
+            dict(filename=f"/x/{path}", line=line, name="fn"),
+        ]
+
+    mib = 2**20
+    snapshot = {
+        "segments": [
+            {
+                "segment_pool_id": (0, 0),
+                "blocks": [
+                    dict(
+                        state="active_allocated",
+                        size=3 * mib,
+                        frames=frames("nemo_gtp/engine/a.py", 9),
+                    ),
+                    dict(state="inactive", size=1024 * mib, frames=[]),
+                    dict(
+                        state="active_allocated", size=mib, frames=frames("nemo_gtp/engine/a.py", 9)
+                    ),
+                ],
+            },
+            {
+                "segment_pool_id": (1, 7),
+                "blocks": [
+                    dict(
+                        state="active_allocated",
+                        size=5 * mib,
+                        frames=frames("megatron/core/g.py", 5),
+                    ),
+                    dict(state="active_awaiting_free", size=mib, frames=[]),
+                ],
+            },
+        ]
+    }
+    assert live_by_site(snapshot) == [
+        (5 * mib, "core/g.py:5 fn [graph pool]"),
+        (4 * mib, "engine/a.py:9 fn"),
+    ]
+    assert all(spec["leftover_sites"] for spec in _plan(_args(leftover_sites=True)))
