@@ -125,16 +125,16 @@ def test_host_fake_twins_and_label() -> None:
         "dp2_te@layergraph#2"
     )
     assert _recipe_twin("dp2_te@layergraph") is None
-    fused = "dp2_te@layergraph@model.bias_dropout_fusion=false"
+    unfused = "dp2_te@layergraph@model.bias_dropout_fusion=false"
 
     def record(mode: str, step_ms: float, **extra: float) -> dict:
         return dict(mode=mode, tokens_per_gpu=4096, step_ms=step_ms, device="NVIDIA H200", **extra)
 
-    records = [record("dp2_te@layergraph", 100.0), record(fused, 110.0, mfu=0.3)]
+    records = [record("dp2_te@layergraph", 100.0), record(unfused, 110.0, mfu=0.3)]
     table = _table(records)
     assert table.startswith("Ranks: fake process group, one GPU (NVIDIA H200)")
     assert "| 30.0 % |" in table and "1.100×" in table
-    records += [record("dp2_te@layergraph#1", 200.0), record(f"{fused}#1", 200.0)]
+    records += [record("dp2_te@layergraph#1", 200.0), record(f"{unfused}#1", 200.0)]
     # pairs 1.1 and 1.0: median 1.05, summed steps 310 / 300
     assert (
         "median 1.050× recipe over 2 interleaved pair(s) (1.100, 1.000; summed steps "
