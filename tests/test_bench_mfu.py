@@ -205,44 +205,26 @@ def test_leftover_sites_name_where_what_is_still_allocated_came_from() -> None:
     """``host_fake --leftover-sites``: the blocks still allocated, summed by the innermost
     megatron / nemo_gtp / bench frame of their allocation; a CUDA graph pool's are marked."""
 
-    def frames(path: str, line: int) -> list[dict]:
-        return [
-            dict(filename="/x/torch/nn/functional.py", line=1, name="linear"),
-            dict(filename=f"/x/{path}", line=line, name="fn"),
-        ]
+    def block(size_mib: int, path: str = "", state: str = "active_allocated") -> dict:
+        frames = [dict(filename="/x/torch/nn/functional.py", line=1, name="linear")]
+        frames += [dict(filename=f"/x/{path}", line=9, name="fn")] if path else []
+        return dict(state=state, size=size_mib * 2**20, frames=frames)
 
-    mib = 2**20
+    mib, gtp, megatron = 2**20, "nemo_gtp/engine/a.py", "megatron/core/g.py"
     snapshot = {
         "segments": [
             {
                 "segment_pool_id": (0, 0),
-                "blocks": [
-                    dict(
-                        state="active_allocated",
-                        size=3 * mib,
-                        frames=frames("nemo_gtp/engine/a.py", 9),
-                    ),
-                    dict(state="inactive", size=1024 * mib, frames=[]),
-                    dict(
-                        state="active_allocated", size=mib, frames=frames("nemo_gtp/engine/a.py", 9)
-                    ),
-                ],
+                "blocks": [block(3, gtp), block(1024, state="inactive"), block(1, gtp)],
             },
             {
                 "segment_pool_id": (1, 7),
-                "blocks": [
-                    dict(
-                        state="active_allocated",
-                        size=5 * mib,
-                        frames=frames("megatron/core/g.py", 5),
-                    ),
-                    dict(state="active_awaiting_free", size=mib, frames=[]),
-                ],
+                "blocks": [block(5, megatron), block(1, state="active_awaiting_free")],
             },
         ]
     }
     assert live_by_site(snapshot) == [
-        (5 * mib, "core/g.py:5 fn [graph pool]"),
+        (5 * mib, "core/g.py:9 fn [graph pool]"),
         (4 * mib, "engine/a.py:9 fn"),
     ]
     assert all(spec["leftover_sites"] for spec in _plan(_args(leftover_sites=True)))
