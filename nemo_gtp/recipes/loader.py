@@ -427,7 +427,10 @@ def _step_metrics(trainer: pl.Trainer) -> dict[str, float] | None:
 class LossLog(pl.Callback):
     """Rank 0 appends ``{"step", "loss", "ms"[, "peak_gib"]}`` JSON lines to a file.
 
-    ``loss`` is NeMo's ``reduced_train_loss`` (averaged over the data-parallel ranks); ``ms``
+    ``loss`` is NeMo's ``reduced_train_loss`` (averaged over the data-parallel ranks);
+    ``peak_gib`` (GPU) this fit's peak of allocated memory since training started, net of what
+    was allocated before the fit began (a fit run earlier in the same process, as
+    ``--compare-baseline``'s GTP fit before its baseline, is not counted); ``ms``
     rank 0's wall time of the step: ``train/step_s`` of the trainer's
     :class:`~nemo_gtp.strategy.GTPMetricsCallback` when it measured the step (the value its
     loggers, and so ``python -m nemo_gtp.report``, get), else this callback's own timer. With
@@ -442,6 +445,7 @@ class LossLog(pl.Callback):
         self.path = path
         self.val_path = val_path
         self._start = 0.0
+        self._before_fit = 0  # bytes allocated when the fit began (its model not yet built)
 
     def on_validation_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.val_path is None or trainer.global_rank != 0 or trainer.sanity_checking:
@@ -451,6 +455,11 @@ class LossLog(pl.Callback):
             with open(self.val_path, "a") as f:
                 record = {"step": trainer.global_step, "val_loss": float(loss)}
                 f.write(json.dumps(record) + "\n")
+
+    def setup(self, trainer: pl.Trainer, *args: Any) -> None:
+        # Lightning calls it before the model is built: what is allocated now is not this fit's
+        if torch.cuda.is_available():
+            self._before_fit = torch.cuda.memory_allocated()
 
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if torch.cuda.is_available():  # peak of this fit, not of an earlier one in the process
@@ -470,7 +479,8 @@ class LossLog(pl.Callback):
         # unrounded: the VERDICT's median must be the report's, to the last digit it prints
         record = {"step": trainer.global_step, "loss": float(loss), "ms": 1000 * seconds}
         if torch.cuda.is_available():
-            record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            peak = torch.cuda.max_memory_allocated() - self._before_fit
+            record["peak_gib"] = round(peak / 2**30, 2)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
