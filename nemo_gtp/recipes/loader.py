@@ -456,9 +456,9 @@ class LossLog(pl.Callback):
                 record = {"step": trainer.global_step, "val_loss": float(loss)}
                 f.write(json.dumps(record) + "\n")
 
-    def setup(self, trainer: pl.Trainer, *args: Any) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Lightning calls it before the model is built: what is allocated now is not this fit's
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
             self._before_fit = torch.cuda.memory_allocated()
 
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:

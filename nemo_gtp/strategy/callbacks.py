@@ -61,14 +61,15 @@ def stop_wait_timing(timed: list[GTPRuntime]) -> dict[str, float]:
     return exposed
 
 
-def process_memory_metrics() -> dict[str, float]:
+def process_memory_metrics(before_fit: int = 0) -> dict[str, float]:
     """This process's memory now, in GiB: ``train/memory_allocated_gib`` and
     ``train/peak_memory_gib`` (CUDA caching allocator: allocated now, and the peak since the last
-    ``torch.cuda.reset_peak_memory_stats``), else ``train/rss_gib`` (resident set, CPU runs)."""
+    ``torch.cuda.reset_peak_memory_stats`` less ``before_fit`` bytes, what the process held
+    before the fit began), else ``train/rss_gib`` (resident set, CPU runs)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return {
             "train/memory_allocated_gib": torch.cuda.memory_allocated() / 2**30,
-            "train/peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "train/peak_memory_gib": (torch.cuda.max_memory_allocated() - before_fit) / 2**30,
         }
     try:
         import psutil
@@ -133,7 +134,10 @@ class GTPMetricsCallback(pl.Callback):
 
     Every run, GTP or not (the baseline a GTP run is compared with logs them too):
     ``train/step_s`` (wall time of the step), ``train/model_state_gib`` (weights + gradient
-    buffers + optimizer state of this rank) and :func:`process_memory_metrics`.
+    buffers + optimizer state of this rank) and :func:`process_memory_metrics`, whose peak is
+    this fit's own (since its training started, net of what the process held before the fit
+    began: a fit run earlier in the process, as ``--compare-baseline``'s GTP fit before its
+    baseline, is not counted).
     GTP runs, per step (counters reset at each step start): ``gtp/gather_bytes`` (FP8 gathers
     count their FP8 bytes, half of bf16's: design §1.3 "FP8 gather"),
     ``gtp/reduce_scatter_bytes``, ``gtp/gathers``, ``gtp/prefetches``, ``gtp/prefetch_skipped``,
@@ -157,6 +161,16 @@ class GTPMetricsCallback(pl.Callback):
         self._step_start = 0.0
         self._timed: list = []  # the runtimes whose waits this step times
         self._logs = False  # whether Lightning writes this step to its loggers
+        self._before_fit = 0  # bytes allocated when the fit began (its model not yet built)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Lightning calls it before the model is built: what is allocated now is not this fit's
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._before_fit = torch.cuda.memory_allocated()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()  # this fit's peak, not an earlier fit's
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -190,7 +204,7 @@ class GTPMetricsCallback(pl.Callback):
         footprint = self._footprint
         state_bytes = footprint.weight_bytes + footprint.grad_bytes + footprint.optimizer_bytes
         metrics: dict[str, float] = {"train/model_state_gib": state_bytes / 2**30}
-        metrics.update(process_memory_metrics())
+        metrics.update(process_memory_metrics(self._before_fit))
         if not runtimes:
             metrics["train/step_s"] = self._step_seconds()
             self._log(trainer, metrics)
