@@ -187,14 +187,16 @@ def live_by_site(snapshot: dict) -> list[tuple[int, str]]:
         live_by_site(torch.cuda.memory._snapshot())[:3]
         # [(5.2e9, "transformer/cuda_graphs.py:655 create_fwd_graph [graph pool]"), ...]
     """
-    by_site: Counter[str] = Counter()
+    plain: dict[int, tuple[int, list]] = {}
+    pooled: dict[int, tuple[int, list]] = {}
     for segment in snapshot["segments"]:
         graph_pool = tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+        live = pooled if graph_pool else plain
         for block in segment["blocks"]:
             if block["state"] == "active_allocated":
-                site = _site(block.get("frames", []))
-                by_site[f"{site} [graph pool]" if graph_pool else site] += block["size"]
-    return sorted(((b, s) for s, b in by_site.items()), reverse=True)
+                live[len(live)] = (block["size"], block.get("frames", []))
+    rows = _by_site(plain) + [(b, f"{site} [graph pool]") for b, site in _by_site(pooled)]
+    return sorted(rows, reverse=True)
 
 
 def format_breakdown(result: tuple[int, list[tuple[int, str]]], top: int = 20) -> str:
