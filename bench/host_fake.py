@@ -457,6 +457,46 @@ LEFTOVER_REPORT_BYTES = 2**28
 """``--leftover-sites``: a fit finding more than this allocated at its start reports where."""
 
 
+def python_holders(top: int = 6, depth: int = 5) -> dict:
+    """The CUDA tensors still reachable from Python (their GiB, and for the ``top`` largest a
+    chain of referrer types ``depth`` deep): what a C++-side holder (an autograd graph, a CUDA
+    graph's pool) does not explain."""
+    import gc
+
+    import torch
+
+    tensors = [
+        o
+        for o in gc.get_objects()
+        if issubclass(type(o), torch.Tensor) and o.device.type == "cuda"  # type: no lazy proxies
+    ]
+    storages: dict[int, tuple[int, int]] = {}  # by address: (bytes, index into tensors)
+    for i, t in enumerate(tensors):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = (storage.nbytes(), i)
+    largest = sorted(storages.values(), reverse=True)[:top]
+    chains = []
+    for nbytes, index in largest:
+        chain, obj = [], tensors[index]
+        shape = list(obj.shape)
+        for _ in range(depth):
+            referrers = [
+                r for r in gc.get_referrers(obj) if r is not tensors and type(r).__name__ != "frame"
+            ]
+            if not referrers:
+                break
+            obj = referrers[0]
+            del referrers  # else the next step finds this list among obj's referrers
+            keys = ",".join(str(k) for k in list(obj)[:4]) if isinstance(obj, dict) else ""
+            chain.append(f"{type(obj).__module__}.{type(obj).__qualname__}({keys})")
+        chains.append([round(nbytes / 2**30, 3), shape, " <- ".join(chain)])
+    return {
+        "gib": round(sum(n for n, _ in storages.values()) / 2**30, 3),
+        "tensors": len(tensors),
+        "largest": chains,
+    }
+
+
 def _fit(spec: dict, timer: object) -> dict:
     """One fit of ``spec``'s mode on the fake world; its record."""
     import lightning.pytorch as pl
@@ -464,7 +504,7 @@ def _fit(spec: dict, timer: object) -> dict:
 
     from bench.bench_nemo import thread_cpu_per_step, thread_cpu_seconds
     from bench.common import mfu_fields
-    from nemo_gtp.recipes.loader import build_fit, load_recipe
+    from nemo_gtp.recipes.loader import LossLog, build_fit, load_recipe
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -536,12 +576,23 @@ def _fit(spec: dict, timer: object) -> dict:
         from bench.common import live_by_site
 
         sites = live_by_site(torch.cuda.memory._snapshot())[:8]
-        holders = {"leftover_sites": [[round(b / 2**30, 3), site] for b, site in sites]}
-    started = time.perf_counter()
-    build_fit(cfg, callbacks=[times]).run()
-    fit_s = time.perf_counter() - started
+        holders = {
+            "leftover_sites": [[round(b / 2**30, 3), site] for b, site in sites],
+            "leftover_python_holders": python_holders(),
+        }
     out = Path(spec["out"])
     name = spec["file_stem"]
+    callbacks: list = [times]
+    loss_log = out / f"losses_{name}.jsonl"
+    if spec.get("leftover_sites"):  # not for timing: LossLog reads the loss every step
+        callbacks.append(LossLog(str(loss_log)))
+    started = time.perf_counter()
+    build_fit(cfg, callbacks=callbacks).run()
+    fit_s = time.perf_counter() - started
+    if loss_log.exists():  # the product's fit-own peak, beside this script's
+        holders["losslog_peak_gib"] = json.loads(loss_log.read_text().splitlines()[-1]).get(
+            "peak_gib"
+        )
     kernel_record = {}
     if kernels:
         kernel_record = {"kernels": kernel_summary(prof.key_averages(), profiled)}
