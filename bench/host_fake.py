@@ -584,7 +584,7 @@ def _fit(spec: dict, timer: object) -> dict:
     name = spec["file_stem"]
     callbacks: list = [times]
     loss_log = out / f"losses_{name}.jsonl"
-    if spec.get("leftover_sites"):  # not for timing: LossLog reads the loss every step
+    if spec.get("losses") or spec.get("leftover_sites"):  # not for timing: reads every loss
         callbacks.append(LossLog(str(loss_log)))
     started = time.perf_counter()
     build_fit(cfg, callbacks=callbacks).run()
@@ -727,6 +727,7 @@ def _plan(args: argparse.Namespace) -> list[dict]:
                         timer=args.timer,
                         kernels=args.kernels,
                         leftover_sites=args.leftover_sites,
+                        losses=args.losses,
                         out=str(Path(args.out).resolve()),
                     )
                 )
@@ -848,6 +849,12 @@ def main() -> int:
         help="--one-process on a GPU: record every CUDA allocation's Python stack (slows the "
         "host: not for timing) and, where a fit finds more than 0.25 GiB left by the fits "
         "before it, record the allocation sites of what is left (leftover_sites)",
+    )
+    parser.add_argument(
+        "--losses",
+        action="store_true",
+        help="every fit writes its per-step losses (and fit-own peak) to losses_<fit>.jsonl "
+        "(LossLog: reads the loss every step, a host sync: not for timing)",
     )
     parser.add_argument(
         "--fits-per-process",

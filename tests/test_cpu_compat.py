@@ -25,6 +25,7 @@ from nemo_gtp.cpu.compat import (
 from nemo_gtp.cpu.compat import (
     cpu_compat as cpu_compat_ctx,
 )
+from nemo_gtp.integrations.megatron.wgrad_fusion import install_torch_wgrad_accumulation
 from tests.harness.spawn import start_ranks
 
 VOCAB = 128
@@ -312,9 +313,11 @@ def _global_batch() -> torch.Tensor:
     return (start + stride * torch.arange(SEQ + 1)) % VOCAB
 
 
-def _train(tp: int) -> dict[str, Any]:
+def _train(tp: int, fused: bool = False) -> dict[str, Any]:
     """Build and train the tiny GPT for STEPS steps at tensor-parallel size ``tp``; return the
-    global losses and grad norms. Asserts that replicated parameters agree across ranks."""
+    global losses and grad norms. Asserts that replicated parameters agree across ranks.
+    ``fused``: megatron's ``gradient_accumulation_fusion`` on, its linears accumulating their
+    wgrad through ``TorchWgradAccumulation`` (apex's extension is not installed here)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -340,6 +343,9 @@ def _train(tp: int) -> dict[str, Any]:
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    if fused:  # after __post_init__, which turns every fusion off on CPU
+        install_torch_wgrad_accumulation()
+        config.gradient_accumulation_fusion = True
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
@@ -416,8 +422,17 @@ def _train(tp: int) -> dict[str, Any]:
             for other in gathered:
                 assert torch.equal(other, param.data)
 
+    # megatron marks a weight whose wgrad its GEMM accumulated (reset by zero_grad_buffer)
+    fused_weights = sum(
+        bool(getattr(p, "grad_added_to_main_grad", False)) for p in ddp_model.module.parameters()
+    )
     parallel_state.destroy_model_parallel()
-    return {"losses": losses, "grad_norms": grad_norms, "patches": enabled_patches()}
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "patches": enabled_patches(),
+        "fused_weights": fused_weights,
+    }
 
 
 def _train_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -429,6 +444,7 @@ def _train_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     try:
         # One process start for both layouts: megatron's import dominates the test time.
         results = {f"tp{tp}": _train(tp) for tp in (1, 2)}
+        results.update({f"tp{tp}_fused": _train(tp, fused=True) for tp in (1, 2)})
     finally:
         disable_cpu_compat()
         dist.destroy_process_group()
@@ -460,6 +476,20 @@ def test_dp2_distributed_optimizer_trains(
     assert abs(losses[0] - math.log(VOCAB)) < 0.5  # random init
     assert losses[-1] < losses[0]
     assert dp_results[0]["grad_norms"][0] > 1.0  # so clip_grad=1.0 really scales
+
+
+def test_gradient_accumulation_fusion_matches_unfused(
+    train_results: dict[str, list[dict[str, Any]]],
+) -> None:
+    """megatron's fused wgrad path (the GEMM accumulates into ``main_grad``, DDP adds nothing)
+    trains as the unfused one: TP1xDP2 and TP2xDP1."""
+    for layout in ("tp1", "tp2"):
+        reference = train_results[layout][0]
+        assert reference["fused_weights"] == 0
+        for result in train_results[f"{layout}_fused"]:
+            assert result["fused_weights"] == 9  # 4 linears in each of 2 layers, the output layer
+            assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+            assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5)
 
 
 def test_tp2_matches_dp2(train_results: dict[str, list[dict[str, Any]]]) -> None:

@@ -63,6 +63,7 @@ from nemo_gtp.integrations.megatron import (
     make_finalize_model_grads,
     preshard_config_layer_spec,
 )
+from nemo_gtp.integrations.megatron.wgrad_fusion import enable_gradient_accumulation_fusion
 from nemo_gtp.strategy.callbacks import GTPDrainCallback
 from nemo_gtp.strategy.checkpoint_hooks import GTPCheckpointHooks
 from nemo_gtp.strategy.checkpoint_io import install_gtp_sharded_state_dict
@@ -297,7 +298,15 @@ class GTPMegatronStrategy(GTPCheckpointHooks, MegatronStrategy):
         validate_fp8_primary(model.config, self.ddp_config, optim, self.gtp_dims.egtp)
 
     def setup_distributed(self) -> None:
-        """NeMo's process groups (megatron ``parallel_state``), then the GTP groups."""
+        """NeMo's process groups (megatron ``parallel_state``), then the GTP groups.
+
+        Before either, with GTP on or off: megatron's ``gradient_accumulation_fusion`` is made
+        buildable without apex where torch has the GEMM, else refused by name
+        (:func:`~nemo_gtp.integrations.megatron.wgrad_fusion.enable_gradient_accumulation_fusion`).
+        """
+        note = enable_gradient_accumulation_fusion(getattr(self.model, "config", None))
+        if note:
+            nemo_logging.info(note)
         if self.gtp_enabled and getattr(self.model, "config", None) is not None:
             reject_cuda_graph_capture(  # before any process group exists
                 self.model.config,
