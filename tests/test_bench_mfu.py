@@ -102,6 +102,7 @@ def _args(**kw: object) -> argparse.Namespace:
         timer="none",
         kernels=False,
         leftover_sites=False,
+        losses=False,
         out="/tmp/x",
     )
     return argparse.Namespace(**{**base, **kw})
