@@ -133,10 +133,13 @@ stage_host() {  # one device, rank 0 of a fake 2-rank world: the one-GPU regress
 stage_fusions() {
   local L=dp2_te@layergraph@model F OFF
   F="$L.bias_dropout_fusion=false,$L.cross_entropy_loss_fusion=false"
+  F="$F,$L.gradient_accumulation_fusion=false"
   OFF="$L.bias_dropout_fusion=false@model.cross_entropy_loss_fusion=false"
+  OFF="$OFF@model.gradient_accumulation_fusion=false"
   local CORE=dp2_te@eager,gtp2_te@eager,dp2_te@layergraph,gtp2_te@layergraph
   local GRAPH=dp2_te@graph,gtp2_te@graph
   local B=${BUDGET:-430}  # seconds from the stage's start; BUDGET=300: a shorter device call
+  run 60 $PY -m bench.wgrad_fusion_gemm  # the GEMM gradient_accumulation_fusion gets without apex
   run $((B + 50)) $PY -m bench.host_fake --one-process --budget $B --fit-timeout 150 --repeat 3 \
     --modes $CORE --tokens 4096 --also "4096:$GRAPH" --also "4096:$F,$OFF" \
     --also "4096:dp2_fp8,gtp2_fp8" --also "2048:$CORE,$GRAPH" \
