@@ -253,53 +253,6 @@ def test_teardown_keeps_no_finished_fit_alive(tmp_path_factory: pytest.TempPathF
     assert {name: counts for name, counts in kept.items() if any(counts)} == {}
 
 
-def test_graph_runner_capture_cycle_is_released() -> None:
-    """A per-layer graph runner keeps its captured forward's outputs, and with them their
-    autograd graph; a GTP layer's autograd contexts hold its GTP weights, which reach the model
-    and its runners again. Through two owners of the output's graph (megatron keeps the outputs
-    and their tensor surface) the collector cannot see the cycle, so a graphed GTP fit outlived
-    its teardown (~5.3 GiB on an H100). ``release_graph_runners`` (in ``teardown_fit``) cuts
-    it. The runner here is megatron's class without a capture: the cycle is autograd's."""
-    import gc
-    import weakref
-
-    import torch
-
-    from nemo_gtp.integrations.megatron.layer_graphs import (
-        GTPCudaGraphRunner,
-        release_graph_runners,
-    )
-
-    class HoldsContext(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, weight_state: object) -> torch.Tensor:
-            ctx.weight_state = weight_state  # as a GTP linear's context holds its weight
-            return x * 2
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-            return grad * 2, None
-
-    class WeightState:  # stands for the GTP weight -> runtime -> model -> runner path
-        runner: object
-
-    def captured_layer() -> weakref.ref:
-        runner = object.__new__(GTPCudaGraphRunner)  # no capture: no GPU here
-        state = WeightState()
-        state.runner = runner
-        out = HoldsContext.apply(torch.zeros(4, requires_grad=True), state)
-        runner.fwd_graph_outputs = (out.view(2, 2),)
-        runner.fwd_graph_output_surface = (out,)
-        return weakref.ref(state)
-
-    state = captured_layer()
-    gc.collect()
-    assert state() is not None  # the cycle the collector cannot free
-    assert release_graph_runners() >= 1
-    gc.collect()
-    assert state() is None
-
-
 def test_parity_tp1_gtp2_dp2(four_ranks: dict) -> None:
     _assert_parity(four_ranks["tp1_gtp2_dp2"], four_ranks["base_tp1_dp4"])
 

@@ -135,8 +135,7 @@ def teardown_fit() -> None:
     hooks (:func:`~nemo_gtp.integrations.megatron.ddp.release_finished_ddp_hooks`), the model
     methods Lightning attached to NeMo's one-per-process callback
     (:func:`detach_singleton_callbacks`) and megatron's class-level RoPE caches
-    (:func:`clear_rotary_caches`); and megatron's per-layer graph runners, whose captured
-    forward keeps a GTP model alive (``release_graph_runners``).
+    (:func:`clear_rotary_caches`).
     """
     import gc
 
@@ -167,7 +166,6 @@ def teardown_fit() -> None:
             StaticBufferLoader.static_buffers[stage] = []
     from nemo_gtp.integrations.megatron.ddp import release_finished_ddp_hooks
     from nemo_gtp.integrations.megatron.layer_graphs import (
-        release_graph_runners,
         release_live_cuda_graphs,
         reset_layer_graphs,
     )
@@ -183,7 +181,6 @@ def teardown_fit() -> None:
         torch.cuda.synchronize()
         release_live_cuda_graphs()
         torch.cuda.synchronize()
-    release_graph_runners()  # else a GTP model outlives its fit (the captured autograd graph)
     if dist.is_initialized():
         dist.destroy_process_group()
     release_finished_ddp_hooks()  # else the fit's model, grads and optimizer outlive it

@@ -355,46 +355,6 @@ def release_live_cuda_graphs() -> int:
     return len(graphs)
 
 
-RUNNER_CAPTURE_STATE = (
-    "fwd_graph",
-    "bwd_graph",
-    "fwd_graph_outputs",
-    "fwd_graph_output_surface",
-    "fwd_graph_input_surface",
-    "static_grad_outputs",
-    "static_grad_inputs",
-    "groundtruth_grad_added_to_main_grad",
-)
-"""What a megatron graph runner keeps from its captures: the graphs, their static tensors, and
-the outputs of the captured forward, whose autograd graph still holds the layer's autograd
-functions (for a GTP layer their contexts hold the GTP weights and runtime)."""
-
-
-def release_graph_runners() -> int:
-    """Drop what every megatron per-layer graph runner still alive keeps from its captures
-    (:data:`RUNNER_CAPTURE_STATE`); returns how many runners.
-
-    The captured forward's outputs keep its autograd graph, a C++ object the garbage collector
-    cannot see through, so a finished GTP fit's runners, model, gradient buffers and optimizer
-    state formed a cycle no collection freed (~5.3 GiB of the 1B recipe on an H100, until a later
-    fit's teardown). Call at the end of a fit (``teardown_fit`` does): the runners never replay
-    again.
-
-    Example::
-
-        release_graph_runners()
-        gc.collect()
-    """
-    import gc
-
-    runners = [obj for obj in gc.get_objects() if issubclass(type(obj), _CudaGraphRunner)]
-    for runner in runners:
-        for name in RUNNER_CAPTURE_STATE:
-            if name in vars(runner):
-                setattr(runner, name, None)
-    return len(runners)
-
-
 def cuda_graphs_among(objects: list[object]) -> list[torch.cuda.CUDAGraph]:
     """The ``torch.cuda.CUDAGraph`` objects among ``objects``, by their type alone: an
     ``isinstance`` check would also ask an object for its ``__class__``, which some lazy-import
