@@ -472,29 +472,68 @@ def python_holders(top: int = 6, depth: int = 5) -> dict:
     ]
     storages: dict[int, tuple[int, int]] = {}  # by address: (bytes, index into tensors)
     for i, t in enumerate(tensors):
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = (storage.nbytes(), i)
+        try:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = (storage.nbytes(), i)
+        except RuntimeError:  # a tensor without storage (FakeTensor, functional wrappers)
+            continue
     largest = sorted(storages.values(), reverse=True)[:top]
-    chains = []
-    for nbytes, index in largest:
-        chain, obj = [], tensors[index]
-        shape = list(obj.shape)
-        for _ in range(depth):
-            referrers = [
-                r for r in gc.get_referrers(obj) if r is not tensors and type(r).__name__ != "frame"
-            ]
-            if not referrers:
-                break
-            obj = referrers[0]
-            del referrers  # else the next step finds this list among obj's referrers
-            keys = ",".join(str(k) for k in list(obj)[:4]) if isinstance(obj, dict) else ""
-            chain.append(f"{type(obj).__module__}.{type(obj).__qualname__}({keys})")
-        chains.append([round(nbytes / 2**30, 3), shape, " <- ".join(chain)])
+    chains = [
+        [
+            round(nbytes / 2**30, 3),
+            list(tensors[index].shape),
+            referrer_chain(tensors[index], depth, skip=tensors),
+        ]
+        for nbytes, index in largest
+    ]
+    owners = {}  # the first live object of each type that owns a fit's state, and its holders
+    for obj in gc.get_objects():
+        name = type(obj).__name__
+        if name in HOLDER_TYPES and name not in owners:
+            owners[name] = referrer_chain(obj, 12)
     return {
         "gib": round(sum(n for n, _ in storages.values()) / 2**30, 3),
         "tensors": len(tensors),
         "largest": chains,
+        "owners": owners,
     }
+
+
+HOLDER_TYPES = frozenset(
+    {
+        "GTPRuntime",
+        "GTPShardedParam",
+        "GTPDistributedDataParallel",
+        "DistributedDataParallel",
+        "GPTModel",
+        "Trainer",
+    }
+)
+"""``--leftover-sites``: the types whose live instances after a teardown mean a fit's state is
+still held (their referrer chains are reported)."""
+
+
+def referrer_chain(obj: object, depth: int, skip: object = None) -> str:
+    """``type(referrer) <- type(its referrer) ...``, ``depth`` steps up from ``obj``, each the
+    first referrer that is not a frame, a list (unless only lists refer) or ``skip`` (a
+    ``dict``'s first keys shown)."""
+    import gc
+
+    chain = []
+    for _ in range(depth):
+        found = [r for r in gc.get_referrers(obj) if r is not skip]
+        referrers = [r for r in found if type(r).__name__ not in ("frame", "list")]
+        lists = [r for r in found if type(r).__name__ == "list" and len(r) < 1000]
+        del found
+        candidates = referrers or lists  # gc.get_objects()'s own big lists are skipped
+        if not candidates:
+            chain.append("<none: held from C++ or a frame>")
+            break
+        obj = candidates[0]
+        del referrers, lists, candidates
+        keys = ",".join(str(k) for k in list(obj)[:4]) if isinstance(obj, dict) else ""
+        chain.append(f"{type(obj).__module__}.{type(obj).__qualname__}({keys})")
+    return " <- ".join(chain)
 
 
 def _fit(spec: dict, timer: object) -> dict:
