@@ -677,6 +677,31 @@ def test_world_size_checked_before_collectives(nemo_env: Any) -> None:
         strategy.setup_distributed()
 
 
+@pytest.mark.parametrize("shards", [2, 1])
+def test_wgrad_fusion_without_the_gemm_refused_before_collectives(
+    nemo_env: Any, monkeypatch: pytest.MonkeyPatch, shards: int
+) -> None:
+    """``gradient_accumulation_fusion`` on a stack with neither apex nor torch's
+    fp32-accumulating GEMM (this CPU machine): refused by name in ``setup_distributed``,
+    before any process group, with GTP on or off."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import layers
+
+    if torch.cuda.is_available():
+        pytest.skip("the GEMM exists here")
+    monkeypatch.delattr(layers, "fused_weight_gradient_mlp_cuda", raising=False)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
+    strategy = nemo_env.Strategy(num_weight_shards=shards)
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.model = types.SimpleNamespace(
+        config=types.SimpleNamespace(gradient_accumulation_fusion=True)
+    )
+    with pytest.raises(ValueError, match="set model.gradient_accumulation_fusion=false"):
+        strategy.setup_distributed()
+    assert not dist.is_initialized()
+
+
 def test_io_records_gtp_arguments(nemo_env: Any) -> None:
     """NeMo's IOMixin record (checkpoint ``context/``) rebuilds the same strategy."""
     import fiddle as fdl
