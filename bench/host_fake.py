@@ -458,9 +458,10 @@ LEFTOVER_REPORT_BYTES = 2**28
 
 
 def python_holders(top: int = 6, depth: int = 5) -> dict:
-    """The CUDA tensors still reachable from Python (their GiB, and for the ``top`` largest a
-    chain of referrer types ``depth`` deep): what a C++-side holder (an autograd graph, a CUDA
-    graph's pool) does not explain."""
+    """The live CUDA tensor objects (every one the collector tracks, whoever holds it: their
+    GiB, and for the ``top`` largest a chain of referrer types ``depth`` deep, which ends where
+    only C++ holds one, e.g. as a parameter's ``.grad``) and the referrer chains of the live
+    objects of :data:`HOLDER_TYPES`."""
     import gc
 
     import torch
@@ -507,6 +508,9 @@ HOLDER_TYPES = frozenset(
         "DistributedDataParallel",
         "GPTModel",
         "Trainer",
+        "DistributedOptimizer",
+        "ChainedOptimizer",
+        "FusedAdam",
     }
 )
 """``--leftover-sites``: the types whose live instances after a teardown mean a fit's state is
