@@ -466,9 +466,10 @@ def python_holders(top: int = 6, depth: int = 5) -> dict:
 
     import torch
 
+    objects = gc.get_objects()
     tensors = [
         o
-        for o in gc.get_objects()
+        for o in objects
         if issubclass(type(o), torch.Tensor) and o.device.type == "cuda"  # type: no lazy proxies
     ]
     storages: dict[int, tuple[int, int]] = {}  # by address: (bytes, index into tensors)
@@ -488,10 +489,10 @@ def python_holders(top: int = 6, depth: int = 5) -> dict:
         for nbytes, index in largest
     ]
     owners = {}  # the first live object of each type that owns a fit's state, and its holders
-    for obj in gc.get_objects():
+    for obj in objects:
         name = type(obj).__name__
         if name in HOLDER_TYPES and name not in owners:
-            owners[name] = referrer_chain(obj, 12)
+            owners[name] = referrer_chain(obj, 12, skip=objects)
     return {
         "gib": round(sum(n for n, _ in storages.values()) / 2**30, 3),
         "tensors": len(tensors),
@@ -614,28 +615,25 @@ def _fit(spec: dict, timer: object) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     leftover = torch.cuda.memory_allocated() if cuda else 0  # what earlier fits left allocated
-    holders = {}
+    diagnostics = {}  # --leftover-sites / --losses: what is left, and LossLog's peak
     if spec.get("leftover_sites") and leftover > LEFTOVER_REPORT_BYTES:
         from bench.common import live_by_site
 
         sites = live_by_site(torch.cuda.memory._snapshot())[:8]
-        holders = {
+        diagnostics = {
             "leftover_sites": [[round(b / 2**30, 3), site] for b, site in sites],
             "leftover_python_holders": python_holders(),
         }
     out = Path(spec["out"])
     name = spec["file_stem"]
-    callbacks: list = [times]
     loss_log = out / f"losses_{name}.jsonl"
-    if spec.get("losses") or spec.get("leftover_sites"):  # not for timing: reads every loss
-        callbacks.append(LossLog(str(loss_log)))
+    log_losses = bool(spec.get("losses") or spec.get("leftover_sites"))  # reads every loss
     started = time.perf_counter()
-    build_fit(cfg, callbacks=callbacks).run()
+    build_fit(cfg, callbacks=[times, LossLog(str(loss_log))] if log_losses else [times]).run()
     fit_s = time.perf_counter() - started
-    if loss_log.exists():  # the product's fit-own peak, beside this script's
-        holders["losslog_peak_gib"] = json.loads(loss_log.read_text().splitlines()[-1]).get(
-            "peak_gib"
-        )
+    if log_losses:  # the product's fit-own peak, beside this script's
+        last = json.loads(loss_log.read_text().splitlines()[-1])
+        diagnostics["losslog_peak_gib"] = last.get("peak_gib")
     kernel_record = {}
     if kernels:
         kernel_record = {"kernels": kernel_summary(prof.key_averages(), profiled)}
@@ -662,7 +660,7 @@ def _fit(spec: dict, timer: object) -> dict:
         else None,
         # what earlier fits of this process left allocated (the peak is above it)
         "leftover_gib": round(leftover / 2**30, 2) if cuda else None,
-        **holders,  # --leftover-sites: where the leftover was allocated
+        **diagnostics,
         "fit_s": round(fit_s, 1),
         "profiled_steps": profiled,
         "thread_cpu_ms_per_step": times.threads,

@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+"""Whether this torch has ``addmm(..., out_dtype=)`` (torch >= 2.8; its kernel is CUDA-only)."""
 
-def fused_accumulation_available(device: torch.device | str = "cuda") -> bool:
-    """Whether torch has the half-precision GEMM with an fp32 accumulator on ``device``."""
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return False
-    return hasattr(torch.ops.aten.addmm, "dtype_out")
+
+def fused_accumulation_available() -> bool:
+    """Whether torch has the half-precision GEMM with an fp32 accumulator on this machine."""
+    return ADDMM_OUT_DTYPE and torch.cuda.is_available()
 
 
 def accumulate_wgrad(total_input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
@@ -41,7 +42,7 @@ def accumulate_wgrad(total_input: Tensor, grad_output: Tensor, main_grad: Tensor
     input_2d = total_input.reshape(-1, total_input.shape[-1])
     if grad_2d.dtype == main_grad.dtype:
         main_grad.addmm_(grad_2d, input_2d)
-    elif main_grad.dtype == torch.float32 and fused_accumulation_available(main_grad.device):
+    elif main_grad.dtype == torch.float32 and main_grad.is_cuda and ADDMM_OUT_DTYPE:
         # beta = 1 into the fp32 buffer: the products are summed in fp32, never rounded to bf16
         torch.addmm(main_grad, grad_2d, input_2d, out_dtype=torch.float32, out=main_grad)
     else:
