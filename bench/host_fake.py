@@ -63,6 +63,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -453,6 +454,9 @@ def _kernel_text(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+LIVE_KINDS = ("Backward", "Graph", "Runner", "Layer", "Linear", "Boundary", "State", "Hook", "Node")
+"""``--leftover-sites``: name parts of the object types counted among what outlived a fit."""
+
 LEFTOVER_REPORT_BYTES = 2**28
 """``--leftover-sites``: a fit finding more than this allocated at its start reports where."""
 
@@ -493,11 +497,25 @@ def python_holders(top: int = 6, depth: int = 5) -> dict:
         name = type(obj).__name__
         if name in HOLDER_TYPES and name not in owners:
             owners[name] = referrer_chain(obj, 12, skip=objects)
+    counts = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in objects)
+    params = [o for o in objects if type(o).__name__ == "GTPShardedParam"]
     return {
         "gib": round(sum(n for n, _ in storages.values()) / 2**30, 3),
         "tensors": len(tensors),
         "largest": chains,
         "owners": owners,
+        # what kinds of objects outlived the fit (autograd contexts show as ``...Backward``)
+        "live_types": [
+            [n, name] for name, n in counts.most_common() if any(k in name for k in LIVE_KINDS)
+        ][:40],
+        # one live GTP weight's direct referrers (every one, not only the first)
+        "gtp_param_referrers": sorted(
+            f"{type(r).__module__}.{type(r).__qualname__}"
+            for r in gc.get_referrers(params[0])
+            if r is not objects and type(r).__name__ != "frame"
+        )
+        if params
+        else [],
     }
 
 
