@@ -454,8 +454,94 @@ def _kernel_text(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-LIVE_KINDS = ("Backward", "Graph", "Runner", "Layer", "Linear", "Boundary", "State", "Hook", "Node")
-"""``--leftover-sites``: name parts of the object types counted among what outlived a fit."""
+LIVE_MODULES = (
+    "torch.autograd",
+    "torch._C",
+    "torch.cuda",
+    "nemo_gtp",
+    "megatron",
+    "transformer_engine",
+    "nemo.lightning",
+    "lightning",
+    "builtins.function",
+    "builtins.method",
+    "functools",
+)
+"""``--leftover-sites``: the modules whose object types are counted among what outlived a fit."""
+
+
+def external_holders(targets: list, objects: list) -> list:
+    """What keeps ``targets`` alive: a path from Python's roots, or the holders C++ keeps.
+
+    Walks the referent graph from ``sys.modules`` and every thread's frames (this thread's
+    from the caller's caller on: call it from the function holding ``objects``). A target reached
+    that way gets its path (types, root first). Otherwise every object that refers to a target
+    through objects Python cannot reach, and whose reference count exceeds the references the
+    collector sees, is held from C++ (an autograd node's hook, a mode stack, an extension):
+    each as [extra references, type, a short repr].
+    """
+    import gc
+    import threading
+    from collections import deque
+
+    here = threading.get_ident()
+    frames = [f for ident, f in sys._current_frames().items() if ident != here]
+    caller = sys._getframe(2)  # not this call's frame, nor the caller's (its locals list targets)
+    roots = [sys.modules, *frames, *([caller] if caller is not None else [])]
+    parent: dict[int, int] = {id(r): 0 for r in roots}
+    parent[id(objects)] = parent[id(targets)] = 0  # never walked through
+    by_id = {id(r): r for r in roots}
+    queue = deque(roots)
+    while queue:
+        o = queue.popleft()
+        for r in gc.get_referents(o):
+            if gc.is_tracked(r) and id(r) not in parent:
+                parent[id(r)] = id(o)
+                by_id[id(r)] = r
+                queue.append(r)
+    reached = [t for t in targets if id(t) in parent and parent[id(t)]]
+    if reached:
+        path, oid = [], id(reached[0])
+        while oid:
+            o = by_id[oid]
+            keys = ",".join(str(k) for k in list(o)[:3]) if isinstance(o, dict) else ""
+            path.append(f"{type(o).__module__}.{type(o).__qualname__}({keys})")
+            oid = parent[oid]
+        return [["python path", " -> ".join(reversed(path))]]
+    del by_id
+    unreached = {id(o): o for o in objects if id(o) not in parent}
+    seen_refs: Counter = Counter()
+    referrers: dict[int, list[int]] = {}
+    for o in objects:
+        for r in gc.get_referents(o):
+            if id(r) in unreached:
+                seen_refs[id(r)] += 1
+                referrers.setdefault(id(r), []).append(id(o))
+    holders, frontier = {id(t) for t in targets}, [id(t) for t in targets]
+    while frontier:
+        for rid in referrers.get(frontier.pop(), ()):
+            if rid not in holders:
+                holders.add(rid)
+                frontier.append(rid)
+    found = []
+    for oid in holders:
+        o = unreached[oid]
+        if isinstance(o, torch_tensor_type()):  # C++ owners show in ``_use_count`` instead
+            continue
+        # getrefcount's own argument, ``o``, ``objects`` and ``unreached`` hold one each
+        extra = sys.getrefcount(o) - 4 - seen_refs[oid]
+        if extra > 0:
+            found.append([extra, f"{type(o).__module__}.{type(o).__qualname__}", repr(o)[:160]])
+    found.sort(key=lambda f: f[1])
+    return [["held only from C++, objects above the targets", len(holders)], *found[:60]]
+
+
+def torch_tensor_type() -> type:
+    """``torch.Tensor`` (imported late: ``host_fake``'s parent process never imports torch)."""
+    import torch
+
+    return torch.Tensor
+
 
 LEFTOVER_REPORT_BYTES = 2**28
 """``--leftover-sites``: a fit finding more than this allocated at its start reports where."""
@@ -506,8 +592,12 @@ def python_holders(top: int = 6, depth: int = 5) -> dict:
         "owners": owners,
         # what kinds of objects outlived the fit (autograd contexts show as ``...Backward``)
         "live_types": [
-            [n, name] for name, n in counts.most_common() if any(k in name for k in LIVE_KINDS)
-        ][:40],
+            [n, name] for name, n in counts.most_common() if name.startswith(LIVE_MODULES)
+        ][:60],
+        # C++ references to the GTP weights' tensors (an autograd node, a saved variable)
+        "gtp_param_use_counts": dict(Counter(p._use_count() for p in params)),
+        "gtp_params_with_grad": sum(p.grad is not None for p in params),
+        "external_holders": external_holders(params, objects),
         # one live GTP weight's direct referrers (every one, not only the first)
         "gtp_param_referrers": sorted(
             f"{type(r).__module__}.{type(r).__qualname__}"
