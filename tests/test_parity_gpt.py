@@ -570,15 +570,18 @@ def _megatron_graph_flow_case(rank: int, world: int, ring: int) -> None:
     """megatron's own per-layer graph flow (recording step, ``create_cudagraphs`` with its
     warmups and captures, replays through its autograd nodes) with GTP's manager and runner, on
     CPU with an eager stand-in for CUDA graphs: every capture starts and ends with nothing in
-    flight, no Python gather or chain building after the capture step, and DDP's overlapped
-    bucket reductions complete (they assert unless the grad-ready hooks fire after each replay)."""
+    flight, no Python gather or chain building after the capture step, DDP's overlapped
+    bucket reductions complete (they assert unless the grad-ready hooks fire after each replay),
+    and the GTP weights are freed once the fit is released (``teardown_fit``'s steps)."""
     from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
+    from nemo_gtp.integrations.megatron.ddp import release_finished_ddp_hooks
     from nemo_gtp.integrations.megatron.layer_graphs import (
         GTPCudaGraphManager,
         GTPCudaGraphRunner,
         reset_layer_graphs,
     )
+    from nemo_gtp.recipes.launch import collect_garbage
     from tests.harness.gpt import MICROBATCHES, build, train_built
     from tests.harness.graph_stand_in import eager_cuda_graphs
 
@@ -608,6 +611,8 @@ def _megatron_graph_flow_case(rank: int, world: int, ring: int) -> None:
                 assert type(manager) is GTPCudaGraphManager
                 assert all(type(r) is GTPCudaGraphRunner for r in manager.cudagraph_runners)
                 assert all(r.fwd_graph is not None for r in manager.cudagraph_runners)
+            weights = [weakref.ref(p) for p in runtime.params]
+            del setup, runtime, layers, plans, head1, layer, manager
     finally:
         reset_layer_graphs()
     # the capture step itself trained as without graphs (its warmups left no trace)
@@ -615,6 +620,12 @@ def _megatron_graph_flow_case(rank: int, world: int, ring: int) -> None:
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
     for name, grad in reference["grads"].items():
         assert rel_err(first["grads"][name], grad) <= 1e-5, name
+    # nothing of the fit outlives it once released (``teardown_fit``'s steps): DDP's hooks and
+    # the captured layers' autograd nodes pin the GTP weights' own cycle for one collection
+    del first
+    release_finished_ddp_hooks()
+    collect_garbage()
+    assert not [w for w in weights if w() is not None], "GTP weights outlived their fit"
 
 
 def _grad_guard_case(rank: int, world: int) -> None:
