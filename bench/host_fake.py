@@ -525,8 +525,9 @@ def external_holders(targets: list, objects: list) -> list:
                 frontier.append(rid)
     found = []
     for oid in holders:
+        # a tensor: its C++ owners show in ``_use_count`` instead
         o = unreached.get(oid)
-        if o is None or isinstance(o, torch_tensor_type()):  # C++ owners show in ``_use_count`` instead
+        if o is None or isinstance(o, torch_tensor_type()):
             continue
         # getrefcount's own argument, ``o``, ``objects`` and ``unreached`` hold one each
         extra = sys.getrefcount(o) - 4 - seen_refs[oid]
