@@ -239,18 +239,19 @@ def test_parity_shard_replicated_params_over_gtp(two_ranks: dict) -> None:
 
 def test_teardown_keeps_no_finished_fit_alive(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A process that runs fit after fit does not accumulate them: every fit of both shared
-    launches (every test module's, on every rank) leaves no megatron model alive once torn
-    down. Three holders kept one each: megatron DDP's grad hooks (a cycle through autograd's
-    C++ nodes that the collector never frees), NeMo's one-per-process OneLogger callback (the
-    fit's ``log`` methods) and megatron's class-level RoPE cache; ``teardown_fit`` releases all
-    three. A fit that failed (``dora_gtp2``) keeps its model through its exception's frames."""
+    launches (every test module's, on every rank) leaves no megatron model and no GTP weight
+    alive once torn down. Three holders kept one each: megatron DDP's grad hooks (a cycle
+    through autograd's C++ nodes that the collector never frees), NeMo's one-per-process
+    OneLogger callback (the fit's ``log`` methods) and megatron's class-level RoPE cache;
+    ``teardown_fit`` releases all three, then collects until nothing more is freed. A fit that
+    failed (``dora_gtp2``) keeps its model through its exception's frames."""
     kept = {
-        name: [rank["models_kept_by_fit"] for rank in ranks]
+        name: [(rank["models_kept_by_fit"], rank["gtp_weights_kept_by_fit"]) for rank in ranks]
         for world in (2, 4)
         for name, ranks in shared_launch(world).results(tmp_path_factory).items()
         if name != "dora_gtp2"
     }
-    assert {name: counts for name, counts in kept.items() if any(counts)} == {}
+    assert {name: counts for name, counts in kept.items() if any(map(any, counts))} == {}
 
 
 def test_parity_tp1_gtp2_dp2(four_ranks: dict) -> None:

@@ -659,6 +659,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
     from megatron.core.models.gpt import GPTModel as MegatronGPTModel
 
     from nemo_gtp.cpu.compat import enable_cpu_compat
+    from nemo_gtp.engine.param import GTPShardedParam
     from nemo_gtp.recipes.launch import teardown_fit
 
     torch.set_num_threads(1)
@@ -668,6 +669,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
     enable_cpu_compat()
     results = []
     alive_before = _live(MegatronGPTModel)
+    weights_before = _live(GTPShardedParam)
     for index, fit in enumerate(fits):
         fit = _under(fit, out_dir)
         os.environ.update(
@@ -701,6 +703,9 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
         alive = _live(MegatronGPTModel)
         result["models_kept_by_fit"] = alive - alive_before
         alive_before = alive
+        weights = _live(GTPShardedParam)
+        result["gtp_weights_kept_by_fit"] = weights - weights_before
+        weights_before = weights
         if fit.expect_error and "error" not in result:
             raise AssertionError(f"fit {fit.name} was expected to fail but succeeded")
         result["wall_s"] = time.perf_counter() - start
