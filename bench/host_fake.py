@@ -1011,8 +1011,8 @@ def main() -> int:
         type=int,
         default=4,
         help="--one-process: a fresh process after this many fits (each fit returns its GPU "
-        "memory at teardown, but a GTP fit with per-layer graphs leaves ~5 GiB of the 1B recipe "
-        "until the next fit's teardown, measured on an H100)",
+        "memory at teardown; a fresh process bounds what process-wide caches and the Python "
+        "heap gather)",
     )
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank-main", help=argparse.SUPPRESS)
