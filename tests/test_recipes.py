@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from nemo_gtp.recipes.config import load_recipe
+from nemo_gtp.recipes.schema import ddp_average_in_collective
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -31,9 +32,27 @@ def test_overrides_apply_and_typos_are_errors() -> None:
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_loads_and_keeps_gtp_constraints(path: Path) -> None:
     cfg = load_recipe(str(path))
-    assert cfg.ddp.average_in_collective is False  # GTP forbids it (design §3.2)
+    assert ddp_average_in_collective(cfg) is False  # GTP forbids it (design §3.2)
     tp = cfg.strategy.get("tensor_model_parallel_size", 1)
     assert cfg.strategy.num_weight_shards % tp == 0
+
+
+def test_ddp_average_in_collective_follows_gtp() -> None:
+    """``ddp.average_in_collective: null`` (the GPU recipes): off under GTP, dense or expert
+    (design §3.2), on for a GPU run without GTP (NeMo's recipes' setting: no 1/DP pre-scale),
+    off on CPU (gloo has no AVG); a value set by the recipe or an override is kept."""
+
+    def average(recipe: str, *overrides: str) -> bool:
+        return ddp_average_in_collective(load_recipe(str(ROOT / "configs" / recipe), overrides))
+
+    assert average("gpt_1b_te.yaml") is False
+    assert average("gpt_1b_te.yaml", "strategy.num_weight_shards=1") is True
+    off = ("strategy.num_weight_shards=1", "ddp.average_in_collective=false")
+    assert average("gpt_1b_te.yaml", *off) is False
+    assert average("moe_1b.yaml", "strategy.num_weight_shards=1") is False  # expert GTP
+    assert average("moe_1b.yaml", *off[:1], "strategy.expert_num_weight_shards=1") is True
+    cpu = ("strategy.num_weight_shards=1", "ddp.average_in_collective=null")
+    assert average("tiny_cpu.yaml", *cpu) is False
 
 
 def test_main_job_gtp_matches_baseline_in_one_launch(tmp_path: Path) -> None:

@@ -48,7 +48,12 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_gtp.recipes.config import load_recipe  # noqa: F401  (re-exported)
 from nemo_gtp.recipes.fault_callbacks import fault_callbacks
 from nemo_gtp.recipes.resume import resume_path
-from nemo_gtp.recipes.schema import ACTIVATIONS, default_layer_spec_name
+from nemo_gtp.recipes.schema import (
+    ACTIVATIONS,
+    ddp_average_in_collective,
+    default_layer_spec_name,
+    uses_gtp,
+)
 from nemo_gtp.recipes.validate import TE_MISSING, validate_recipe
 
 TB_SUBDIR = "tb_logs"  # TensorBoard event files under a run's log directory
@@ -184,7 +189,9 @@ def build_fit(
         tokenizer=tokenizer, num_workers=0, pin_memory=False, create_attention_mask=True, **data_cfg
     )
     strategy = GTPMegatronStrategy(
-        ddp=DistributedDataParallelConfig(**_plain(cfg.ddp)),
+        ddp=DistributedDataParallelConfig(
+            **{**_plain(cfg.ddp), "average_in_collective": ddp_average_in_collective(cfg)}
+        ),
         gtp_config=GTPConfig(**_plain(cfg.get("gtp"))),
         **strategy_kwargs(cfg, model_cfg),
     )
@@ -269,9 +276,7 @@ def fp8_plugin_kwargs(cfg: DictConfig) -> dict[str, Any]:
         return {}
     from nemo_gtp.engine.fp8 import check_fp8_training_for_gtp
 
-    strategy = _plain(cfg.get("strategy"))
-    tp = strategy.get("tensor_model_parallel_size") or 1
-    gtp_on = (strategy.get("num_weight_shards") or tp) > tp
+    gtp_on = uses_gtp(cfg)
     kwargs = {
         "fp8": section["format"],
         "fp8_recipe": section.get("recipe") or "delayed",

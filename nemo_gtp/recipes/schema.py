@@ -264,6 +264,38 @@ def is_cpu_recipe(cfg: Any) -> bool:
     return bool(cfg.get("cpu_compat", False)) or trainer.get("accelerator") == "cpu"
 
 
+def uses_gtp(cfg: Any) -> bool:
+    """Whether a recipe shards weights over a GTP axis: ``strategy.num_weight_shards`` above
+    TP, or ``strategy.expert_num_weight_shards`` above ETP (expert GTP; ETP defaults to TP).
+
+    Example::
+
+        uses_gtp(load_recipe("configs/gpt_1b_te.yaml", ["strategy.num_weight_shards=1"]))  # False
+    """
+    strategy = cfg.get("strategy") or {}
+    tp = strategy.get("tensor_model_parallel_size") or 1
+    etp = strategy.get("expert_tensor_parallel_size") or tp
+    dense = (strategy.get("num_weight_shards") or tp) > tp
+    return dense or (strategy.get("expert_num_weight_shards") or etp) > etp
+
+
+def ddp_average_in_collective(cfg: Any) -> bool:
+    """The recipe's ``ddp.average_in_collective``; unset (``null``): off under GTP (the mean is
+    a pre-scale before a SUM collective, design §3.2) and on CPU (gloo has no AVG), on for a
+    GPU run without GTP, as NeMo's recipes run DDP (no 1/DP pre-scale pass over the grad
+    buffers), so a baseline is the DDP NeMo users run. A value the recipe sets is kept (on
+    under GTP is refused by the strategy, naming the setting).
+
+    Example::
+
+        ddp_average_in_collective(load_recipe("configs/gpt_1b_te.yaml"))  # False: GTP2
+    """
+    value = (cfg.get("ddp") or {}).get("average_in_collective")
+    if value is not None:
+        return bool(value)
+    return not uses_gtp(cfg) and not is_cpu_recipe(cfg)
+
+
 def default_layer_spec_name() -> str:
     """The layer spec a recipe without ``model.layer_spec`` gets, as NeMo picks it: ``"te"``
     when TransformerEngine is installed, else ``"local"`` (no import: a spec lookup).
