@@ -473,21 +473,26 @@ LIVE_MODULES = (
 def external_holders(targets: list, objects: list) -> list:
     """What keeps ``targets`` alive: a path from Python's roots, or the holders C++ keeps.
 
-    Walks the referent graph from ``sys.modules`` and every thread's frames (this thread's
-    from the caller's caller on: call it from the function holding ``objects``). A target reached
-    that way gets its path (types, root first). Otherwise every object that refers to a target
-    through objects Python cannot reach, and whose reference count exceeds the references the
-    collector sees, is held from C++ (an autograd node's hook, a mode stack, an extension):
-    each as [extra references, type, a short repr].
+    Walks the referent graph from ``sys.modules`` and the locals of every thread's frames
+    (this thread's from the caller's caller on: call it from the function holding
+    ``objects``). A target reached that way gets its path (types, root first). Otherwise every
+    object that refers to a target through objects Python cannot reach, and whose reference
+    count exceeds the references the collector sees, is held from C++ (an autograd node's
+    hook, a mode stack, an extension): each as [extra references, type, a short repr].
     """
     import gc
     import threading
     from collections import deque
 
     here = threading.get_ident()
-    frames = [f for ident, f in sys._current_frames().items() if ident != here]
-    caller = sys._getframe(2)  # not this call's frame, nor the caller's (its locals list targets)
-    roots = [sys.modules, *frames, *([caller] if caller is not None else [])]
+    tops = [f for ident, f in sys._current_frames().items() if ident != here]
+    tops.append(sys._getframe(2))  # not this call, nor its caller (whose locals list targets)
+    # a running frame does not show its locals to the collector: each one's locals, as a dict
+    roots: list = [sys.modules]
+    for frame in tops:
+        while frame is not None:
+            roots.append(frame.f_locals)
+            frame = frame.f_back
     parent: dict[int, int] = {id(r): 0 for r in roots}
     parent[id(objects)] = parent[id(targets)] = 0  # never walked through
     by_id = {id(r): r for r in roots}

@@ -1,4 +1,5 @@
-"""The benchmarks' model FLOPs and MFU, and how ``bench.host_fake`` plans and labels its fits.
+"""The benchmarks' model FLOPs and MFU, how ``bench.host_fake`` plans and labels its fits, and
+what its ``--leftover-sites`` diagnostic reports.
 
 In-process and cheap: no fit runs here (``python -m bench.host_fake --modes dp2_cpu,gtp2_cpu
 [--one-process]`` runs the real thing on CPU).
@@ -27,6 +28,7 @@ from bench.host_fake import (
     _recipe_twin,
     _resolve,
     _table,
+    external_holders,
     kernel_summary,
     label,
 )
@@ -229,3 +231,53 @@ def test_leftover_sites_name_where_what_is_still_allocated_came_from() -> None:
         (4 * mib, "engine/a.py:9 fn"),
     ]
     assert all(spec["leftover_sites"] for spec in _plan(_args(leftover_sites=True)))
+
+
+def test_external_holders_names_a_python_path_or_what_only_cpp_holds() -> None:
+    """``host_fake --leftover-sites``: a weight in a reference cycle held through a closure that
+    only C++ keeps (here autograd's saved-tensor hook stack) is reported with that closure; one
+    a module keeps gets its path from ``sys.modules``."""
+    import gc
+    import sys
+    import types
+    import weakref
+
+    import torch
+
+    def probe(ref: weakref.ref) -> list:
+        objects = gc.get_objects()
+        return external_holders([ref()], objects)
+
+    class State:
+        pass
+
+    def build() -> weakref.ref:
+        weight = torch.nn.Parameter(torch.zeros(2))
+        state = State()
+        state.weights, weight.state = (weight,), state
+
+        def pack(tensor: torch.Tensor) -> tuple:
+            return tensor, state
+
+        # autograd's own stack, which only C++ holds (what saved_tensors_hooks pushes)
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, lambda packed: packed[0])
+        return weakref.ref(weight)
+
+    ref = build()
+    try:
+        gc.collect()
+        found = probe(ref)
+        assert found[0][0].startswith("held only from C++"), found
+        assert any(kind == "builtins.function" and "pack" in text for _, kind, text in found[1:])
+    finally:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    gc.collect()
+    assert ref() is None  # the hook stack was its only holder
+    module = types.ModuleType("holder_for_test")
+    module.keep = [torch.nn.Parameter(torch.zeros(2))]
+    sys.modules[module.__name__] = module
+    try:
+        path = probe(weakref.ref(module.keep[0]))
+        assert path[0][0] == "python path" and path[0][1].endswith("torch.nn.parameter.Parameter()")
+    finally:
+        del sys.modules[module.__name__]
