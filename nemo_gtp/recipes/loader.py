@@ -52,7 +52,6 @@ from nemo_gtp.recipes.schema import (
     ACTIVATIONS,
     ddp_average_in_collective,
     default_layer_spec_name,
-    uses_gtp,
 )
 from nemo_gtp.recipes.validate import TE_MISSING, validate_recipe
 
@@ -275,8 +274,9 @@ def fp8_plugin_kwargs(cfg: DictConfig) -> dict[str, Any]:
     if not section:
         return {}
     from nemo_gtp.engine.fp8 import check_fp8_training_for_gtp
+    from nemo_gtp.engine.grid import layout_dims
 
-    gtp_on = uses_gtp(cfg)
+    gtp_on = layout_dims(_plain(cfg.get("strategy"))).gtp_enabled
     kwargs = {
         "fp8": section["format"],
         "fp8_recipe": section.get("recipe") or "delayed",

@@ -19,6 +19,7 @@ import importlib.util
 from typing import Any
 
 from nemo_gtp.engine.config import GTPConfig
+from nemo_gtp.engine.grid import layout_dims
 from nemo_gtp.recipes.config import RecipeError
 
 SECTIONS = (
@@ -264,21 +265,6 @@ def is_cpu_recipe(cfg: Any) -> bool:
     return bool(cfg.get("cpu_compat", False)) or trainer.get("accelerator") == "cpu"
 
 
-def uses_gtp(cfg: Any) -> bool:
-    """Whether a recipe shards weights over a GTP axis: ``strategy.num_weight_shards`` above
-    TP, or ``strategy.expert_num_weight_shards`` above ETP (expert GTP; ETP defaults to TP).
-
-    Example::
-
-        uses_gtp(load_recipe("configs/gpt_1b_te.yaml", ["strategy.num_weight_shards=1"]))  # False
-    """
-    strategy = cfg.get("strategy") or {}
-    tp = strategy.get("tensor_model_parallel_size") or 1
-    etp = strategy.get("expert_tensor_parallel_size") or tp
-    dense = (strategy.get("num_weight_shards") or tp) > tp
-    return dense or (strategy.get("expert_num_weight_shards") or etp) > etp
-
-
 def ddp_average_in_collective(cfg: Any) -> bool:
     """The recipe's ``ddp.average_in_collective``; unset (``null``): off under GTP (the mean is
     a pre-scale before a SUM collective, design §3.2) and on CPU (gloo has no AVG), on for a
@@ -293,7 +279,8 @@ def ddp_average_in_collective(cfg: Any) -> bool:
     value = (cfg.get("ddp") or {}).get("average_in_collective")
     if value is not None:
         return bool(value)
-    return not uses_gtp(cfg) and not is_cpu_recipe(cfg)
+    gtp_on = layout_dims(cfg.get("strategy") or {}).gtp_enabled  # dense or expert GTP
+    return not gtp_on and not is_cpu_recipe(cfg)
 
 
 def default_layer_spec_name() -> str:

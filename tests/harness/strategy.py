@@ -649,10 +649,15 @@ def _report(fit: Fit, rank: int, out_dir: str) -> None:
     Path(out_dir, f"error{rank}.txt").write_text(report)
 
 
-def _live(cls: type) -> int:
-    """How many objects of ``cls`` the collector tracks (``type()``: some NeMo stand-ins raise
-    on ``__class__``)."""
-    return sum(issubclass(type(obj), cls) for obj in gc.get_objects())
+def _live(*classes: type) -> list[int]:
+    """How many objects of each of ``classes`` the collector tracks, in one walk (``type()``:
+    some NeMo stand-ins raise on ``__class__``)."""
+    counts = [0] * len(classes)
+    for obj in gc.get_objects():
+        kind = type(obj)
+        for i, cls in enumerate(classes):
+            counts[i] += issubclass(kind, cls)
+    return counts
 
 
 def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
@@ -668,8 +673,7 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
     os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(COLLECTIVE_TIMEOUT_S))
     enable_cpu_compat()
     results = []
-    alive_before = _live(MegatronGPTModel)
-    weights_before = _live(GTPShardedParam)
+    alive_before, weights_before = _live(MegatronGPTModel, GTPShardedParam)
     for index, fit in enumerate(fits):
         fit = _under(fit, out_dir)
         os.environ.update(
@@ -700,12 +704,10 @@ def _worker(rank: int, world: int, fits: list[Fit], out_dir: str) -> None:
             teardown_fit()
         # how many megatron GPTModels the fit left alive once torn down (a finished fit's model
         # must not outlive it: teardown_fit releases what held it)
-        alive = _live(MegatronGPTModel)
+        alive, weights = _live(MegatronGPTModel, GTPShardedParam)
         result["models_kept_by_fit"] = alive - alive_before
-        alive_before = alive
-        weights = _live(GTPShardedParam)
         result["gtp_weights_kept_by_fit"] = weights - weights_before
-        weights_before = weights
+        alive_before, weights_before = alive, weights
         if fit.expect_error and "error" not in result:
             raise AssertionError(f"fit {fit.name} was expected to fail but succeeded")
         result["wall_s"] = time.perf_counter() - start
