@@ -38,7 +38,10 @@ seconds after which no fit is started): median step wall time and median host ti
 forward + backward (batch start → before the optimizer step, no device sync), over ``--steps``
 steps after ``--warmup``; model FLOPs per step, TFLOP/s and MFU against the device's dense peak
 (``bench.common.gpt_flops``; none off known GPUs), peak memory; CPU time per thread and Python
-GC time over those steps; then ``--profile`` steps under cProfile. Hosts are noisy (the same DP2
+GC time over those steps; then ``--free-steps`` free-running steps (no sync of this script's
+between the window's edges: the mean step and MFU a training loop gets, the host queueing
+ahead until the stack's own syncs; ``--sync-sites`` names those syncs by Python site); then
+``--profile`` steps under cProfile. Hosts are noisy (the same DP2
 fit moved by up to 30 % between launches on a shared VM): ``--repeat N`` runs the modes N times
 interleaved, and the table gives each GTP mode's ratio to its DP2 twin and each ``@model.*``
 override's ratio to the recipe's own settings per repeat, and their median. ``--also
@@ -68,6 +71,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import ROOT, mfu_text, module_argv, with_root
+from bench.sync_sites import SyncSites
 
 CPU_SHAPE = [  # a host-bound tiny GPT: many small layers (CPU, fp32)
     "model.num_layers=24",
@@ -667,6 +671,10 @@ def _fit(spec: dict, timer: object) -> dict:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     warmup, steps, profiled = spec["warmup"], spec["steps"], spec["profile"]
+    # the free-running window: no sync of this script's between its edges
+    free = spec.get("free_steps", 0)
+    free_start, free_end = warmup + steps, warmup + steps + free
+    sites = SyncSites() if spec.get("sync_sites") and free else None
     set_no_copy("nocopy" in _patches(spec["mode"]))
     kernels = bool(spec.get("kernels")) and profiled and cuda
     # outside the callback: NeMo deep-copies callbacks
@@ -680,10 +688,23 @@ def _fit(spec: dict, timer: object) -> dict:
         def __init__(self) -> None:
             self.wall: list[float] = []
             self.issue: list[float] = []
+            self.free: list[float] = []  # the free window's starts to starts, ms
             self._start = 0.0
 
         def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            step = trainer.global_step
+            if free and free_start < step < free_end:  # the free window runs on
+                now = time.perf_counter()
+                self.free.append(1000 * (now - self._start))
+                self._start = now
+                return
             sync()
+            if free and step == free_end:
+                self.free.append(1000 * (time.perf_counter() - self._start))
+                if sites:
+                    sites.stop()
+            if free and step == free_start and sites:
+                sites.start()
             if trainer.global_step == warmup:
                 self.threads = thread_cpu_seconds()
                 _GC_TIME.update(s=0.0, runs=[0, 0, 0])
@@ -701,17 +722,19 @@ def _fit(spec: dict, timer: object) -> dict:
                     key: [round(n / steps, 1), round(ns / n / 1e3, 2)]
                     for key, (n, ns) in sorted((GEMM_VARIANTS or {}).items())
                 }
-                if profiled:
-                    prof.enable()
+            if trainer.global_step == free_end and profiled:
+                prof.enable()
             self._start = time.perf_counter()
 
         def on_before_optimizer_step(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
             self.issue.append(1000 * (time.perf_counter() - self._start))
 
         def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            if free and free_start < trainer.global_step <= free_end:
+                return  # a free-running step: the next start times it
             sync()
             self.wall.append(1000 * (time.perf_counter() - self._start))
-            if trainer.global_step == warmup + steps + profiled:
+            if trainer.global_step == free_end + profiled:
                 prof.disable()
 
     config, overrides = _resolve(spec["mode"], spec["tokens"])
@@ -722,7 +745,7 @@ def _fit(spec: dict, timer: object) -> dict:
             "trainer.devices=1",  # one device; Lightning's world = nodes x devices
             f"+trainer.num_nodes={spec['world']}",
             # one step past the window at least: its start closes the window's records
-            f"trainer.max_steps={warmup + steps + max(profiled, 1)}",
+            f"trainer.max_steps={free_end + max(profiled, 1)}",
         ],
     )
     times = _Times()
@@ -760,6 +783,16 @@ def _fit(spec: dict, timer: object) -> dict:
     window = slice(warmup, warmup + steps)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     step_ms = statistics.median(times.wall[window])
+    free_record = {}
+    if free:  # what a user's loop gets: the window's time over its steps
+        free_ms = sum(times.free) / free
+        free_record = {
+            "free_step_ms": round(free_ms, 3),
+            "free_step_ms_median": round(statistics.median(times.free), 3),
+            "free_mfu": mfu_fields(cfg, spec["world"], free_ms, device)["mfu"],
+        }
+        if sites:
+            free_record["sync_sites_per_step"] = sites.per_step(free)
     return {
         "mode": spec["mode"],
         "tokens_per_gpu": spec["tokens"],
@@ -769,6 +802,7 @@ def _fit(spec: dict, timer: object) -> dict:
         "step_ms": round(step_ms, 3),
         "issue_ms": round(statistics.median(times.issue[window]), 3),
         **mfu_fields(cfg, spec["world"], step_ms, device),
+        **free_record,
         "peak_gib": round((torch.cuda.max_memory_allocated() - leftover) / 2**30, 2)
         if cuda
         else None,
@@ -881,6 +915,8 @@ def _plan(args: argparse.Namespace) -> list[dict]:
                         profile=args.profile,
                         timer=args.timer,
                         kernels=args.kernels,
+                        free_steps=args.free_steps,
+                        sync_sites=args.sync_sites,
                         leftover_sites=args.leftover_sites,
                         losses=args.losses,
                         out=str(Path(args.out).resolve()),
@@ -955,6 +991,21 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--free-steps",
+        type=int,
+        default=20,
+        help="after the --steps window (a sync before and after each step: step and issue "
+        "times), this many steps with no sync of this script's but at their edges: "
+        "free_step_ms (their mean) and free_mfu are what a training loop gets, the host "
+        "queueing ahead up to the stack's own syncs; 0: none",
+    )
+    parser.add_argument(
+        "--sync-sites",
+        action="store_true",
+        help="count the synchronizing CUDA calls of the free-running steps by Python site "
+        "(torch's sync debug mode; bench.sync_sites): sync_sites_per_step",
+    )
     parser.add_argument("--profile", type=int, default=3, help="steps under cProfile")
     parser.add_argument(
         "--repeat", type=int, default=1, help="run the modes this many times, interleaved"
@@ -1164,9 +1215,10 @@ def _table(records: list[dict]) -> str:
     lines = [
         label(records),
         "",
-        "| mode | tokens/GPU | step ms | MFU | TFLOP/s | peak GiB | host issue ms (fwd+bwd) "
-        "| inside GTP ms | optimizer ms | vs DP2 (step) | vs recipe (step) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | tokens/GPU | step ms | MFU | free-running ms | its MFU | TFLOP/s | peak GiB "
+        "| host issue ms (fwd+bwd) | inside GTP ms | optimizer ms | vs DP2 (step) "
+        "| vs recipe (step) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
     for r in records:
@@ -1182,7 +1234,8 @@ def _table(records: list[dict]) -> str:
         inside = r.get("host_inside", {})
         lines.append(
             f"| {r['mode']} | {r['tokens_per_gpu']} | {r.get('step_ms', r.get('error'))} | "
-            f"{mfu_text(r)} | {r.get('tflops_per_gpu') or ''} | "
+            f"{mfu_text(r)} | {r.get('free_step_ms', '')} | "
+            f"{mfu_text({'mfu': r.get('free_mfu')})} | {r.get('tflops_per_gpu') or ''} | "
             f"{'' if r.get('peak_gib') is None else r['peak_gib']} | "
             f"{r.get('issue_ms', '')} | {inside.get('gtp_ms', '')} | "
             f"{inside.get('optimizer_ms', '')} | {cells[0]} | {cells[1]} |"

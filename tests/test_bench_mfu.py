@@ -1,5 +1,5 @@
 """The benchmarks' model FLOPs and MFU, how ``bench.host_fake`` plans and labels its fits, and
-what its ``--leftover-sites`` diagnostic reports.
+what its ``--leftover-sites`` and ``--sync-sites`` diagnostics report.
 
 In-process and cheap: no fit runs here (``python -m bench.host_fake --modes dp2_cpu,gtp2_cpu
 [--one-process]`` runs the real thing on CPU).
@@ -8,6 +8,7 @@ In-process and cheap: no fit runs here (``python -m bench.host_fake --modes dp2_
 from __future__ import annotations
 
 import argparse
+import warnings
 
 import pytest
 
@@ -32,6 +33,7 @@ from bench.host_fake import (
     kernel_summary,
     label,
 )
+from bench.sync_sites import SYNC_MESSAGE, SyncSites
 from nemo_gtp.recipes.config import load_recipe
 
 GPT_1B = dict(  # configs/gpt_1b_te.yaml's shape
@@ -104,6 +106,8 @@ def _args(**kw: object) -> argparse.Namespace:
         timer="none",
         kernels=False,
         leftover_sites=False,
+        free_steps=20,
+        sync_sites=False,
         losses=False,
         out="/tmp/x",
     )
@@ -133,10 +137,13 @@ def test_host_fake_twins_and_label() -> None:
     def record(mode: str, step_ms: float, **extra: float) -> dict:
         return dict(mode=mode, tokens_per_gpu=4096, step_ms=step_ms, device="NVIDIA H200", **extra)
 
-    records = [record("dp2_te@layergraph", 100.0), record(unfused, 110.0, mfu=0.3)]
+    records = [
+        record("dp2_te@layergraph", 100.0),
+        record(unfused, 110.0, mfu=0.3, free_step_ms=80.0, free_mfu=0.4125),
+    ]
     table = _table(records)
     assert table.startswith("Ranks: fake process group, one GPU (NVIDIA H200)")
-    assert "| 30.0 % |" in table and "1.100×" in table
+    assert "| 30.0 % | 80.0 | 41.2 % |" in table and "1.100×" in table
     records += [record("dp2_te@layergraph#1", 200.0), record(f"{unfused}#1", 200.0)]
     # pairs 1.1 and 1.0: median 1.05, summed steps 310 / 300
     assert (
@@ -281,3 +288,27 @@ def test_external_holders_names_a_python_path_or_what_only_cpp_holds() -> None:
         assert path[0][0] == "python path" and path[0][1].endswith("torch.nn.parameter.Parameter()")
     finally:
         del sys.modules[module.__name__]
+
+
+def test_sync_sites_count_torchs_sync_warnings_by_python_site() -> None:
+    """``host_fake --sync-sites``: each warning torch's sync debug mode raises (its text, fed
+    here on CPU) is counted under the stack that made it; other warnings pass through, and
+    after ``stop`` nothing more is counted."""
+
+    def read_the_loss() -> None:  # stands in for a `.item()` in the step
+        warnings.warn(f"called a {SYNC_MESSAGE}", UserWarning)
+
+    sites = SyncSites(depth=2)
+    sites.start()
+    for _ in range(4):
+        read_the_loss()
+    with pytest.warns(DeprecationWarning, match="not a sync"):
+        warnings.warn("not a sync", DeprecationWarning)
+    sites.stop()
+    read_the_loss_again = pytest.warns(UserWarning, match=SYNC_MESSAGE)
+    with read_the_loss_again:
+        read_the_loss()
+    [[per_step, site]] = sites.per_step(2)
+    assert per_step == 2.0
+    assert site.startswith("tests/test_bench_mfu.py:") and "read_the_loss <" in site
+    assert "test_sync_sites_count_torchs_sync_warnings_by_python_site" in site
