@@ -6,6 +6,9 @@ blocks the host until the device catches up (``.item()``, a blocking host-to-dev
 Python work up to the next kernel. torch's sync debug mode warns on each such call;
 :class:`SyncSites` turns it on for a window of steps, keeps each warning's Python stack and
 counts the calls by site (``bench.host_fake`` records them per step of its free-running window).
+:class:`HostReads` counts, on any device, the calls of that kind a CPU run can see too: the ops
+that read a tensor's values on the host (``.item()``, ``float()``, ``bool()``, data-dependent
+shapes), so a CPU test can pin which of a GPU step's syncs are whose.
 
 Example::
 
@@ -23,10 +26,35 @@ import warnings
 from collections import Counter
 from typing import Any
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 SYNC_MESSAGE = "synchronizing CUDA operation"
 """What torch's sync debug mode says on each call that waits for the device."""
 
 _SKIP = ("/warnings.py", "/bench/sync_sites.py")
+
+HOST_READ_OPS = frozenset(
+    {
+        "aten::_local_scalar_dense",  # .item(), float(), int(), bool() of a tensor
+        "aten::nonzero",
+        "aten::masked_select",
+        "aten::equal",
+        "aten::_unique2",
+        "aten::unique_consecutive",
+        "aten::unique_dim",
+    }
+)
+"""Ops whose result depends on the values of their input on the host: on a GPU each waits for
+the device (boolean-mask indexing is caught as ``aten::index`` with a bool index)."""
+
+
+def _site(depth: int, skip: tuple[str, ...] = _SKIP) -> str:
+    """The calling Python stack's innermost ``depth`` frames whose file names contain none of
+    ``skip``, innermost first."""
+    frames = [f for f in traceback.extract_stack() if not any(m in f.filename for m in skip)]
+    return " < ".join(
+        f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-depth:])
+    )
 
 
 def _short(filename: str) -> str:
@@ -67,11 +95,7 @@ class SyncSites:
             torch.cuda.set_sync_debug_mode("warn")
 
     def _record(self) -> None:
-        frames = [f for f in traceback.extract_stack() if not f.filename.endswith(_SKIP)]
-        site = " < ".join(
-            f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-self.depth :])
-        )
-        self.counts[site] += 1
+        self.counts[_site(self.depth)] += 1
 
     def stop(self) -> None:
         """Stop counting: sync debug mode off, the warning machinery as it was."""
@@ -86,3 +110,45 @@ class SyncSites:
     def per_step(self, steps: int) -> list[list[Any]]:
         """``[[calls per step, site], ...]``, most frequent first."""
         return [[round(n / steps, 2), site] for site, n in self.counts.most_common()]
+
+
+class HostReads(TorchDispatchMode):
+    """While entered, counts the ops of :data:`HOST_READ_OPS` (and boolean-mask indexing) by
+    their Python site, torch's own frames left out: each is a host sync on a GPU, and on CPU
+    the same call at the same site (``Tensor.tolist`` of a CPU tensor dispatches no op: not
+    seen here; of a GPU tensor it is a copy to the host). Example::
+
+        with HostReads() as reads:
+            loss.item()
+        reads.per_step(1)            # [[1.0, "train.py:12 step < ..."]]
+    """
+
+    def __init__(self, depth: int = 6) -> None:
+        super().__init__()
+        self.depth = depth
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func._schema.name
+        if name in HOST_READ_OPS or (
+            name == "aten::index"
+            and any(getattr(i, "dtype", None) is torch_bool() for i in args[1])
+        ):
+            self.counts[_site(self.depth, (*_SKIP, *_TORCH_FRAMES))] += 1
+        return func(*args, **(kwargs or {}))
+
+    def per_step(self, steps: int) -> list[list[Any]]:
+        """``[[reads per step, site], ...]``, most frequent first."""
+        return [[round(n / steps, 2), site] for site, n in self.counts.most_common()]
+
+
+_TORCH_FRAMES = ("/torch/",)
+"""torch's own frames (the dispatch machinery, torch.compile's wrappers): a read inside torch is
+named by its caller."""
+
+
+def torch_bool() -> Any:
+    """``torch.bool`` (imported late: this module loads without torch's CUDA state)."""
+    import torch
+
+    return torch.bool

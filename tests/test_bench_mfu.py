@@ -33,7 +33,7 @@ from bench.host_fake import (
     kernel_summary,
     label,
 )
-from bench.sync_sites import SYNC_MESSAGE, SyncSites
+from bench.sync_sites import SYNC_MESSAGE, HostReads, SyncSites
 from nemo_gtp.recipes.config import load_recipe
 
 GPT_1B = dict(  # configs/gpt_1b_te.yaml's shape
@@ -296,19 +296,38 @@ def test_sync_sites_count_torchs_sync_warnings_by_python_site() -> None:
     after ``stop`` nothing more is counted."""
 
     def read_the_loss() -> None:  # stands in for a `.item()` in the step
-        warnings.warn(f"called a {SYNC_MESSAGE}", UserWarning)
+        warnings.warn(f"called a {SYNC_MESSAGE}", UserWarning, stacklevel=1)
 
     sites = SyncSites(depth=2)
     sites.start()
     for _ in range(4):
         read_the_loss()
     with pytest.warns(DeprecationWarning, match="not a sync"):
-        warnings.warn("not a sync", DeprecationWarning)
+        warnings.warn("not a sync", DeprecationWarning, stacklevel=1)
     sites.stop()
-    read_the_loss_again = pytest.warns(UserWarning, match=SYNC_MESSAGE)
-    with read_the_loss_again:
+    with pytest.warns(UserWarning, match=SYNC_MESSAGE):  # shown again, not counted
         read_the_loss()
     [[per_step, site]] = sites.per_step(2)
     assert per_step == 2.0
     assert site.startswith("tests/test_bench_mfu.py:") and "read_the_loss <" in site
     assert "test_sync_sites_count_torchs_sync_warnings_by_python_site" in site
+
+
+def test_host_reads_count_what_reads_device_values_on_the_host() -> None:
+    """``HostReads`` (a GPU step's host syncs, seen on CPU): ``.item()`` / ``bool()`` /
+    ``float()`` and boolean-mask indexing are counted by their line; arithmetic, backward and
+    writes into a tensor are not."""
+    import torch
+
+    weight = torch.randn(8, requires_grad=True)
+    with HostReads(depth=1) as reads:
+        loss = (weight * 2).sum()
+        loss.backward()
+        flags = torch.zeros(2)
+        flags[0] = ~torch.isfinite(loss)  # a device write: no read
+        found = flags.any().item()  # 1
+        if bool(torch.isfinite(loss)) and float(loss) == loss.item():  # 3
+            weight[weight > 0]  # 1
+    assert found is False
+    lines = sorted(int(site.split(":")[1].split()[0]) for _, site in reads.per_step(1))
+    assert len(lines) == 3 and sum(n for n, _ in reads.per_step(1)) == 5

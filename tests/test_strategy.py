@@ -46,10 +46,11 @@ FP8_BLOCK_PARAM_FIT = dict(
     optim_kwargs=dict(fp8_recipe="blockwise"),
 )
 PRESHARD_ALL = {"gtp_config": GTPConfig(preshard_linears="all")}  # megatron-local linears too
+UNLOGGED_STEP = 3  # a step log_every_n_steps=3 does not log ((3 + 1) % 3 != 0)
 TWO_RANK_FITS = [
-    Fit("base_tp1_dp2"),
+    Fit("base_tp1_dp2", host_reads_at=UNLOGGED_STEP),
     Fit("tp1_gtp2", gtp=2, metrics=True),
-    Fit("tp1_gtp2_log3", gtp=2, metrics=True, log_every=3),
+    Fit("tp1_gtp2_log3", gtp=2, metrics=True, log_every=3, host_reads_at=UNLOGGED_STEP),
     Fit("gtp_off", gtp_strategy=True),
     Fit("base_bf16", steps=4, bf16=True),
     Fit("tp1_gtp2_bf16", gtp=2, steps=4, bf16=True),
@@ -939,3 +940,25 @@ def test_full_iteration_graph_callback_routes_training_steps_only() -> None:
     assert graph.on_megatron_step_start(Step(True)).forward_backward_func == "eager"
     off = types.SimpleNamespace(cuda_graph_scope="full", cuda_graph_impl="none")
     assert install_full_iteration_graph(None, off) is None  # graphs off: nothing installed
+
+
+def test_gtp_adds_no_host_read_to_an_unlogged_step(two_ranks: dict) -> None:
+    """Design for CUDA-graph capture (§3.5): a host read of a device value (``.item()``,
+    ``float()``, ...) is a sync on a GPU, the device idle while the host catches up. On a step
+    Lightning does not log, the GTP2 fit (metrics callback on) reads at the same places as
+    NeMo's MegatronStrategy at DP2 (megatron's grad norm, NeMo's loss reduction, the test's
+    recorder), except that megatron's NaN check, one read per gradient bucket in the backward,
+    is replaced by GTP's: one read per step, gradients and loss together (faults.py)."""
+
+    def sites(name: str) -> list[dict[str, float]]:  # per rank: innermost site -> reads
+        return [
+            {site.split(" < ")[0]: n for n, site in rank["host_reads"]} for rank in two_ranks[name]
+        ]
+
+    for gtp, base in zip(sites("tp1_gtp2_log3"), sites("base_tp1_dp2"), strict=True):
+        ours = {site: n for site, n in gtp.items() if site.startswith("nemo_gtp/")}
+        assert [site.split(":")[0] for site in ours] == ["nemo_gtp/strategy/faults.py"], gtp
+        assert list(ours.values()) == [1.0], ours
+        megatrons = {site for site in base if site.startswith("megatron/core/rerun_state")}
+        assert megatrons and not megatrons & gtp.keys(), base
+        assert gtp.keys() - ours.keys() == base.keys() - megatrons, (gtp, base)

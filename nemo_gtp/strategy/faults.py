@@ -188,10 +188,18 @@ class NonFiniteGradCheck(_StepTracker):
     who found one (an all-reduce of one flag per rank), and every rank raises
     ``FloatingPointError`` naming the step and the first parameter, in model order, whose
     gradient is not finite (on the ranks that hold it; the others name those ranks). A NaN or
-    Inf loss is refused at the end of its step. Nothing of that step is saved.
+    Inf loss is refused too: in the same check where the strategy keeps the step's loss
+    (``GTPMegatronStrategy.last_train_loss``), else at the end of its step. Nothing of that
+    step is saved.
+
+    The check reads the device once per step (the flags, after their all-reduce): each read
+    is a host sync on a GPU, where megatron's own check reads once per gradient bucket.
 
     Example: ``nl.Trainer(..., callbacks=[NonFiniteGradCheck()])``.
     """
+
+    def __init__(self) -> None:
+        self._loss_checked = False  # this step's loss was checked with its gradients
 
     def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
         # megatron's own check (in the backward, per gradient bucket) would raise first and
@@ -206,33 +214,45 @@ class NonFiniteGradCheck(_StepTracker):
             grad = getattr(param, "main_grad", None)
             named.append((name, param.grad if grad is None else grad))
         named = [(name, grad) for name, grad in named if grad is not None]
-        first = None
-        if named:  # one device sync for all parameters, not one each
-            finite = torch.stack([torch.isfinite(grad).all() for _, grad in named])
-            if not bool(finite.all()):
-                first = named[int((~finite).nonzero()[0])][0]
+        loss = getattr(trainer.strategy, "last_train_loss", None)
+        self._loss_checked = loss is not None
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        flags = torch.zeros(world, device=_flag_device())
-        flags[rank] = first is not None
+        # per rank: [a gradient is not finite, the loss is not finite], set on the device
+        flags = torch.zeros(world, 2, device=_flag_device())
+        finite = None
+        if named:
+            finite = torch.stack([torch.isfinite(grad).all() for _, grad in named])
+            flags[rank, 0] = ~finite.all()
+        if loss is not None:
+            flags[rank, 1] = ~torch.isfinite(loss).all()
         if world > 1:
             dist.all_reduce(flags)
-        if not flags.any():
+        if not flags.any().item():  # the step's one host read
             return
+        found = flags.tolist()
         step = trainer.global_step
-        if first is not None:
+        if found[rank][0]:
+            first = named[int((~finite).nonzero()[0])][0]
             raise FloatingPointError(
                 f"non-finite gradient at step {step}: first parameter {first} (checked after "
                 "the gradient reduction; ddp.check_for_nan_in_grad)"
             )
-        ranks = ", ".join(str(r) for r in flags.nonzero().flatten().tolist())
+        if found[rank][1]:
+            raise FloatingPointError(f"non-finite loss at step {step}: {loss}")
+        grads = ", ".join(str(r) for r, (grad, _) in enumerate(found) if grad)
         raise FloatingPointError(
-            f"non-finite gradient at step {step} on rank(s) {ranks} (ddp.check_for_nan_in_grad)"
+            f"non-finite gradient at step {step} on rank(s) {grads} (ddp.check_for_nan_in_grad)"
+            if grads
+            else f"non-finite loss at step {step} on rank(s) "
+            + ", ".join(str(r) for r, (_, bad) in enumerate(found) if bad)
         )
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *a: Any
     ) -> None:
+        if self._loss_checked:  # with the gradients, before the optimizer step
+            return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss).all()):
             raise FloatingPointError(f"non-finite loss at step {trainer.global_step}: {loss}")

@@ -24,6 +24,7 @@ Hooks, in the order NeMo / Lightning run them:
 ``setup_optimizers``         megatron optimizer over the GTP process groups (design §3.2); fit
                              only (Lightning's rule; NeMo's setup builds one for every entry point)
 ``on_train_start``           GTP-aware ``finalize_model_grads``; the one-line config log (§2.3)
+``training_step``            NeMo's; keeps the reduced loss for the one-read NaN check (faults)
 ``on_validation_end`` etc.   drain: no GTP communication of an evaluation loop outlives it
 ``save_checkpoint`` / load   GTP-aware sharded state dict, atomic ``torch_dist`` commit, layout-
                              independent optimizer format; FP8 primary shards re-quantized from
@@ -43,6 +44,7 @@ import inspect
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from megatron.core import parallel_state
@@ -234,6 +236,8 @@ class GTPMegatronStrategy(GTPCheckpointHooks, MegatronStrategy):
         # True from the training loop's start until its end: NeMo's AsyncFinalizerCallback
         # commits the asynchronous saves made in between (see save_checkpoint).
         self._fit_commits_async_saves = False
+        self.last_train_loss: torch.Tensor | None = None
+        """The last training step's reduced loss, on the device (:meth:`training_step`)."""
         self._gtp_banner_due = False  # set by on_train_start: _install_gtp_finalize logs it
 
     def io_transform_args(self, init_fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -453,6 +457,15 @@ class GTPMegatronStrategy(GTPCheckpointHooks, MegatronStrategy):
             nemo_logging.info(note)
         self._gtp_banner_due = True  # logged once per fit, once the model is sharded
         self._install_gtp_finalize()
+
+    def training_step(self, dataloader_iter: Any, *args: Any, **kwargs: Any) -> Any:
+        """NeMo's step; its reduced loss (a device tensor) stays in :attr:`last_train_loss`, so
+        :class:`~nemo_gtp.strategy.faults.NonFiniteGradCheck` checks it with the gradients in
+        its one host read per step instead of reading it again after the optimizer step."""
+        out = super().training_step(dataloader_iter, *args, **kwargs)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        self.last_train_loss = loss.detach() if isinstance(loss, torch.Tensor) else None
+        return out
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Keep GTP's ``finalize_model_grads`` installed (a few attribute reads per step).

@@ -44,6 +44,39 @@ class Recorder(pl.Callback):
         }
 
 
+class HostReadsWindow:
+    """Counts the host reads (:class:`bench.sync_sites.HostReads`: ``.item()``, ``float()``,
+    data-dependent shapes; each a host sync on a GPU) of training step ``step``, from the first
+    callback's ``on_train_batch_start`` to the last one's ``on_train_batch_end``: put
+    :attr:`opener` first and :attr:`closer` last in the trainer's callbacks. (Module-level
+    callback classes: NeMo's serializer registers a callback's class process-wide, and a class
+    made here would keep this window, and through it the fit, alive.)"""
+
+    def __init__(self, step: int) -> None:
+        from bench.sync_sites import HostReads
+
+        self.step, self.reads = step, HostReads()
+        self.opener, self.closer = _OpenReads(self), _CloseReads(self)
+
+
+class _OpenReads(pl.Callback):
+    def __init__(self, window: HostReadsWindow) -> None:
+        self.window = window
+
+    def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+        if trainer.global_step == self.window.step:
+            self.window.reads.__enter__()
+
+
+class _CloseReads(_OpenReads):
+    def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+        pass
+
+    def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+        if trainer.global_step == self.window.step + 1:
+            self.window.reads.__exit__(None, None, None)
+
+
 class EmulatedFP8Params(pl.Callback):
     """megatron's FP8 params emulated on the full linear weights of a run without GTP: the
     reference of FP8 primary GTP shards (design §1.3 "FP8 primary weights").

@@ -143,6 +143,9 @@ class Fit:
     # after the fit, the model's logits on LOGITS_BATCH fixed token sequences (every rank runs
     # the forward; rank 0 saves {"tokens", "logits"} there)
     logits_to: str | None = None
+    # the host reads (.item(), float(), data-dependent shapes: a host sync each on a GPU) of
+    # this training step, by Python site (objects.HostReadsWindow): result["host_reads"]
+    host_reads_at: int | None = None
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -429,6 +432,12 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         from tests.harness.objects import EmulatedFP8Params
 
         callbacks.append(EmulatedFP8Params())
+    reads_window = None
+    if fit.host_reads_at is not None:  # first and last of the callbacks
+        from tests.harness.objects import HostReadsWindow
+
+        reads_window = HostReadsWindow(fit.host_reads_at)
+        callbacks = [reads_window.opener, *callbacks, reads_window.closer]
     if fit.checkpoint_every:
         from nemo_gtp.recipes.loader import model_checkpoint
 
@@ -549,6 +558,8 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         "logged_val_loss": _logged(memory_logger, "val_loss"),
         **after,
     }
+    if reads_window is not None:
+        out["host_reads"] = reads_window.reads.per_step(1)
     if any(r.fp8_primary is not None for r in runtimes):
         out["fp8_primary"] = _fp8_primary_state(runtimes, ddp, optimizer)
     if fit.metrics and runtimes:
