@@ -71,7 +71,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import ROOT, mfu_text, module_argv, with_root
-from bench.sync_sites import SyncSites
+from bench.sync_sites import HostReads, SyncSites
 
 CPU_SHAPE = [  # a host-bound tiny GPT: many small layers (CPU, fp32)
     "model.num_layers=24",
@@ -674,7 +674,9 @@ def _fit(spec: dict, timer: object) -> dict:
     # the free-running window: no sync of this script's between its edges
     free = spec.get("free_steps", 0)
     free_start, free_end = warmup + steps, warmup + steps + free
-    sites = SyncSites() if spec.get("sync_sites") and free else None
+    sites = None  # --sync-sites: the device's syncs on a GPU, the host reads on CPU
+    if spec.get("sync_sites") and free:
+        sites = SyncSites() if cuda else HostReads()
     set_no_copy("nocopy" in _patches(spec["mode"]))
     kernels = bool(spec.get("kernels")) and profiled and cuda
     # outside the callback: NeMo deep-copies callbacks
@@ -1004,7 +1006,8 @@ def main() -> int:
         "--sync-sites",
         action="store_true",
         help="count the synchronizing CUDA calls of the free-running steps by Python site "
-        "(torch's sync debug mode; bench.sync_sites): sync_sites_per_step",
+        "(torch's sync debug mode; on CPU the host reads of device values, each a sync on a "
+        "GPU: bench.sync_sites): sync_sites_per_step",
     )
     parser.add_argument("--profile", type=int, default=3, help="steps under cProfile")
     parser.add_argument(

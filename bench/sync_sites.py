@@ -137,6 +137,14 @@ class HostReads(TorchDispatchMode):
             self.counts[_site(self.depth, (*_SKIP, *_TORCH_FRAMES))] += 1
         return func(*args, **(kwargs or {}))
 
+    def start(self) -> None:
+        """Count from now (``SyncSites``'s interface: ``host_fake --sync-sites`` on CPU)."""
+        self.__enter__()
+
+    def stop(self) -> None:
+        """Stop counting."""
+        self.__exit__(None, None, None)
+
     def per_step(self, steps: int) -> list[list[Any]]:
         """``[[reads per step, site], ...]``, most frequent first."""
         return [[round(n / steps, 2), site] for site, n in self.counts.most_common()]
