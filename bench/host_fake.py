@@ -283,6 +283,20 @@ def set_no_copy(on: bool) -> None:
 _NO_COPY: dict = {}
 
 
+def set_log_sync(on: bool) -> None:
+    """``%logsync`` on or off for the next fit: the recipe's ``SyncFreeLogging`` does nothing,
+    so NeMo's logging syncs the host with the device as on plain Lightning (a Python number
+    logged: a blocking copy; each ``prog_bar`` metric read back at every step's end). Set per
+    fit, beside unpatched fits."""
+    from nemo_gtp.strategy.step_syncs import SyncFreeLogging
+
+    original = _LOG_SYNC.setdefault("on_train_start", vars(SyncFreeLogging)["on_train_start"])
+    SyncFreeLogging.on_train_start = (lambda *args: None) if on else original
+
+
+_LOG_SYNC: dict = {}
+
+
 PATCHES = {
     "nocopy": lambda: set_no_copy(True),
     "general": _patch_general_consume,
@@ -290,12 +304,13 @@ PATCHES = {
     "why": _patch_count_bails,
     "te": _patch_gemm_variants,
     "tecolumnwise": _patch_te_columnwise,
+    "logsync": lambda: set_log_sync(True),
 }
 """Mode suffixes ``%name`` (e.g. ``gtp2_te%general%flatten``): an earlier host path restored in
 that mode's process, so old and new run interleaved in one launch (same machine, same hour), or
 something counted (``%why``) or timed (``%te``) without changing the path."""
 
-PER_FIT = {"nocopy"}
+PER_FIT = {"nocopy", "logsync"}
 """Patches toggled per fit (so ``--one-process`` runs them beside unpatched fits)."""
 
 TIMED_ALIKE = {"te"}
@@ -678,6 +693,7 @@ def _fit(spec: dict, timer: object) -> dict:
     if spec.get("sync_sites") and free:
         sites = SyncSites() if cuda else HostReads()
     set_no_copy("nocopy" in _patches(spec["mode"]))
+    set_log_sync("logsync" in _patches(spec["mode"]))
     kernels = bool(spec.get("kernels")) and profiled and cuda
     # outside the callback: NeMo deep-copies callbacks
     if kernels:

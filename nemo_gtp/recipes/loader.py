@@ -155,6 +155,7 @@ def build_fit(
     from nemo_gtp.engine import GTPConfig
     from nemo_gtp.recipes.quiet import quiet_console
     from nemo_gtp.strategy import GTPDrainCallback, GTPMegatronStrategy, GTPMetricsCallback
+    from nemo_gtp.strategy.step_syncs import SyncFreeLogging
 
     quiet_console(log_dir)  # NeMo's and Lightning's notices to the log files (unless --verbose)
     data_cfg = _plain(cfg.data)
@@ -199,8 +200,10 @@ def build_fit(
     trainer_kwargs = _plain(cfg.trainer)
     # the metrics first: a progress line of the same step reads them (ProgressLog)
     metrics = [GTPMetricsCallback()] if log_dir is not None else []
-    # the fault callbacks first: their on_exception records a failure before any other waits
-    callbacks = [*fault_callbacks(cfg), GTPDrainCallback(), *metrics, *(callbacks or [])]
+    # the fault callbacks first: their on_exception records a failure before any other waits;
+    # logging without a host sync per step (strategy.step_syncs)
+    made = [*fault_callbacks(cfg), GTPDrainCallback(), SyncFreeLogging(), *metrics]
+    callbacks = made + list(callbacks or [])
     if cfg.get("checkpoint"):
         callbacks.append(_model_checkpoint(_plain(cfg.checkpoint)))
         trainer_kwargs["enable_checkpointing"] = True

@@ -44,37 +44,22 @@ class Recorder(pl.Callback):
         }
 
 
-class HostReadsWindow:
+class HostReadsWindow(pl.Callback):
     """Counts the host reads (:class:`bench.sync_sites.HostReads`: ``.item()``, ``float()``,
-    data-dependent shapes; each a host sync on a GPU) of training step ``step``, from the first
-    callback's ``on_train_batch_start`` to the last one's ``on_train_batch_end``: put
-    :attr:`opener` first and :attr:`closer` last in the trainer's callbacks. (Module-level
-    callback classes: NeMo's serializer registers a callback's class process-wide, and a class
-    made here would keep this window, and through it the fit, alive.)"""
+    data-dependent shapes; each a host sync on a GPU) of training step ``step``'s whole loop
+    iteration, from its ``on_train_batch_start`` to the next step's: put it first in the
+    trainer's callbacks."""
 
     def __init__(self, step: int) -> None:
         from bench.sync_sites import HostReads
 
         self.step, self.reads = step, HostReads()
-        self.opener, self.closer = _OpenReads(self), _CloseReads(self)
-
-
-class _OpenReads(pl.Callback):
-    def __init__(self, window: HostReadsWindow) -> None:
-        self.window = window
 
     def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
-        if trainer.global_step == self.window.step:
-            self.window.reads.__enter__()
-
-
-class _CloseReads(_OpenReads):
-    def on_train_batch_start(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
-        pass
-
-    def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
-        if trainer.global_step == self.window.step + 1:
-            self.window.reads.__exit__(None, None, None)
+        if trainer.global_step == self.step:
+            self.reads.start()
+        elif trainer.global_step == self.step + 1:
+            self.reads.stop()
 
 
 class EmulatedFP8Params(pl.Callback):

@@ -433,11 +433,11 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
 
         callbacks.append(EmulatedFP8Params())
     reads_window = None
-    if fit.host_reads_at is not None:  # first and last of the callbacks
+    if fit.host_reads_at is not None:  # the first callback
         from tests.harness.objects import HostReadsWindow
 
         reads_window = HostReadsWindow(fit.host_reads_at)
-        callbacks = [reads_window.opener, *callbacks, reads_window.closer]
+        callbacks = [reads_window, *callbacks]
     if fit.checkpoint_every:
         from nemo_gtp.recipes.loader import model_checkpoint
 

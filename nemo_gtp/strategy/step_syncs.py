@@ -1,0 +1,72 @@
+"""Host syncs the training loop makes through ``LightningModule.log``, and how to drop them.
+
+On a GPU every read of a device value on the host (``.item()``) and every blocking copy to the
+device (``torch.tensor(x, device="cuda")``) waits until the device has run everything queued
+before it; the device then idles while the host does the Python work up to its next kernel.
+Two such waits come with every NeMo training step on Lightning 2.4:
+
+- a Python number logged (NeMo's ``lr``, at the start of each step) becomes a tensor on the
+  module's device: a blocking copy;
+- every metric logged with ``prog_bar=True`` is converted to a Python number at the end of
+  every training step, whether or not a progress bar shows it; NeMo logs four that way
+  (``reduced_train_loss``, ``global_step``, ``consumed_samples``, ``global_batch_size``), and
+  the first read waits for the whole step, optimizer included.
+
+:class:`SyncFreeLogging` keeps logged Python numbers on the host and, when the trainer has no
+progress bar, logs without ``prog_bar``: the loggers, ``trainer.callback_metrics`` and every
+callback still get each value, and the host can queue the next step while the device runs this
+one's optimizer. GTP adds no host read of its own to a step (``tests/test_strategy.py``).
+
+Example::
+
+    trainer = nl.Trainer(..., enable_progress_bar=False, callbacks=[SyncFreeLogging()])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+class SyncFreeLogging(pl.Callback):
+    """For the fit, the module's ``log`` keeps Python numbers on the host (a CPU tensor, no
+    copy to the device; not those reduced across ranks, ``sync_dist``) and, without a progress
+    bar, drops ``prog_bar`` (see the module docstring). The YAML recipes add it.
+
+    Example: ``nl.Trainer(..., enable_progress_bar=False, callbacks=[SyncFreeLogging()])``.
+    """
+
+    def __init__(self) -> None:
+        self._module: pl.LightningModule | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "log" in vars(pl_module):  # wrapped already (a second callback, or a user's own)
+            return
+        log, off_the_bar = pl_module.log, trainer.progress_bar_callback is None
+
+        def sync_free_log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            # a value reduced across ranks (sync_dist) must live where the collective runs
+            sync_dist = kwargs.get("sync_dist") or (len(args) > 6 and args[6])
+            if isinstance(value, (int, float)) and not sync_dist:
+                value = torch.tensor(value, dtype=torch.get_default_dtype())
+            if off_the_bar and args:  # prog_bar is log's first parameter after the value
+                args = (False, *args[1:])
+            elif off_the_bar:
+                kwargs["prog_bar"] = False
+            log(name, value, *args, **kwargs)
+
+        pl_module.log = sync_free_log  # type: ignore[method-assign]
+        self._module = pl_module
+
+    def _restore(self) -> None:
+        if self._module is not None:
+            del self._module.log
+            self._module = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
+        self._restore()
