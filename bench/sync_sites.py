@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import sys
 import traceback
 import warnings
 from collections import Counter
@@ -58,11 +59,10 @@ def _site(depth: int, skip: tuple[str, ...] = _SKIP) -> str:
 
 
 def _short(filename: str) -> str:
-    """A frame's file as ``package/module.py``: the part after site-packages or the repo."""
-    for marker in ("site-packages/", "/src/", "/main/"):
-        if marker in filename:
-            return filename.rsplit(marker, 1)[1]
-    return filename
+    """A frame's file as ``package/module.py``: relative to the longest ``sys.path`` entry
+    that holds it (site-packages, an install ``--target``, the repository)."""
+    roots = sorted((p for p in sys.path if p and filename.startswith(p + "/")), key=len)
+    return filename[len(roots[-1]) + 1 :] if roots else filename
 
 
 class SyncSites:

@@ -17,7 +17,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 RUNNER = BENCH / "gpu_stages.sh"
-LIBRARIES = {"__init__.py", "common.py"}  # imported by the scripts, not run
+LIBRARIES = {"__init__.py", "common.py", "sync_sites.py"}  # imported by the scripts, not run
 SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name not in LIBRARIES)
 
 

@@ -185,8 +185,9 @@ def build_fit(
     optim = optimizer_module(cfg)
     model = llm.GPTModel(gpt_config, tokenizer=tokenizer, optim=optim)
     data_class = ArithmeticGPTDataModule if kind == "arithmetic" else SyntheticGPTDataModule
+    gpu = cfg.trainer.get("accelerator") == "gpu"  # pinned batches: no blocking copy (NeMo's)
     data = data_class(
-        tokenizer=tokenizer, num_workers=0, pin_memory=False, create_attention_mask=True, **data_cfg
+        tokenizer=tokenizer, num_workers=0, pin_memory=gpu, create_attention_mask=True, **data_cfg
     )
     strategy = GTPMegatronStrategy(
         ddp=DistributedDataParallelConfig(
