@@ -185,7 +185,7 @@ class NonFiniteGradCheck(_StepTracker):
 
     In ``on_before_optimizer_step`` (after megatron's and GTP's gradient reduction, before the
     optimizer uses the gradients) every parameter's gradient is checked; the ranks agree on
-    who found one (an all-reduce of one flag per rank), and every rank raises
+    who found one (an all-reduce of a pair of flags per rank), and every rank raises
     ``FloatingPointError`` naming the step and the first parameter, in model order, whose
     gradient is not finite (on the ranks that hold it; the others name those ranks). A NaN or
     Inf loss is refused too: in the same check where the strategy keeps the step's loss

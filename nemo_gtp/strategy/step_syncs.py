@@ -8,9 +8,9 @@ Two such waits come with every NeMo training step on Lightning 2.4:
 - a Python number logged (NeMo's ``lr``, at the start of each step) becomes a tensor on the
   module's device: a blocking copy;
 - every metric logged with ``prog_bar=True`` is converted to a Python number at the end of
-  every training step, whether or not a progress bar shows it; NeMo logs four that way
-  (``reduced_train_loss``, ``global_step``, ``consumed_samples``, ``global_batch_size``), and
-  the first read waits for the whole step, optimizer included.
+  every training step, whether or not a progress bar shows it; NeMo logs five that way
+  (``reduced_train_loss``, ``global_step``, ``consumed_samples``, ``global_batch_size``,
+  ``lr``), and the first read waits for the whole step, optimizer included.
 
 :class:`SyncFreeLogging` keeps logged Python numbers on the host and, when the trainer has no
 progress bar, logs without ``prog_bar``: the loggers, ``trainer.callback_metrics`` and every
