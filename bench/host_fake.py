@@ -285,9 +285,10 @@ _NO_COPY: dict = {}
 
 def set_log_sync(on: bool) -> None:
     """``%logsync`` on or off for the next fit: the recipe's ``SyncFreeLogging`` does nothing,
-    so NeMo's logging syncs the host with the device as on plain Lightning (a Python number
-    logged: a blocking copy; each ``prog_bar`` metric read back at every step's end). Set per
-    fit, beside unpatched fits."""
+    so NeMo's logging and loss reduction sync the host with the device as on plain NeMo (a
+    Python number logged: a blocking copy; each ``prog_bar`` metric read back at every step's
+    end; each microbatch's token count read after the backward). Set per fit, beside
+    unpatched fits."""
     from nemo_gtp.strategy.step_syncs import SyncFreeLogging
 
     original = _LOG_SYNC.setdefault("on_train_start", vars(SyncFreeLogging)["on_train_start"])

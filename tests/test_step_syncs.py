@@ -7,6 +7,7 @@ On CPU the reads a GPU step would sync on are counted by ``bench.sync_sites.Host
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -95,3 +96,62 @@ def test_with_a_progress_bar_the_metrics_stay_on_it() -> None:
     _, reads, window = _fit(SyncFreeLogging(), progress_bar=True)
     assert sorted(window.progress_bar) == ["loss", "lr", "step_size"]
     assert _lightning_reads(reads) == _lightning_reads(plain) > 0
+
+
+def _reduce_worker(rank: int, world: int, out: str) -> None:
+    """Each rank: NeMo's reduction and ours of the same microbatch outputs (DP = 2)."""
+    import json
+
+    from megatron.core import parallel_state
+    from nemo.lightning.megatron_parallel import MaskedTokenLossReduction
+
+    from nemo_gtp.cpu.compat import enable_cpu_compat
+    from nemo_gtp.strategy.step_syncs import SyncFreeTokenLossReduction
+
+    enable_cpu_compat()
+    parallel_state.initialize_model_parallel()
+    generator = torch.Generator().manual_seed(rank)
+
+    def outputs(tokens: list[int]) -> list[dict[str, torch.Tensor]]:
+        sums = torch.rand(len(tokens), generator=generator, dtype=torch.float32) * 100
+        return [
+            {"loss_sum_and_ub_size": torch.cat([s.view(1), torch.tensor([n], dtype=torch.int)])}
+            for s, n in zip(sums * torch.tensor([n > 0 for n in tokens]), tokens, strict=True)
+        ]
+
+    result = {}
+    for name, tokens in (("all_have_tokens", [7, 5, 9, 3]), ("one_empty", [7, 0, 9, 3])):
+        micro = outputs(tokens)
+        nemo = MaskedTokenLossReduction().reduce(micro)
+        with HostReads(depth=1) as reads:
+            ours = SyncFreeTokenLossReduction().reduce(micro)
+        same = bool(torch.equal(nemo, ours))
+        result[name] = [float(nemo), float(ours), same, reads.counts.total()]
+    with HostReads(depth=1) as reads:
+        MaskedTokenLossReduction().reduce(outputs([7, 5, 9, 3]))
+    result["nemo_reads"] = reads.counts.total()
+    parallel_state.destroy_model_parallel()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+def test_the_loss_reduction_reads_nothing_on_the_host_and_keeps_nemos_value(
+    tmp_path: Path,
+) -> None:
+    """``SyncFreeTokenLossReduction`` (what ``SyncFreeLogging`` gives NeMo's GPT models): the
+    logged loss over two data-parallel ranks equals NeMo's bit for bit when every microbatch
+    has a token, and to rounding with an empty one; NeMo's reads each microbatch's token count
+    on the host (a sync on a GPU, right after the backward is queued), ours reads nothing."""
+    import json
+
+    from tests.harness.checkpoint import run_ranks
+
+    out = tmp_path / "reduce.json"
+    run_ranks(_reduce_worker, 2, str(out))
+    result = json.loads(out.read_text())
+    nemo, ours, identical, reads = result["all_have_tokens"]
+    assert identical and reads == 0
+    nemo, ours, _, reads = result["one_empty"]
+    assert ours == pytest.approx(nemo, rel=1e-6) and reads == 0
+    assert result["nemo_reads"] == 4  # one per microbatch

@@ -15,7 +15,10 @@ Two such waits come with every NeMo training step on Lightning 2.4:
 :class:`SyncFreeLogging` keeps logged Python numbers on the host and, when the trainer has no
 progress bar, logs without ``prog_bar``: the loggers, ``trainer.callback_metrics`` and every
 callback still get each value, and the host can queue the next step while the device runs this
-one's optimizer. GTP adds no host read of its own to a step (``tests/test_strategy.py``).
+one's optimizer. It also gives a NeMo GPT model :class:`SyncFreeTokenLossReduction`: NeMo's
+reduction of the step's loss for logging reads each microbatch's token count on the host, right
+after the backward is queued, so the host waits for the whole backward before it can queue the
+optimizer's work. GTP adds no host read of its own to a step (``tests/test_strategy.py``).
 
 Example::
 
@@ -28,12 +31,38 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from nemo.lightning.megatron_parallel import MaskedTokenLossReduction
+
+
+class SyncFreeTokenLossReduction(MaskedTokenLossReduction):
+    """NeMo's ``MaskedTokenLossReduction`` whose ``reduce`` (the step's loss for logging) reads
+    nothing on the host: NeMo drops the microbatches without a valid token with a host read per
+    microbatch; here their rows are zeroed on the device. Losses and gradients are NeMo's (its
+    ``forward``); the reduced loss is NeMo's bit for bit when every microbatch has a token, and
+    the same sum in another order otherwise.
+
+    Example: ``model._training_loss_reduction = SyncFreeTokenLossReduction()`` (NeMo's way of
+    giving a model its reduction; :class:`SyncFreeLogging` does it).
+    """
+
+    def reduce(self, losses_reduced_per_micro_batch: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        if not losses_reduced_per_micro_batch or "avg" in losses_reduced_per_micro_batch[0]:
+            return super().reduce(losses_reduced_per_micro_batch)
+        from megatron.core import parallel_state
+
+        rows = torch.vstack([x["loss_sum_and_ub_size"] for x in losses_reduced_per_micro_batch])
+        loss = torch.where(rows[:, 1:] > 0, rows, torch.zeros_like(rows)).sum(dim=0)
+        torch.distributed.all_reduce(
+            loss, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+        return loss[0] / loss[1]  # over the global batch's tokens, as NeMo's
 
 
 class SyncFreeLogging(pl.Callback):
     """For the fit, the module's ``log`` keeps Python numbers on the host (a CPU tensor, no
     copy to the device; not those reduced across ranks, ``sync_dist``) and, without a progress
-    bar, drops ``prog_bar`` (see the module docstring). The YAML recipes add it.
+    bar, drops ``prog_bar``; a NeMo GPT model with NeMo's own training loss reduction gets
+    :class:`SyncFreeTokenLossReduction` (see the module docstring). The YAML recipes add it.
 
     Example: ``nl.Trainer(..., enable_progress_bar=False, callbacks=[SyncFreeLogging()])``.
     """
@@ -59,6 +88,10 @@ class SyncFreeLogging(pl.Callback):
 
         pl_module.log = sync_free_log  # type: ignore[method-assign]
         self._module = pl_module
+        # NeMo's own reduction only: a model's other reduction (a user's, NeMo's VLMs') stays
+        reduction = getattr(pl_module, "_training_loss_reduction", False)
+        if reduction is None or type(reduction) is MaskedTokenLossReduction:
+            pl_module._training_loss_reduction = SyncFreeTokenLossReduction()
 
     def _restore(self) -> None:
         if self._module is not None:
