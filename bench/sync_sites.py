@@ -27,6 +27,7 @@ import warnings
 from collections import Counter
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_MESSAGE = "synchronizing CUDA operation"
@@ -77,8 +78,6 @@ class SyncSites:
 
     def start(self) -> None:
         """Count from now: sync debug mode on (CUDA), torch's warnings routed to :meth:`_record`."""
-        import torch
-
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()  # restores the filters and showwarning at stop()
         warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}")
@@ -99,8 +98,6 @@ class SyncSites:
 
     def stop(self) -> None:
         """Stop counting: sync debug mode off, the warning machinery as it was."""
-        import torch
-
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode(0)
         if self._catch is not None:
@@ -131,8 +128,7 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._schema.name
         if name in HOST_READ_OPS or (
-            name == "aten::index"
-            and any(getattr(i, "dtype", None) is torch_bool() for i in args[1])
+            name == "aten::index" and any(getattr(i, "dtype", None) is torch.bool for i in args[1])
         ):
             self.counts[_site(self.depth, (*_SKIP, *_TORCH_FRAMES))] += 1
         return func(*args, **(kwargs or {}))
@@ -153,10 +149,3 @@ class HostReads(TorchDispatchMode):
 _TORCH_FRAMES = ("/torch/",)
 """torch's own frames (the dispatch machinery, torch.compile's wrappers): a read inside torch is
 named by its caller."""
-
-
-def torch_bool() -> Any:
-    """``torch.bool`` (imported late: this module loads without torch's CUDA state)."""
-    import torch
-
-    return torch.bool
