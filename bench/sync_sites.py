@@ -59,6 +59,11 @@ def _site(depth: int, skip: tuple[str, ...] = _SKIP) -> str:
     )
 
 
+def per_step(counts: Counter[str], steps: int) -> list[list[Any]]:
+    """``[[count per step, site], ...]`` of ``counts`` over ``steps``, most frequent first."""
+    return [[round(n / steps, 2), site] for site, n in counts.most_common()]
+
+
 def _short(filename: str) -> str:
     """A frame's file as ``package/module.py``: relative to the longest ``sys.path`` entry
     that holds it (site-packages, an install ``--target``, the repository)."""
@@ -106,7 +111,7 @@ class SyncSites:
 
     def per_step(self, steps: int) -> list[list[Any]]:
         """``[[calls per step, site], ...]``, most frequent first."""
-        return [[round(n / steps, 2), site] for site, n in self.counts.most_common()]
+        return per_step(self.counts, steps)
 
 
 class HostReads(TorchDispatchMode):
@@ -143,7 +148,7 @@ class HostReads(TorchDispatchMode):
 
     def per_step(self, steps: int) -> list[list[Any]]:
         """``[[reads per step, site], ...]``, most frequent first."""
-        return [[round(n / steps, 2), site] for site, n in self.counts.most_common()]
+        return per_step(self.counts, steps)
 
 
 _TORCH_FRAMES = ("/torch/",)

@@ -16,6 +16,7 @@ import torch
 
 from bench.sync_sites import HostReads
 from nemo_gtp.strategy.step_syncs import SyncFreeLogging
+from tests.harness.objects import HostReadsWindow
 
 
 class _Tiny(pl.LightningModule):
@@ -40,17 +41,17 @@ class _Tiny(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.randn(16, 2), batch_size=2)
 
 
-class _Window(pl.Callback):
-    """Host reads of step 2's whole loop iteration: from its start to step 3's (put first)."""
+class _Window(HostReadsWindow):
+    """Host reads of step 2's whole loop iteration (the harness's window, put first), and the
+    metrics Lightning holds when it closes."""
 
     def __init__(self) -> None:
-        self.reads = HostReads(depth=1)
+        super().__init__(step=2)
+        self.reads.depth = 1
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == 2:
-            self.reads.start()
-        elif trainer.global_step == 3:
-            self.reads.stop()
+        super().on_train_batch_start(trainer, *args)
+        if trainer.global_step == self.step + 1:
             self.progress_bar = dict(trainer.progress_bar_metrics)
             self.callback_metrics = dict(trainer.callback_metrics)
 

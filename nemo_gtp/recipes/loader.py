@@ -52,6 +52,7 @@ from nemo_gtp.recipes.schema import (
     ACTIVATIONS,
     ddp_average_in_collective,
     default_layer_spec_name,
+    is_cpu_recipe,
 )
 from nemo_gtp.recipes.validate import TE_MISSING, validate_recipe
 
@@ -185,7 +186,7 @@ def build_fit(
     optim = optimizer_module(cfg)
     model = llm.GPTModel(gpt_config, tokenizer=tokenizer, optim=optim)
     data_class = ArithmeticGPTDataModule if kind == "arithmetic" else SyntheticGPTDataModule
-    gpu = cfg.trainer.get("accelerator") == "gpu"  # pinned batches: no blocking copy (NeMo's)
+    gpu = not is_cpu_recipe(cfg)  # pinned batches: no blocking copy to the GPU (NeMo's default)
     data = data_class(
         tokenizer=tokenizer, num_workers=0, pin_memory=gpu, create_attention_mask=True, **data_cfg
     )
@@ -201,8 +202,7 @@ def build_fit(
     trainer_kwargs = _plain(cfg.trainer)
     # the metrics first: a progress line of the same step reads them (ProgressLog)
     metrics = [GTPMetricsCallback()] if log_dir is not None else []
-    # the fault callbacks first: their on_exception records a failure before any other waits;
-    # logging without a host sync per step (strategy.step_syncs)
+    # the fault callbacks first: their on_exception records a failure before any other waits
     made = [*fault_callbacks(cfg), GTPDrainCallback(), SyncFreeLogging(), *metrics]
     callbacks = made + list(callbacks or [])
     if cfg.get("checkpoint"):

@@ -71,6 +71,10 @@ class SyncFreeLogging(pl.Callback):
         self._module: pl.LightningModule | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # NeMo's own reduction only: a model's other reduction (a user's, NeMo's VLMs') stays
+        reduction = getattr(pl_module, "_training_loss_reduction", False)
+        if reduction is None or type(reduction) is MaskedTokenLossReduction:
+            pl_module._training_loss_reduction = SyncFreeTokenLossReduction()
         if "log" in vars(pl_module):  # wrapped already (a second callback, or a user's own)
             return
         log, off_the_bar = pl_module.log, trainer.progress_bar_callback is None
@@ -88,10 +92,6 @@ class SyncFreeLogging(pl.Callback):
 
         pl_module.log = sync_free_log  # type: ignore[method-assign]
         self._module = pl_module
-        # NeMo's own reduction only: a model's other reduction (a user's, NeMo's VLMs') stays
-        reduction = getattr(pl_module, "_training_loss_reduction", False)
-        if reduction is None or type(reduction) is MaskedTokenLossReduction:
-            pl_module._training_loss_reduction = SyncFreeTokenLossReduction()
 
     def _restore(self) -> None:
         if self._module is not None:
