@@ -283,19 +283,20 @@ def set_no_copy(on: bool) -> None:
 _NO_COPY: dict = {}
 
 
-def set_log_sync(on: bool) -> None:
-    """``%logsync`` on or off for the next fit: the recipe's ``SyncFreeLogging`` does nothing,
-    so NeMo's logging and loss reduction sync the host with the device as on plain NeMo (a
-    Python number logged: a blocking copy; each ``prog_bar`` metric read back at every step's
-    end; each microbatch's token count read after the backward). Set per fit, beside
-    unpatched fits."""
-    from nemo_gtp.strategy.step_syncs import SyncFreeLogging
+def set_syncs_restored(patches: list[str]) -> None:
+    """``%logsync`` / ``%clipsync`` for the next fit: the recipe's ``SyncFreeLogging`` /
+    ``SyncFreeGradClip`` does nothing, so NeMo's logging and loss reduction (a Python number
+    logged: a blocking copy; each ``prog_bar`` metric read back at every step's end; each
+    microbatch's token count read after the backward) / megatron's grad-norm read sync the host
+    with the device as on plain NeMo. Set per fit, beside unpatched fits."""
+    from nemo_gtp.strategy.step_syncs import SyncFreeGradClip, SyncFreeLogging
 
-    original = _LOG_SYNC.setdefault("on_train_start", vars(SyncFreeLogging)["on_train_start"])
-    SyncFreeLogging.on_train_start = (lambda *args: None) if on else original
+    for patch, callback in (("logsync", SyncFreeLogging), ("clipsync", SyncFreeGradClip)):
+        original = _SYNC_FREE.setdefault(callback, vars(callback)["on_train_start"])
+        callback.on_train_start = (lambda *args: None) if patch in patches else original
 
 
-_LOG_SYNC: dict = {}
+_SYNC_FREE: dict = {}
 
 
 PATCHES = {
@@ -305,13 +306,14 @@ PATCHES = {
     "why": _patch_count_bails,
     "te": _patch_gemm_variants,
     "tecolumnwise": _patch_te_columnwise,
-    "logsync": lambda: set_log_sync(True),
+    "logsync": lambda: set_syncs_restored(["logsync"]),
+    "clipsync": lambda: set_syncs_restored(["clipsync"]),
 }
 """Mode suffixes ``%name`` (e.g. ``gtp2_te%general%flatten``): an earlier host path restored in
 that mode's process, so old and new run interleaved in one launch (same machine, same hour), or
 something counted (``%why``) or timed (``%te``) without changing the path."""
 
-PER_FIT = {"nocopy", "logsync"}
+PER_FIT = {"nocopy", "logsync", "clipsync"}
 """Patches toggled per fit (so ``--one-process`` runs them beside unpatched fits)."""
 
 TIMED_ALIKE = {"te"}
@@ -694,7 +696,7 @@ def _fit(spec: dict, timer: object) -> dict:
     if spec.get("sync_sites") and free:
         sites = SyncSites() if cuda else HostReads()
     set_no_copy("nocopy" in _patches(spec["mode"]))
-    set_log_sync("logsync" in _patches(spec["mode"]))
+    set_syncs_restored(_patches(spec["mode"]))
     kernels = bool(spec.get("kernels")) and profiled and cuda
     # outside the callback: NeMo deep-copies callbacks
     if kernels:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "GTPDrainCallback": "nemo_gtp.strategy",
     "GTPMetricsCallback": "nemo_gtp.strategy",
     "GTPProgressBar": "nemo_gtp.strategy",
+    "SyncFreeGradClip": "nemo_gtp.strategy",
     "SyncFreeLogging": "nemo_gtp.strategy",
     "SyntheticGPTDataModule": "nemo_gtp.data.synthetic",
     "MuonOptimizerModule": "nemo_gtp.strategy.muon",

@@ -17,6 +17,9 @@ import torch
 from bench.sync_sites import HostReads
 from nemo_gtp.strategy.step_syncs import SyncFreeLogging
 from tests.harness.objects import HostReadsWindow
+from tests.harness.shared_launch import shared_launch
+from tests.harness.strategy import Fit
+from tests.test_strategy import UNLOGGED_STEP  # and its fits: base_tp1_dp2, tp1_gtp2_log3
 
 
 class _Tiny(pl.LightningModule):
@@ -156,3 +159,125 @@ def test_the_loss_reduction_reads_nothing_on_the_host_and_keeps_nemos_value(
     nemo, ours, _, reads = result["one_empty"]
     assert ours == pytest.approx(nemo, rel=1e-6) and reads == 0
     assert result["nemo_reads"] == 4  # one per microbatch
+
+
+# ------------------------------------------------------------ gradient clipping on the device
+def _clip_worker(rank: int, world: int, out: str) -> None:
+    """Each rank: megatron's optimizers (one, and a chain of two whose grad stats reduce over
+    different groups) stepped with megatron's clip and with ``clip_grads_on_device``, from the
+    same gradients: a norm that clips, one that does not, a NaN one."""
+    import json
+
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig
+
+    from nemo_gtp.cpu.compat import enable_cpu_compat
+    from nemo_gtp.integrations.megatron.grad_clip import clip_grads_on_device
+
+    enable_cpu_compat()
+    parallel_state.initialize_model_parallel()
+
+    def build(scale: float, chained: bool) -> tuple[list[torch.nn.Parameter], Any]:
+        generator = torch.Generator().manual_seed(rank)
+        params = [torch.nn.Parameter(torch.randn(n, generator=generator)) for n in (5, 7, 3, 4)]
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator) * scale
+        params[1].grad[2] = float("nan") if scale != scale else params[1].grad[2]
+        config = OptimizerConfig(clip_grad=1.0, lr=0.1)
+        first = FP32Optimizer(torch.optim.SGD(params[:2], lr=0.1), config, None)
+        if not chained:
+            first.optimizer.add_param_group({"params": params[2:]})
+            return params, first
+        second = FP32Optimizer(torch.optim.SGD(params[2:], lr=0.1), config, None)
+        second.grad_stats_parallel_group = torch.distributed.group.WORLD  # not shared
+        return params, ChainedOptimizer([first, second])
+
+    result = {}
+    for chained in (False, True):
+        for name, scale in (("clips", 10.0), ("does_not_clip", 0.01), ("nan", float("nan"))):
+            params, optimizer = build(scale, chained)
+            _, megatron_norm, _ = optimizer.step()
+            reference = [p.detach().clone() for p in params]
+            params, optimizer = build(scale, chained)
+            undo = clip_grads_on_device(optimizer)
+            with HostReads(depth=1) as reads:
+                _, norm, _ = optimizer.step()
+            undo()
+            same = all(
+                torch.equal(p.detach().view(torch.int32), r.view(torch.int32))
+                for p, r in zip(params, reference, strict=True)
+            )
+            same_norm = torch.isnan(norm).item() if megatron_norm != megatron_norm else None
+            # the fp32 rounding of megatron's float: what NeMo logs for it
+            fp32 = float(torch.tensor(megatron_norm, dtype=torch.float32))
+            same_norm = same_norm if same_norm is not None else float(norm) == fp32
+            restored = "step" not in vars(optimizer) and "clip_grad_norm" not in vars(optimizer)
+            key = f"{'chained' if chained else 'single'}_{name}"
+            result[key] = [same, same_norm, restored, megatron_norm, _our_reads(reads)]
+    parallel_state.destroy_model_parallel()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+
+
+def _our_reads(reads: HostReads) -> float:
+    """Host reads outside megatron's L2 norm (its CPU fallback reads; TE's on a GPU does not)."""
+    return sum(n for site, n in reads.counts.items() if "local_multi_tensor_l2_norm" not in site)
+
+
+def test_clip_on_device_gives_megatrons_gradients_without_a_host_read(tmp_path: Path) -> None:
+    """``clip_grads_on_device`` (``SyncFreeGradClip``): on two ranks, for one megatron optimizer
+    and a chain of two with different grad-stats groups, the step's parameters equal megatron's
+    bit for bit whether megatron clips or not (and with a NaN gradient, which neither clips),
+    the norm equals megatron's, the step reads nothing on the host but megatron's own CPU
+    fallback of the L2 norm (TE's on a GPU reads nothing), and ``undo`` restores megatron's."""
+    import json
+
+    from tests.harness.checkpoint import run_ranks
+
+    out = tmp_path / "clip.json"
+    run_ranks(_clip_worker, 2, str(out))
+    for rank in range(2):
+        result = json.loads(Path(f"{out}.{rank}").read_text())
+        assert len(result) == 6
+        for key, (same, same_norm, restored, _, reads) in result.items():
+            assert same and same_norm and restored, (rank, key, result[key])
+            assert reads == 0, (rank, key, reads)
+        assert result["single_clips"][3] > 1.0 > result["single_does_not_clip"][3]
+        assert result["chained_clips"][3] > 1.0 > result["chained_does_not_clip"][3]
+
+
+CLIP_FITS = [  # in the shared 2-rank launch, beside test_strategy's (imported: registered)
+    Fit("dp2_clip_on_device", clip_on_device=True, host_reads_at=UNLOGGED_STEP),
+    Fit(
+        "gtp2_clip_on_device",
+        gtp=2,
+        metrics=True,
+        log_every=3,
+        clip_on_device=True,
+        host_reads_at=UNLOGGED_STEP,
+    ),
+]
+shared_launch(2).add(CLIP_FITS)
+
+
+def _sites(rank: dict[str, Any]) -> dict[str, float]:
+    return {site.split(" < ")[0]: n for n, site in rank["host_reads"]}
+
+
+def test_clip_on_device_fits_train_as_megatrons_clip_without_its_host_read(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Through NeMo's trainer (clip_grad=1.0, which clips the first steps): DP2 with
+    ``SyncFreeGradClip`` has DP2's losses and grad norms bit for bit, GTP2 with it GTP2's; an
+    unlogged step reads on the host where the fit without it does, except megatron's grad norm
+    (``clip_grads.py``), which is gone."""
+    results = shared_launch(2).results(tmp_path_factory)
+    pairs = (("dp2_clip_on_device", "base_tp1_dp2"), ("gtp2_clip_on_device", "tp1_gtp2_log3"))
+    for ours, megatrons in pairs:
+        for mine, theirs in zip(results[ours], results[megatrons], strict=True):
+            assert mine["losses"] == theirs["losses"], ours
+            assert mine["grad_norms"] == theirs["grad_norms"], ours
+            assert theirs["grad_norms"][0] > 1.0  # the clip really clips
+            gone = {s for s in _sites(theirs) if s.startswith("megatron/core/optimizer/clip")}
+            assert gone and not gone & _sites(mine).keys(), (gone, _sites(mine))
+            assert _sites(mine).keys() == _sites(theirs).keys() - gone, ours

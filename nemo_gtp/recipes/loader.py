@@ -156,7 +156,7 @@ def build_fit(
     from nemo_gtp.engine import GTPConfig
     from nemo_gtp.recipes.quiet import quiet_console
     from nemo_gtp.strategy import GTPDrainCallback, GTPMegatronStrategy, GTPMetricsCallback
-    from nemo_gtp.strategy.step_syncs import SyncFreeLogging
+    from nemo_gtp.strategy.step_syncs import SyncFreeGradClip, SyncFreeLogging
 
     quiet_console(log_dir)  # NeMo's and Lightning's notices to the log files (unless --verbose)
     data_cfg = _plain(cfg.data)
@@ -203,8 +203,8 @@ def build_fit(
     # the metrics first: a progress line of the same step reads them (ProgressLog)
     metrics = [GTPMetricsCallback()] if log_dir is not None else []
     # the fault callbacks first: their on_exception records a failure before any other waits
-    made = [*fault_callbacks(cfg), GTPDrainCallback(), SyncFreeLogging(), *metrics]
-    callbacks = made + list(callbacks or [])
+    made = [*fault_callbacks(cfg), GTPDrainCallback(), SyncFreeLogging(), SyncFreeGradClip()]
+    callbacks = made + metrics + list(callbacks or [])
     if cfg.get("checkpoint"):
         callbacks.append(_model_checkpoint(_plain(cfg.checkpoint)))
         trainer_kwargs["enable_checkpointing"] = True

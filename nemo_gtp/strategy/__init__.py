@@ -14,7 +14,7 @@ from nemo_gtp.strategy.callbacks import (
 )
 from nemo_gtp.strategy.cuda_graphs import cuda_graphs_enabled, enforce_cuda_graph_warmup
 from nemo_gtp.strategy.megatron_strategy import GTPMegatronStrategy, gtp_banner
-from nemo_gtp.strategy.step_syncs import SyncFreeLogging
+from nemo_gtp.strategy.step_syncs import SyncFreeGradClip, SyncFreeLogging
 
 __all__ = [
     "GTPDrainCallback",
@@ -22,6 +22,7 @@ __all__ = [
     "GTPMetricsCallback",
     "GTPProgressBar",
     "MemoryFootprint",
+    "SyncFreeGradClip",
     "SyncFreeLogging",
     "SyntheticGPTDataModule",
     "cuda_graphs_enabled",

@@ -18,11 +18,15 @@ callback still get each value, and the host can queue the next step while the de
 one's optimizer. It also gives a NeMo GPT model :class:`SyncFreeTokenLossReduction`: NeMo's
 reduction of the step's loss for logging reads each microbatch's token count on the host, right
 after the backward is queued, so the host waits for the whole backward before it can queue the
-optimizer's work. GTP adds no host read of its own to a step (``tests/test_strategy.py``).
+optimizer's work. :class:`SyncFreeGradClip` makes megatron's optimizer clip its gradients on
+the device (``nemo_gtp.integrations.megatron.grad_clip``): megatron reads the grad norm on the
+host to decide whether to clip, a wait for the whole backward. GTP adds no host read of its own
+to a step (``tests/test_strategy.py``).
 
 Example::
 
-    trainer = nl.Trainer(..., enable_progress_bar=False, callbacks=[SyncFreeLogging()])
+    callbacks = [SyncFreeLogging(), SyncFreeGradClip()]
+    trainer = nl.Trainer(..., enable_progress_bar=False, callbacks=callbacks)
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from nemo.lightning.megatron_parallel import MaskedTokenLossReduction
+
+from nemo_gtp.integrations.megatron.grad_clip import clip_grads_on_device
 
 
 class SyncFreeTokenLossReduction(MaskedTokenLossReduction):
@@ -97,6 +103,34 @@ class SyncFreeLogging(pl.Callback):
         if self._module is not None:
             del self._module.log
             self._module = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
+        self._restore()
+
+
+class SyncFreeGradClip(pl.Callback):
+    """For the fit, megatron's optimizers (behind NeMo's ``McoreDistributedOptimizer``) clip
+    their gradients on the device: the same gradients bit for bit, the grad norm a device
+    tensor, no host read in the step (``clip_grads_on_device``). The YAML recipes add it.
+
+    Example: ``nl.Trainer(..., callbacks=[SyncFreeGradClip()])``.
+    """
+
+    def __init__(self) -> None:
+        self._undo: list = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for optimizer in trainer.optimizers:
+            megatron_optimizer = getattr(optimizer, "mcore_optimizer", None)
+            if megatron_optimizer is not None:
+                self._undo.append(clip_grads_on_device(megatron_optimizer))
+
+    def _restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore()

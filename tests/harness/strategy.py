@@ -146,6 +146,8 @@ class Fit:
     # the host reads (.item(), float(), data-dependent shapes: a host sync each on a GPU) of
     # this training step, by Python site (objects.HostReadsWindow): result["host_reads"]
     host_reads_at: int | None = None
+    # megatron's gradient clipping decided on the device (SyncFreeGradClip, the recipes' way)
+    clip_on_device: bool = False
 
 
 # ---------------------------------------------------------------------------------- recorders
@@ -432,6 +434,10 @@ def _fit(fit: Fit, world: int, store_path: str | None) -> dict[str, Any]:
         from tests.harness.objects import EmulatedFP8Params
 
         callbacks.append(EmulatedFP8Params())
+    if fit.clip_on_device:
+        from nemo_gtp.strategy.step_syncs import SyncFreeGradClip
+
+        callbacks.append(SyncFreeGradClip())
     reads_window = None
     if fit.host_reads_at is not None:  # the first callback
         from tests.harness.objects import HostReadsWindow
