@@ -441,6 +441,7 @@ GTP_ENTRIES = (
     ("megatron.core.optimizer.optimizer", "MegatronOptimizer", "step", "optimizer"),
     ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer", "step", "optimizer"),
     ("megatron.core.optimizer.optimizer", "ChainedOptimizer", "step", "optimizer"),
+    ("nemo_gtp.integrations.megatron.grad_clip", None, "chained_step", "optimizer"),
 )
 
 
