@@ -1,8 +1,11 @@
-"""``SyncFreeLogging`` (``nemo_gtp.strategy.step_syncs``): logging makes no host read per step.
+"""``nemo_gtp.strategy.step_syncs``: logging (``SyncFreeLogging``) and megatron's gradient clip
+(``SyncFreeGradClip``) make no host read per step, and change no value.
 
 On CPU the reads a GPU step would sync on are counted by ``bench.sync_sites.HostReads``
 (``.item()`` and the like, by Python site); Lightning's per-step conversion of every
-``prog_bar`` metric is one of them. A tiny Lightning module on Lightning's own CPU trainer.
+``prog_bar`` metric is one of them (a tiny Lightning module on Lightning's own CPU trainer),
+megatron's read of the grad norm another (megatron's optimizers on two gloo ranks, and NeMo
+fits in the shared 2-rank launch).
 """
 
 from __future__ import annotations
