@@ -284,3 +284,29 @@ def test_clip_on_device_fits_train_as_megatrons_clip_without_its_host_read(
             gone = {s for s in _sites(theirs) if s.startswith("megatron/core/optimizer/clip")}
             assert gone and not gone & _sites(mine).keys(), (gone, _sites(mine))
             assert _sites(mine).keys() == _sites(theirs).keys() - gone, ours
+
+
+def test_the_recipes_step_reads_on_the_host_only_in_cpu_fallbacks(tmp_path: Path) -> None:
+    """The step as users run it (a YAML recipe through ``nemo_gtp.recipes.loader``, its
+    callbacks, ``GTPMegatronStrategy``, ``nl.Trainer``; ``bench.host_fake`` on CPU, GTP2 and
+    DP2, free-running steps): the only host reads left are two CPU-only fallbacks that a GPU
+    run does not take, torch's CPU Adam reading its step counters (TE's fused Adam on a GPU)
+    and megatron's L2 norm without TE or apex (TE's multi-tensor norm on a GPU)."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "bench.host_fake", "--one-process", "--modes"]
+    command += ["gtp2_cpu,dp2_cpu", "--warmup", "2", "--steps", "1", "--free-steps", "3"]
+    command += ["--sync-sites", "--out", str(tmp_path)]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    records = json.loads((tmp_path / "host_fake.json").read_text())
+    assert [r["mode"] for r in records] == ["gtp2_cpu", "dp2_cpu"]
+    for record in records:
+        innermost = {site.split(" < ")[0]: n for n, site in record["sync_sites_per_step"]}
+        functions = {site.split(" ")[-1]: n for site, n in innermost.items()}
+        assert functions.keys() == {"step_with_ready_grads", "local_multi_tensor_l2_norm"}, (
+            record["mode"],
+            innermost,
+        )
+        assert functions["local_multi_tensor_l2_norm"] == 1.0  # one norm a step
