@@ -13,7 +13,7 @@ idles while the host issues the optimizer's kernels and the next step's first on
   is below 1, by 1.0 elsewhere (a NaN norm included, which megatron does not clip either);
 - megatron multiplies in fp32 by the same fp32 coefficient, so the gradients are megatron's
   bit for bit. The one difference: megatron's ``** 0.5`` is the C library's ``pow``, ours a
-  correctly rounded ``sqrt``; both are within half a float64 ulp, and the fp32 coefficient
+  correctly rounded ``sqrt``; both are within about half a float64 ulp, and the fp32 coefficient
   would see a difference only at a rounding tie.
 
 The price is one multiply over the local gradients on the steps megatron would not clip (it
