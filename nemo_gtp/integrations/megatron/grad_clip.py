@@ -44,9 +44,10 @@ def _any_device() -> torch.device:
     return torch.device("cpu")
 
 
-def sum_of_squares(grads: list[torch.Tensor], group: Any) -> torch.Tensor:
-    """The all-reduced fp32 sum of squares of ``grads``, as megatron's ``get_grad_norm_fp32``
-    (L2) computes it before its host read; a 0-dim device tensor."""
+def global_norm(grads: list[torch.Tensor], group: Any) -> torch.Tensor:
+    """The global L2 norm of ``grads`` (float64, 0-dim, on the device): megatron's fp32 sum of
+    squares as ``get_grad_norm_fp32`` computes it before its host read, all-reduced over
+    ``group`` (and the FSDP group of DTensor grads), then its square root."""
     from megatron.core.optimizer import clip_grads
     from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 
@@ -63,14 +64,13 @@ def sum_of_squares(grads: list[torch.Tensor], group: Any) -> torch.Tensor:
     if fsdp_group:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=fsdp_group)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    return total.reshape(())
+    return total.reshape(()).double().sqrt()
 
 
 def _norm(optimizer: Any) -> torch.Tensor:
     """One megatron optimizer's global grad norm (float64, on the device)."""
     grads = optimizer.get_main_grads_for_grad_norm() if optimizer.get_parameters() else []
-    squares = sum_of_squares(grads, optimizer.get_grad_stats_parallel_group())
-    return squares.double().sqrt()
+    return global_norm(grads, optimizer.get_grad_stats_parallel_group())
 
 
 def _chained_norm(chained: Any) -> torch.Tensor:
@@ -80,7 +80,7 @@ def _chained_norm(chained: Any) -> torch.Tensor:
         return _norm(optimizers[0])
     if chained.grads_states_parallel_group_is_shared():
         grads = [g for opt in optimizers for g in opt.get_main_grads_for_grad_norm()]
-        return sum_of_squares(grads, chained.get_grad_stats_parallel_group()).double().sqrt()
+        return global_norm(grads, chained.get_grad_stats_parallel_group())
     return torch.stack([_norm(opt) ** 2 for opt in optimizers]).sum().sqrt()
 
 
