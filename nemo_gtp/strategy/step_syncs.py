@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -64,7 +65,25 @@ class SyncFreeTokenLossReduction(MaskedTokenLossReduction):
         return loss[0] / loss[1]  # over the global batch's tokens, as NeMo's
 
 
-class SyncFreeLogging(pl.Callback):
+class _UndoneAfterTheFit(pl.Callback):
+    """A callback whose changes last for one fit: the undo functions it collects run at the
+    fit's end, or when it fails."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def _restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
+        self._restore()
+
+
+class SyncFreeLogging(_UndoneAfterTheFit):
     """For the fit, the module's ``log`` keeps Python numbers on the host (a CPU tensor, no
     copy to the device; not those reduced across ranks, ``sync_dist``) and, without a progress
     bar, drops ``prog_bar``; a NeMo GPT model with NeMo's own training loss reduction gets
@@ -72,9 +91,6 @@ class SyncFreeLogging(pl.Callback):
 
     Example: ``nl.Trainer(..., enable_progress_bar=False, callbacks=[SyncFreeLogging()])``.
     """
-
-    def __init__(self) -> None:
-        self._module: pl.LightningModule | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # NeMo's own reduction only: a model's other reduction (a user's, NeMo's VLMs') stays
@@ -96,22 +112,14 @@ class SyncFreeLogging(pl.Callback):
                 kwargs["prog_bar"] = False
             log(name, value, *args, **kwargs)
 
+        def restore() -> None:
+            del pl_module.log  # the class's method again
+
         pl_module.log = sync_free_log  # type: ignore[method-assign]
-        self._module = pl_module
-
-    def _restore(self) -> None:
-        if self._module is not None:
-            del self._module.log
-            self._module = None
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
-        self._restore()
+        self._undo.append(restore)
 
 
-class SyncFreeGradClip(pl.Callback):
+class SyncFreeGradClip(_UndoneAfterTheFit):
     """For the fit, megatron's optimizers (behind NeMo's ``McoreDistributedOptimizer``) clip
     their gradients on the device: the same gradients bit for bit, the grad norm a device
     tensor, no host read in the step (``clip_grads_on_device``). The YAML recipes add it.
@@ -119,21 +127,8 @@ class SyncFreeGradClip(pl.Callback):
     Example: ``nl.Trainer(..., callbacks=[SyncFreeGradClip()])``.
     """
 
-    def __init__(self) -> None:
-        self._undo: list = []
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for optimizer in trainer.optimizers:
             megatron_optimizer = getattr(optimizer, "mcore_optimizer", None)
             if megatron_optimizer is not None:
                 self._undo.append(clip_grads_on_device(megatron_optimizer))
-
-    def _restore(self) -> None:
-        while self._undo:
-            self._undo.pop()()
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
-        self._restore()
