@@ -260,8 +260,8 @@ def set_no_copy(on: bool) -> None:
 
     from nemo_gtp.engine.collectives import GroupCollectives
 
-    originals = _NO_COPY.setdefault(
-        "originals", {name: vars(GroupCollectives)[name] for name in _NAMES_COPIED}
+    originals = _ORIGINALS.setdefault(
+        GroupCollectives, {name: vars(GroupCollectives)[name] for name in _NAMES_COPIED}
     )
     if not on:
         for name, method in originals.items():
@@ -280,9 +280,6 @@ def set_no_copy(on: bool) -> None:
         setattr(GroupCollectives, name, issue_nothing)
 
 
-_NO_COPY: dict = {}
-
-
 def set_syncs_restored(patches: list[str]) -> None:
     """``%logsync`` / ``%clipsync`` for the next fit: the recipe's ``SyncFreeLogging`` /
     ``SyncFreeGradClip`` does nothing, so NeMo's logging and loss reduction (a Python number
@@ -292,11 +289,35 @@ def set_syncs_restored(patches: list[str]) -> None:
     from nemo_gtp.strategy.step_syncs import SyncFreeGradClip, SyncFreeLogging
 
     for patch, callback in (("logsync", SyncFreeLogging), ("clipsync", SyncFreeGradClip)):
-        original = _SYNC_FREE.setdefault(callback, vars(callback)["on_train_start"])
+        original = _ORIGINALS.setdefault(callback, vars(callback)["on_train_start"])
         callback.on_train_start = (lambda *args: None) if patch in patches else original
 
 
-_SYNC_FREE: dict = {}
+def set_megatron_replay(on: bool) -> None:
+    """``%megatronreplay`` on or off for the next fit: per-layer graphs replay through
+    megatron's own ``CudaGraphManager.__call__`` and runner methods (their per-call module
+    walks and argument checks) instead of the strategy's lean ones
+    (``nemo_gtp.integrations.megatron.graph_replay``). Set per fit, beside unpatched fits."""
+    from megatron.core.transformer.cuda_graphs import CudaGraphManager, _CudaGraphRunner
+
+    from nemo_gtp.integrations.megatron.graph_replay import (
+        LeanCudaGraphManager,
+        LeanCudaGraphRunner,
+    )
+
+    for lean, megatron, names in (
+        (LeanCudaGraphManager, CudaGraphManager, ("__call__",)),
+        (LeanCudaGraphRunner, _CudaGraphRunner, _LEAN_RUNNER_METHODS),
+    ):
+        originals = _ORIGINALS.setdefault(lean, {name: vars(lean)[name] for name in names})
+        for name in names:
+            setattr(lean, name, vars(megatron)[name] if on else originals[name])
+
+
+_LEAN_RUNNER_METHODS = ("replay_graph_capture", "get_input_grads_with_dummy_flags")
+
+_ORIGINALS: dict = {}
+"""What the per-fit patches replace, by class (or callback): set once, restored from here."""
 
 
 PATCHES = {
@@ -308,12 +329,13 @@ PATCHES = {
     "tecolumnwise": _patch_te_columnwise,
     "logsync": lambda: set_syncs_restored(["logsync"]),
     "clipsync": lambda: set_syncs_restored(["clipsync"]),
+    "megatronreplay": lambda: set_megatron_replay(True),
 }
 """Mode suffixes ``%name`` (e.g. ``gtp2_te%general%flatten``): an earlier host path restored in
 that mode's process, so old and new run interleaved in one launch (same machine, same hour), or
 something counted (``%why``) or timed (``%te``) without changing the path."""
 
-PER_FIT = {"nocopy", "logsync", "clipsync"}
+PER_FIT = {"nocopy", "logsync", "clipsync", "megatronreplay"}
 """Patches toggled per fit (so ``--one-process`` runs them beside unpatched fits)."""
 
 TIMED_ALIKE = {"te"}
@@ -697,6 +719,7 @@ def _fit(spec: dict, timer: object) -> dict:
         sites = SyncSites() if cuda else HostReads()
     set_no_copy("nocopy" in _patches(spec["mode"]))
     set_syncs_restored(_patches(spec["mode"]))
+    set_megatron_replay("megatronreplay" in _patches(spec["mode"]))
     kernels = bool(spec.get("kernels")) and profiled and cuda
     # outside the callback: NeMo deep-copies callbacks
     if kernels:

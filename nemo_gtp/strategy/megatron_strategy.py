@@ -73,6 +73,7 @@ from nemo_gtp.strategy.cuda_graphs import (
     enforce_cuda_graph_warmup,
     graph_safe_gtp_config,
     install_full_iteration_graph,
+    install_lean_layer_replay,
     reject_cuda_graph_capture,
     release_graphs_at_exit,
 )
@@ -455,6 +456,7 @@ class GTPMegatronStrategy(GTPCheckpointHooks, MegatronStrategy):
         )
         if note and self.is_global_zero:
             nemo_logging.info(note)
+        install_lean_layer_replay(self.megatron_parallel)
         self._gtp_banner_due = True  # logged once per fit, once the model is sharded
         self._install_gtp_finalize()
 

@@ -39,16 +39,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from megatron.core.transformer.cuda_graphs import (
-    CudaGraphManager,
-    _CudagraphGlobalRecord,
-    _CudaGraphRunner,
-)
+from megatron.core.transformer.cuda_graphs import CudaGraphManager, _CudagraphGlobalRecord
 
 from nemo_gtp.engine.config import GTPConfig
 from nemo_gtp.engine.graph_rules import layer_graph_scope
 from nemo_gtp.engine.param import GTPStateError, is_gtp_param
 from nemo_gtp.engine.runtime import GTPRuntime
+from nemo_gtp.integrations.megatron.graph_replay import LeanCudaGraphManager, LeanCudaGraphRunner
 from nemo_gtp.integrations.te_grad_mode import drop_grad_mode_hooks
 
 MIN_LAYER_GRAPH_WARMUP_STEPS = 2
@@ -254,8 +251,9 @@ def _graphed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-class GTPCudaGraphRunner(_CudaGraphRunner):
-    """megatron's runner (one layer's forward + backward graph) with GTP's capture checks."""
+class GTPCudaGraphRunner(LeanCudaGraphRunner):
+    """megatron's runner (one layer's forward + backward graph) with GTP's capture checks,
+    replayed as :class:`~nemo_gtp.integrations.megatron.graph_replay.LeanCudaGraphRunner`."""
 
     def create_fwd_graph(self, args: Any, kwargs: Any, clone_inputs: bool = True) -> None:
         """megatron's warmup + forward capture, under the layer's grad guard."""
@@ -269,8 +267,11 @@ class GTPCudaGraphRunner(_CudaGraphRunner):
             super().create_bwd_graph(static_grad_outputs)
 
 
-class GTPCudaGraphManager(CudaGraphManager):
-    """megatron's per-layer graph manager; fires the GTP grad-ready hooks after each replay."""
+class GTPCudaGraphManager(LeanCudaGraphManager):
+    """megatron's per-layer graph manager (its lean replay); fires the GTP grad-ready hooks
+    after each replay, and its runners are :class:`GTPCudaGraphRunner`."""
+
+    runner_class = GTPCudaGraphRunner
 
     def __call__(self, megatron_module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         """megatron's call; a replayed training step gets the manual hook plan."""
@@ -281,13 +282,6 @@ class GTPCudaGraphManager(CudaGraphManager):
         if replay:
             getattr(megatron_module, _BOUNDARY).fire_after_backward(out)
         return out
-
-    def get_cudagraph_runner(self, megatron_module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-        """megatron's runner lookup; a new runner becomes a :class:`GTPCudaGraphRunner`."""
-        runner = super().get_cudagraph_runner(megatron_module, args, kwargs)
-        if type(runner) is _CudaGraphRunner:
-            runner.__class__ = GTPCudaGraphRunner
-        return runner
 
 
 def install_layer_graphs(model: torch.nn.Module, runtime: GTPRuntime) -> list[str]:
@@ -309,7 +303,7 @@ def install_layer_graphs(model: torch.nn.Module, runtime: GTPRuntime) -> list[st
         drop_grad_mode_hooks(layer)
         layer.forward = types.MethodType(_graphed_forward, layer)
         manager = getattr(layer, "cudagraph_manager", None)
-        if manager is not None and type(manager) is CudaGraphManager:
+        if manager is not None and type(manager) in (CudaGraphManager, LeanCudaGraphManager):
             manager.__class__ = GTPCudaGraphManager
     return names
 
