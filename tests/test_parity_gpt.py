@@ -15,6 +15,7 @@ import gc
 import time
 import types
 import weakref
+from typing import Any
 
 import pytest
 
@@ -566,14 +567,27 @@ def _layer_graph_case(rank: int, world: int, case: Run) -> float:
     return worst
 
 
+def _count_calls(cls: type, name: str) -> types.SimpleNamespace:
+    """Count calls of ``cls.name`` until the caller puts ``.original`` back."""
+    counted = types.SimpleNamespace(original=vars(cls)[name], calls=0)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counted.calls += 1
+        return counted.original(*args, **kwargs)
+
+    setattr(cls, name, counting)
+    return counted
+
+
 def _megatron_graph_flow_case(rank: int, world: int, ring: int) -> None:
     """megatron's own per-layer graph flow (recording step, ``create_cudagraphs`` with its
     warmups and captures, replays through its autograd nodes) with GTP's manager and runner, on
-    CPU with an eager stand-in for CUDA graphs: every capture starts and ends with nothing in
+    CPU with an eager stand-in for CUDA graphs: every replay takes the lean path (megatron's
+    argument check never needed), every capture starts and ends with nothing in
     flight, no Python gather or chain building after the capture step, DDP's overlapped
     bucket reductions complete (they assert unless the grad-ready hooks fire after each replay),
     and the GTP weights are freed once the fit is released (``teardown_fit``'s steps)."""
-    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord, _CudaGraphRunner
 
     from nemo_gtp.integrations.megatron.ddp import release_finished_ddp_hooks
     from nemo_gtp.integrations.megatron.layer_graphs import (
@@ -595,7 +609,12 @@ def _megatron_graph_flow_case(rank: int, world: int, ring: int) -> None:
             first = train_built(setup, case)  # recorded eagerly, then captured
             assert _CudagraphGlobalRecord.cudagraph_created and graphs.replays == 0
             gathers, builds = runtime.stats.gathers, runtime.builds
-            train_built(setup, dataclasses.replace(case, steps=2), first_step=1)  # replayed
+            megatron_checks = _count_calls(_CudaGraphRunner, "get_mismatch_errors")
+            try:
+                train_built(setup, dataclasses.replace(case, steps=2), first_step=1)  # replayed
+            finally:
+                _CudaGraphRunner.get_mismatch_errors = megatron_checks.original
+            assert not megatron_checks.calls, "a replay left the lean path (graph_replay)"
             layers = _graphed_layers(setup["model"])
             assert graphs.replays == len(layers) * 2 * MICROBATCHES * 2
             assert (runtime.stats.gathers, runtime.builds) == (gathers, builds)
