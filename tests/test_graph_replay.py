@@ -21,6 +21,7 @@ from nemo_gtp.integrations.megatron.graph_replay import (
     LeanCudaGraphManager,
     LeanCudaGraphRunner,
     matches_capture,
+    replay_inputs,
     use_lean_replay,
 )
 from nemo_gtp.integrations.megatron.layer_graphs import GTPCudaGraphManager, GTPCudaGraphRunner
@@ -108,11 +109,9 @@ def test_a_lean_match_is_a_match_for_megatron(case: str) -> None:
 def test_the_lean_replay_feeds_the_graph_what_megatron_does() -> None:
     """The tensors handed to the replay node, in order: megatron's ``get_tensors``, then the
     layer's parameters, listed once."""
-    from nemo_gtp.integrations.megatron.graph_replay import _tensors_of
-
     args, kwargs = _calls()["same"]
     expected = _CudaGraphRunner.get_tensors(args, kwargs)
-    lean = _tensors_of(args) + _tensors_of(kwargs.values())
+    lean = replay_inputs(args, kwargs)
     assert [id(t) for t in lean] == [id(t) for t in expected]
 
     runner = _runner(args, kwargs)

@@ -107,11 +107,17 @@ def matches_capture(runner: _CudaGraphRunner, args: tuple, kwargs: dict) -> bool
     return True
 
 
-def _tensors_of(values: Any) -> list[torch.Tensor]:
-    """megatron's ``get_tensors`` for arguments :func:`matches_capture` accepted: each tensor,
-    and each dataclass's tensor fields, in order."""
+def replay_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a replay copies into the graph's inputs, for arguments
+    :func:`matches_capture` accepted: megatron's ``get_tensors`` (each tensor, each dataclass's
+    tensor fields, in order) without its flattening and type checks, which the match made.
+
+    Example::
+
+        replay_inputs((hidden,), {"attention_mask": None, "rotary_pos_emb": rope})  # [hidden, rope]
+    """
     tensors = []
-    for value in values:
+    for value in (*args, *kwargs.values()):
         if type(value) is torch.Tensor:
             tensors.append(value)
         elif dataclasses.is_dataclass(value):
@@ -136,7 +142,7 @@ class LeanCudaGraphRunner(_CudaGraphRunner):
         """megatron's replay; arguments it would not accept go to megatron's own path."""
         if not matches_capture(self, args, kwargs):
             return super().replay_graph_capture(is_first_microbatch, args, kwargs)
-        inputs = _tensors_of(args) + _tensors_of(kwargs.values())
+        inputs = replay_inputs(args, kwargs)
         out = list(
             _CudagraphReplayNode.apply(self, is_first_microbatch, *inputs, *self.graph_params())
         )
