@@ -139,13 +139,15 @@ def _layer_with_manager(kind: type) -> torch.nn.Module:
     layer = torch.nn.Linear(2, 2)
     manager = kind.__new__(kind)  # megatron's __init__ switches the process's CUDA stream
     torch.nn.Module.__init__(manager)
+    manager.cudagraph_runners = [_CudaGraphRunner.__new__(_CudaGraphRunner)]  # made in a step
     layer.cudagraph_manager = manager
     return layer
 
 
 def test_every_layer_with_megatrons_manager_gets_the_lean_one() -> None:
-    """``use_lean_replay`` swaps megatron's managers (and only those); a lean manager's runners
-    become lean runners, a GTP manager's GTP runners, both lean."""
+    """``use_lean_replay`` swaps megatron's managers (and only those), with the runners they
+    made already; a lean manager's runners become lean runners, a GTP manager's GTP runners,
+    both lean."""
     model = torch.nn.Sequential(
         _layer_with_manager(CudaGraphManager),
         _layer_with_manager(GTPCudaGraphManager),
@@ -153,6 +155,7 @@ def test_every_layer_with_megatrons_manager_gets_the_lean_one() -> None:
     )
     assert use_lean_replay(model) == 1
     assert type(model[0].cudagraph_manager) is LeanCudaGraphManager
+    assert [type(r) for r in model[0].cudagraph_manager.cudagraph_runners] == [LeanCudaGraphRunner]
     assert type(model[1].cudagraph_manager) is GTPCudaGraphManager
     assert use_lean_replay(model) == 0
     assert LeanCudaGraphManager.runner_class is LeanCudaGraphRunner

@@ -45,17 +45,23 @@ _PLAIN = (type(None), bool, int, str, float)
 the inference contexts, which a training replay never gets)."""
 
 
+def _same_layout(value: torch.Tensor, captured: Any) -> bool:
+    """A tensor against a captured tensor, or megatron's ``ArgMetadata`` of one (both have
+    ``shape``, ``dtype`` and ``device``): what megatron compares of tensors."""
+    return (
+        value.shape == captured.shape
+        and value.dtype == captured.dtype
+        and value.device == captured.device
+    )
+
+
 def _same_value(value: Any, captured: Any) -> bool:
     """``value`` may replay where ``captured`` was captured (megatron's rule, or stricter)."""
     kind = type(value)
     if kind is not type(captured):
         return False
     if kind is torch.Tensor:
-        return (
-            value.shape == captured.shape
-            and value.dtype == captured.dtype
-            and value.device == captured.device
-        )
+        return _same_layout(value, captured)
     if kind in _PLAIN:
         return value == captured
     if dataclasses.is_dataclass(value) and kind not in SUPPORTED_NODES:
@@ -74,12 +80,7 @@ def _same_field(value: Any, captured: Any) -> bool:
 def _same_as_meta(value: Any, meta: Any) -> bool:
     """``value`` against megatron's ``ArgMetadata`` of the captured argument."""
     if meta.type is torch.Tensor:
-        return (
-            type(value) is torch.Tensor
-            and value.shape == meta.shape
-            and value.dtype == meta.dtype
-            and value.device == meta.device
-        )
+        return type(value) is torch.Tensor and _same_layout(value, meta)
     return not issubclass(meta.type, torch.Tensor) and _same_value(value, meta.value)
 
 
@@ -143,6 +144,10 @@ class LeanCudaGraphRunner(_CudaGraphRunner):
         """megatron's replay; arguments it would not accept go to megatron's own path."""
         if not matches_capture(self, args, kwargs):
             return super().replay_graph_capture(is_first_microbatch, args, kwargs)
+        return self.replay_matched(is_first_microbatch, args, kwargs)
+
+    def replay_matched(self, is_first_microbatch: bool, args: Any, kwargs: Any) -> Any:
+        """megatron's replay of arguments :func:`matches_capture` accepted (not checked again)."""
         inputs = replay_inputs(args, kwargs)
         out = list(
             _CudagraphReplayNode.apply(self, is_first_microbatch, *inputs, *self.graph_params())
@@ -211,15 +216,20 @@ class LeanCudaGraphManager(CudaGraphManager):
             if module._forward_pre_hooks:
                 self.call_ddp_preforward_hook(module)
         runner = self._ready_runner(args, kwargs)
-        if runner is None:
+        if runner is not None:  # matched: replayed without checking the arguments again
+            out = runner.replay_matched(self.is_first_microbatch, args, kwargs)
+        else:  # megatron's lookup, and its checks, decide
             runner = self.get_cudagraph_runner(megatron_module, args, kwargs)
-        out = runner.replay_graph_capture(self.is_first_microbatch, args, kwargs)
+            out = runner.replay_graph_capture(self.is_first_microbatch, args, kwargs)
         runner.status = _GraphStatus.BWD_READY
         return out
 
     def get_cudagraph_runner(self, megatron_module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         """megatron's runner lookup; a new runner becomes a :attr:`runner_class`."""
-        runner = super().get_cudagraph_runner(megatron_module, args, kwargs)
+        return self._made_lean(super().get_cudagraph_runner(megatron_module, args, kwargs))
+
+    def _made_lean(self, runner: _CudaGraphRunner) -> _CudaGraphRunner:
+        """``runner``, a :attr:`runner_class` if it was megatron's own."""
         if type(runner) is _CudaGraphRunner:
             runner.__class__ = self.runner_class
         return runner
@@ -240,5 +250,7 @@ def use_lean_replay(model: torch.nn.Module) -> int:
         manager = getattr(module, "cudagraph_manager", None)
         if manager is not None and type(manager) is CudaGraphManager:
             manager.__class__ = LeanCudaGraphManager
+            for runner in manager.cudagraph_runners:  # made before (a model that trained)
+                manager._made_lean(runner)
             changed += 1
     return changed
