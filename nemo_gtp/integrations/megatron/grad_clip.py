@@ -110,16 +110,18 @@ def chained_step(optimizer: Any) -> tuple[bool, torch.Tensor | None, Any]:
         return False, None, None
     norm = _chained_norm(optimizer)
     for opt in optimizer.chained_optimizers:
-        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
-            continue
-        if params := opt.get_parameters():
-            clip_by_norm(params, opt.config.clip_grad, norm, _decoupled(opt))
+        if not getattr(opt, "is_stub_optimizer", False) and opt.config.clip_grad > 0.0:
+            _clip(opt, opt.config.clip_grad, norm)
     zeros = optimizer.count_zeros() if optimizer.config.log_num_zeros_in_grad else None
     return optimizer.step_with_ready_grads(), norm.float(), zeros
 
 
-def _decoupled(optimizer: Any) -> bool:
-    return bool(getattr(optimizer.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+def _clip(optimizer: Any, max_norm: float, norm: torch.Tensor) -> None:
+    """Clip one megatron optimizer's gradients by ``norm`` (its params' grads, or their
+    ``decoupled_grad`` under the precision-aware optimizer, as megatron)."""
+    if params := optimizer.get_parameters():
+        decoupled = getattr(optimizer.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", 0)
+        clip_by_norm(params, max_norm, norm, bool(decoupled))
 
 
 def clip_grads_on_device(optimizer: Any) -> Callable[[], None]:
@@ -144,8 +146,7 @@ def clip_grads_on_device(optimizer: Any) -> Callable[[], None]:
     @torch.no_grad()
     def clip_grad_norm(clip_grad: float) -> torch.Tensor:
         norm = _norm(optimizer)
-        if params := optimizer.get_parameters():
-            clip_by_norm(params, clip_grad, norm, _decoupled(optimizer))
+        _clip(optimizer, clip_grad, norm)
         return norm.float()
 
     optimizer.clip_grad_norm = clip_grad_norm
